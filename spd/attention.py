@@ -1,0 +1,107 @@
+"""Module-layer math shared by training and decoding: memory rows are fixed K/V sources, queries are updated.
+
+A speculation-module layer sees two kinds of keys for each query row:
+- *shared* keys, visible to many queries under a boolean mask (training: the depth-n block; decoding: every
+  memory row of the step), and
+- *own* keys, one small set per query (its own row first, then — in training — the staircase rows
+  t-1..t-(n-1) of depths 1..n-1).
+Memory rows never pass through the layers: at every layer their K/V come from their raw feature, so a
+decoding step only needs to run the query row. Training and decoding both go through `layer_forward`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (rotate-half convention of the Llama/Qwen3/Gemma3 families). x [B, H, S, hd], cos/sin [B, S, hd]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _heads(proj: nn.Linear, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[B, S, d] -> [B, H, S, head_dim]."""
+    b, s, _ = x.shape
+    return proj(x).view(b, s, -1, head_dim).transpose(1, 2)
+
+
+def project_kv(layer: nn.Module, x_normed: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [B, H_kv, S, hd] of already-normed rows x_normed [B, S, d] at the positions cos/sin encode."""
+    attn = layer.self_attn
+    k = _heads(attn.k_proj, x_normed, attn.head_dim)
+    v = _heads(attn.v_proj, x_normed, attn.head_dim)
+    if hasattr(attn, "k_norm"):
+        k = attn.k_norm(k)
+    return rotate(k, cos, sin), v
+
+
+def memory_kv(layer: nn.Module, rows: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of memory rows [B, S, d] from their raw features (the layer's input norm, then its projections)."""
+    return project_kv(layer, layer.input_layernorm(rows), cos, sin)
+
+
+def attend(
+    q: torch.Tensor,              # [B, H, Q, hd]
+    shared_k: torch.Tensor,       # [B, H_kv, S, hd]
+    shared_v: torch.Tensor,       # [B, H_kv, S, hd]
+    shared_mask: torch.Tensor | None,  # [B, Q, S] bool, True = visible; None = all visible
+    own_k: torch.Tensor,          # [B, H_kv, Q, P, hd]
+    own_v: torch.Tensor,          # [B, H_kv, Q, P, hd]
+    own_mask: torch.Tensor | None,  # [B, Q, P] bool
+    scaling: float,
+) -> torch.Tensor:
+    """Softmax over [shared keys | own keys] per query; the map is Q x (S + P), never (S+P) x (S+P)."""
+    b, h, nq, hd = q.shape
+    h_kv = shared_k.shape[1]
+    qg = q.view(b, h_kv, h // h_kv, nq, hd)
+    s_shared = torch.einsum("bkgqd,bksd->bkgqs", qg, shared_k) * scaling
+    s_own = torch.einsum("bkgqd,bkqpd->bkgqp", qg, own_k) * scaling
+    if shared_mask is not None:
+        s_shared = s_shared.masked_fill(~shared_mask[:, None, None], float("-inf"))
+    if own_mask is not None:
+        s_own = s_own.masked_fill(~own_mask[:, None, None], float("-inf"))
+    probs = torch.softmax(torch.cat([s_shared, s_own], dim=-1).float(), dim=-1).to(q.dtype)
+    n_shared = shared_k.shape[2]
+    out = torch.einsum("bkgqs,bksd->bkgqd", probs[..., :n_shared], shared_v)
+    out = out + torch.einsum("bkgqp,bkqpd->bkgqd", probs[..., n_shared:], own_v)
+    return out.reshape(b, h, nq, hd)
+
+
+def layer_forward(
+    layer: nn.Module,
+    hidden: torch.Tensor,         # [B, Q, d] query rows entering the layer
+    cos: torch.Tensor,            # [B, Q, hd] RoPE at the query positions
+    sin: torch.Tensor,
+    shared_k: torch.Tensor,       # [B, H_kv, S, hd] memory K/V of this layer
+    shared_v: torch.Tensor,
+    shared_mask: torch.Tensor | None,
+    extra_k: torch.Tensor | None = None,   # [B, H_kv, Q, P', hd] per-query memory keys (training staircase)
+    extra_v: torch.Tensor | None = None,
+    extra_mask: torch.Tensor | None = None,  # [B, Q, P'] bool
+) -> torch.Tensor:
+    """One decoder layer of the target's family with memory-row attention. Returns [B, Q, d]."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    q = _heads(attn.q_proj, x, attn.head_dim)
+    if hasattr(attn, "q_norm"):
+        q = attn.q_norm(q)
+    q = rotate(q, cos, sin)
+    k_self, v_self = project_kv(layer, x, cos, sin)
+    own_k, own_v = k_self.unsqueeze(3), v_self.unsqueeze(3)  # [B, H_kv, Q, 1, hd]
+    own_mask = None
+    if extra_k is not None:
+        own_k = torch.cat([own_k, extra_k], dim=3)
+        own_v = torch.cat([own_v, extra_v], dim=3)
+        own_mask = torch.cat([torch.ones_like(extra_mask[..., :1]), extra_mask], dim=-1)
+    out = attend(q, shared_k, shared_v, shared_mask, own_k, own_v, own_mask, attn.scaling)
+    b, _, nq, _ = out.shape
+    out = attn.o_proj(out.transpose(1, 2).reshape(b, nq, -1))
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: sandwich norms around attention and MLP
+        hidden = hidden + layer.post_attention_layernorm(out)
+        return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+    hidden = hidden + out
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -1,0 +1,1 @@
+"""Drafters behind one small interface (`spd.drafters.base.Drafter`): one file each."""

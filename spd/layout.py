@@ -1,0 +1,79 @@
+"""The single source of truth for *which feature each position gets*.
+
+Both the runtime's row builder and the trainer's structural mask call `depth` — the rule k(t, i, a) of
+design §1 — and `feature_layers`, so training optimises exactly the function decoding runs.
+
+Positions are 0-indexed. `t` is the position of the token about to enter stage 1, `a` the pipeline
+occupancy counting that token (1 <= a <= n).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def depth(t: int, i: int, a: int, n: int) -> int:
+    """Depth of the feature position i contributes when the step for position t begins with occupancy a."""
+    if i > t:
+        raise ValueError(f"position {i} is in the future of step position {t}")
+    return t - i if t - i < a else n
+
+
+def depth_grid(n_pos: int, occupancy: torch.Tensor, n: int) -> torch.Tensor:
+    """k(t, i, a) for every (query t, key i) at once, -1 where i > t. Vectorised twin of `depth`, tested against it.
+
+    occupancy: [B] ints in 1..n.  Returns [B, n_pos, n_pos] long (query t on dim 1, key i on dim 2).
+    """
+    t = torch.arange(n_pos, device=occupancy.device).view(1, n_pos, 1)
+    i = torch.arange(n_pos, device=occupancy.device).view(1, 1, n_pos)
+    lag = (t - i).expand(occupancy.shape[0], n_pos, n_pos)  # [B, N, N]
+    a = occupancy.view(-1, 1, 1)
+    grid = torch.where(lag < a, lag, torch.full_like(lag, n))
+    return torch.where(lag < 0, torch.full_like(grid, -1), grid)
+
+
+def stage_bounds(num_layers: int, n: int, explicit: list[int] | None = None) -> list[int]:
+    """Boundaries 0 = b_0 < b_1 < ... < b_n = L. Near-even split unless `explicit` gives b_1..b_{n-1} or b_0..b_n."""
+    if explicit:
+        b = list(explicit)
+        if len(b) == n - 1:
+            b = [0, *b, num_layers]
+        if len(b) != n + 1 or b[0] != 0 or b[-1] != num_layers or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(
+                f"stage_bounds={explicit} must be {n - 1} increasing inner boundaries (or 0..{num_layers} with "
+                f"{n + 1} entries) for n={n}, L={num_layers}"
+            )
+        return b
+    if not 1 <= n <= num_layers:
+        raise ValueError(f"n={n} stages needs 1 <= n <= L={num_layers}")
+    base, extra = divmod(num_layers, n)
+    # The first `extra` stages take one more layer; a step costs the largest stage either way.
+    sizes = [base + (1 if s < extra else 0) for s in range(n)]
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return out
+
+
+def mid_layer(b: int) -> int:
+    """m_k = round(b_k / 2), halves rounded up (b=3 -> 2, b=9 -> 5), so it never collapses onto H^0 for b >= 1."""
+    return (b + 1) // 2
+
+
+def feature_layers(bounds: list[int]) -> list[tuple[int, ...]]:
+    """Layers whose hidden states (pre final norm) make g^k: (0,) for k=0, (0, m_k, b_k) for k >= 1."""
+    return [(0,)] + [(0, mid_layer(b), b) for b in bounds[1:]]
+
+
+def needed_layers(bounds: list[int]) -> list[int]:
+    """Every layer index any depth's feature reads, sorted."""
+    return sorted({layer for layers in feature_layers(bounds) for layer in layers})
+
+
+def sample_occupancy(batch: int, n: int, generator: torch.Generator | None = None, p_full: float = 0.5) -> torch.Tensor:
+    """The paper's simulated fill (App. A.2): a = n with probability p_full, else uniform on 1..n-1. [B] long."""
+    full = torch.rand(batch, generator=generator) < p_full
+    if n == 1:
+        return torch.ones(batch, dtype=torch.long)
+    partial = torch.randint(1, n, (batch,), generator=generator)
+    return torch.where(full, torch.full_like(partial, n), partial)

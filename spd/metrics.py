@@ -1,0 +1,55 @@
+"""Metric definitions, written once (design §3).
+
+N = generated tokens (the one sampled from the prefill logits included); K = pipeline steps;
+alpha = N / K; equivalent acceptance length eal = n * N / K (= SPD's theoretical speedup, paper Eq. 4).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    n: int
+    N: int = 0
+    K: int = 0
+    rollbacks: int = 0
+    accepted_runs: list[int] = field(default_factory=list)  # consecutive accepted drafts between rollbacks
+    _run: int = 0
+
+    def settle(self, accepted: bool) -> None:
+        """Record the verification of one drafted position (accepted, or corrected with a rollback)."""
+        self.N += 1
+        if accepted:
+            self._run += 1
+        else:
+            self.rollbacks += 1
+            self.accepted_runs.append(self._run)
+            self._run = 0
+
+    def finish(self) -> None:
+        self.accepted_runs.append(self._run)
+        self._run = 0
+
+    @property
+    def alpha(self) -> float | None:
+        return self.N / self.K if self.K else None
+
+    @property
+    def eal(self) -> float | None:
+        return self.n * self.N / self.K if self.K else None
+
+    def run_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.accepted_runs).items()))
+
+    def as_dict(self) -> dict:
+        return {"n": self.n, "N": self.N, "K": self.K, "alpha": self.alpha, "eal": self.eal,
+                "rollbacks": self.rollbacks, "accepted_run_histogram": self.run_histogram()}
+
+
+def pooled_eal(stats: list[DecodeStats]) -> float | None:
+    """Pool a data set as n * sum(N) / sum(K) (all samples share n)."""
+    total_k = sum(s.K for s in stats)
+    return stats[0].n * sum(s.N for s in stats) / total_k if total_k else None

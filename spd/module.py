@@ -1,0 +1,159 @@
+"""The speculation module (design §1): one FC per depth, L_s decoder layers of the target's family, norm, head.
+
+`forward_layout` is the training pass over the (n+1)-block layout; `forward_step` is one decoding step for the
+newest position. Both run the same `layer_forward`, and both read depths from `spd.layout`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+
+import torch
+from torch import nn
+
+from spd.attention import layer_forward, memory_kv
+from spd.layout import depth_grid, feature_layers
+from spd.target.stages import StagedTarget
+
+
+class SpeculationModule(nn.Module):
+    def __init__(self, target_config, bounds: list[int], num_layers: int, layer_cls, rotary_cls, norm_cls,
+                 draft_to_target: torch.Tensor | None = None):
+        super().__init__()
+        self.bounds = list(bounds)
+        self.n = len(bounds) - 1
+        self.feature_layers = feature_layers(self.bounds)
+        d = target_config.hidden_size
+        cfg = copy.deepcopy(target_config)
+        cfg.num_hidden_layers = num_layers
+        if hasattr(cfg, "layer_types"):
+            cfg.layer_types = ["full_attention"] * num_layers  # the module always attends over the whole sequence
+        self.config = cfg
+        self.fc = nn.ModuleList(
+            [nn.Linear(d, d, bias=False)] + [nn.Linear(3 * d, d, bias=False) for _ in range(self.n)]
+        )
+        self.layers = nn.ModuleList([layer_cls(cfg, layer_idx=i) for i in range(num_layers)])
+        self.rotary = rotary_cls(cfg)
+        self._rope_takes_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.norm = norm_cls(d, eps=cfg.rms_norm_eps)
+        vocab = target_config.vocab_size if draft_to_target is None else int(draft_to_target.numel())
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.target_vocab_size = target_config.vocab_size
+        if draft_to_target is not None:
+            self.register_buffer("draft_to_target", draft_to_target.long().clone())
+        else:
+            self.draft_to_target = None
+
+    @classmethod
+    def from_target(cls, target: StagedTarget, num_layers: int = 1,
+                    draft_to_target: torch.Tensor | None = None, seed: int = 0) -> "SpeculationModule":
+        """Random layers and FCs; head and final norm copied from the target (head rows of the draft vocabulary)."""
+        if num_layers > target.num_layers / target.n:
+            warnings.warn(
+                f"L_s={num_layers} > L/n={target.num_layers / target.n:g}: the module takes longer than a stage, "
+                "so drafting latency is no longer hidden", stacklevel=2)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            layer0 = target.layers[0]
+            module = cls(target.config, target.bounds, num_layers, type(layer0), type(target.decoder.rotary_emb),
+                         type(target.decoder.norm), draft_to_target)
+        head = target.model.lm_head.weight.detach()
+        rows = head if draft_to_target is None else head[draft_to_target.long()]
+        module.head.weight.data.copy_(rows)
+        module.norm.load_state_dict(target.decoder.norm.state_dict())
+        return module.to(device=target.device, dtype=target.dtype)
+
+    # ---------------------------------------------------------------- features
+    def feature(self, k: int, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """g^k from {layer: H^layer [..., d]}: FC_k over concat(H^0, H^{m_k}, H^{b_k}) (k=0: FC_0(H^0))."""
+        parts = [hidden[layer] for layer in self.feature_layers[k]]
+        return self.fc[k](parts[0] if k == 0 else torch.cat(parts, dim=-1))
+
+    def rope(self, positions: torch.Tensor, like: torch.Tensor):
+        """cos, sin [B, S, hd] for positions [B, S]."""
+        if self._rope_takes_type:
+            return self.rotary(like, positions, "full_attention")
+        return self.rotary(like, positions)
+
+    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Head logits [..., V_draft] -> [..., V_target] (-inf outside the draft vocabulary)."""
+        if self.draft_to_target is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.target_vocab_size), float("-inf"))
+        return full.index_copy(-1, self.draft_to_target, logits)
+
+    # ---------------------------------------------------------------- training layout
+    def forward_layout(
+        self,
+        feats: list[torch.Tensor],    # n+1 blocks [B, N, d]: feats[k] = g^k at every position
+        occupancy: torch.Tensor,      # [B] in 1..n, simulated per sequence
+        valid: torch.Tensor | None = None,  # [B, N] bool, False on padding
+    ) -> torch.Tensor:
+        """Logits [B, N, V_draft] of the g^0 query block; query t sees exactly the G_t of a decoding step."""
+        b, n_pos, _ = feats[0].shape
+        n = self.n
+        if valid is None:
+            valid = torch.ones(b, n_pos, dtype=torch.bool, device=feats[0].device)
+        grid = depth_grid(n_pos, occupancy.to(valid.device), n)          # [B, N, N]
+        shared_mask = (grid == n) & valid[:, None, :]                      # depth-n block
+        positions = torch.arange(n_pos, device=valid.device).expand(b, n_pos)
+        cos, sin = self.rope(positions, feats[0])
+        # Staircase: query t sees block j only at key t-j, iff the rule gives that key depth j.
+        lags = range(1, n)
+        idx = torch.arange(n_pos, device=valid.device)
+        stair_mask = []
+        for j in lags:
+            key = (idx - j).clamp(min=0)
+            ok = (idx >= j).view(1, -1) & (grid[:, idx, key] == j) & valid[:, key]
+            stair_mask.append(ok)
+        stair_mask = torch.stack(stair_mask, dim=-1) if n > 1 else None   # [B, N, n-1]
+        hidden = feats[0]
+        for layer in self.layers:
+            shared_k, shared_v = memory_kv(layer, feats[n], cos, sin)
+            extra_k = extra_v = None
+            if n > 1:
+                ks, vs = [], []
+                for j in lags:
+                    k_j, v_j = memory_kv(layer, feats[j], cos, sin)     # [B, H_kv, N, hd]
+                    key = (idx - j).clamp(min=0)
+                    ks.append(k_j[:, :, key])
+                    vs.append(v_j[:, :, key])
+                extra_k, extra_v = torch.stack(ks, dim=3), torch.stack(vs, dim=3)
+            hidden = layer_forward(layer, hidden, cos, sin, shared_k, shared_v, shared_mask,
+                                   extra_k, extra_v, stair_mask)
+        return self.head(self.norm(hidden))
+
+    # ---------------------------------------------------------------- decoding step
+    def memory_kv_all_layers(self, rows: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer K/V of memory rows [1, S, d] at positions [1, S] (what the depth-n cache stores)."""
+        cos, sin = self.rope(positions, rows)
+        return [memory_kv(layer, rows, cos, sin) for layer in self.layers]
+
+    def forward_step(
+        self,
+        query: torch.Tensor,          # [1, 1, d] g_t^0
+        t: int,
+        cached: list[tuple[torch.Tensor, torch.Tensor]] | None,  # per layer K/V [1, H_kv, S_c, hd] of cached rows
+        rows: torch.Tensor,           # [1, S, d] memory rows not in the cache
+        positions: torch.Tensor,      # [1, S]
+    ) -> torch.Tensor:
+        """Head logits [V_draft] predicting position t+1 from G_t."""
+        fresh = self.memory_kv_all_layers(rows, positions) if rows.shape[1] else None
+        cos, sin = self.rope(torch.tensor([[t]], device=query.device), query)
+        hidden = query
+        for index, layer in enumerate(self.layers):
+            parts = []
+            if cached is not None:
+                parts.append(cached[index])
+            if fresh is not None:
+                parts.append(fresh[index])
+            if parts:
+                k = torch.cat([p[0] for p in parts], dim=2)
+                v = torch.cat([p[1] for p in parts], dim=2)
+            else:  # t = 0: no memory yet
+                h_kv = layer.self_attn.k_proj.out_features // layer.self_attn.head_dim
+                k = v = query.new_zeros(1, h_kv, 0, layer.self_attn.head_dim)
+            hidden = layer_forward(layer, hidden, cos, sin, k, v, None)
+        return self.head(self.norm(hidden))[0, -1]

@@ -1,0 +1,67 @@
+"""Sampling and verification rules. The same `warp` shapes the target's p and the drafter's q, so that
+rejection sampling preserves the target's (warped) distribution exactly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0   # 0 = greedy
+    top_k: int = 0             # 0 = off
+    top_p: float = 1.0         # 1 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """Argmax over [V]; ties go to the lowest id, identically for AR and SPD."""
+    return int(torch.argmax(logits))
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [V] -> probabilities [V] after temperature, top-k, then top-p (nucleus)."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.numel():
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop = mass_before >= params.top_p  # keeps the smallest prefix whose mass reaches top_p (at least one)
+        x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
+    return torch.softmax(x, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The target's own choice: argmax when greedy, else a sample from warp(logits)."""
+    return greedy_token(logits) if params.greedy else sample(warp(logits, params), generator)
+
+
+def verify_greedy(draft: int, target_logits: torch.Tensor) -> tuple[bool, int]:
+    """Accept iff the draft is the target's argmax; either way return the token that position settles to."""
+    best = greedy_token(target_logits)
+    return draft == best, best
+
+
+def verify_sampled(draft: int, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None) -> tuple[bool, int]:
+    """Speculative rejection sampling: accept x~q with prob min(1, p(x)/q(x)), else draw from norm(max(0, p-q))."""
+    ratio = p[draft] / q[draft]
+    u = torch.rand((), generator=generator, device=p.device)
+    if u < ratio:
+        return True, draft
+    residual = (p - q).clamp(min=0)
+    total = residual.sum()
+    if total <= 0:  # p == q up to rounding: rejection had probability ~0, fall back to p itself
+        residual, total = p, p.sum()
+    return False, sample(residual / total, generator)

@@ -1,0 +1,113 @@
+"""Split a frozen HF causal LM into n contiguous stages and run any stage on tokens at their true positions.
+
+The model class is untouched: we call its own embedding, decoder layers, final norm and head, pass explicit
+position embeddings, and hand the layers our `LayerKVCache`. Hidden states are the residual stream *before*
+the final norm (H^l = output of l layers, H^0 = the family's scaled embedding).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import PreTrainedModel
+
+from spd.layout import stage_bounds
+from spd.target.kv_cache import LayerKVCache
+
+
+class StagedTarget:
+    def __init__(self, model: PreTrainedModel, n: int, explicit_bounds: list[int] | None = None):
+        self.model = model
+        self.config = model.config
+        self.decoder = model.model
+        self.layers = self.decoder.layers
+        self.num_layers = len(self.layers)
+        self.n = n
+        self.bounds = stage_bounds(self.num_layers, n, explicit_bounds)
+        self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers)
+        self.sliding_window = getattr(self.config, "sliding_window", None)
+        rope = self.decoder.rotary_emb
+        self._rope_takes_type = "layer_type" in inspect.signature(rope.forward).parameters
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.lm_head.weight.dtype
+
+    def new_cache(self) -> LayerKVCache:
+        return LayerKVCache(self.num_layers)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] -> H^0 [B, T, d]."""
+        return self.decoder.embed_tokens(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """H^L [..., d] -> next-token logits [..., V] (final norm, head, optional soft-cap)."""
+        out = self.model.lm_head(self.decoder.norm(hidden))
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+    def _position_embeddings(self, hidden: torch.Tensor, positions: torch.Tensor, layer_type: str):
+        pos = positions.view(1, -1)
+        if self._rope_takes_type:
+            return self.decoder.rotary_emb(hidden, pos, layer_type)
+        return self.decoder.rotary_emb(hidden, pos)
+
+    def _mask(self, positions: torch.Tensor, key_len: int, layer_type: str) -> torch.Tensor | None:
+        """Boolean [1, 1, T, key_len] (True = attend), or None when every cached key is visible."""
+        sliding = layer_type == "sliding_attention" and self.sliding_window
+        if positions.numel() == 1 and not (sliding and key_len > self.sliding_window):
+            return None
+        keys = torch.arange(key_len, device=positions.device).view(1, -1)
+        q = positions.view(-1, 1)
+        visible = keys <= q
+        if sliding:
+            visible = visible & (keys > q - self.sliding_window)
+        return visible.view(1, 1, *visible.shape)
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,             # [1, T, d] residual stream entering layer `start`
+        positions: torch.Tensor,          # [T] absolute positions, contiguous, following the cache
+        start: int,
+        end: int,
+        cache: LayerKVCache,
+        capture: frozenset[int] | set[int] = frozenset(),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run layers start..end-1; return H^end and {l: H^l} for captured l in (start, end]."""
+        captured: dict[int, torch.Tensor] = {}
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        key_len = int(positions[-1]) + 1
+        for index in range(start, end):
+            layer_type = self.layer_types[index]
+            if layer_type not in rope:
+                rope[layer_type] = self._position_embeddings(hidden, positions, layer_type)
+            hidden = self.layers[index](
+                hidden,
+                attention_mask=self._mask(positions, key_len, layer_type),
+                position_ids=positions.view(1, -1),
+                past_key_values=cache,
+                position_embeddings=rope[layer_type],
+            )
+            if index + 1 in capture:
+                captured[index + 1] = hidden
+        return hidden, captured
+
+    def run_stage(self, stage: int, hidden, positions, cache, capture=frozenset()):
+        """Stage s (0-indexed) covers layers bounds[s]..bounds[s+1]-1."""
+        return self.run_layers(hidden, positions, self.bounds[stage], self.bounds[stage + 1], cache, capture)
+
+    def forward_all(self, ids: torch.Tensor, cache: LayerKVCache, start_pos: int = 0, capture=frozenset()):
+        """Every layer over ids [1, T] at positions start_pos.. (prefill, or one AR token); returns H^L, {l: H^l}."""
+        positions = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device)
+        h0 = self.embed(ids)
+        hidden, captured = self.run_layers(h0, positions, 0, self.num_layers, cache, capture)
+        if 0 in capture:
+            captured[0] = h0
+        return hidden, captured
