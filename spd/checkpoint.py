@@ -1,0 +1,105 @@
+"""Module checkpoints: an HF-style directory (config.json + model.safetensors), written atomically.
+
+config.json carries the target's identity and weight fingerprint, n, the stage boundaries, the feature layers
+and the draft vocabulary size (the vocabulary map itself is a tensor in model.safetensors), so a checkpoint
+can refuse to run against another target or another n.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from spd.errors import UserError
+from spd.module import SpeculationModule
+from spd.target.loading import LoadedTarget
+from spd.target.stages import StagedTarget
+
+FORMAT = "spd-speculation-module"
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+def checkpoint_config(module: SpeculationModule, target: LoadedTarget, extra: dict | None = None) -> dict:
+    cfg = target.model.config
+    return {
+        "format": FORMAT,
+        "format_version": 1,
+        "target": {"name": target.name, "fingerprint": target.fingerprint, "model_type": cfg.model_type,
+                   "num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
+        "n": module.n,
+        "stage_bounds": module.bounds,
+        "feature_layers": [list(layers) for layers in module.feature_layers],
+        "module_layers": len(module.layers),
+        "draft_vocab_size": None if module.draft_to_target is None else int(module.draft_to_target.numel()),
+        **(extra or {}),
+    }
+
+
+def save_checkpoint(module: SpeculationModule, target: LoadedTarget, path: str, extra: dict | None = None) -> None:
+    """Write into a temporary sibling directory, then rename over `path` (never a half-written checkpoint)."""
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=parent)
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+        save_file(state, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": FORMAT})
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump(checkpoint_config(module, target, extra), f, indent=2)
+        if os.path.isdir(path):
+            old = path + ".old"
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_checkpoint_config(path: str) -> dict:
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isdir(path):
+        raise UserError(f"checkpoint directory {path!r} does not exist; pass checkpoint=<dir> of a trained module")
+    if not os.path.isfile(config_path):
+        raise UserError(f"checkpoint {path!r} has no {CONFIG_FILE}; it is not a module checkpoint")
+    try:
+        with open(config_path) as f:
+            cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{config_path} is corrupt (not valid JSON); re-save or re-train the checkpoint") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
+        raise UserError(f"{config_path} is not an SPD module checkpoint (format != {FORMAT!r})")
+    return cfg
+
+
+def load_checkpoint(path: str, staged: StagedTarget, target: LoadedTarget) -> SpeculationModule:
+    """Build the module the checkpoint describes and load its weights, refusing a foreign target or n."""
+    cfg = read_checkpoint_config(path)
+    ident = cfg["target"]
+    if ident["fingerprint"] != target.fingerprint:
+        raise UserError(f"checkpoint {path!r} was trained for target {ident['name']!r} (fingerprint "
+                        f"{ident['fingerprint']}), not {target.name!r} ({target.fingerprint}); use the matching target=")
+    if cfg["n"] != staged.n or cfg["stage_bounds"] != staged.bounds:
+        raise UserError(f"checkpoint {path!r} is for n={cfg['n']} with stage_bounds={cfg['stage_bounds']}, "
+                        f"but this run has n={staged.n}, stage_bounds={staged.bounds}; drop n= or match it")
+    weights = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights):
+        raise UserError(f"checkpoint {path!r} has no {WEIGHTS_FILE}")
+    try:
+        state = load_file(weights)
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"{weights} is corrupt ({str(exc).splitlines()[0]}); re-save or re-train the checkpoint") from None
+    draft_map = state.get("draft_to_target")
+    module = SpeculationModule.from_target(staged, cfg["module_layers"], draft_to_target=draft_map)
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise UserError(f"{weights} does not match its config.json ({str(exc).splitlines()[0]})") from None
+    return module.to(device=staged.device, dtype=staged.dtype)

@@ -1,0 +1,81 @@
+"""`spd-infer`: thin command-line entry over the library. Bad input -> one line on stderr, exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+from spd.errors import UserError
+
+
+def _generate(cfg) -> dict:
+    import torch
+
+    from spd.ar import ar_generate
+    from spd.pipeline import PipelineDecoder
+    from spd.session import encode_prompt, open_session
+
+    if cfg.method not in ("spd", "ar"):
+        raise UserError(f"method={cfg.method!r} is not one of: spd, ar")
+    session = open_session(cfg)
+    prompt_ids = encode_prompt(session, cfg.prompt, cfg.chat_template, cfg.max_new_tokens)
+    generator = torch.Generator(device=session.staged.device).manual_seed(cfg.seed)
+    if cfg.method == "ar":
+        result = ar_generate(session.staged, prompt_ids, cfg.max_new_tokens, session.params, session.eos_ids, generator)
+    else:
+        decoder = PipelineDecoder(session.staged, session.drafter(cfg.module_cache), session.params, session.eos_ids)
+        result = decoder.generate(prompt_ids, cfg.max_new_tokens, generator)
+    stats = result.stats.as_dict() if result.stats else {"N": len(result.token_ids), "K": None, "alpha": None,
+                                                          "eal": None, "rollbacks": None}
+    return {"text": session.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+            "token_ids": result.token_ids, "method": cfg.method, "n": session.staged.n,
+            "stage_bounds": session.staged.bounds, **stats,
+            "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
+
+
+def _fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def cmd_generate(args) -> int:
+    from spd.config import GenerateConfig, load_config
+
+    cfg = load_config(GenerateConfig, args.config, args.overrides)
+    out = _generate(cfg)
+    if cfg.json:
+        print(json.dumps(out))
+    else:
+        print(out["text"])
+        print(f"[{out['method']} n={out['n']}] N={out['N']} K={_fmt(out['K'], 'd')} α={_fmt(out['alpha'])} "
+              f"L′acc={_fmt(out['eal'])} rollbacks={_fmt(out['rollbacks'], 'd')} "
+              f"tokens/s={out['tokens_per_s']:.1f}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spd-infer", description="Speculative Pipeline Decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="decode one prompt with SPD (or method=ar)")
+    gen.add_argument("--config", default=None, help="YAML config (configs/infer/generate.yaml)")
+    gen.add_argument("overrides", nargs="*", help="key=value overrides, e.g. n=5 max_new_tokens=64")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"spd-infer: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Drafters that know the target's own continuation: an oracle (always right) and an always-wrong one.
+
+They check the metric arithmetic (oracle: K = N + n - 2; always wrong: alpha ~ 1/n) and, wrapping a real
+drafter whose compute they keep, let benchmarks hold the pipeline full to time steady-state steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spd.drafters.base import Drafter, Slot
+
+
+class ReferenceDrafter(Drafter):
+    """Drafts reference[pos] (or any other token when `wrong`) for the position being proposed.
+
+    reference: the full token sequence (prompt + the target's own greedy continuation).
+    inner: optional drafter run for its cost only (its logits are discarded).
+    """
+
+    def __init__(self, reference: list[int], vocab_size: int, wrong: bool = False, inner: Drafter | None = None):
+        self.reference = reference
+        self.vocab_size = vocab_size
+        self.wrong = wrong
+        self.inner = inner
+
+    def start(self, prompt_hidden, prompt_ids):
+        if self.inner:
+            self.inner.start(prompt_hidden, prompt_ids)
+
+    def finalize(self, pos, hidden):
+        if self.inner:
+            self.inner.finalize(pos, hidden)
+
+    def draft_logits(self, t: int, occupancy: int, slots: list[Slot]) -> torch.Tensor:
+        if self.inner:
+            self.inner.draft_logits(t, occupancy, slots)
+        pos = t + 1
+        right = self.reference[pos] if pos < len(self.reference) else 0
+        token = (right + 1) % self.vocab_size if self.wrong else right
+        logits = torch.full((self.vocab_size,), -1e4)
+        logits[token] = 0.0
+        return logits

@@ -1,0 +1,90 @@
+"""Build what a decoding run needs from a config: target, stages, drafter, prompt ids. Shared by CLI commands."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from spd.checkpoint import load_checkpoint, read_checkpoint_config
+from spd.decoding import eos_ids_of
+from spd.drafters.spd_module import ModuleDrafter
+from spd.errors import UserError
+from spd.module import SpeculationModule
+from spd.sampling import SamplingParams
+from spd.target.loading import LoadedTarget, load_target
+from spd.target.stages import StagedTarget
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_N = 5
+
+
+@dataclass
+class Session:
+    loaded: LoadedTarget
+    staged: StagedTarget
+    module: SpeculationModule
+    params: SamplingParams
+    eos_ids: frozenset[int]
+
+    def drafter(self, use_cache: bool = True) -> ModuleDrafter:
+        return ModuleDrafter(self.module, use_cache)
+
+
+def sampling_params(cfg) -> SamplingParams:
+    if cfg.temperature < 0:
+        raise UserError(f"temperature={cfg.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < cfg.top_p <= 1:
+        raise UserError(f"top_p={cfg.top_p} must be in (0, 1]")
+    if cfg.top_k < 0:
+        raise UserError(f"top_k={cfg.top_k} must be >= 0 (0 = off)")
+    return SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+
+
+def open_session(cfg) -> Session:
+    if cfg.dtype not in DTYPES:
+        raise UserError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.max_new_tokens <= 0:
+        raise UserError(f"max_new_tokens={cfg.max_new_tokens} must be a positive number of tokens")
+    params = sampling_params(cfg)
+    ckpt = read_checkpoint_config(cfg.checkpoint) if cfg.checkpoint else None
+    n = cfg.n if cfg.n is not None else (ckpt["n"] if ckpt else DEFAULT_N)
+    loaded = load_target(cfg.target, DTYPES[cfg.dtype], cfg.device)
+    num_layers = loaded.model.config.num_hidden_layers
+    if not 1 <= n <= num_layers:
+        raise UserError(f"n={n} stages is impossible for a target with L={num_layers} layers; use 1 <= n <= {num_layers}")
+    bounds = list(cfg.stage_bounds) if cfg.stage_bounds else (ckpt["stage_bounds"] if ckpt and ckpt["n"] == n else None)
+    try:
+        staged = StagedTarget(loaded.model, n, bounds)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if ckpt:
+        module = load_checkpoint(cfg.checkpoint, staged, loaded)
+    else:
+        if cfg.module_layers < 1:
+            raise UserError(f"module_layers={cfg.module_layers} must be >= 1")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            module = SpeculationModule.from_target(staged, cfg.module_layers, seed=cfg.seed)
+    return Session(loaded, staged, module.eval(), params, eos_ids_of(loaded.model.config, loaded.tokenizer))
+
+
+def encode_prompt(session: Session, prompt: str, chat_template: bool, max_new_tokens: int) -> list[int]:
+    if not prompt.strip():
+        raise UserError("the prompt is empty; pass prompt=\"...\"")
+    tok = session.loaded.tokenizer
+    if tok is None:
+        raise UserError(f"target {session.loaded.name!r} has no tokenizer; give a target directory that includes one")
+    if chat_template:
+        if not getattr(tok, "chat_template", None):
+            raise UserError(f"target {session.loaded.name!r} has no chat template; set chat_template=false")
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=True)["input_ids"]
+    else:
+        ids = tok(prompt)["input_ids"]
+    window = getattr(session.loaded.model.config, "max_position_embeddings", None)
+    if window and len(ids) + max_new_tokens > window:
+        raise UserError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
+                        f"context window of {window}; shorten the prompt or lower max_new_tokens")
+    return list(ids)
