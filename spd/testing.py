@@ -32,3 +32,41 @@ def tiny_model(family: str, seed: int = 0, **kwargs):
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(8.0)
     return model.eval().requires_grad_(False)
+
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE trained on a few sentences, with ChatML special tokens; no hub needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = ["What is 12*7? It is 84.", "Write a function that adds two numbers.", "The quick brown fox jumps."] * 4
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def save_tiny_target(path: str, family: str = "llama", seed: int = 0, **kwargs) -> None:
+    """Write a tiny random target (model + tokenizer) as an HF directory, loadable with target=<path>."""
+    tok = tiny_tokenizer()
+    vocab = len(tok)
+    model = tiny_model(family, seed=seed, vocab_size=vocab, **kwargs)
+    model.config.eos_token_id = tok.eos_token_id
+    model.config.bos_token_id = tok.bos_token_id
+    model.config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)

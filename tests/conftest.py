@@ -1,0 +1,25 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, min(2, os.cpu_count() or 1)))
+
+from spd.testing import FAMILIES, tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_model(request):
+    return request.param, tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    """A tiny Llama saved as an HF directory with a small byte-level BPE tokenizer and a ChatML template."""
+    from spd.testing import save_tiny_target
+
+    path = tmp_path_factory.mktemp("tiny_target")
+    save_tiny_target(str(path), "llama", seed=0)
+    return str(path)

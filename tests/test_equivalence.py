@@ -1,0 +1,75 @@
+"""Training/inference equivalence: at every decoding step (warm-up, steady state, after rollbacks) the module's
+logits equal one batched pass in the training layout for the same (position, occupancy)."""
+
+import pytest
+import torch
+
+from helpers import GREEDY, ar_run, prompt
+from spd.decoding import prefill
+from spd.drafters.base import Drafter
+from spd.drafters.spd_module import ModuleDrafter
+from spd.layout import needed_layers
+from spd.module import SpeculationModule
+from spd.pipeline import PipelineDecoder
+from spd.target.stages import StagedTarget
+
+
+class RecordingDrafter(Drafter):
+    """Runs the module every step and records its logits, but drafts the target's own token except every
+    `wrong_every`-th position — so the trace holds long steady-state stretches *and* rollbacks."""
+
+    def __init__(self, inner: ModuleDrafter, reference: list[int], wrong_every: int):
+        self.inner, self.reference, self.wrong_every = inner, reference, wrong_every
+        self.records = []
+
+    def start(self, prompt_hidden, prompt_ids):
+        self.inner.start(prompt_hidden, prompt_ids)
+
+    def finalize(self, pos, hidden):
+        self.inner.finalize(pos, hidden)
+
+    def draft_logits(self, t, occupancy, slots):
+        logits = self.inner.draft_logits(t, occupancy, slots)
+        self.records.append((t, occupancy, [s.token for s in slots], logits))
+        token = self.reference[t + 1]
+        if (t + 1) % self.wrong_every == 0:
+            token = (token + 1) % logits.numel()
+        out = torch.full_like(logits, -1e4)
+        out[token] = 0
+        return out
+
+
+def layout_logits(staged, module, tokens, occupancy):
+    """The trainer's computation: teacher hidden states in one pass, all n+1 feature blocks, one layout pass."""
+    _, _, hidden = prefill(staged, tokens, frozenset(needed_layers(staged.bounds)))
+    feats = [module.feature(k, hidden) for k in range(staged.n + 1)]
+    logits = module.forward_layout(feats, torch.tensor([occupancy]))
+    return module.target_logits(logits[0])
+
+
+@pytest.mark.parametrize("n,use_cache,layers", [(2, True, 1), (3, False, 2), (5, True, 2), (6, True, 1)])
+def test_runtime_logits_equal_training_layout(family_model, n, use_cache, layers):
+    family, model = family_model
+    p = prompt(5)
+    reference = p + ar_run(model, p, 60).token_ids
+    staged = StagedTarget(model, n)
+    draft_vocab = torch.arange(0, model.config.vocab_size, 3) if n == 5 else None
+    module = SpeculationModule.from_target(staged, layers, draft_to_target=draft_vocab, seed=n).eval()
+    drafter = RecordingDrafter(ModuleDrafter(module, use_cache), reference, wrong_every=9)
+    out = PipelineDecoder(staged, drafter, GREEDY, frozenset()).generate(p, 40)
+    assert out.stats.rollbacks > 0
+    seen = {a for _, a, _, _ in drafter.records}
+    assert seen == set(range(1, n + 1)), seen  # warm-up and steady state both visited
+    sequence_so_far = {}
+    with torch.no_grad():
+        for t, a, slot_tokens, logits in drafter.records:
+            # The sequence at the step: verified prefix of the final output, then the in-flight tokens.
+            verified = reference[: t + 1 - len(slot_tokens)]
+            tokens = verified + slot_tokens
+            assert len(tokens) == t + 1
+            expected = layout_logits(staged, module, tokens, a)[t]
+            finite = torch.isfinite(expected)
+            assert torch.equal(finite, torch.isfinite(logits))
+            torch.testing.assert_close(logits[finite], expected[finite], atol=1e-5, rtol=1e-5)
+            sequence_so_far[t] = tokens
+    assert len(drafter.records) == out.stats.K
