@@ -16,7 +16,7 @@ from spd.errors import UserError
 class GenerateConfig:
     target: str = "smollm2"              # "smollm2", an HF model directory, or a .gguf file
     checkpoint: Optional[str] = None     # trained module directory; None = randomly initialised module
-    prompt: str = ""
+    prompt: Optional[str] = None
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
     method: str = "spd"                  # spd | ar (plain autoregressive through the same stage runner)
     n: Optional[int] = None              # pipeline stages; None = the checkpoint's n, else 5

