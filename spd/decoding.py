@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import torch
 
 from spd.metrics import DecodeStats
-from spd.target.kv_cache import LayerKVCache
 from spd.target.stages import StagedTarget
 
 
@@ -44,5 +43,3 @@ def eos_ids_of(model_config, tokenizer=None) -> frozenset[int]:
             ids.update(source)
     return frozenset(ids)
 
-
-__all__ = ["GenerationResult", "prefill", "is_final", "eos_ids_of", "LayerKVCache"]

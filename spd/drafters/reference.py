@@ -38,6 +38,6 @@ class ReferenceDrafter(Drafter):
         pos = t + 1
         right = self.reference[pos] if pos < len(self.reference) else 0
         token = (right + 1) % self.vocab_size if self.wrong else right
-        logits = torch.full((self.vocab_size,), -1e4)
+        logits = torch.full((self.vocab_size,), -1e4, device=slots[-1].hidden.device)
         logits[token] = 0.0
         return logits
