@@ -125,6 +125,13 @@ class SpeculationModule(nn.Module):
                                    extra_k, extra_v, stair_mask)
         return self.head(self.norm(hidden))
 
+    def forward(self, hidden: dict[int, torch.Tensor], occupancy: torch.Tensor,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Training entry (what DeepSpeed's engine calls): teacher hidden states {l: H^l [B, N, d]} -> all n+1
+        feature blocks -> `forward_layout` logits [B, N, V_draft]."""
+        feats = [self.feature(k, hidden) for k in range(self.n + 1)]
+        return self.forward_layout(feats, occupancy, valid)
+
     # ---------------------------------------------------------------- decoding step
     def memory_kv_all_layers(self, rows: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer K/V of memory rows [1, S, d] at positions [1, S] (what the depth-n cache stores)."""

@@ -58,8 +58,8 @@ def tiny_tokenizer(vocab_size: int = 300):
     return fast
 
 
-def save_tiny_target(path: str, family: str = "llama", seed: int = 0, **kwargs) -> None:
-    """Write a tiny random target (model + tokenizer) as an HF directory, loadable with target=<path>."""
+def tiny_target(family: str = "llama", seed: int = 0, **kwargs):
+    """A tiny random target (model, tokenizer) whose special ids match the tokenizer."""
     tok = tiny_tokenizer()
     vocab = len(tok)
     model = tiny_model(family, seed=seed, vocab_size=vocab, **kwargs)
@@ -68,5 +68,11 @@ def save_tiny_target(path: str, family: str = "llama", seed: int = 0, **kwargs) 
     model.config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+def save_tiny_target(path: str, family: str = "llama", seed: int = 0, **kwargs) -> None:
+    """Write a tiny random target (model + tokenizer) as an HF directory, loadable with target=<path>."""
+    model, tok = tiny_target(family, seed, **kwargs)
     model.save_pretrained(path)
     tok.save_pretrained(path)

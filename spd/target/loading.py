@@ -50,6 +50,14 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedTarget:
     """`spec` is "smollm2", a directory with config.json, or a .gguf file path."""
     gguf_file = None
+    if spec.startswith("tiny-"):  # random tiny model of a family, with a tiny tokenizer: install checks, tests
+        from spd.testing import FAMILIES, tiny_target
+
+        if spec[5:] not in FAMILIES:
+            raise UserError(f"target {spec!r}: tiny targets are {', '.join('tiny-' + f for f in FAMILIES)}")
+        model, tokenizer = tiny_target(spec[5:])
+        model.to(device=device, dtype=dtype)
+        return LoadedTarget(model, tokenizer, spec, weights_fingerprint(model))
     if spec in (DEFAULT_TARGET, "SmolLM2-135M-Instruct"):
         directory, gguf_file = _smollm2_location()
         name = "SmolLM2-135M-Instruct"

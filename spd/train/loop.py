@@ -1,0 +1,200 @@
+"""The distillation loop: DeepSpeed engine around the module only; frozen teacher; tqdm; W&B; checkpoints; resume.
+
+Data order and occupancy are pure functions of (seed, step), so a resumed run sees exactly what an
+uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from spd.checkpoint import save_checkpoint
+from spd.errors import UserError
+from spd.layout import sample_occupancy
+from spd.module import SpeculationModule
+from spd.target.loading import load_target
+from spd.target.stages import StagedTarget
+from spd.train.data import load_conversations, tokenize_conversations
+from spd.train.evaluate import evaluate
+from spd.train.objective import build_draft_vocab, collate, kd_loss, teacher_pass
+
+PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def init_distributed():
+    """One process (python train/run.py) or many (deepspeed / torchrun): gloo on CPU, nccl on CUDA."""
+    import deepspeed
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", _free_port())
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def deepspeed_config(cfg, world: int) -> dict:
+    ds = cfg.deepspeed
+    if ds.micro_batch * ds.accumulation * world != ds.batch_size:
+        raise UserError(f"deepspeed.micro_batch ({ds.micro_batch}) x accumulation ({ds.accumulation}) x world size "
+                        f"({world}) = {ds.micro_batch * ds.accumulation * world}, not batch_size={ds.batch_size}")
+    if ds.precision not in PRECISION:
+        raise UserError(f"deepspeed.precision={ds.precision!r} is not one of {', '.join(PRECISION)}")
+    return {"train_batch_size": ds.batch_size, "train_micro_batch_size_per_gpu": ds.micro_batch,
+            "gradient_accumulation_steps": ds.accumulation, "gradient_clipping": cfg.optim.grad_clip,
+            "zero_optimization": {"stage": ds.zero_stage},
+            "bf16": {"enabled": ds.precision == "bf16"}, "fp16": {"enabled": ds.precision == "fp16"},
+            "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+def linear_schedule(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (total - step) / max(1, total - warmup))
+    return factor
+
+
+def micro_batches(num_examples: int, seed: int, step: int, rank: int, world: int, micro: int, accumulation: int):
+    """Example indices for each micro-batch of optimizer step `step` on `rank`: epochs of seeded permutations."""
+    per_step = micro * accumulation * world
+    start = step * per_step
+    out = []
+    for a in range(accumulation):
+        idx = []
+        for j in range(micro):
+            flat = start + (a * world + rank) * micro + j
+            epoch, offset = divmod(flat, num_examples)
+            order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1000003 + epoch))
+            idx.append(int(order[offset]))
+        out.append(idx)
+    return out
+
+
+def prepare(cfg, log):
+    """Target, stages, data splits, draft vocabulary, module (everything but the engine)."""
+    loaded = load_target(cfg.model.target, torch.float32, "cuda" if torch.cuda.is_available() else "cpu")
+    if loaded.tokenizer is None:
+        raise UserError(f"target {cfg.model.target!r} has no tokenizer; training needs its chat template")
+    L = loaded.model.config.num_hidden_layers
+    if not 1 <= cfg.model.n <= L:
+        raise UserError(f"model.n={cfg.model.n} must be within 1..{L} for this target")
+    staged = StagedTarget(loaded.model, cfg.model.n, list(cfg.model.stage_bounds) if cfg.model.stage_bounds else None)
+    convs = load_conversations(cfg.data.path, cfg.data.max_conversations + cfg.data.heldout)
+    order = torch.randperm(len(convs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    held_convs = [convs[i] for i in order[: cfg.data.heldout]]
+    train_convs = [convs[i] for i in order[cfg.data.heldout:]]
+    train = tokenize_conversations(loaded.tokenizer, train_convs, cfg.data.max_length, log)
+    held = tokenize_conversations(loaded.tokenizer, held_convs, cfg.data.max_length, log) if held_convs else []
+    draft = None
+    if cfg.model.draft_vocab:
+        draft = build_draft_vocab(train, cfg.model.draft_vocab, loaded.model.config.vocab_size).to(staged.device)
+    module = SpeculationModule.from_target(staged, cfg.model.module_layers, draft_to_target=draft, seed=cfg.seed)
+    return loaded, staged, train, held, held_convs, draft, module
+
+
+def train(cfg) -> dict:
+    import deepspeed
+    import wandb
+
+    rank, world = init_distributed()
+    log = (lambda msg: tqdm.write(f"[train] {msg}")) if rank == 0 else (lambda msg: None)
+    out_dir = cfg.output_dir
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    fingerprint = {k: v for k, v in resolved.items() if k != "resume"}
+    cfg_path = os.path.join(out_dir, "config.json")
+    if cfg.resume:
+        if not os.path.isfile(cfg_path):
+            raise UserError(f"resume=true but {out_dir!r} holds no run (no config.json); drop resume or fix output_dir")
+        with open(cfg_path) as f:
+            if {k: v for k, v in json.load(f).items() if k != "resume"} != fingerprint:
+                raise UserError(f"{out_dir!r} was written by a different config; resume with the same config or "
+                                "use a new output_dir")
+    ds_config = deepspeed_config(cfg, world)
+    torch.manual_seed(cfg.seed)
+    loaded, staged, train_set, held, held_convs, draft, module = prepare(cfg, log)
+    module.to(PRECISION[cfg.deepspeed.precision]).train()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(cfg.optim.warmup_steps, cfg.optim.steps))
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=module, optimizer=optimizer,
+                                                           lr_scheduler=scheduler, config=ds_config)
+    start = 0
+    ds_dir = os.path.join(out_dir, "ds_state")
+    if cfg.resume:
+        _, client = engine.load_checkpoint(ds_dir)
+        if client is None:
+            raise UserError(f"resume=true but {ds_dir!r} holds no DeepSpeed state; drop resume")
+        start = int(client["step"])
+        log(f"resumed at step {start}")
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        tmp = cfg_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(resolved, f, indent=2)
+        os.replace(tmp, cfg_path)
+        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(cfg))
+    run = wandb.init(mode=cfg.wandb.mode, project=cfg.wandb.project, name=cfg.wandb.name, dir=out_dir,
+                     config=resolved, resume="allow") if rank == 0 else None
+    n = cfg.model.n
+    pad = loaded.tokenizer.pad_token_id or 0
+    extra = {"training": {"data": cfg.data.path, "regenerated": False, "steps": cfg.optim.steps}}
+    summary = {}
+    bar = tqdm(range(start, cfg.optim.steps), initial=start, total=cfg.optim.steps, disable=rank != 0, desc="train")
+    for step in bar:
+        t0 = time.perf_counter()
+        losses, agree, per_a, tokens, excluded = [], [], {a: [] for a in range(1, n + 1)}, 0, 0
+        occ_gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + rank)
+        for idx in micro_batches(len(train_set), cfg.seed, step, rank, world, cfg.deepspeed.micro_batch,
+                                 cfg.deepspeed.accumulation):
+            batch = collate([train_set[i] for i in idx], pad)
+            teacher = teacher_pass(staged, batch, draft)
+            hidden = {k: v.to(PRECISION[cfg.deepspeed.precision]) for k, v in teacher.hidden.items()}
+            occ = sample_occupancy(len(idx), n, occ_gen, cfg.p_full).to(staged.device)
+            logits = engine(hidden, occ, batch["valid"].to(staged.device))
+            loss, top1 = kd_loss(logits, teacher)
+            engine.backward(loss)
+            if engine.is_gradient_accumulation_boundary():
+                grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters()
+                                                                 if p.grad is not None]))
+            engine.step()
+            losses.append(float(loss))
+            agree.append(top1)
+            for a, hit in zip(occ[teacher.positions[:, 0]].tolist(), top1.tolist()):
+                per_a[a].append(hit)
+            tokens += int(batch["valid"].sum())
+            excluded += teacher.excluded
+        seconds = time.perf_counter() - t0
+        metrics = {"train/loss": sum(losses) / len(losses), "train/top1": float(torch.cat(agree).mean()),
+                   "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                   "tokens_per_s": tokens * world / seconds, "train/excluded_positions": excluded}
+        metrics.update({f"train/top1_a{a}": sum(v) / len(v) for a, v in per_a.items() if v})
+        last = step + 1 == cfg.optim.steps
+        if rank == 0 and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last):
+            metrics.update(evaluate(module, staged, loaded.tokenizer, held, held_convs, draft, cfg))
+        if rank == 0:
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", top1=f"{metrics['train/top1']:.3f}")
+            if run is not None and (step + 1) % cfg.log_every == 0 or last:
+                run.log(metrics, step=step + 1)
+        summary = metrics
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
+            engine.save_checkpoint(ds_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
+            if rank == 0:
+                save_checkpoint(module, loaded, os.path.join(out_dir, "checkpoint"), {**extra, "step": step + 1})
+    if run is not None:
+        run.summary.update(summary)
+        run.finish()
+    return summary

@@ -1,0 +1,38 @@
+"""Train the speculation module by distillation from the frozen target.
+
+    deepspeed train/run.py --config configs/train/debug.yaml [key=value ...]
+    python train/run.py --config configs/train/debug.yaml output_dir=outputs/debug
+    torchrun --nproc_per_node 2 train/run.py --config ...
+"""
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu" if not os.environ.get("CUDA_VISIBLE_DEVICES") else "cuda")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def main(argv=None) -> int:
+    from spd.config import load_config
+    from spd.errors import UserError
+    from spd.train.config import TrainConfig
+
+    parser = argparse.ArgumentParser(prog="train/run.py")
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(TrainConfig, args.config, args.overrides)
+        from spd.train.loop import train
+
+        train(cfg)
+    except UserError as exc:
+        print(f"train/run.py: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
