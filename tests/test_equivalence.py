@@ -5,13 +5,12 @@ import pytest
 import torch
 
 from helpers import GREEDY, ar_run, prompt
-from spd.decoding import prefill
 from spd.drafters.base import Drafter
 from spd.drafters.spd_module import ModuleDrafter
-from spd.layout import needed_layers
 from spd.module import SpeculationModule
 from spd.pipeline import PipelineDecoder
 from spd.target.stages import StagedTarget
+from spd.train.objective import collate, teacher_pass
 
 
 class RecordingDrafter(Drafter):
@@ -40,10 +39,11 @@ class RecordingDrafter(Drafter):
 
 
 def layout_logits(staged, module, tokens, occupancy):
-    """The trainer's computation: teacher hidden states in one pass, all n+1 feature blocks, one layout pass."""
-    _, _, hidden = prefill(staged, tokens, frozenset(needed_layers(staged.bounds)))
-    feats = [module.feature(k, hidden) for k in range(staged.n + 1)]
-    logits = module.forward_layout(feats, torch.tensor([occupancy]))
+    """The trainer's own forward: its teacher pass (hidden states in one batched pass) and the module's
+    training entry (all n+1 feature blocks, one training-layout pass) — exactly what DeepSpeed's engine calls."""
+    batch = collate([{"input_ids": tokens, "loss_mask": [True] * len(tokens)}], pad_id=0)
+    teacher = teacher_pass(staged, batch, None)
+    logits = module(teacher.hidden, torch.tensor([occupancy]), batch["valid"])
     return module.target_logits(logits[0])
 
 

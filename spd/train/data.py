@@ -77,11 +77,14 @@ def load_conversations(path: str, limit: int) -> list[list[dict]]:
     else:
         if not os.path.isfile(path):
             raise UserError(f"data file {path!r} does not exist; give a JSON, JSONL or parquet file, or data.path=sharegpt")
+        if os.path.getsize(path) == 0:
+            raise UserError(f"data file {path!r} is empty; give a file with conversations")
         kind = "parquet" if path.endswith(".parquet") else "json"
         try:
             ds = datasets.load_dataset(kind, data_files=path, split="train")
         except Exception as exc:  # datasets raises many types for unreadable files
-            raise UserError(f"could not read {path!r} as {kind}: {str(exc).splitlines()[0]}") from None
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise UserError(f"could not read {path!r} as {kind}: {first}") from None
     rows = []
     for row in ds:
         msgs = normalise(row)

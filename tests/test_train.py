@@ -1,0 +1,153 @@
+"""The distillation trainer on a tiny random target: learns, resumes exactly, and rejects bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spd.config import load_config
+from spd.errors import UserError
+from spd.train.config import TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEBUG = os.path.join(ROOT, "configs", "train", "debug.yaml")
+DATA = os.path.join(ROOT, "data", "debug_conversations.jsonl")
+ENV = {**os.environ, "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+def train_cmd(out, *overrides):
+    return [sys.executable, os.path.join(ROOT, "train", "run.py"), "--config", DEBUG, f"output_dir={out}",
+            f"data.path={DATA}", "wandb.mode=disabled", *overrides]
+
+
+def run_train(out, *overrides, check=True):
+    proc = subprocess.run(train_cmd(out, *overrides), capture_output=True, text=True, env=ENV, cwd=ROOT)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def weights(out):
+    return load_file(os.path.join(out, "checkpoint", "model.safetensors"))
+
+
+def test_debug_training_learns(tmp_path):
+    from spd.module import SpeculationModule
+    from spd.target.loading import load_target
+    from spd.target.stages import StagedTarget
+    from spd.train.data import load_conversations, tokenize_conversations
+    from spd.train.objective import collate, kd_loss, teacher_pass
+
+    out = tmp_path / "run"
+    run_train(out, "wandb.mode=offline")
+    ckpt = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert ckpt["n"] == 3 and ckpt["training"]["steps"] == 20
+    # W&B offline run directory exists and the resolved config sits next to the outputs
+    assert any(d.startswith("offline-run") for d in os.listdir(out / "wandb"))
+    assert json.loads((out / "config.json").read_text())["model"]["n"] == 3
+    # top-1 agreement of the trained module vs an untrained one, on training conversations
+    loaded = load_target("tiny-llama")
+    staged = StagedTarget(loaded.model, 3)
+    convs = load_conversations(DATA, 8)
+    batch = collate(tokenize_conversations(loaded.tokenizer, convs, 256, log=lambda m: None), 0)
+    teacher = teacher_pass(staged, batch, None)
+    occ = torch.tensor([1, 2, 3, 3, 1, 2, 3, 3])
+    untrained = SpeculationModule.from_target(staged, 1, seed=0)
+    trained = SpeculationModule.from_target(staged, 1, seed=0)
+    trained.load_state_dict(weights(out))
+    with torch.no_grad():
+        loss0, top0 = kd_loss(untrained(teacher.hidden, occ, batch["valid"]), teacher)
+        loss1, top1 = kd_loss(trained(teacher.hidden, occ, batch["valid"]), teacher)
+    assert loss1 < 0.5 * loss0
+    assert top1.mean() > top0.mean() + 0.3
+
+
+def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    run_train(full, "save_every=5")
+    proc = subprocess.Popen(train_cmd(killed, "save_every=5"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=ENV, cwd=ROOT, text=True)
+    deadline = time.time() + 240
+    ds_dir = killed / "ds_state"
+    # kill once a mid-run DeepSpeed state exists (step 5 or 10), before the run ends
+    while time.time() < deadline:
+        latest = ds_dir / "latest"
+        if latest.exists() and latest.read_text().strip() in ("step5", "step10"):
+            break
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "training ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    run_train(killed, "save_every=5", "resume=true")
+    a, b = weights(full), weights(killed)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
+
+
+BAD = [
+    (["deepspeed.batch_size=5"], "batch_size"),
+    (["model.colour=3"], "unknown config key"),
+    (["data.path=/nonexistent.jsonl"], "does not exist"),
+    (["resume=true"], "holds no run"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle", BAD)
+def test_bad_input(tmp_path, overrides, needle):
+    proc = run_train(tmp_path / "bad", *overrides, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert needle in lines[-1] and "Traceback" not in proc.stderr
+
+
+def test_bad_data_files(tmp_path):
+    from spd.train.data import load_conversations, tokenize_conversations
+    from spd.testing import tiny_tokenizer
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text('{"text": "no turns here"}\n')
+    for path in (empty, junk):
+        with pytest.raises(UserError):
+            load_conversations(str(path), 10)
+    tok = tiny_tokenizer()
+    with pytest.raises(UserError, match="no assistant tokens"):
+        tokenize_conversations(_NoAssistantTemplate(tok),
+                               [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]],
+                               256, log=lambda m: None)
+
+
+class _NoAssistantTemplate:
+    """A tokenizer whose template drops assistant turns and the generation prompt (so no token is ever marked)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def apply_chat_template(self, messages, **kw):
+        kw["add_generation_prompt"] = False
+        return self.tok.apply_chat_template([m for m in messages if m["role"] != "assistant"], **kw)
+
+
+def test_resume_with_different_config_is_refused(tmp_path):
+    out = tmp_path / "run"
+    run_train(out, "optim.steps=2")
+    proc = run_train(out, "optim.steps=3", "resume=true", check=False)
+    assert proc.returncode == 2 and "different config" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_local_rank_argument_is_accepted(tmp_path):
+    proc = run_train(tmp_path / "lr", "optim.steps=1", check=False)
+    assert proc.returncode == 0
+    proc = subprocess.run([*train_cmd(tmp_path / "lr2", "optim.steps=1"), "--local_rank=0"], capture_output=True,
+                          text=True, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
