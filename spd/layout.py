@@ -70,8 +70,17 @@ def needed_layers(bounds: list[int]) -> list[int]:
     return sorted({layer for layers in feature_layers(bounds) for layer in layers})
 
 
-def sample_occupancy(batch: int, n: int, generator: torch.Generator | None = None, p_full: float = 0.5) -> torch.Tensor:
-    """The paper's simulated fill (App. A.2): a = n with probability p_full, else uniform on 1..n-1. [B] long."""
+def sample_occupancy(batch: int, n: int, generator: torch.Generator | None = None, p_full: float = 0.5,
+                     weights: list[float] | None = None) -> torch.Tensor:
+    """The paper's simulated fill (App. A.2): a = n with probability p_full, else uniform on 1..n-1. [B] long.
+
+    `weights` (P(a=1..n)) replaces that policy, e.g. with the occupancy distribution a decoder actually visits.
+    """
+    if weights is not None:
+        w = torch.tensor(weights, dtype=torch.float)
+        if w.numel() != n or (w < 0).any() or w.sum() <= 0:
+            raise ValueError(f"occupancy weights need {n} non-negative entries with a positive sum, got {weights}")
+        return torch.multinomial(w, batch, replacement=True, generator=generator) + 1
     full = torch.rand(batch, generator=generator) < p_full
     if n == 1:
         return torch.ones(batch, dtype=torch.long)

@@ -65,6 +65,25 @@ class SpeculationModule(nn.Module):
         module.norm.load_state_dict(target.decoder.norm.state_dict())
         return module.to(device=target.device, dtype=target.dtype)
 
+    @torch.no_grad()
+    def init_selectors(self) -> None:
+        """FC_0 = identity on H^0 and FC_k = picks H^{b_k} out of (H^0, H^{m_k}, H^{b_k}): g^k starts as the
+        deepest available hidden state instead of noise."""
+        d = self.fc[0].weight.shape[0]
+        eye = torch.eye(d, dtype=self.fc[0].weight.dtype, device=self.fc[0].weight.device)
+        self.fc[0].weight.copy_(eye)
+        for fc in self.fc[1:]:
+            fc.weight.zero_()
+            fc.weight[:, 2 * d:].copy_(eye)
+
+    @torch.no_grad()
+    def init_layers_from(self, target_layers: list[nn.Module]) -> None:
+        """Start module layer i as a copy of target_layers[i] (same family, same shapes)."""
+        if len(target_layers) != len(self.layers):
+            raise ValueError(f"need {len(self.layers)} target layers to copy, got {len(target_layers)}")
+        for mine, theirs in zip(self.layers, target_layers):
+            mine.load_state_dict(theirs.state_dict())
+
     # ---------------------------------------------------------------- features
     def feature(self, k: int, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """g^k from {layer: H^layer [..., d]}: FC_k over concat(H^0, H^{m_k}, H^{b_k}) (k=0: FC_0(H^0))."""

@@ -13,6 +13,8 @@ class ModelSection:
     stage_bounds: Optional[List[int]] = None
     module_layers: int = 1              # L_s
     draft_vocab: int = 16384            # 0 = the full vocabulary
+    init_fc: str = "random"             # random | select: FC_k starts as a selector of H^{b_k} (FC_0 of H^0)
+    init_layers: Optional[List[int]] = None  # copy these target layers into the module's layers (one each)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class TrainConfig:
     eval_new_tokens: int = 48
     save_every: int = 0                 # 0 = only at the end
     p_full: float = 0.5                 # probability of a full pipeline in the simulated occupancy (paper: 0.5)
+    occupancy_weights: Optional[List[float]] = None  # instead of the paper's policy: P(a=1..n), e.g. as measured
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)

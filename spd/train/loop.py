@@ -102,6 +102,15 @@ def prepare(cfg, log):
     if cfg.model.draft_vocab:
         draft = build_draft_vocab(train, cfg.model.draft_vocab, loaded.model.config.vocab_size).to(staged.device)
     module = SpeculationModule.from_target(staged, cfg.model.module_layers, draft_to_target=draft, seed=cfg.seed)
+    if cfg.model.init_fc not in ("random", "select"):
+        raise UserError(f"model.init_fc={cfg.model.init_fc!r} is not one of: random, select")
+    if cfg.model.init_fc == "select":
+        module.init_selectors()
+    if cfg.model.init_layers:
+        if len(cfg.model.init_layers) != cfg.model.module_layers or not all(0 <= i < L for i in cfg.model.init_layers):
+            raise UserError(f"model.init_layers={list(cfg.model.init_layers)} needs {cfg.model.module_layers} "
+                            f"target layer indices in 0..{L - 1}")
+        module.init_layers_from([staged.layers[i] for i in cfg.model.init_layers])
     return loaded, staged, train, held, held_convs, draft, module
 
 
@@ -150,8 +159,13 @@ def train(cfg) -> dict:
     run = wandb.init(mode=cfg.wandb.mode, project=cfg.wandb.project, name=cfg.wandb.name, dir=out_dir,
                      config=resolved, resume="allow") if rank == 0 else None
     n = cfg.model.n
+    weights = list(cfg.occupancy_weights) if cfg.occupancy_weights else None
+    if weights is not None and len(weights) != n:
+        raise UserError(f"occupancy_weights has {len(weights)} entries; it needs one per occupancy a=1..{n}")
     pad = loaded.tokenizer.pad_token_id or 0
-    extra = {"training": {"data": cfg.data.path, "regenerated": False, "steps": cfg.optim.steps}}
+    extra = {"training": {"data": cfg.data.path, "regenerated": False, "steps": cfg.optim.steps,
+                          "init_fc": cfg.model.init_fc, "init_layers": resolved["model"]["init_layers"],
+                          "occupancy_weights": weights, "lr": cfg.optim.lr}}
     summary = {}
     bar = tqdm(range(start, cfg.optim.steps), initial=start, total=cfg.optim.steps, disable=rank != 0, desc="train")
     for step in bar:
@@ -163,7 +177,7 @@ def train(cfg) -> dict:
             batch = collate([train_set[i] for i in idx], pad)
             teacher = teacher_pass(staged, batch, draft)
             hidden = {k: v.to(PRECISION[cfg.deepspeed.precision]) for k, v in teacher.hidden.items()}
-            occ = sample_occupancy(len(idx), n, occ_gen, cfg.p_full).to(staged.device)
+            occ = sample_occupancy(len(idx), n, occ_gen, cfg.p_full, weights).to(staged.device)
             logits = engine(hidden, occ, batch["valid"].to(staged.device))
             loss, top1 = kd_loss(logits, teacher)
             engine.backward(loss)

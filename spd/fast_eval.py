@@ -1,0 +1,113 @@
+"""Exact fast evaluator for greedy SPD.
+
+A causal target gives every in-flight token exactly the hidden states it has in plain decoding over the same
+prefix. So the whole greedy SPD trace (every rollback, every K) follows from
+  1. the target's own greedy decode, with the hidden states the features need, recorded during the project's
+     incremental AR decoding (the numerical path the pipeline runs), and
+  2. the module's draft at every (position t, occupancy a), from n batched training-layout passes.
+A draft only matters when every token before it is correct (otherwise a rollback flushes it first), so drafts
+are scored against the target's own tokens and the pipeline's timing is replayed without running the target.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import torch
+
+from spd.decoding import is_final, prefill
+from spd.layout import needed_layers
+from spd.metrics import DecodeStats
+from spd.module import SpeculationModule
+from spd.sampling import greedy_token
+from spd.target.stages import StagedTarget
+
+
+@dataclass
+class GreedyTrace:
+    prompt_ids: list[int]
+    tokens: list[int]                  # the target's N greedy tokens
+    hidden: dict[int, torch.Tensor]    # {layer: H^layer [1, P + N - 1, d]}, every position ever fed
+    margins: list[float]               # target's top-2 logit margin when choosing each token
+
+
+def _margin(logits: torch.Tensor) -> float:
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+@torch.no_grad()
+def record_greedy_trace(staged: StagedTarget, prompt_ids: list[int], max_new_tokens: int,
+                        eos_ids: frozenset[int]) -> GreedyTrace:
+    """Incremental greedy AR decoding (bitwise the pipeline's path) that keeps the needed layers of every position."""
+    capture = frozenset(needed_layers(staged.bounds))
+    cache, hidden, captured = prefill(staged, prompt_ids, capture)
+    parts = {layer: [h] for layer, h in captured.items()}
+    logits = staged.logits(hidden[0, -1])
+    tokens, margins = [greedy_token(logits)], [_margin(logits)]
+    while not is_final(tokens[-1], len(tokens), max_new_tokens, eos_ids):
+        ids = torch.tensor([[tokens[-1]]], device=staged.device)
+        hidden, captured = staged.forward_all(ids, cache, len(prompt_ids) + len(tokens) - 1, capture)
+        for layer, h in captured.items():
+            parts[layer].append(h)
+        logits = staged.logits(hidden[0, -1])
+        tokens.append(greedy_token(logits))
+        margins.append(_margin(logits))
+    return GreedyTrace(list(prompt_ids), tokens, {k: torch.cat(v, 1) for k, v in parts.items()}, margins)
+
+
+@torch.no_grad()
+def module_drafts(module: SpeculationModule, trace: GreedyTrace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft token ids [n, T] and the module's top-2 margins [n, T] for every (occupancy a = row + 1, position t)."""
+    n = module.n
+    feats = [module.feature(k, trace.hidden) for k in range(n + 1)]
+    logits = module.forward_layout([f.expand(n, -1, -1) for f in feats], torch.arange(1, n + 1))  # [n, T, V']
+    logits = logits.float()
+    top2 = torch.topk(logits, 2, dim=-1)
+    drafts = top2.indices[..., 0]
+    if module.draft_to_target is not None:
+        drafts = module.draft_to_target[drafts]
+    return drafts, top2.values[..., 0] - top2.values[..., 1]
+
+
+def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor) -> tuple[DecodeStats, Counter]:
+    """Replay the pipeline's timing: K, rollbacks, accepted runs, and the occupancy of every step."""
+    stats = DecodeStats(n=n, N=1)
+    occupancy: Counter = Counter()
+    total = len(tokens)
+    if total == 1:
+        stats.finish()
+        return stats, occupancy
+    seq = [None] * prompt_len + tokens
+    slots = deque([[prompt_len, 0, True]])            # [position, depth, token is the target's own]
+    drafts = drafts.tolist()
+    while True:
+        t, a = slots[-1][0], len(slots)
+        occupancy[a] += 1
+        clean = all(s[2] for s in slots)
+        right = clean and t + 1 < len(seq) and drafts[a - 1][t] == seq[t + 1]
+        for s in slots:
+            s[1] += 1
+        stats.K += 1
+        slots.append([t + 1, 0, right])
+        if slots[0][1] < n:
+            continue
+        slots.popleft()
+        candidate = slots[0]
+        stats.settle(candidate[2])
+        if not candidate[2]:
+            slots = deque([[candidate[0], 0, True]])
+        if stats.N == total:
+            break
+    stats.finish()
+    return stats, occupancy
+
+
+def fast_greedy_stats(module: SpeculationModule, trace: GreedyTrace) -> dict:
+    """N, K, L'acc, rollbacks of greedy SPD with `module`, plus the smallest module margin that decided a draft."""
+    drafts, margins = module_drafts(module, trace)
+    stats, occupancy = replay(module.n, len(trace.prompt_ids), trace.tokens, drafts)
+    return {"stats": stats, "occupancy": dict(sorted(occupancy.items())),
+            "min_module_margin": float(margins.min()) if margins.numel() else None,
+            "min_target_margin": min(trace.margins)}
