@@ -68,17 +68,17 @@ def main() -> int:
                             raw["margins"])
         res = fast_greedy_stats(module, trace)
         per_dataset.setdefault(ds, []).append(res["stats"])
-        rows.append({"dataset": ds, "question_id": qid, **res["stats"].as_dict(), "occupancy": res["occupancy"]})
+        rows.append({"dataset": ds, "question_id": qid, **res["stats"].as_dict(), "decisive_occupancy": res["decisive_occupancy"]})
     all_stats = [s for v in per_dataset.values() for s in v]
     occupancy = {}
     for r in rows:
-        for a, c in r["occupancy"].items():
+        for a, c in r["decisive_occupancy"].items():
             occupancy[a] = occupancy.get(a, 0) + c
     total = sum(occupancy.values())
     result = {"checkpoint": args.checkpoint, "n": n, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
               "eal_pooled": pooled_eal(all_stats),
               "eal_per_dataset": {ds: pooled_eal(v) for ds, v in per_dataset.items()},
-              "occupancy_distribution": {a: c / total for a, c in sorted(occupancy.items())}}
+              "decisive_occupancy_distribution": {a: c / total for a, c in sorted(occupancy.items())}}
     print(json.dumps(result, indent=2))
     if args.out:
         with open(args.out + ".tmp", "w") as f:

@@ -72,20 +72,22 @@ def module_drafts(module: SpeculationModule, trace: GreedyTrace) -> tuple[torch.
 
 
 def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor) -> tuple[DecodeStats, Counter]:
-    """Replay the pipeline's timing: K, rollbacks, accepted runs, and the occupancy of every step."""
+    """Replay the pipeline's timing: K, rollbacks, accepted runs, and the occupancy of every *decisive* step
+    (one whose draft matters because no wrong token is in flight; the others are flushed unseen)."""
     stats = DecodeStats(n=n, N=1)
-    occupancy: Counter = Counter()
+    decisive: Counter = Counter()
     total = len(tokens)
     if total == 1:
         stats.finish()
-        return stats, occupancy
+        return stats, decisive
     seq = [None] * prompt_len + tokens
     slots = deque([[prompt_len, 0, True]])            # [position, depth, token is the target's own]
     drafts = drafts.tolist()
     while True:
         t, a = slots[-1][0], len(slots)
-        occupancy[a] += 1
         clean = all(s[2] for s in slots)
+        if clean and t + 1 < len(seq):
+            decisive[a] += 1
         right = clean and t + 1 < len(seq) and drafts[a - 1][t] == seq[t + 1]
         for s in slots:
             s[1] += 1
@@ -101,13 +103,13 @@ def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor) -> 
         if stats.N == total:
             break
     stats.finish()
-    return stats, occupancy
+    return stats, decisive
 
 
 def fast_greedy_stats(module: SpeculationModule, trace: GreedyTrace) -> dict:
     """N, K, L'acc, rollbacks of greedy SPD with `module`, plus the smallest module margin that decided a draft."""
     drafts, margins = module_drafts(module, trace)
-    stats, occupancy = replay(module.n, len(trace.prompt_ids), trace.tokens, drafts)
-    return {"stats": stats, "occupancy": dict(sorted(occupancy.items())),
+    stats, decisive = replay(module.n, len(trace.prompt_ids), trace.tokens, drafts)
+    return {"stats": stats, "decisive_occupancy": dict(sorted(decisive.items())),
             "min_module_margin": float(margins.min()) if margins.numel() else None,
             "min_target_margin": min(trace.margins)}

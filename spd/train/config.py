@@ -61,6 +61,7 @@ class TrainConfig:
     eval_decodes: int = 4               # greedy decodes for the L'acc estimate
     eval_new_tokens: int = 48
     save_every: int = 0                 # 0 = only at the end
+    keep_checkpoints: bool = False      # also keep checkpoints/step-XXXXX at every save (for curves)
     p_full: float = 0.5                 # probability of a full pipeline in the simulated occupancy (paper: 0.5)
     occupancy_weights: Optional[List[float]] = None  # instead of the paper's policy: P(a=1..n), e.g. as measured
     model: ModelSection = field(default_factory=ModelSection)

@@ -124,6 +124,8 @@ def tokenize_conversations(tokenizer, conversations, max_length: int, log=print)
     """Render, mask and length-filter. Error if the template marks no assistant tokens or marks everything."""
     examples, too_long, any_assistant, all_assistant = [], 0, False, True
     for messages in conversations:
+        while messages and messages[0]["role"] == "assistant":  # a reply to nothing: no prompt to condition on
+            messages = messages[1:]
         if not any(m["role"] == "assistant" for m in messages):
             continue
         ids, mask = render(tokenizer, messages)

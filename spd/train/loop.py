@@ -140,13 +140,13 @@ def train(cfg) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(cfg.optim.warmup_steps, cfg.optim.steps))
     engine, optimizer, _, scheduler = deepspeed.initialize(model=module, optimizer=optimizer,
                                                            lr_scheduler=scheduler, config=ds_config)
-    start = 0
+    start, tokens_seen = 0, 0
     ds_dir = os.path.join(out_dir, "ds_state")
     if cfg.resume:
         _, client = engine.load_checkpoint(ds_dir)
         if client is None:
             raise UserError(f"resume=true but {ds_dir!r} holds no DeepSpeed state; drop resume")
-        start = int(client["step"])
+        start, tokens_seen = int(client["step"]), int(client.get("tokens_seen", 0))
         log(f"resumed at step {start}")
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
@@ -190,11 +190,13 @@ def train(cfg) -> dict:
             for a, hit in zip(occ[teacher.positions[:, 0]].tolist(), top1.tolist()):
                 per_a[a].append(hit)
             tokens += int(batch["valid"].sum())
+            tokens_seen += int(batch["valid"].sum()) * world
             excluded += teacher.excluded
         seconds = time.perf_counter() - t0
         metrics = {"train/loss": sum(losses) / len(losses), "train/top1": float(torch.cat(agree).mean()),
                    "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                   "tokens_per_s": tokens * world / seconds, "train/excluded_positions": excluded}
+                   "tokens_per_s": tokens * world / seconds, "train/excluded_positions": excluded,
+                   "train/tokens_seen": tokens_seen}
         metrics.update({f"train/top1_a{a}": sum(v) / len(v) for a, v in per_a.items() if v})
         last = step + 1 == cfg.optim.steps
         if rank == 0 and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last):
@@ -205,9 +207,12 @@ def train(cfg) -> dict:
                 run.log(metrics, step=step + 1)
         summary = metrics
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
-            engine.save_checkpoint(ds_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
+            engine.save_checkpoint(ds_dir, tag=f"step{step + 1}", client_state={"step": step + 1, "tokens_seen": tokens_seen})
             if rank == 0:
-                save_checkpoint(module, loaded, os.path.join(out_dir, "checkpoint"), {**extra, "step": step + 1})
+                meta = {**extra, "step": step + 1, "train_tokens": tokens_seen}
+                save_checkpoint(module, loaded, os.path.join(out_dir, "checkpoint"), meta)
+                if cfg.keep_checkpoints:
+                    save_checkpoint(module, loaded, os.path.join(out_dir, "checkpoints", f"step-{step + 1:05d}"), meta)
     if run is not None:
         run.summary.update(summary)
         run.finish()
