@@ -185,7 +185,7 @@ def train(cfg) -> dict:
                 grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters()
                                                                  if p.grad is not None]))
             engine.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             agree.append(top1)
             for a, hit in zip(occ[teacher.positions[:, 0]].tolist(), top1.tolist()):
                 per_a[a].append(hit)
@@ -202,6 +202,8 @@ def train(cfg) -> dict:
         if rank == 0 and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last):
             metrics.update(evaluate(module, staged, loaded.tokenizer, held, held_convs, draft, cfg))
         if rank == 0:
+            with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:  # plain-text twin of the W&B history
+                f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", top1=f"{metrics['train/top1']:.3f}")
             if run is not None and (step + 1) % cfg.log_every == 0 or last:
                 run.log(metrics, step=step + 1)
