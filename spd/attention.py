@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -44,7 +45,37 @@ def memory_kv(layer: nn.Module, rows: torch.Tensor, cos, sin) -> tuple[torch.Ten
     return project_kv(layer, layer.input_layernorm(rows), cos, sin)
 
 
+QUERY_CHUNK = 256  # training queries per attention chunk: peak memory O(chunk x N), linear in N
+
+
 def attend(
+    q: torch.Tensor,              # [B, H, Q, hd]
+    shared_k: torch.Tensor,
+    shared_v: torch.Tensor,
+    shared_mask: torch.Tensor | None,
+    own_k: torch.Tensor,
+    own_v: torch.Tensor,
+    own_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """`attend_block` over query chunks; under autograd each chunk is recomputed in backward instead of
+    keeping its Q x S attention map, so training memory grows linearly with sequence length."""
+    n_q = q.shape[2]
+    if n_q <= QUERY_CHUNK:
+        return attend_block(q, shared_k, shared_v, shared_mask, own_k, own_v, own_mask, scaling)
+    outs = []
+    for lo in range(0, n_q, QUERY_CHUNK):
+        hi = min(lo + QUERY_CHUNK, n_q)
+        args = (q[:, :, lo:hi], shared_k, shared_v, None if shared_mask is None else shared_mask[:, lo:hi],
+                own_k[:, :, lo:hi], own_v[:, :, lo:hi], None if own_mask is None else own_mask[:, lo:hi])
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(attend_block, *args, scaling, use_reentrant=False))
+        else:
+            outs.append(attend_block(*args, scaling))
+    return torch.cat(outs, dim=2)
+
+
+def attend_block(
     q: torch.Tensor,              # [B, H, Q, hd]
     shared_k: torch.Tensor,       # [B, H_kv, S, hd]
     shared_v: torch.Tensor,       # [B, H_kv, S, hd]

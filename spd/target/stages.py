@@ -64,6 +64,8 @@ class StagedTarget:
         sliding = layer_type == "sliding_attention" and self.sliding_window
         if positions.numel() == 1 and not (sliding and key_len > self.sliding_window):
             return None
+        if not sliding and int(positions[0]) == 0 and key_len == positions.numel():
+            return None  # a fresh causal pass: SDPA's is_causal path, no T x T mask in memory
         keys = torch.arange(key_len, device=positions.device).view(1, -1)
         q = positions.view(-1, 1)
         visible = keys <= q
