@@ -42,19 +42,52 @@ def heldout_top1(module, staged, teachers, n):
     return {a: float(torch.cat(v).mean()) for a, v in per_a.items()}
 
 
+def plot(results: dict, out: str) -> None:
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run, points in results.items():
+        name = os.path.basename(run.rstrip("/"))
+        x = [p["train_tokens"] / 1e3 for p in points]
+        ax1.plot(x, [p["eal"] for p in points], marker="o", label=name)
+        for a in points[0]["top1_per_occupancy"]:
+            ax2.plot(x, [p["top1_per_occupancy"][a] for p in points], marker=".",
+                     label=f"{name} a={a}", linestyle="-" if "fast" in name else "--")
+    ax1.set(xlabel="training tokens (thousands)", ylabel="greedy L'acc (60 prompts, 128 tokens)",
+            title="Equivalent acceptance length")
+    ax2.set(xlabel="training tokens (thousands)", ylabel="held-out top-1 agreement", title="Top-1 per occupancy")
+    ax1.legend()
+    ax2.legend(fontsize=6, ncol=2)
+    ax1.grid(alpha=0.3)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=110)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("runs", nargs="+")
+    ap.add_argument("runs", nargs="*")
+    ap.add_argument("--plot-only", nargs="+", default=None, help="merge earlier <out>.json files into one plot")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--heldout", type=int, default=8, help="held-out conversations for top-1 (from each run's split)")
     ap.add_argument("--cache-dir", default="outputs/cache")
     ap.add_argument("--out", default="docs/figures/train_curves")
+    ap.add_argument("--every", type=int, default=1, help="evaluate every k-th kept checkpoint (and the last)")
     args = ap.parse_args()
+    if args.plot_only:
+        merged = {}
+        for path in args.plot_only:
+            with open(path) as f:
+                merged.update(json.load(f))
+        with open(args.out + ".json", "w") as f:
+            json.dump(merged, f, indent=2)
+        plot(merged, args.out)
+        print(f"wrote {args.out}.json and {args.out}.png")
+        return 0
     loaded = load_target("smollm2")
     results = {}
     for run in args.runs:
         ckpts = sorted(glob.glob(os.path.join(run, "checkpoints", "step-*")))
+        ckpts = [c for i, c in enumerate(ckpts) if i % args.every == args.every - 1 or i == len(ckpts) - 1]
         if not ckpts:
             continue
         cfg0 = read_checkpoint_config(ckpts[0])
@@ -86,23 +119,7 @@ def main() -> int:
     with open(args.out + ".json.tmp", "w") as f:
         json.dump(results, f, indent=2)
     os.replace(args.out + ".json.tmp", args.out + ".json")
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for run, points in results.items():
-        name = os.path.basename(run.rstrip("/"))
-        x = [p["train_tokens"] / 1e3 for p in points]
-        ax1.plot(x, [p["eal"] for p in points], marker="o", label=name)
-        for a in points[0]["top1_per_occupancy"]:
-            ax2.plot(x, [p["top1_per_occupancy"][a] for p in points], marker=".",
-                     label=f"{name} a={a}", linestyle="-" if "fast" in name else "--")
-    ax1.set(xlabel="training tokens (thousands)", ylabel="greedy L'acc (60 prompts, 128 tokens)",
-            title="Equivalent acceptance length")
-    ax2.set(xlabel="training tokens (thousands)", ylabel="held-out top-1 agreement", title="Top-1 per occupancy")
-    ax1.legend()
-    ax2.legend(fontsize=6, ncol=2)
-    ax1.grid(alpha=0.3)
-    ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(args.out + ".png", dpi=110)
+    plot(results, args.out)
     print(f"wrote {args.out}.json and {args.out}.png")
     return 0
 

@@ -58,3 +58,19 @@ def test_cli_default_target(capsys):
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["n"] == 5 and out["stage_bounds"] == [0, 6, 12, 18, 24, 30]
     assert out["N"] >= 1 and out["text"]
+
+
+def test_fast_evaluator_matches_runtime_on_smollm2(smollm2):
+    from spd.fast_eval import fast_greedy_stats, record_greedy_trace
+
+    staged = StagedTarget(smollm2.model, 5)
+    eos = eos_ids_of(smollm2.model.config, smollm2.tokenizer)
+    module = SpeculationModule.from_target(staged, 1, seed=0)
+    module.init_selectors()
+    module.init_layers_from([staged.layers[-1]])
+    ids = chat_prompt_ids(smollm2.tokenizer, load_questions("humaneval")[0]["turns"][0])
+    trace = record_greedy_trace(staged, ids, 40, eos)
+    fast = fast_greedy_stats(module.eval(), trace)["stats"]
+    slow = PipelineDecoder(staged, ModuleDrafter(module), GREEDY, eos).generate(ids, 40)
+    assert slow.token_ids == trace.tokens
+    assert (fast.N, fast.K, fast.rollbacks) == (slow.stats.N, slow.stats.K, slow.stats.rollbacks)
