@@ -98,6 +98,7 @@ BAD = [
     (["model.colour=3"], "unknown config key"),
     (["data.path=/nonexistent.jsonl"], "does not exist"),
     (["resume=true"], "holds no run"),
+    (["occupancy_weights=[1.0,0.0]"], "occupancy_weights"),
 ]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 
@@ -132,6 +133,9 @@ def train(cfg) -> dict:
                 raise UserError(f"{out_dir!r} was written by a different config; resume with the same config or "
                                 "use a new output_dir")
     ds_config = deepspeed_config(cfg, world)
+    weights = list(cfg.occupancy_weights) if cfg.occupancy_weights else None
+    if weights is not None and (len(weights) != cfg.model.n or min(weights) < 0 or sum(weights) <= 0):
+        raise UserError(f"occupancy_weights={weights} needs {cfg.model.n} non-negative entries (a=1..n), not all 0")
     torch.manual_seed(cfg.seed)
     loaded, staged, train_set, held, held_convs, draft, module = prepare(cfg, log)
     module.to(PRECISION[cfg.deepspeed.precision]).train()
@@ -159,9 +163,6 @@ def train(cfg) -> dict:
     run = wandb.init(mode=cfg.wandb.mode, project=cfg.wandb.project, name=cfg.wandb.name, dir=out_dir,
                      config=resolved, resume="allow") if rank == 0 else None
     n = cfg.model.n
-    weights = list(cfg.occupancy_weights) if cfg.occupancy_weights else None
-    if weights is not None and len(weights) != n:
-        raise UserError(f"occupancy_weights has {len(weights)} entries; it needs one per occupancy a=1..{n}")
     pad = loaded.tokenizer.pad_token_id or 0
     extra = {"training": {"data": cfg.data.path, "regenerated": False, "steps": cfg.optim.steps,
                           "init_fc": cfg.model.init_fc, "init_layers": resolved["model"]["init_layers"],
@@ -205,12 +206,15 @@ def train(cfg) -> dict:
             with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:  # plain-text twin of the W&B history
                 f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", top1=f"{metrics['train/top1']:.3f}")
-            if run is not None and (step + 1) % cfg.log_every == 0 or last:
+            if run is not None and ((step + 1) % cfg.log_every == 0 or last):
                 run.log(metrics, step=step + 1)
         summary = metrics
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
             engine.save_checkpoint(ds_dir, tag=f"step{step + 1}", client_state={"step": step + 1, "tokens_seen": tokens_seen})
             if rank == 0:
+                for old in os.listdir(ds_dir):  # keep only the state `latest` points to (optimizer state is large)
+                    if old.startswith("step") and old != f"step{step + 1}":
+                        shutil.rmtree(os.path.join(ds_dir, old), ignore_errors=True)
                 meta = {**extra, "step": step + 1, "train_tokens": tokens_seen}
                 save_checkpoint(module, loaded, os.path.join(out_dir, "checkpoint"), meta)
                 if cfg.keep_checkpoints:
