@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # e.g. GGUF de-quantisation bars: stderr holds results or one error
     warnings.filterwarnings("ignore", category=FutureWarning)
     from transformers.utils import logging as hf_logging
 

@@ -74,3 +74,15 @@ def test_fast_evaluator_matches_runtime_on_smollm2(smollm2):
     slow = PipelineDecoder(staged, ModuleDrafter(module), GREEDY, eos).generate(ids, 40)
     assert slow.token_ids == trace.tokens
     assert (fast.N, fast.K, fast.rollbacks) == (slow.stats.N, slow.stats.K, slow.stats.rollbacks)
+
+
+def test_bad_input_on_the_default_target_is_one_line():
+    """After the real (GGUF) target has loaded, an error is still exactly one line on stderr."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "spd.cli", "generate", "prompt=Hi", "n=31"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "spd-infer: error: n=31 stages is impossible for a target with L=30 layers; use 1 <= n <= 30"]
