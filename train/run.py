@@ -9,7 +9,9 @@ import argparse
 import os
 import sys
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu" if not os.environ.get("CUDA_VISIBLE_DEVICES") else "cuda")
+import torch  # noqa: E402  (decides DeepSpeed's accelerator before deepspeed is imported)
+
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
