@@ -152,3 +152,21 @@ def test_local_rank_argument_is_accepted(tmp_path):
     proc = subprocess.run([*train_cmd(tmp_path / "lr2", "optim.steps=1"), "--local_rank=0"], capture_output=True,
                           text=True, env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_teacher_feature_cache_is_reused_invalidated_and_faithful(tmp_path):
+    cache = tmp_path / "cache"
+    opts = ["teacher_cache=true", f"teacher_cache_dir={cache}", "teacher_cache_dtype=float32"]
+    first = run_train(tmp_path / "a", *opts)
+    assert "writing teacher-feature cache" in first.stderr + first.stdout
+    second = run_train(tmp_path / "b", *opts)
+    assert "teacher-feature cache hit" in second.stderr + second.stdout
+    assert len(os.listdir(cache)) == 1
+    run_train(tmp_path / "c", *opts, "model.n=2")  # another layout -> a new entry
+    run_train(tmp_path / "d", *opts, "data.max_conversations=30")  # other data -> another entry
+    assert len(os.listdir(cache)) == 3
+    plain = tmp_path / "plain"
+    run_train(plain)
+    a, b = weights(tmp_path / "a"), weights(plain)
+    for key in a:  # float32 cache: the same function of the same teacher states as the uncached run
+        torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=1e-4)

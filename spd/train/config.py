@@ -64,6 +64,9 @@ class TrainConfig:
     keep_checkpoints: bool = False      # also keep checkpoints/step-XXXXX at every save (for curves)
     p_full: float = 0.5                 # probability of a full pipeline in the simulated occupancy (paper: 0.5)
     occupancy_weights: Optional[List[float]] = None  # instead of the paper's policy: P(a=1..n), e.g. as measured
+    teacher_cache: bool = False         # compute the teacher's needed hidden states once, reuse them every epoch
+    teacher_cache_dir: str = "outputs/cache/teacher"
+    teacher_cache_dtype: str = "float16"  # float16 halves the disk; float32 keeps the teacher's exact values
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)

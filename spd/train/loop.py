@@ -24,7 +24,9 @@ from spd.target.loading import load_target
 from spd.target.stages import StagedTarget
 from spd.train.data import load_conversations, tokenize_conversations
 from spd.train.evaluate import evaluate
-from spd.train.objective import build_draft_vocab, collate, kd_loss, teacher_pass
+from spd.train.feature_cache import DTYPES as CACHE_DTYPES
+from spd.train.feature_cache import build_or_load
+from spd.train.objective import build_draft_vocab, collate, kd_loss, teacher_pass, teacher_targets
 
 PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -136,8 +138,17 @@ def train(cfg) -> dict:
     weights = list(cfg.occupancy_weights) if cfg.occupancy_weights else None
     if weights is not None and (len(weights) != cfg.model.n or min(weights) < 0 or sum(weights) <= 0):
         raise UserError(f"occupancy_weights={weights} needs {cfg.model.n} non-negative entries (a=1..n), not all 0")
+    if cfg.teacher_cache_dtype not in CACHE_DTYPES:
+        raise UserError(f"teacher_cache_dtype={cfg.teacher_cache_dtype!r} is not one of {', '.join(CACHE_DTYPES)}")
     torch.manual_seed(cfg.seed)
     loaded, staged, train_set, held, held_convs, draft, module = prepare(cfg, log)
+    features = None
+    if cfg.teacher_cache:
+        if rank == 0:
+            build_or_load(staged, loaded.fingerprint, train_set, cfg.teacher_cache_dir, cfg.teacher_cache_dtype, log)
+        torch.distributed.barrier()
+        features = build_or_load(staged, loaded.fingerprint, train_set, cfg.teacher_cache_dir,
+                                 cfg.teacher_cache_dtype, log=lambda m: None)
     module.to(PRECISION[cfg.deepspeed.precision]).train()
     optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
@@ -176,7 +187,11 @@ def train(cfg) -> dict:
         for idx in micro_batches(len(train_set), cfg.seed, step, rank, world, cfg.deepspeed.micro_batch,
                                  cfg.deepspeed.accumulation):
             batch = collate([train_set[i] for i in idx], pad)
-            teacher = teacher_pass(staged, batch, draft)
+            if features is None:
+                teacher = teacher_pass(staged, batch, draft)
+            else:
+                cached = features.hidden(idx, batch["input_ids"].shape[1], staged.device)
+                teacher = teacher_targets(staged, cached, batch, draft)
             hidden = {k: v.to(PRECISION[cfg.deepspeed.precision]) for k, v in teacher.hidden.items()}
             occ = sample_occupancy(len(idx), n, occ_gen, cfg.p_full, weights).to(staged.device)
             logits = engine(hidden, occ, batch["valid"].to(staged.device))

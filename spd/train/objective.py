@@ -53,9 +53,17 @@ def teacher_pass(staged: StagedTarget, batch: dict, draft_to_target: torch.Tenso
     """One frozen forward keeping only the needed layers; teacher probabilities only at loss positions."""
     ids = batch["input_ids"].to(staged.device)
     capture = frozenset(needed_layers(staged.bounds))
-    h_last, hidden = staged.forward_all(ids, cache=None, capture=capture)
+    _, hidden = staged.forward_all(ids, cache=None, capture=capture)
+    return teacher_targets(staged, hidden, batch, draft_to_target)
+
+
+@torch.no_grad()
+def teacher_targets(staged: StagedTarget, hidden: dict[int, torch.Tensor], batch: dict,
+                    draft_to_target: torch.Tensor | None) -> TeacherBatch:
+    """The teacher's next-token distribution at the loss positions, from its final hidden state H^L."""
     where = torch.nonzero(batch["loss_mask"].to(staged.device))          # [M, 2]
-    logits = staged.logits(h_last[where[:, 0], where[:, 1]]).float()      # [M, V]
+    h_last = hidden[staged.num_layers]
+    logits = staged.logits(h_last[where[:, 0], where[:, 1]].to(staged.dtype)).float()  # [M, V]
     excluded = 0
     if draft_to_target is not None:
         in_draft = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
