@@ -20,7 +20,9 @@ import time
 import torch
 
 from spd.ar import ar_generate
+from spd.decoding import prefill
 from spd.drafters.spd_module import ModuleDrafter
+from spd.layout import needed_layers
 from spd.module import SpeculationModule
 from spd.pipeline import PipelineDecoder
 from spd.sampling import SamplingParams
@@ -83,13 +85,10 @@ def main() -> int:
     # on the same state a decoding step sees (prompt + tokens generated so far).
     ar_res = ar()
     seq = ids + ar_res.token_ids
-    cache = staged.new_cache()
     with torch.no_grad():
-        staged.forward_all(torch.tensor([seq[:-1]]), cache, 0)
+        # one prefill gives both the target's cache and the hidden states the drafter's memory rows need
+        cache, _, captured = prefill(staged, seq[:-1], frozenset(needed_layers(staged.bounds)))
         drafter = ModuleDrafter(module)
-        from spd.decoding import prefill
-        from spd.layout import needed_layers
-        _, _, captured = prefill(staged, seq[:-1], frozenset(needed_layers(staged.bounds)))
         drafter.start(captured, seq[:-1])
         dec = PipelineDecoder(staged, drafter, greedy, no_eos)
         slot = dec.new_slot(seq[-1], len(seq) - 1)

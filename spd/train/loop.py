@@ -144,11 +144,14 @@ def train(cfg) -> dict:
     loaded, staged, train_set, held, held_convs, draft, module = prepare(cfg, log)
     features = None
     if cfg.teacher_cache:
+        # rank 0 writes the cache; the others open it once it exists
         if rank == 0:
-            build_or_load(staged, loaded.fingerprint, train_set, cfg.teacher_cache_dir, cfg.teacher_cache_dtype, log)
+            features = build_or_load(staged, loaded.fingerprint, train_set, cfg.teacher_cache_dir,
+                                     cfg.teacher_cache_dtype, log)
         torch.distributed.barrier()
-        features = build_or_load(staged, loaded.fingerprint, train_set, cfg.teacher_cache_dir,
-                                 cfg.teacher_cache_dtype, log=lambda m: None)
+        if features is None:
+            features = build_or_load(staged, loaded.fingerprint, train_set, cfg.teacher_cache_dir,
+                                     cfg.teacher_cache_dtype, log=lambda m: None)
     module.to(PRECISION[cfg.deepspeed.precision]).train()
     optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
