@@ -33,7 +33,7 @@ def load_traces(loaded, staged, limit, max_new, cache_dir):
     key = hashlib.sha256(json.dumps([loaded.fingerprint, staged.bounds, prompts, max_new]).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir, f"greedy-traces-{key}.pt")
     if os.path.exists(path):
-        return prompts, torch.load(path)
+        return prompts, torch.load(path, map_location=staged.device)
     eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
     traces = []
     for _, _, text in tqdm(prompts, desc="target greedy traces"):
@@ -54,8 +54,10 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--cache-dir", default="outputs/cache")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    loaded = load_target("smollm2")
+    loaded = load_target(args.target, torch.float32, args.device)
     n = read_checkpoint_config(args.checkpoint)["n"] if args.checkpoint else args.n
     staged = StagedTarget(loaded.model, n)
     module = load_checkpoint(args.checkpoint, staged, loaded) if args.checkpoint else \

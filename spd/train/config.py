@@ -23,6 +23,11 @@ class DataSection:
     max_conversations: int = 4000
     max_length: int = 1024              # conversations longer than this (tokens) are dropped
     heldout: int = 16                   # conversations kept out of training for eval
+    regenerate: bool = False            # replace assistant replies by the target's own (first user turn kept)
+    regenerate_temperature: float = 0.0  # 0 = greedy replies
+    regenerate_new_tokens: int = 512
+    regenerate_batch: int = 16          # prompts per generate call
+    regenerated_dir: str = "outputs/cache/regenerated"
 
 
 @dataclass

@@ -26,6 +26,7 @@ from spd.train.data import load_conversations, tokenize_conversations
 from spd.train.evaluate import evaluate
 from spd.train.feature_cache import DTYPES as CACHE_DTYPES
 from spd.train.feature_cache import build_or_load
+from spd.train.regenerate import regenerate, regenerated_path
 from spd.train.objective import build_draft_vocab, collate, kd_loss, teacher_pass, teacher_targets
 
 PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -86,6 +87,22 @@ def micro_batches(num_examples: int, seed: int, step: int, rank: int, world: int
     return out
 
 
+def regenerated_conversations(cfg, loaded, convs, log):
+    """The target's own replies to the conversations' first user turns (rank 0 writes them, once per settings)."""
+    d = cfg.data
+    settings = {"temperature": d.regenerate_temperature, "new_tokens": d.regenerate_new_tokens,
+                "max_length": d.max_length, "seed": cfg.seed}
+    path = regenerated_path(d.regenerated_dir, loaded.fingerprint, d.path, convs, settings)
+    distributed = torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_rank() == 0:
+        regenerate(loaded.model, loaded.tokenizer, convs, path, temperature=d.regenerate_temperature,
+                   max_new_tokens=d.regenerate_new_tokens, max_prompt_tokens=d.max_length - d.regenerate_new_tokens,
+                   batch_size=d.regenerate_batch, seed=cfg.seed, log=log)
+    if distributed:
+        torch.distributed.barrier()
+    return load_conversations(path, len(convs)), path
+
+
 def prepare(cfg, log):
     """Target, stages, data splits, draft vocabulary, module (everything but the engine)."""
     loaded = load_target(cfg.model.target, torch.float32, "cuda" if torch.cuda.is_available() else "cpu")
@@ -96,6 +113,8 @@ def prepare(cfg, log):
         raise UserError(f"model.n={cfg.model.n} must be within 1..{L} for this target")
     staged = StagedTarget(loaded.model, cfg.model.n, list(cfg.model.stage_bounds) if cfg.model.stage_bounds else None)
     convs = load_conversations(cfg.data.path, cfg.data.max_conversations + cfg.data.heldout)
+    if cfg.data.regenerate:
+        convs, _ = regenerated_conversations(cfg, loaded, convs, log)
     order = torch.randperm(len(convs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     held_convs = [convs[i] for i in order[: cfg.data.heldout]]
     train_convs = [convs[i] for i in order[cfg.data.heldout:]]
@@ -119,7 +138,6 @@ def prepare(cfg, log):
 
 def train(cfg) -> dict:
     import deepspeed
-    import wandb
 
     rank, world = init_distributed()
     log = (lambda msg: tqdm.write(f"[train] {msg}")) if rank == 0 else (lambda msg: None)
@@ -174,11 +192,13 @@ def train(cfg) -> dict:
         os.replace(tmp, cfg_path)
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(cfg))
+    if rank == 0 and cfg.wandb.mode != "disabled":
+        import wandb  # imported only when used: it is slow to import and optional on bare machines
     run = wandb.init(mode=cfg.wandb.mode, project=cfg.wandb.project, name=cfg.wandb.name, dir=out_dir,
-                     config=resolved, resume="allow") if rank == 0 else None
+                     config=resolved, resume="allow") if rank == 0 and cfg.wandb.mode != "disabled" else None
     n = cfg.model.n
     pad = loaded.tokenizer.pad_token_id or 0
-    extra = {"training": {"data": cfg.data.path, "regenerated": False, "steps": cfg.optim.steps,
+    extra = {"training": {"data": cfg.data.path, "regenerated": cfg.data.regenerate, "steps": cfg.optim.steps,
                           "init_fc": cfg.model.init_fc, "init_layers": resolved["model"]["init_layers"],
                           "occupancy_weights": weights, "lr": cfg.optim.lr}}
     summary = {}
