@@ -55,6 +55,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from spd.eval.config import EvalConfig
+    from spd.config import load_config
+    from spd.eval.harness import run_eval
+
+    cfg = load_config(EvalConfig, args.config, args.overrides)
+    summary = run_eval(cfg, log=lambda msg: print(f"[eval] {msg}", file=sys.stderr))
+    overall = summary["overall"]
+    print(f"[eval] {summary['run']['label']} T={cfg.temperature:g}: L′acc (pooled) {overall['eal_pooled']:.3f}, "
+          f"mean of per-sample ratios {overall['eal_mean_of_ratios']:.3f}, {overall['samples']} samples -> "
+          f"{cfg.output_dir}", file=sys.stderr)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from spd.eval.report import load_run, report_command
+
+    for path in report_command(args.dirs, args.out):
+        print(path)
+    for directory in args.dirs:
+        run = load_run(directory)
+        print(f"{directory}: {run['run']['label']} L′acc {run['overall']['eal_pooled']:.3f}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spd-infer", description="Speculative Pipeline Decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--config", default=None, help="YAML config (configs/infer/generate.yaml)")
     gen.add_argument("overrides", nargs="*", help="key=value overrides, e.g. n=5 max_new_tokens=64")
     gen.set_defaults(func=cmd_generate)
+    ev = sub.add_parser("eval", help="MT-Bench / GSM8K / HumanEval: L′acc, speedups, JSONL, table, plots, W&B")
+    ev.add_argument("--config", default=None, help="YAML config (configs/eval/*.yaml)")
+    ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. checkpoint=DIR limit=20 n=5")
+    ev.set_defaults(func=cmd_eval)
+    rep = sub.add_parser("report", help="rebuild the table and plots from one or more eval directories")
+    rep.add_argument("dirs", nargs="+", help="eval output directories (each holds summary.json)")
+    rep.add_argument("--out", default=None, help="where to write table.md and the PNGs (default: the first dir)")
+    rep.set_defaults(func=cmd_report)
     return parser
 
 

@@ -27,3 +27,36 @@ def spd_run(model, n, prompt_ids, max_new, module_layers=1, use_cache=True, draf
 
 def ar_run(model, prompt_ids, max_new, params=GREEDY, eos=frozenset(), generator=None):
     return ar_generate(StagedTarget(model, 1), prompt_ids, max_new, params, eos, generator)
+
+
+def read_wandb_offline(run_dir: str) -> dict:
+    """Metrics logged to an offline W&B run, read back from its run-*.wandb file (a LevelDB-style record log
+    of protobuf Records: 7-byte file header, 32 KiB blocks, each record with a 7-byte header)."""
+    import glob
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = glob.glob(f"{run_dir}/run-*.wandb")
+    with open(path, "rb") as f:
+        raw = f.read()
+    block, pos, pending, found = 32768, 7, b"", {}
+    while pos + 7 <= len(raw):
+        left = block - pos % block
+        crc, length, kind = struct.unpack("<IHB", raw[pos: pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (kind == 0 and length == 0):
+            pos += left  # block trailer or padding
+            continue
+        data, pos = raw[pos + 7: pos + 7 + length], pos + 7 + length
+        pending = data if kind in (1, 2) else pending + data
+        if kind not in (1, 4):  # FIRST / MIDDLE fragments: wait for the rest
+            continue
+        record = pb.Record()
+        record.ParseFromString(pending)
+        items = {"history": lambda r: r.history.item, "summary": lambda r: r.summary.update}
+        kind_name = record.WhichOneof("record_type")
+        if kind_name in items:
+            for item in items[kind_name](record):
+                found[(kind_name, item.key or "/".join(item.nested_key))] = json.loads(item.value_json)
+    return found

@@ -1,0 +1,1 @@
+"""Evaluation: the benchmark harness, its reports and the measured-cost speedup."""

@@ -1,0 +1,146 @@
+"""Measured-cost speedup (design §3): the paper's formula counts decoder layers only; this one counts seconds.
+
+On the machine at hand we time, each after warm-up as the median of `repeats` runs (with device syncs around
+the timers on CUDA):
+- stage_s[s]: pipeline stage s decoding one token against a KV cache that holds `context` tokens;
+- head_s:     the target head (final norm + full-vocabulary LM head) on one hidden row;
+- module_s:   one steady-state draft: `ModuleDrafter.draft_logits` with a full pipeline (n in-flight slots),
+              exactly the call `PipelineDecoder.generate` makes, plus choosing the draft token from it
+              (argmax, or warp + sample when T > 0), since that token must exist before the next step;
+- verify_s:   `verify_greedy` (T = 0), or warping the target's logits + `verify_sampled` (T > 0).
+
+Cost model:
+- plain AR, per token:  T_ar = Σ_s stage_s + head. The embedding lookup is a row gather, negligible next to
+  any decoder layer, and is left out of both sides.
+- SPD, one device per stage: in every step all stages run concurrently, the last one also runs the head and
+  verifies, and the module drafts concurrently with the step (paper §3), so
+      T_step = max(max_{s<n} stage_s, stage_n + head + verify, module).
+  Communication between devices (sending a [1, d] hidden row per stage per step) is not modelled.
+- A step settles α = N/K tokens on average, so speedup_measured = α · T_ar / T_step, while the layer-count
+  formula gives n · α (they agree when the stages are equal and head, module and verification cost nothing).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from spd.drafters.base import Slot
+from spd.drafters.spd_module import ModuleDrafter
+from spd.layout import needed_layers
+from spd.module import SpeculationModule
+from spd.sampling import SamplingParams, greedy_token, sample, verify_greedy, verify_sampled, warp
+from spd.target.stages import StagedTarget
+
+LAST = "last stage + head + verify"
+
+
+# ---------------------------------------------------------------- the cost model
+def ar_token_time(stage_s: list[float], head_s: float) -> float:
+    """Seconds per token of plain AR decoding: every layer, then the head."""
+    return sum(stage_s) + head_s
+
+
+def step_time(stage_s: list[float], head_s: float, verify_s: float, module_s: float) -> tuple[float, str]:
+    """Seconds per SPD step with one device per stage, and which term sets it."""
+    terms = {f"stage {s + 1}": t for s, t in enumerate(stage_s[:-1])}
+    terms[LAST] = stage_s[-1] + head_s + verify_s
+    terms["module"] = module_s
+    bottleneck = max(terms, key=terms.get)  # ties: the earliest term in pipeline order
+    return terms[bottleneck], bottleneck
+
+
+def measured_cost_speedup(alpha: float, calibration: dict) -> float:
+    """α tokens per step, each step costing step_s instead of ar_token_s per token."""
+    return alpha * calibration["ar_token_s"] / calibration["step_s"]
+
+
+def formula_speedup(alpha: float, n: int) -> float:
+    """The paper's layer-count speedup L′acc = n·α."""
+    return n * alpha
+
+
+# ---------------------------------------------------------------- timing
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device,
+                    reset: Callable[[], None] = lambda: None, warmup: int = 3) -> float:
+    """Median wall time of fn(); `reset` runs after every call, outside the timer (e.g. a cache crop)."""
+    for _ in range(warmup):
+        fn()
+        reset()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        reset()
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingParams,
+              context: int = 128, repeats: int = 20) -> dict:
+    """Time each term of the cost model on this machine (see the module docstring)."""
+    n, device = staged.n, staged.device
+    if context < n:
+        raise ValueError(f"context={context} must hold at least n={n} tokens to fill the pipeline")
+    generator = torch.Generator(device=device).manual_seed(0)
+    # One prefill over context + 1 tokens gives the cache (cropped back to `context`), the stage inputs of the
+    # new token at position `context`, and every hidden state the module's rows read.
+    ids = torch.randint(staged.config.vocab_size, (1, context + 1), generator=generator, device=device)
+    cache = staged.new_cache()
+    final, hidden = staged.forward_all(ids, cache, 0, frozenset(needed_layers(staged.bounds)) | set(staged.bounds))
+    cache.crop(context)
+    position = torch.tensor([context], device=device)
+
+    stage_s = []
+    for s in range(n):
+        stage_in = hidden[staged.bounds[s]][:, context:]                     # [1, 1, d] H^{b_s} of the new token
+        stage_s.append(_median_seconds(lambda: staged.run_stage(s, stage_in, position, cache), repeats, device,
+                                       reset=lambda: cache.crop(context)))  # keep the context length fixed
+
+    last_row = final[0, -1]                                                  # [d] H^L of the new token
+    head_s = _median_seconds(lambda: staged.logits(last_row), repeats, device)
+
+    # Steady state: positions 0..context-n are final (depth n), the n newest are in flight at depths n-1..0.
+    drafter = ModuleDrafter(module)
+    done = context - n + 1
+    drafter.start({layer: h[:, :done] for layer, h in hidden.items()}, ids[0, :done].tolist())
+    slots = []
+    for pos in range(done, context + 1):
+        k = context - pos
+        # [1, 1, d] each: only the layers a token at depth k has already passed
+        captured = {layer: h[:, pos: pos + 1] for layer, h in hidden.items() if layer <= staged.bounds[k]}
+        slots.append(Slot(token=int(ids[0, pos]), pos=pos, depth=k, hidden=captured[staged.bounds[k]],
+                          captured=captured))
+
+    def draft() -> tuple[int, torch.Tensor | None]:
+        logits = drafter.draft_logits(context, n, slots)                     # [V]
+        if params.greedy:
+            return greedy_token(logits), None
+        q = warp(logits, params)
+        return sample(q, generator), q
+
+    module_s = _median_seconds(draft, repeats, device)
+
+    target_logits = staged.logits(last_row)                                  # [V]
+    token, q = draft()
+    if params.greedy:
+        verify_s = _median_seconds(lambda: verify_greedy(token, target_logits), repeats, device)
+    else:
+        verify_s = _median_seconds(lambda: verify_sampled(token, warp(target_logits, params), q, generator),
+                                   repeats, device)
+
+    step_s, bottleneck = step_time(stage_s, head_s, verify_s, module_s)
+    return {"stage_s": stage_s, "head_s": head_s, "module_s": module_s, "verify_s": verify_s,
+            "ar_token_s": ar_token_time(stage_s, head_s), "step_s": step_s, "bottleneck": bottleneck,
+            "context": context, "repeats": repeats, "device": str(device), "dtype": str(staged.dtype)}

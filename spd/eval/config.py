@@ -1,0 +1,39 @@
+"""`spd-infer eval`'s structured config (OmegaConf; YAML in configs/eval/, key=value overrides, unknown keys rejected)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class EvalWandb:
+    mode: str = "offline"               # offline | online | disabled
+    project: str = "spd"
+    name: Optional[str] = None
+
+
+@dataclass
+class EvalConfig:
+    target: str = "smollm2"             # "smollm2", an HF model directory, a .gguf file, or tiny-<family>
+    checkpoint: Optional[str] = None    # trained module directory; None = a randomly initialised module (smoke tests)
+    datasets: List[str] = field(default_factory=lambda: ["mt_bench", "gsm8k", "humaneval"])
+    limit: Optional[int] = None         # the first `limit` prompts of each dataset; None = all 80
+    n: Optional[int] = None             # None = the checkpoint's n, else 5
+    stage_bounds: Optional[List[int]] = None
+    module_layers: int = 1              # L_s of a randomly initialised module
+    module_cache: bool = True
+    max_new_tokens: int = 512           # the paper's protocol
+    temperature: float = 0.0            # 0 = greedy; the paper's sampled setting is T=1, top-k 50, top-p 1.0
+    top_k: int = 50                     # used when temperature > 0
+    top_p: float = 1.0
+    seed: int = 0                       # each prompt's generator is seeded from (seed, dataset, question_id)
+    exact_trace: bool = False           # T=0: run the step-by-step runtime instead of the exact fast evaluator
+    ar_baseline: bool = True            # runtime samples: also decode with plain AR (lossless check + tokens/s)
+    calibrate: bool = True              # measure stage/module/head/verify times for the measured-cost speedup
+    dtype: str = "float32"
+    device: str = "cpu"
+    output_dir: str = "outputs/eval/run"
+    resume: bool = True                 # skip samples already in output_dir/samples.jsonl (same config only)
+    trace_cache_dir: str = "outputs/cache/traces"
+    wandb: EvalWandb = field(default_factory=EvalWandb)

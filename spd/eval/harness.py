@@ -1,0 +1,181 @@
+"""`spd-infer eval`: the paper's protocol on MT-Bench, GSM8K and HumanEval (first turn, chat template, greedy or
+T=1/top-k 50/top-p 1.0, a fixed seed per prompt), per-sample JSONL, pooled summaries, report, W&B.
+
+Greedy runs use the exact fast evaluator by default: the target's greedy trace (cached) plus batched module passes
+give every N and K the step-by-step runtime would (bench/fast_eval_check.py proves it on the eval prompts);
+`exact_trace=true` runs the runtime itself, and then plain AR as well, checking every sample token for token.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import time
+import zlib
+
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from spd.ar import ar_generate
+from spd.errors import UserError
+from spd.eval.output import EvalOutput, write_json
+from spd.eval.summary import summarise
+from spd.eval.traces import TraceCache
+from spd.fast_eval import fast_greedy_stats
+from spd.pipeline import PipelineDecoder
+from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.session import Session, open_session
+
+
+def validate(cfg) -> None:
+    unknown = [ds for ds in cfg.datasets if ds not in DATASETS]
+    if unknown or not cfg.datasets:
+        raise UserError(f"unknown dataset {', '.join(map(repr, unknown)) or '(none given)'}; choose from "
+                        f"{', '.join(DATASETS)}")
+    if cfg.limit is not None and cfg.limit < 1:
+        raise UserError(f"limit={cfg.limit} must be a positive number of prompts per dataset (or null for all)")
+    if cfg.temperature < 0:
+        raise UserError(f"temperature={cfg.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < cfg.top_p <= 1:
+        raise UserError(f"top_p={cfg.top_p} must be in (0, 1]")
+
+
+def prompt_seed(seed: int, dataset: str, question_id) -> int:
+    """A fixed seed per prompt, independent of which other prompts run or in what order."""
+    return zlib.crc32(f"{seed}/{dataset}/{question_id}".encode())
+
+
+def fast_sample(session: Session, traces: TraceCache, dataset: str, question_id, prompt_ids) -> dict:
+    trace, info = traces.get(dataset, question_id, prompt_ids)
+    start = time.perf_counter()
+    result = fast_greedy_stats(session.module, trace)
+    seconds = time.perf_counter() - start
+    stats = result["stats"]
+    return {"mode": "fast", "token_ids": trace.tokens, **stats.as_dict(), "ar_match": None,
+            "wall_s": seconds, "tokens_per_s": None,
+            "ar_tokens_per_s": len(trace.tokens) / info["seconds"] if info["recorded_now"] else None,
+            "min_target_margin": result["min_target_margin"]}
+
+
+def runtime_sample(session: Session, cfg, seed: int, prompt_ids) -> dict:
+    device = session.staged.device
+    decoder = PipelineDecoder(session.staged, session.drafter(cfg.module_cache), session.params, session.eos_ids)
+    spd = decoder.generate(prompt_ids, cfg.max_new_tokens, torch.Generator(device=device).manual_seed(seed))
+    record = {"mode": "runtime", "token_ids": spd.token_ids, **spd.stats.as_dict(), "ar_match": None,
+              "wall_s": spd.seconds, "tokens_per_s": spd.tokens_per_s, "ar_tokens_per_s": None}
+    if cfg.ar_baseline:
+        ar = ar_generate(session.staged, prompt_ids, cfg.max_new_tokens, session.params, session.eos_ids,
+                         torch.Generator(device=device).manual_seed(seed))
+        record["ar_tokens_per_s"] = ar.tokens_per_s
+        if session.params.greedy:  # lossless: greedy SPD must be the target's own greedy decode
+            record["ar_match"] = ar.token_ids == spd.token_ids
+    return record
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=__file__.rsplit("/", 3)[0])
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads, {platform.node()}"
+
+
+def run_label(session: Session, cfg) -> str:
+    suffix = "" if cfg.checkpoint else ", untrained"
+    return f"SPD (n={session.staged.n}, L_s={len(session.module.layers)}{suffix})"
+
+
+def run_eval(cfg, log=print) -> dict:
+    validate(cfg)
+    session = open_session(cfg)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    out = EvalOutput(cfg.output_dir, resolved, cfg.resume)
+    tok = session.loaded.tokenizer
+    if tok is None:
+        raise UserError(f"target {session.loaded.name!r} has no tokenizer; eval needs its chat template")
+    work = [(ds, q) for ds in cfg.datasets for q in load_questions(ds)[: cfg.limit]]
+    done = out.done()
+    todo = [(ds, q) for ds, q in work if (ds, str(q["question_id"])) not in done]
+    fast = session.params.greedy and not cfg.exact_trace
+    traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens) if fast else None
+    L_s = len(session.module.layers)
+    log(f"{len(work)} prompts, {len(work) - len(todo)} already done; "
+        f"{'fast evaluator (greedy)' if fast else 'step-by-step runtime'}")
+    for ds, q in tqdm(todo, desc="eval", unit="prompt", disable=False):  # explicit: the CLI mutes other bars
+        ids = chat_prompt_ids(tok, q["turns"][0])
+        seed = prompt_seed(cfg.seed, ds, q["question_id"])
+        with torch.no_grad():
+            rec = fast_sample(session, traces, ds, q["question_id"], ids) if fast else runtime_sample(session, cfg, seed, ids)
+        token_ids = rec.pop("token_ids")
+        out.append({"question_id": q["question_id"], "dataset": ds, "method": "spd", "L_s": L_s,
+                    "T": cfg.temperature, "top_k": session.params.top_k, "top_p": session.params.top_p,
+                    "seed": seed, **rec, "text": tok.decode(token_ids, skip_special_tokens=True)})
+    selected = {(ds, str(q["question_id"])) for ds, q in work}
+    samples = [s for s in out.samples if (s["dataset"], str(s["question_id"])) in selected]
+    summary = summarise(samples, list(cfg.datasets))
+    calibration = None
+    if cfg.calibrate:
+        from spd.eval.calibrate import calibrate
+
+        calibration = calibrate(session.staged, session.module, session.params)
+    summary["speedup"] = speedups(summary, session.staged.n, calibration)
+    summary["run"] = {"method": "spd", "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
+                      "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": 1,
+                      "max_new_tokens": cfg.max_new_tokens, "checkpoint": cfg.checkpoint,
+                      "target": session.loaded.name, "mode": "fast" if fast else "runtime"}
+    summary["meta"] = {"config": resolved, "git_commit": git_commit(), "machine": machine(session.staged.device),
+                       "dtype": cfg.dtype, "seed": cfg.seed, "torch": torch.__version__,
+                       "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+    write_json(f"{cfg.output_dir}/summary.json", summary)
+    from spd.eval.report import write_report
+
+    write_report([summary], cfg.output_dir)
+    log_wandb(cfg, resolved, summary)
+    return summary
+
+
+def speedups(summary: dict, n: int, calibration: dict | None) -> dict:
+    from spd.eval.calibrate import formula_speedup, measured_cost_speedup
+
+    groups = {**summary["datasets"], "overall": summary["overall"]}
+    formula = {k: formula_speedup(v["alpha_pooled"], n) for k, v in groups.items() if v.get("alpha_pooled")}
+    measured = None
+    if calibration:
+        measured = {k: measured_cost_speedup(v["alpha_pooled"], calibration) for k, v in groups.items()
+                    if v.get("alpha_pooled")}
+    return {"formula": formula, "measured_cost": measured, "calibration": calibration}
+
+
+def log_wandb(cfg, resolved: dict, summary: dict) -> None:
+    """One W&B run per eval (offline by default): L'acc per dataset as metrics and summary, plus the table."""
+    if cfg.wandb.mode == "disabled":
+        return
+    import wandb
+
+    run = wandb.init(mode=cfg.wandb.mode, project=cfg.wandb.project, dir=cfg.output_dir, config=resolved,
+                     settings=wandb.Settings(silent=True),
+                     name=cfg.wandb.name or summary["run"]["label"], job_type="eval",
+                     tags=[f"n={summary['run']['n']}", f"T={cfg.temperature:g}"])
+    metrics = {}
+    for ds, figures in {**summary["datasets"], "overall": summary["overall"]}.items():
+        for key in ("eal_pooled", "eal_mean_of_ratios", "alpha_pooled", "rollbacks", "N", "K"):
+            metrics[f"eval/{ds}/{key}"] = figures.get(key)
+    for kind in ("formula", "measured_cost"):
+        for ds, value in (summary["speedup"][kind] or {}).items():
+            metrics[f"speedup/{kind}/{ds}"] = value
+    metrics = {k: v for k, v in metrics.items() if v is not None}
+    run.log(metrics)
+    rows = [[ds, f["samples"], f["eal_pooled"], f["eal_mean_of_ratios"], f["alpha_pooled"],
+             (summary["speedup"]["measured_cost"] or {}).get(ds)] for ds, f in summary["datasets"].items()]
+    run.log({"eval/table": wandb.Table(columns=["dataset", "samples", "eal_pooled", "eal_mean_of_ratios",
+                                                "alpha_pooled", "measured_cost_speedup"], data=rows)})
+    run.summary.update(metrics)
+    run.finish()

@@ -1,0 +1,250 @@
+"""Reports over `spd-infer eval` runs: a Markdown table in the layout of the SPD paper's Table 1, and plots.
+
+Every run is one output directory of `spd-infer eval` holding a `summary.json`. The table gives L′acc
+(pooled n·ΣN/ΣK per dataset) per method and decoding setting, the mean over datasets as the paper reports
+it, and the speedups; the plots compare L′acc per dataset, the accepted-run lengths, and L′acc against n.
+Every file is written to a temporary name in its directory and then renamed, so none is ever half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from spd.errors import UserError  # noqa: E402
+
+DATASETS = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval"}
+DASH = "–"
+DPI = 120
+
+
+# ---------------------------------------------------------------- loading
+
+def load_run(directory: str) -> dict:
+    """Read `<directory>/summary.json`; UserError when it is missing, unreadable or not an eval summary."""
+    path = os.path.join(directory, "summary.json")
+    hint = "give a directory written by `spd-infer eval`"
+    if not os.path.isfile(path):
+        raise UserError(f"{directory} holds no summary.json; {hint}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path} is unreadable ({str(exc).splitlines()[0]}); {hint}") from exc
+    if not isinstance(summary, dict) or not {"run", "datasets"} <= summary.keys():
+        raise UserError(f"{path} is not an eval summary (no 'run'/'datasets'); {hint}")
+    return summary
+
+
+# ---------------------------------------------------------------- run helpers
+
+def setting(run: dict) -> str:
+    """The decoding setting of a run, as the paper's column header: 'T=0, W=1'."""
+    r = run["run"]
+    return f"T={float(r['temperature']):g}, W={r['W']}"
+
+
+def _setting_key(run: dict) -> tuple[float, int]:
+    return float(run["run"]["temperature"]), int(run["run"]["W"])
+
+
+def _series_name(run: dict) -> str:
+    return f"{run['run']['label']} ({setting(run)})"
+
+
+def _unique(runs: list[dict]) -> list[dict]:
+    """One run per (label, setting), the later one winning; first-appearance order is kept."""
+    by_key: dict[tuple[str, str], dict] = {}
+    for run in runs:
+        by_key[(run["run"]["label"], setting(run))] = run
+    return list(by_key.values())
+
+
+def _datasets(runs: list[dict]) -> list[str]:
+    """Datasets present in any run: the paper's three in their order, then any others."""
+    present = {name for run in runs for name in run["datasets"]}
+    extra = sorted(present - DATASETS.keys())
+    return [name for name in DATASETS if name in present] + extra
+
+
+def _eal(run: dict, dataset: str) -> float | None:
+    return (run["datasets"].get(dataset) or {}).get("eal_pooled")
+
+
+def _mean(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def mean_eal(run: dict) -> float | None:
+    """L′acc averaged over the run's datasets (mean of per-dataset pooled values, as in the paper)."""
+    return _mean([_eal(run, name) for name in run["datasets"]])
+
+
+def _speedup(run: dict, kind: str, dataset: str) -> float | None:
+    table = (run.get("speedup") or {}).get(kind) or {}
+    return table.get(dataset)
+
+
+# ---------------------------------------------------------------- Markdown
+
+def _fmt(value: float | None) -> str:
+    return DASH if value is None else f"{value:.2f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _method_table(runs: list[dict], cell) -> list[str]:
+    """Rows = labels, columns = settings, cell(run) for each present (label, setting), '–' otherwise."""
+    labels = list(dict.fromkeys(run["run"]["label"] for run in runs))
+    settings = [setting(run) for run in sorted(runs, key=_setting_key)]
+    settings = list(dict.fromkeys(settings))
+    index = {(run["run"]["label"], setting(run)): run for run in runs}
+    rows = [[label] + [cell(index[(label, s)]) if (label, s) in index else DASH for s in settings]
+            for label in labels]
+    return _table(["Method"] + settings, rows)
+
+
+def _speedup_cell(run: dict, dataset: str | None, names: list[str]) -> str:
+    def value(kind: str) -> float | None:
+        if dataset is None:  # the Mean column: mean over datasets, like the L′acc tables
+            return _mean([_speedup(run, kind, name) for name in names])
+        return _speedup(run, kind, dataset)
+
+    return f"{_fmt(value('formula'))} / {_fmt(value('measured_cost'))}"
+
+
+def markdown_table(runs: list[dict]) -> str:
+    """Table 1 of the SPD paper for these runs: L′acc (mean, then per dataset) and speedups, as Markdown."""
+    runs = _unique(runs)
+    names = _datasets(runs)
+    lines = ["## L′acc, mean over datasets", ""] + _method_table(runs, lambda r: _fmt(mean_eal(r)))
+    for name in names:
+        lines += ["", f"## {DATASETS.get(name, name)}", ""]
+        lines += _method_table(runs, lambda r, name=name: _fmt(_eal(r, name)))
+    header = ["Method", "Setting"] + [DATASETS.get(name, name) for name in names] + ["Mean"]
+    rows = [[run["run"]["label"], setting(run)] + [_speedup_cell(run, name, names) for name in names]
+            + [_speedup_cell(run, None, [n for n in names if n in run["datasets"]])] for run in runs]
+    lines += ["", "## Speedup (formula / measured)", ""] + _table(header, rows)
+    lines += ["", "L′acc = n·ΣN/ΣK pooled over each dataset's samples (Mean = mean over datasets); the mean of "
+              f"per-sample ratios is in summary.json (eal_mean_of_ratios); {DASH} = not run or not measured."]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- plots
+
+def _save(fig, path: str) -> None:
+    """Save a figure as PNG through a temporary file in the same directory, then close it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        fig.savefig(tmp, format="png", dpi=DPI, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _grouped_bars(ax, positions: list[int], series: dict[str, list[float]]) -> None:
+    """One bar series per entry of `series`, side by side around each x position."""
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in positions], values, width, label=name)
+    if series:
+        ax.legend(fontsize="small")
+
+
+def plot_eal_per_dataset(runs: list[dict], path: str) -> None:
+    """Grouped bars of L′acc: x = datasets, one bar per run (label + setting); missing datasets are 0."""
+    runs = _unique(runs)
+    names = _datasets(runs)
+    fig, ax = plt.subplots(figsize=(max(6, 1.5 * len(names) * max(1, len(runs)) ** 0.5), 4))
+    series = {_series_name(run): [_eal(run, name) or 0.0 for name in names] for run in runs}
+    _grouped_bars(ax, list(range(len(names))), series)
+    ax.set_xticks(range(len(names)), [DATASETS.get(name, name) for name in names])
+    ax.set(title="Equivalent acceptance length per dataset", xlabel="dataset", ylabel="L′acc = n·ΣN/ΣK")
+    _save(fig, path)
+
+
+def plot_run_histogram(runs: list[dict], path: str) -> None:
+    """Fraction of accepted runs of each length (overall.accepted_run_histogram), one bar series per run."""
+    runs = _unique(runs)
+    hists = {}
+    for run in runs:
+        raw = (run.get("overall") or {}).get("accepted_run_histogram") or {}
+        total = sum(raw.values())
+        if total:
+            hists[_series_name(run)] = {int(k): v / total for k, v in raw.items()}
+    lengths = list(range(max((k for h in hists.values() for k in h), default=0) + 1))
+    fig, ax = plt.subplots(figsize=(min(16, max(6, 0.3 * len(lengths) * max(1, len(hists)) ** 0.5)), 4))
+    _grouped_bars(ax, lengths, {name: [h.get(k, 0.0) for k in lengths] for name, h in hists.items()})
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(title="Accepted drafts between rollbacks", xlabel="accepted run length",
+           ylabel="fraction of runs")
+    _save(fig, path)
+
+
+def plot_eal_vs_n(runs: list[dict], path: str) -> bool:
+    """L′acc (mean over datasets) against n, one line per (module layers, setting).
+
+    Only meaningful with at least two distinct n: returns False without writing otherwise, True when written.
+    """
+    runs = [run for run in _unique(runs) if mean_eal(run) is not None]
+    if len({run["run"]["n"] for run in runs}) < 2:
+        return False
+    lines: dict[tuple, list[tuple[int, float]]] = {}
+    for run in sorted(runs, key=_setting_key):
+        lines.setdefault((run["run"]["module_layers"], setting(run)), []).append((run["run"]["n"], mean_eal(run)))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (layers, s), points in lines.items():
+        ns, eals = zip(*sorted(points))
+        ax.plot(ns, eals, "o-", label=f"L_s={layers}, {s}")
+    ax.set_xticks(sorted({run["run"]["n"] for run in runs}))
+    ax.set(title="L′acc against pipeline stages n", xlabel="n (pipeline stages)",
+           ylabel="L′acc, mean over datasets")
+    ax.legend(fontsize="small")
+    _save(fig, path)
+    return True
+
+
+# ---------------------------------------------------------------- report
+
+def _write_text(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_report(runs: list[dict], out_dir: str) -> list[str]:
+    """Write table.md, eal_per_dataset.png, accepted_runs.png (and eal_vs_n.png with ≥ 2 distinct n)."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = lambda name: os.path.join(out_dir, name)  # noqa: E731
+    _write_text(path("table.md"), markdown_table(runs))
+    plot_eal_per_dataset(runs, path("eal_per_dataset.png"))
+    plot_run_histogram(runs, path("accepted_runs.png"))
+    written = [path("table.md"), path("eal_per_dataset.png"), path("accepted_runs.png")]
+    if plot_eal_vs_n(runs, path("eal_vs_n.png")):
+        written.append(path("eal_vs_n.png"))
+    return written
+
+
+def report_command(dirs: list[str], out_dir: str | None = None) -> list[str]:
+    """Load every `spd-infer eval` directory and write the report (into the first directory by default)."""
+    if not dirs:
+        raise UserError("report needs at least one directory written by `spd-infer eval`")
+    runs = [load_run(directory) for directory in dirs]
+    return write_report(runs, out_dir or dirs[0])

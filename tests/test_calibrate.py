@@ -1,0 +1,68 @@
+import math
+
+import pytest
+
+from spd.eval.calibrate import (
+    ar_token_time,
+    calibrate,
+    formula_speedup,
+    measured_cost_speedup,
+    step_time,
+)
+from spd.module import SpeculationModule
+from spd.sampling import SamplingParams
+from spd.target.loading import load_target
+from spd.target.stages import StagedTarget
+
+
+@pytest.fixture(scope="module")
+def staged_and_module():
+    staged = StagedTarget(load_target("tiny-llama").model, 3)
+    return staged, SpeculationModule.from_target(staged, 1).eval()
+
+
+def hand_calibration(stages, head, verify, module):
+    step, bottleneck = step_time(stages, head, verify, module)
+    return {"stage_s": stages, "head_s": head, "verify_s": verify, "module_s": module,
+            "ar_token_s": ar_token_time(stages, head), "step_s": step, "bottleneck": bottleneck}
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, top_k=20, top_p=0.9)])
+def test_calibrate_is_consistent_with_its_model(staged_and_module, params):
+    staged, module = staged_and_module
+    cal = calibrate(staged, module, params, context=16, repeats=3)
+    assert len(cal["stage_s"]) == staged.n and all(t > 0 for t in cal["stage_s"])
+    assert cal["head_s"] > 0 and cal["module_s"] > 0 and cal["verify_s"] > 0
+    assert math.isclose(cal["ar_token_s"], sum(cal["stage_s"]) + cal["head_s"])
+    terms = {"stage 1": cal["stage_s"][0], "stage 2": cal["stage_s"][1],
+             "last stage + head + verify": cal["stage_s"][2] + cal["head_s"] + cal["verify_s"],
+             "module": cal["module_s"]}
+    assert math.isclose(cal["step_s"], max(terms.values()))
+    assert terms[cal["bottleneck"]] == cal["step_s"]
+    assert (cal["context"], cal["repeats"], cal["device"], cal["dtype"]) == (16, 3, "cpu", "torch.float32")
+
+
+def test_calibrate_needs_a_full_pipeline(staged_and_module):
+    staged, module = staged_and_module
+    with pytest.raises(ValueError, match="context"):
+        calibrate(staged, module, SamplingParams(), context=2, repeats=1)
+
+
+def test_hand_computed_speedup():
+    cal = hand_calibration([1.0, 1.0, 1.0], head=1.0, verify=0.0, module=0.5)
+    assert cal["ar_token_s"] == 4.0 and cal["step_s"] == 2.0
+    assert cal["bottleneck"] == "last stage + head + verify"
+    assert measured_cost_speedup(0.5, cal) == pytest.approx(1.0)
+    assert formula_speedup(0.5, 3) == pytest.approx(1.5)
+
+
+def test_bottleneck_names_the_slowest_term():
+    assert step_time([1.0, 3.0, 1.0], 0.5, 0.1, 0.2) == (3.0, "stage 2")
+    assert step_time([1.0, 1.0, 1.0], 0.5, 0.1, 2.5) == (2.5, "module")
+    assert step_time([2.0], 0.5, 0.0, 1.0) == (2.5, "last stage + head + verify")  # n = 1: no other stage
+
+
+@pytest.mark.parametrize("n,alpha", [(1, 1.0), (3, 0.4), (5, 0.73)])
+def test_free_extras_and_equal_stages_give_the_formula(n, alpha):
+    cal = hand_calibration([0.01] * n, head=0.0, verify=0.0, module=0.0)
+    assert measured_cost_speedup(alpha, cal) == pytest.approx(formula_speedup(alpha, n))

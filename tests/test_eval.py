@@ -1,0 +1,163 @@
+"""`spd-infer eval` / `report` on a tiny target: outputs, pooling, resume, fast evaluator = runtime, W&B, bad input."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from spd.checkpoint import save_checkpoint
+from spd.cli import main
+from spd.eval.traces import TraceCache, trace_key
+from spd.module import SpeculationModule
+from spd.target.loading import load_target
+from spd.target.stages import StagedTarget
+
+from helpers import read_wandb_offline
+
+FIELDS = {"question_id", "dataset", "method", "n", "L_s", "T", "N", "K", "alpha", "eal", "rollbacks",
+          "accepted_run_histogram", "wall_s", "tokens_per_s", "text", "seed", "mode", "ar_match"}
+
+
+def run_eval(capsys, target, out, *args):
+    code = main(["eval", f"target={target}", f"output_dir={out}", f"trace_cache_dir={out}-traces",
+                 "max_new_tokens=12", "wandb.mode=disabled", *args])
+    _, err = capsys.readouterr()
+    return code, err
+
+
+def samples(out):
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_greedy_eval_outputs_pooling_wandb_and_resume(capsys, tiny_target_dir, tmp_path):
+    out = str(tmp_path / "ev")
+    code, err = run_eval(capsys, tiny_target_dir, out, "n=3", "limit=2", "wandb.mode=offline")
+    assert code == 0, err
+    rows = samples(out)
+    assert len(rows) == 6 and FIELDS <= set(rows[0]) and {r["dataset"] for r in rows} == {"mt_bench", "gsm8k", "humaneval"}
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    for ds in ("mt_bench", "gsm8k", "humaneval", None):
+        group = [r for r in rows if ds is None or r["dataset"] == ds]
+        figures = summary["overall"] if ds is None else summary["datasets"][ds]
+        assert figures["eal_pooled"] == pytest.approx(3 * sum(r["N"] for r in group) / sum(r["K"] for r in group))
+        assert figures["eal_mean_of_ratios"] == pytest.approx(sum(r["eal"] for r in group) / len(group))
+    assert summary["meta"]["config"]["n"] == 3 and summary["meta"]["dtype"] == "float32"
+    assert summary["speedup"]["measured_cost"]["overall"] > 0
+    table = open(os.path.join(out, "table.md")).read()
+    assert "SPD (n=3, L_s=1, untrained)" in table and f"{summary['overall']['eal_pooled']:.2f}" in table
+    assert os.path.getsize(os.path.join(out, "eal_per_dataset.png")) > 0
+    # the offline W&B run holds the L'acc metrics
+    (run_dir,) = glob.glob(os.path.join(out, "wandb", "offline-run-*"))
+    logged = read_wandb_offline(run_dir)
+    for ds in ("mt_bench", "gsm8k", "humaneval", "overall"):
+        figures = summary["overall"] if ds == "overall" else summary["datasets"][ds]
+        assert logged[("summary", f"eval/{ds}/eal_pooled")] == pytest.approx(figures["eal_pooled"])
+    # resume: a larger limit decodes only the new prompts and keeps the old records
+    code, err = run_eval(capsys, tiny_target_dir, out, "n=3", "limit=3")
+    assert code == 0, err
+    assert "9 prompts, 6 already done" in err
+    assert samples(out)[:6] == rows and len(samples(out)) == 9
+    # a different config in the same directory is refused
+    code, err = run_eval(capsys, tiny_target_dir, out, "n=2", "limit=3")
+    assert code == 2 and "different config" in err
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_fast_evaluator_equals_runtime_and_runtime_equals_ar(capsys, tiny_target_dir, tmp_path, n):
+    fast, exact = str(tmp_path / "fast"), str(tmp_path / "exact")
+    assert run_eval(capsys, tiny_target_dir, fast, f"n={n}", "limit=3", "calibrate=false")[0] == 0
+    assert run_eval(capsys, tiny_target_dir, exact, f"n={n}", "limit=3", "calibrate=false", "exact_trace=true")[0] == 0
+    a, b = samples(fast), samples(exact)
+    assert [r["mode"] for r in a] == ["fast"] * 9 and [r["mode"] for r in b] == ["runtime"] * 9
+    assert [(r["N"], r["K"], r["rollbacks"], r["text"]) for r in a] == [(r["N"], r["K"], r["rollbacks"], r["text"]) for r in b]
+    assert all(r["ar_match"] is True and r["ar_tokens_per_s"] > 0 for r in b)
+
+
+def test_sampled_eval_reports_pooled_and_per_sample(capsys, tiny_target_dir, tmp_path):
+    out = str(tmp_path / "t1")
+    code, err = run_eval(capsys, tiny_target_dir, out, "n=3", "limit=1", "temperature=1.0", "calibrate=false")
+    assert code == 0, err
+    rows = samples(out)
+    assert len(rows) == 3 and all(r["mode"] == "runtime" and r["T"] == 1.0 and r["top_k"] == 50 for r in rows)
+    assert all(r["tokens_per_s"] > 0 and r["ar_tokens_per_s"] > 0 and r["ar_match"] is None for r in rows)
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["overall"]["eal_pooled"] > 0 and summary["overall"]["eal_mean_of_ratios"] > 0
+    assert "T=1, W=1" in open(os.path.join(out, "table.md")).read()
+    # per-prompt seeds: the same prompt gives the same sample in a fresh run
+    again = str(tmp_path / "t1b")
+    assert run_eval(capsys, tiny_target_dir, again, "n=3", "limit=1", "temperature=1.0", "calibrate=false")[0] == 0
+    assert [r["text"] for r in samples(again)] == [r["text"] for r in rows]
+
+
+def test_report_rebuilds_table_and_plots_from_several_runs(capsys, tiny_target_dir, tmp_path):
+    dirs = []
+    for n in (2, 3):
+        out = str(tmp_path / f"n{n}")
+        assert run_eval(capsys, tiny_target_dir, out, f"n={n}", "limit=1", "calibrate=false")[0] == 0
+        dirs.append(out)
+    report = str(tmp_path / "report")
+    assert main(["report", *dirs, "--out", report]) == 0
+    capsys.readouterr()
+    table = open(os.path.join(report, "table.md")).read()
+    assert "SPD (n=2, L_s=1, untrained)" in table and "SPD (n=3, L_s=1, untrained)" in table
+    assert os.path.exists(os.path.join(report, "eal_vs_n.png"))
+    assert main(["report", str(tmp_path)]) == 2
+    assert "summary.json" in capsys.readouterr().err
+
+
+def test_trace_cache_keys_and_invalidation(tiny_target_dir, tmp_path):
+    loaded = load_target(tiny_target_dir)
+    staged = StagedTarget(loaded.model, 3)
+    base = trace_key(loaded.fingerprint, staged.bounds, staged.dtype, staged.device, 12)
+    assert base != trace_key("0" * 16, staged.bounds, staged.dtype, staged.device, 12)          # target
+    assert base != trace_key(loaded.fingerprint, [4, 8], staged.dtype, staged.device, 12)       # layout
+    assert base != trace_key(loaded.fingerprint, staged.bounds, staged.dtype, staged.device, 13)  # settings
+    cache = TraceCache(str(tmp_path), loaded, staged, 12)
+    first, info = cache.get("gsm8k", 1, [5, 6, 7])
+    assert info["recorded_now"] and cache.has("gsm8k", 1)
+    same, info = cache.get("gsm8k", 1, [5, 6, 7])
+    assert not info["recorded_now"] and same.tokens == first.tokens
+    _, info = cache.get("gsm8k", 1, [5, 6, 8])  # the prompt changed: recorded again
+    assert info["recorded_now"]
+
+
+@pytest.fixture(scope="module")
+def foreign_checkpoint(tmp_path_factory):
+    loaded = load_target("tiny-qwen3")
+    module = SpeculationModule.from_target(StagedTarget(loaded.model, 3), 1)
+    path = str(tmp_path_factory.mktemp("foreign") / "module")
+    save_checkpoint(module, loaded, path)
+    return path
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["datasets=[mt_bench,alpaca]"], "unknown dataset 'alpaca'"),
+    (["checkpoint=/nonexistent/ckpt"], "/nonexistent/ckpt"),
+    (["temperature=-0.5"], "temperature=-0.5"),
+    (["top_p=0"], "top_p=0"),
+    (["top_p=1.5"], "top_p=1.5"),
+    (["limit=0"], "limit=0"),
+    (["bogus_key=1"], "bogus_key"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(capsys, tiny_target_dir, tmp_path, args, needle):
+    out = tmp_path / "never"
+    code, err = run_eval(capsys, tiny_target_dir, str(out), "limit=1", *args)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_bad_output_dirs_and_foreign_checkpoint(capsys, tiny_target_dir, tmp_path, foreign_checkpoint):
+    code, err = run_eval(capsys, tiny_target_dir, str(tmp_path / "x"), "limit=1", f"checkpoint={foreign_checkpoint}")
+    assert code == 2 and "target" in err and len(err.strip().splitlines()) == 1
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("not a directory")
+    code, err = run_eval(capsys, tiny_target_dir, str(blocker / "sub"), "limit=1")
+    assert code == 2 and "not writable" in err
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("someone else's")
+    code, err = run_eval(capsys, tiny_target_dir, str(foreign), "limit=1")
+    assert code == 2 and "not written by `spd-infer eval`" in err
+    assert os.listdir(foreign) == ["notes.txt"]
