@@ -29,9 +29,21 @@ def ar_run(model, prompt_ids, max_new, params=GREEDY, eos=frozenset(), generator
     return ar_generate(StagedTarget(model, 1), prompt_ids, max_new, params, eos, generator)
 
 
-def read_wandb_offline(run_dir: str) -> dict:
+def read_wandb_offline(run_dir: str, wait_for=None, timeout: float = 30.0) -> dict:
     """Metrics logged to an offline W&B run, read back from its run-*.wandb file (a LevelDB-style record log
-    of protobuf Records: 7-byte file header, 32 KiB blocks, each record with a 7-byte header)."""
+    of protobuf Records: 7-byte file header, 32 KiB blocks, each record with a 7-byte header). wandb-core
+    writes the file in its own process and may still be flushing when `finish()` returns: wait for a key."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        found = _read_wandb_records(run_dir)
+        if wait_for is None or wait_for in found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def _read_wandb_records(run_dir: str) -> dict:
     import glob
     import json
     import struct
@@ -53,7 +65,10 @@ def read_wandb_offline(run_dir: str) -> dict:
         if kind not in (1, 4):  # FIRST / MIDDLE fragments: wait for the rest
             continue
         record = pb.Record()
-        record.ParseFromString(pending)
+        try:
+            record.ParseFromString(pending)
+        except Exception:  # a record still being written: read again later
+            continue
         items = {"history": lambda r: r.history.item, "summary": lambda r: r.summary.update}
         kind_name = record.WhichOneof("record_type")
         if kind_name in items:

@@ -50,10 +50,10 @@ def test_greedy_eval_outputs_pooling_wandb_and_resume(capsys, tiny_target_dir, t
     assert os.path.getsize(os.path.join(out, "eal_per_dataset.png")) > 0
     # the offline W&B run holds the L'acc metrics
     (run_dir,) = glob.glob(os.path.join(out, "wandb", "offline-run-*"))
-    logged = read_wandb_offline(run_dir)
+    logged = read_wandb_offline(run_dir, wait_for=("history", "eval/overall/eal_pooled"))
     for ds in ("mt_bench", "gsm8k", "humaneval", "overall"):
         figures = summary["overall"] if ds == "overall" else summary["datasets"][ds]
-        assert logged[("summary", f"eval/{ds}/eal_pooled")] == pytest.approx(figures["eal_pooled"])
+        assert logged[("history", f"eval/{ds}/eal_pooled")] == pytest.approx(figures["eal_pooled"])
     # resume: a larger limit decodes only the new prompts and keeps the old records
     code, err = run_eval(capsys, tiny_target_dir, out, "n=3", "limit=3")
     assert code == 0, err
