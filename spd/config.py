@@ -13,6 +13,13 @@ from spd.errors import UserError
 
 
 @dataclass
+class WandbSection:
+    mode: str = "offline"               # offline | online | disabled (never a login call in code)
+    project: str = "spd"
+    name: Optional[str] = None
+
+
+@dataclass
 class GenerateConfig:
     target: str = "smollm2"              # "smollm2", an HF model directory, or a .gguf file
     checkpoint: Optional[str] = None     # trained module directory; None = randomly initialised module

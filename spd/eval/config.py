@@ -5,12 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-
-@dataclass
-class EvalWandb:
-    mode: str = "offline"               # offline | online | disabled
-    project: str = "spd"
-    name: Optional[str] = None
+from spd.config import WandbSection
 
 
 @dataclass
@@ -36,4 +31,4 @@ class EvalConfig:
     output_dir: str = "outputs/eval/run"
     resume: bool = True                 # skip samples already in output_dir/samples.jsonl (same config only)
     trace_cache_dir: str = "outputs/cache/traces"
-    wandb: EvalWandb = field(default_factory=EvalWandb)
+    wandb: WandbSection = field(default_factory=WandbSection)

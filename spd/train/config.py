@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from spd.config import WandbSection
+
 
 @dataclass
 class ModelSection:
@@ -47,13 +49,6 @@ class DeepSpeedSection:
     accumulation: int = 8               # micro-batches per optimizer step
     zero_stage: int = 0
     precision: str = "fp32"             # fp32 | bf16 | fp16
-
-
-@dataclass
-class WandbSection:
-    mode: str = "offline"               # offline | online | disabled
-    project: str = "spd"
-    name: Optional[str] = None
 
 
 @dataclass
