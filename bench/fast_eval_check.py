@@ -4,7 +4,10 @@ runtime's, and the runtime's tokens must equal the target's greedy trace. A diff
 top-2 logit margin below 1e-4 (module or target) explains it; every difference is listed with its margins.
 
     python bench/fast_eval_check.py --ns 3,5,10 --limit 80 --max-new-tokens 16 \
-        [--checkpoint 5=outputs/smollm2_n5_regen/checkpoint]   # others: randomly initialised modules
+        [--checkpoint 5=outputs/smollm2_n5_regen/checkpoint]
+Without a checkpoint for an n, the module starts as in `model.init_fc=select model.init_layers=[L-1]` (FC_k a
+selector of H^{b_k}, the layer a copy of the target's last one, the head the target's): untrained, but it accepts
+some drafts, so rollbacks and accepted runs both occur (a random module is always wrong, which proves less).
 Resumable: finished (n, prompt) rows are kept in <out>l and skipped. Writes bench/results/fast_eval_check.json.
 """
 
@@ -56,7 +59,13 @@ def main() -> int:
         for n in [int(x) for x in args.ns.split(",")]:
             staged = StagedTarget(loaded.model, n)
             ckpt = checkpoints.get(str(n))
-            module = (load_checkpoint(ckpt, staged, loaded) if ckpt else SpeculationModule.from_target(staged, 1)).eval()
+            if ckpt:
+                module = load_checkpoint(ckpt, staged, loaded)
+            else:
+                module = SpeculationModule.from_target(staged, 1)
+                module.init_selectors()
+                module.init_layers_from([staged.layers[-1]])
+            module.eval()
             traces = TraceCache(args.cache_dir, loaded, staged, args.max_new_tokens)
             runtime = PipelineDecoder(staged, ModuleDrafter(module), SamplingParams(), traces.eos)
             for ds, qid, ids in tqdm(prompts, desc=f"n={n} runtime vs fast", mininterval=30):
@@ -70,6 +79,7 @@ def main() -> int:
                 row = {"n": n, "dataset": ds, "question_id": qid, "checkpoint": ckpt,
                        "fast": [f.N, f.K, f.rollbacks], "runtime": [s.N, s.K, s.rollbacks],
                        "equal": [f.N, f.K, f.rollbacks] == [s.N, s.K, s.rollbacks],
+                       "accepted_drafts": sum(k * v for k, v in s.run_histogram().items()),
                        "runtime_equals_target": slow.token_ids == trace.tokens,
                        "min_module_margin": fast["min_module_margin"], "min_target_margin": fast["min_target_margin"]}
                 sink.write(json.dumps(row) + "\n")
@@ -80,8 +90,11 @@ def main() -> int:
     unexplained = [r for r in differences if min(r["min_module_margin"], r["min_target_margin"]) >= MARGIN]
     per_n = {}
     for r in rows:
-        entry = per_n.setdefault(str(r["n"]), {"prompts": 0, "equal": 0, "runtime_equals_target": 0, "checkpoint": r["checkpoint"]})
+        entry = per_n.setdefault(str(r["n"]), {"prompts": 0, "equal": 0, "runtime_equals_target": 0,
+                                               "accepted_drafts": 0, "rollbacks": 0, "checkpoint": r["checkpoint"]})
         entry["prompts"] += 1
+        entry["accepted_drafts"] += r["accepted_drafts"]
+        entry["rollbacks"] += r["runtime"][2]
         entry["equal"] += r["equal"]
         entry["runtime_equals_target"] += r["runtime_equals_target"]
     result = {"max_new_tokens": args.max_new_tokens, "limit_per_dataset": args.limit, "per_n": per_n,

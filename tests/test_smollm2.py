@@ -86,3 +86,19 @@ def test_bad_input_on_the_default_target_is_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "spd-infer: error: n=31 stages is impossible for a target with L=30 layers; use 1 <= n <= 30"]
+
+
+def test_eval_fast_and_exact_agree_on_smollm2(capsys, tmp_path):
+    """`spd-infer eval` on the default target: the fast evaluator's N/K equal the runtime's, which equals AR."""
+    from spd.cli import main
+
+    rows = {}
+    for mode, extra in (("fast", []), ("exact", ["exact_trace=true"])):
+        out = tmp_path / mode
+        code = main(["eval", "limit=1", "n=3", "max_new_tokens=12", "calibrate=false", "wandb.mode=disabled",
+                     f"output_dir={out}", f"trace_cache_dir={tmp_path / 'traces'}", *extra])
+        assert code == 0, capsys.readouterr().err
+        with open(out / "samples.jsonl") as f:
+            rows[mode] = [json.loads(line) for line in f]
+    assert [(r["N"], r["K"], r["text"]) for r in rows["fast"]] == [(r["N"], r["K"], r["text"]) for r in rows["exact"]]
+    assert all(r["ar_match"] for r in rows["exact"]) and len(rows["exact"]) == 3
