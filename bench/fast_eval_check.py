@@ -6,8 +6,9 @@ top-2 logit margin below 1e-4 (module or target) explains it; every difference i
     python bench/fast_eval_check.py --ns 3,5,10 --limit 80 --max-new-tokens 16 \
         [--checkpoint 5=outputs/smollm2_n5_regen/checkpoint]
 Without a checkpoint for an n, the module starts as in `model.init_fc=select model.init_layers=[L-1]` (FC_k a
-selector of H^{b_k}, the layer a copy of the target's last one, the head the target's): untrained, but it accepts
-some drafts, so rollbacks and accepted runs both occur (a random module is always wrong, which proves less).
+selector of H^{b_k}, the layer a copy of the target's last one, the head the target's). Untrained modules are
+almost always wrong, which checks the rollback timing only; give trained checkpoints where possible, so that
+accepted runs occur too (`accepted_drafts` per n in the output says how many).
 Resumable: finished (n, prompt) rows are kept in <out>l and skipped. Writes bench/results/fast_eval_check.json.
 """
 
