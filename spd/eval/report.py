@@ -175,20 +175,27 @@ def plot_eal_per_dataset(runs: list[dict], path: str) -> None:
     _save(fig, path)
 
 
+RUN_CAP = 16  # longer runs (e.g. a repetitive reply drafted right for hundreds of tokens) share the last bar
+
+
 def plot_run_histogram(runs: list[dict], path: str) -> None:
-    """Fraction of accepted runs of each length (overall.accepted_run_histogram), one bar series per run."""
+    """Fraction of accepted runs of each length (overall.accepted_run_histogram), one bar series per run;
+    runs of RUN_CAP or more drafts are pooled into the last bar so that rare long runs keep the axis readable."""
     runs = _unique(runs)
     hists = {}
     for run in runs:
         raw = (run.get("overall") or {}).get("accepted_run_histogram") or {}
         total = sum(raw.values())
         if total:
-            hists[_series_name(run)] = {int(k): v / total for k, v in raw.items()}
+            hist: dict[int, float] = {}
+            for k, v in raw.items():
+                hist[min(int(k), RUN_CAP)] = hist.get(min(int(k), RUN_CAP), 0.0) + v / total
+            hists[_series_name(run)] = hist
     lengths = list(range(max((k for h in hists.values() for k in h), default=0) + 1))
     fig, ax = plt.subplots(figsize=(min(16, max(6, 0.3 * len(lengths) * max(1, len(hists)) ** 0.5)), 4))
     _grouped_bars(ax, lengths, {name: [h.get(k, 0.0) for k in lengths] for name, h in hists.items()})
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set(title="Accepted drafts between rollbacks", xlabel="accepted run length",
+    ax.set(title="Accepted drafts between rollbacks", xlabel=f"accepted run length (last bar: {RUN_CAP} or more)",
            ylabel="fraction of runs")
     _save(fig, path)
 
