@@ -19,13 +19,14 @@ from tqdm import tqdm
 
 from spd.ar import ar_generate
 from spd.errors import UserError
+from spd.eval.calibrate import calibrate, formula_speedup, measured_cost_speedup
 from spd.eval.output import EvalOutput, write_json
 from spd.eval.summary import summarise
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
 from spd.pipeline import PipelineDecoder
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.session import Session, open_session
+from spd.session import Session, open_session, sampling_params
 
 
 def validate(cfg) -> None:
@@ -35,10 +36,7 @@ def validate(cfg) -> None:
                         f"{', '.join(DATASETS)}")
     if cfg.limit is not None and cfg.limit < 1:
         raise UserError(f"limit={cfg.limit} must be a positive number of prompts per dataset (or null for all)")
-    if cfg.temperature < 0:
-        raise UserError(f"temperature={cfg.temperature} must be >= 0 (0 = greedy)")
-    if not 0 < cfg.top_p <= 1:
-        raise UserError(f"top_p={cfg.top_p} must be in (0, 1]")
+    sampling_params(cfg)  # T and top_p checked before the target is loaded
 
 
 def prompt_seed(seed: int, dataset: str, question_id) -> int:
@@ -121,11 +119,7 @@ def run_eval(cfg, log=print) -> dict:
     selected = {(ds, str(q["question_id"])) for ds, q in work}
     samples = [s for s in out.samples if (s["dataset"], str(s["question_id"])) in selected]
     summary = summarise(samples, list(cfg.datasets))
-    calibration = None
-    if cfg.calibrate:
-        from spd.eval.calibrate import calibrate
-
-        calibration = calibrate(session.staged, session.module, session.params)
+    calibration = calibrate(session.staged, session.module, session.params) if cfg.calibrate else None
     summary["speedup"] = speedups(summary, session.staged.n, calibration)
     summary["run"] = {"method": "spd", "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
                       "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": 1,
@@ -143,8 +137,6 @@ def run_eval(cfg, log=print) -> dict:
 
 
 def speedups(summary: dict, n: int, calibration: dict | None) -> dict:
-    from spd.eval.calibrate import formula_speedup, measured_cost_speedup
-
     groups = {**summary["datasets"], "overall": summary["overall"]}
     formula = {k: formula_speedup(v["alpha_pooled"], n) for k, v in groups.items() if v.get("alpha_pooled")}
     measured = None

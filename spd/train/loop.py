@@ -100,7 +100,7 @@ def regenerated_conversations(cfg, loaded, convs, log):
                    batch_size=d.regenerate_batch, seed=cfg.seed, log=log)
     if distributed:
         torch.distributed.barrier()
-    return load_conversations(path, len(convs)), path
+    return load_conversations(path, len(convs))
 
 
 def prepare(cfg, log):
@@ -114,7 +114,7 @@ def prepare(cfg, log):
     staged = StagedTarget(loaded.model, cfg.model.n, list(cfg.model.stage_bounds) if cfg.model.stage_bounds else None)
     convs = load_conversations(cfg.data.path, cfg.data.max_conversations + cfg.data.heldout)
     if cfg.data.regenerate:
-        convs, _ = regenerated_conversations(cfg, loaded, convs, log)
+        convs = regenerated_conversations(cfg, loaded, convs, log)
     order = torch.randperm(len(convs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     held_convs = [convs[i] for i in order[: cfg.data.heldout]]
     train_convs = [convs[i] for i in order[cfg.data.heldout:]]
@@ -192,10 +192,12 @@ def train(cfg) -> dict:
         os.replace(tmp, cfg_path)
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(cfg))
+    run = None
     if rank == 0 and cfg.wandb.mode != "disabled":
         import wandb  # imported only when used: it is slow to import and optional on bare machines
-    run = wandb.init(mode=cfg.wandb.mode, project=cfg.wandb.project, name=cfg.wandb.name, dir=out_dir,
-                     config=resolved, resume="allow") if rank == 0 and cfg.wandb.mode != "disabled" else None
+
+        run = wandb.init(mode=cfg.wandb.mode, project=cfg.wandb.project, name=cfg.wandb.name, dir=out_dir,
+                         config=resolved, resume="allow")
     n = cfg.model.n
     pad = loaded.tokenizer.pad_token_id or 0
     extra = {"training": {"data": cfg.data.path, "regenerated": cfg.data.regenerate, "steps": cfg.optim.steps,
