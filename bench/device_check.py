@@ -20,7 +20,7 @@ from spd.ar import ar_generate
 from spd.decoding import eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
-from spd.pipeline import PipelineDecoder
+from spd.runtime.pipeline import PipelineDecoder
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.sampling import SamplingParams
 from spd.session import DTYPES

@@ -27,7 +27,7 @@ from spd.drafters.spd_module import ModuleDrafter
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
 from spd.module import SpeculationModule
-from spd.pipeline import PipelineDecoder
+from spd.runtime.pipeline import PipelineDecoder
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.sampling import SamplingParams
 from spd.target.loading import load_target

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from spd.decoding import eos_ids_of
 from spd.drafters.reference import ReferenceDrafter
-from spd.pipeline import PipelineDecoder
+from spd.runtime.pipeline import PipelineDecoder
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.sampling import SamplingParams
 from spd.target.loading import load_target

@@ -24,7 +24,7 @@ from spd.decoding import prefill
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import needed_layers
 from spd.module import SpeculationModule
-from spd.pipeline import PipelineDecoder
+from spd.runtime.pipeline import PipelineDecoder
 from spd.sampling import SamplingParams
 from spd.target.loading import load_target
 from spd.target.stages import StagedTarget

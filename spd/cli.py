@@ -15,7 +15,7 @@ def _generate(cfg) -> dict:
     import torch
 
     from spd.ar import ar_generate
-    from spd.pipeline import PipelineDecoder
+    from spd.runtime.pipeline import PipelineDecoder
     from spd.session import encode_prompt, open_session
 
     if cfg.method not in ("spd", "ar"):

@@ -11,7 +11,7 @@ are scored against the target's own tokens and the pipeline's timing is replayed
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,7 @@ from spd.decoding import is_final, prefill
 from spd.layout import needed_layers
 from spd.metrics import DecodeStats
 from spd.module import SpeculationModule
+from spd.runtime.schedule import first_step, flushed_from, next_step
 from spd.sampling import greedy_token
 from spd.target.stages import StagedTarget
 
@@ -72,7 +73,7 @@ def module_drafts(module: SpeculationModule, trace: GreedyTrace) -> tuple[torch.
 
 
 def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor) -> tuple[DecodeStats, Counter]:
-    """Replay the pipeline's timing: K, rollbacks, accepted runs, and the occupancy of every *decisive* step
+    """Replay the pipeline's schedule: K, rollbacks, accepted runs, and the occupancy of every *decisive* step
     (one whose draft matters because no wrong token is in flight; the others are flushed unseen)."""
     stats = DecodeStats(n=n, N=1)
     decisive: Counter = Counter()
@@ -81,27 +82,26 @@ def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor) -> 
         stats.finish()
         return stats, decisive
     seq = [None] * prompt_len + tokens
-    slots = deque([[prompt_len, 0, True]])            # [position, depth, token is the target's own]
     drafts = drafts.tolist()
+    step = first_step(prompt_len, n)
+    own = {prompt_len: True}          # pos -> the in-flight token there is the target's own
     while True:
-        t, a = slots[-1][0], len(slots)
-        clean = all(s[2] for s in slots)
+        t, a = step.t, step.occupancy
+        clean = all(own[pos] for pos, _ in step.in_flight())
         if clean and t + 1 < len(seq):
             decisive[a] += 1
-        right = clean and t + 1 < len(seq) and drafts[a - 1][t] == seq[t + 1]
-        for s in slots:
-            s[1] += 1
+        own[t + 1] = clean and t + 1 < len(seq) and drafts[a - 1][t] == seq[t + 1]
         stats.K += 1
-        slots.append([t + 1, 0, right])
-        if slots[0][1] < n:
+        if step.exiting is None:
+            step = next_step(step, None)
             continue
-        slots.popleft()
-        candidate = slots[0]
-        stats.settle(candidate[2])
-        if not candidate[2]:
-            slots = deque([[candidate[0], 0, True]])
+        accepted = own[step.candidate]
+        stats.settle(accepted)
+        if not accepted:
+            own = {flushed_from(step): True}  # the correction is the target's own token
         if stats.N == total:
             break
+        step = next_step(step, accepted)
     stats.finish()
     return stats, decisive
 

@@ -5,7 +5,7 @@ import torch
 from spd.ar import ar_generate
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
-from spd.pipeline import PipelineDecoder
+from spd.runtime.pipeline import PipelineDecoder
 from spd.sampling import SamplingParams
 from spd.target.stages import StagedTarget
 

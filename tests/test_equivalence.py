@@ -8,7 +8,7 @@ from helpers import GREEDY, ar_run, prompt
 from spd.drafters.base import Drafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
-from spd.pipeline import PipelineDecoder
+from spd.runtime.pipeline import PipelineDecoder
 from spd.target.stages import StagedTarget
 from spd.train.objective import collate, teacher_pass
 
@@ -21,15 +21,19 @@ class RecordingDrafter(Drafter):
         self.inner, self.reference, self.wrong_every = inner, reference, wrong_every
         self.records = []
 
+    def layers_needed(self, bounds):
+        return self.inner.layers_needed(bounds)
+
     def start(self, prompt_hidden, prompt_ids):
         self.inner.start(prompt_hidden, prompt_ids)
 
     def finalize(self, pos, hidden):
         self.inner.finalize(pos, hidden)
 
-    def draft_logits(self, t, occupancy, slots):
-        logits = self.inner.draft_logits(t, occupancy, slots)
-        self.records.append((t, occupancy, [s.token for s in slots], logits))
+    def draft_logits(self, view):
+        t = view.t
+        logits = self.inner.draft_logits(view)
+        self.records.append((t, view.occupancy, [s.token for s in view.in_flight], logits))
         token = self.reference[t + 1]
         if (t + 1) % self.wrong_every == 0:
             token = (token + 1) % logits.numel()

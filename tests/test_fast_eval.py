@@ -7,7 +7,7 @@ from helpers import GREEDY, prompt
 from spd.drafters.spd_module import ModuleDrafter
 from spd.fast_eval import fast_greedy_stats, record_greedy_trace
 from spd.module import SpeculationModule
-from spd.pipeline import PipelineDecoder
+from spd.runtime.pipeline import PipelineDecoder
 from spd.target.stages import StagedTarget
 
 

@@ -57,7 +57,7 @@ def test_eos_stops_both_decoders(family_model):
 def test_uneven_and_explicit_stage_bounds(family_model):
     from spd.drafters.spd_module import ModuleDrafter
     from spd.module import SpeculationModule
-    from spd.pipeline import PipelineDecoder
+    from spd.runtime.pipeline import PipelineDecoder
     from spd.sampling import SamplingParams
     from spd.target.stages import StagedTarget
 

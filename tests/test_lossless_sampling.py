@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
-from spd.pipeline import PipelineDecoder
+from spd.runtime.pipeline import PipelineDecoder
 from spd.sampling import SamplingParams, verify_sampled, warp
 from spd.target.stages import StagedTarget
 from spd.testing import tiny_model
@@ -103,9 +103,9 @@ def test_spd_sampling_matches_target_distribution(small_vocab_model):
 
 def test_a_broken_verifier_is_caught(small_vocab_model, monkeypatch):
     """Accepting every draft (sampling from q, not p) must fail the same test."""
-    import spd.pipeline
+    import spd.runtime.pipeline
 
-    monkeypatch.setattr(spd.pipeline, "verify_sampled", lambda draft, p, q, g: (True, draft))
+    monkeypatch.setattr(spd.runtime.pipeline, "verify_sampled", lambda draft, p, q, g: (True, draft))
     dist = exact_distribution(small_vocab_model, PARAMS)
     counts, _ = sample_spd(small_vocab_model, n=2, samples=3000, seed=1)
     assert chi2_pvalue(counts, dist, 3000) < ALPHA

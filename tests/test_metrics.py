@@ -5,7 +5,7 @@ import pytest
 from helpers import GREEDY, ar_run, prompt
 from spd.drafters.reference import ReferenceDrafter
 from spd.metrics import DecodeStats, pooled_eal
-from spd.pipeline import PipelineDecoder
+from spd.runtime.pipeline import PipelineDecoder
 from spd.target.stages import StagedTarget
 
 

@@ -10,7 +10,7 @@ from spd.cli import main
 from spd.decoding import eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
-from spd.pipeline import PipelineDecoder
+from spd.runtime.pipeline import PipelineDecoder
 from spd.prompts import chat_prompt_ids, load_questions
 from spd.sampling import SamplingParams
 from spd.target.loading import load_target

@@ -1,35 +1,60 @@
-"""The interface a pipelined drafter implements. The pipeline owns the target, its cache and the in-flight
-slots; a drafter sees the prompt's hidden states once, each position as it reaches depth n, and the slots."""
+"""The interface every pipelined drafter implements. The decoding loop owns the target, its caches and the
+in-flight tokens; a drafter says which target layers it reads, sees the prompt's hidden states once, a read-only
+view of each step, each position as it leaves the last stage, and every rollback."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 
 
-@dataclass
-class Slot:
-    """One token inside the pipeline."""
+@dataclass(frozen=True)
+class InFlight:
+    """One token inside the pipeline when a step begins."""
 
     token: int
     pos: int
-    depth: int                       # stages passed so far (0 = about to enter stage 1)
-    hidden: torch.Tensor             # [1, 1, d] residual stream entering the next stage
-    captured: dict[int, torch.Tensor] = field(default_factory=dict)  # {layer l: H^l [1, 1, d]} seen so far
-    q: torch.Tensor | None = None    # [V] the drafter's warped distribution this token was sampled from
+    depth: int                          # stages passed so far (0 = about to enter stage 1)
+    features: Mapping[int, torch.Tensor]  # {layer l: H^l [1, 1, d]} for every captured layer l <= b_depth
+
+
+@dataclass(frozen=True)
+class StepView:
+    """What a drafter may read at the start of a step (it must not change any of it)."""
+
+    t: int                               # position of the newest token (about to enter stage 1)
+    occupancy: int                       # tokens in flight, the newest included
+    n: int
+    in_flight: tuple[InFlight, ...]      # oldest first; in_flight[-1].pos == t, depth 0
+
+
+def step_view(t: int, occupancy: int, n: int, tokens: list[int], features: dict[int, dict[int, torch.Tensor]]) -> StepView:
+    """features: {pos: {layer: H^l [1, 1, d]}} of the in-flight positions t-occupancy+1..t."""
+    items = tuple(InFlight(tokens[pos], pos, t - pos, MappingProxyType(features[pos]))
+                  for pos in range(t - occupancy + 1, t + 1))
+    return StepView(t, occupancy, n, items)
 
 
 class Drafter(ABC):
+    @abstractmethod
+    def layers_needed(self, bounds: list[int]) -> list[int]:
+        """Target layers l whose H^l this drafter reads (0 = the embedding), for a pipeline with these bounds."""
+
     @abstractmethod
     def start(self, prompt_hidden: dict[int, torch.Tensor], prompt_ids: list[int]) -> None:
         """prompt_hidden: {layer: H^layer [1, P, d]} for the layers the drafter asked for."""
 
     @abstractmethod
+    def draft_logits(self, view: StepView) -> torch.Tensor:
+        """Logits [V_target] for position view.t + 1, computed while the step's stages run."""
+
+    @abstractmethod
     def finalize(self, pos: int, hidden: dict[int, torch.Tensor]) -> None:
         """Position `pos` left the last stage (it is verified): its hidden states are final."""
 
-    @abstractmethod
-    def draft_logits(self, t: int, occupancy: int, slots: list[Slot]) -> torch.Tensor:
-        """Logits [V_target] for position t+1 at the start of the step in which `slots` advance (slots[-1].pos == t)."""
+    def on_rollback(self, length: int) -> None:
+        """Every position >= length was discarded (a rejection); only positions < length remain."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from spd.drafters.base import Drafter, Slot
+from spd.drafters.base import Drafter, StepView
 
 
 class ReferenceDrafter(Drafter):
@@ -24,6 +24,9 @@ class ReferenceDrafter(Drafter):
         self.wrong = wrong
         self.inner = inner
 
+    def layers_needed(self, bounds):
+        return self.inner.layers_needed(bounds) if self.inner else []
+
     def start(self, prompt_hidden, prompt_ids):
         if self.inner:
             self.inner.start(prompt_hidden, prompt_ids)
@@ -32,12 +35,16 @@ class ReferenceDrafter(Drafter):
         if self.inner:
             self.inner.finalize(pos, hidden)
 
-    def draft_logits(self, t: int, occupancy: int, slots: list[Slot]) -> torch.Tensor:
+    def on_rollback(self, length):
         if self.inner:
-            self.inner.draft_logits(t, occupancy, slots)
-        pos = t + 1
+            self.inner.on_rollback(length)
+
+    def draft_logits(self, view: StepView) -> torch.Tensor:
+        if self.inner:
+            self.inner.draft_logits(view)
+        pos = view.t + 1
         right = self.reference[pos] if pos < len(self.reference) else 0
         token = (right + 1) % self.vocab_size if self.wrong else right
-        logits = torch.full((self.vocab_size,), -1e4, device=slots[-1].hidden.device)
+        logits = torch.full((self.vocab_size,), -1e4, device=view.in_flight[-1].features[0].device)
         logits[token] = 0.0
         return logits

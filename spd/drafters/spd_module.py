@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from spd.drafters.base import Drafter, Slot
-from spd.layout import depth
+from spd.drafters.base import Drafter, StepView
+from spd.layout import depth, needed_layers
 from spd.module import SpeculationModule
 from spd.target.kv_cache import LayerKVCache
 
@@ -15,6 +15,9 @@ class ModuleDrafter(Drafter):
         self.module = module
         self.n = module.n
         self.use_cache = use_cache
+
+    def layers_needed(self, bounds):
+        return needed_layers(bounds)
 
     def start(self, prompt_hidden, prompt_ids):
         self.kv = LayerKVCache(len(self.module.layers))
@@ -37,18 +40,23 @@ class ModuleDrafter(Drafter):
         assert pos == self.num_final, "positions must reach depth n in order"
         self._add_final(hidden, start=pos)
 
+    def on_rollback(self, length):
+        # Depth-n rows are verified positions, all < length: nothing cached is ever discarded.
+        assert self.num_final <= length
+
     @torch.no_grad()
-    def draft_logits(self, t: int, occupancy: int, slots: list[Slot]) -> torch.Tensor:
-        # Every position the rule gives depth n must already be final; the rest are the in-flight slots.
+    def draft_logits(self, view: StepView) -> torch.Tensor:
+        t, occupancy = view.t, view.occupancy
+        # Every position the rule gives depth n must already be final; the rest are the in-flight tokens.
         assert self.num_final == t - occupancy + 1, (self.num_final, t, occupancy)
         rows, positions = [], []
-        for slot in slots[:-1]:
-            k = depth(t, slot.pos, occupancy, self.n)
-            assert k == slot.depth, "pipeline depth disagrees with the layout rule"
-            rows.append(self.module.feature(k, slot.captured))
-            positions.append(slot.pos)
-        newest = slots[-1]
-        query = self.module.feature(depth(t, newest.pos, occupancy, self.n), newest.captured)  # k = 0
+        for token in view.in_flight[:-1]:
+            k = depth(t, token.pos, occupancy, self.n)
+            assert k == token.depth, "pipeline depth disagrees with the layout rule"
+            rows.append(self.module.feature(k, token.features))
+            positions.append(token.pos)
+        newest = view.in_flight[-1]
+        query = self.module.feature(depth(t, newest.pos, occupancy, self.n), newest.features)  # k = 0
         if not self.use_cache and self.final_rows:
             rows = self.final_rows + rows
             positions = list(range(self.num_final)) + positions

@@ -4,8 +4,8 @@ On the machine at hand we time, each after warm-up as the median of `repeats` ru
 the timers on CUDA):
 - stage_s[s]: pipeline stage s decoding one token against a KV cache that holds `context` tokens;
 - head_s:     the target head (final norm + full-vocabulary LM head) on one hidden row;
-- module_s:   one steady-state draft: `ModuleDrafter.draft_logits` with a full pipeline (n in-flight slots),
-              exactly the call `PipelineDecoder.generate` makes, plus choosing the draft token from it
+- module_s:   one steady-state draft: `ModuleDrafter.draft_logits` on the schedule's full step (n tokens in
+              flight), exactly the call `PipelineDecoder.generate` makes, plus choosing the draft token from it
               (argmax, or warp + sample when T > 0), since that token must exist before the next step;
 - verify_s:   `verify_greedy` (T = 0), or warping the target's logits + `verify_sampled` (T > 0).
 
@@ -28,10 +28,11 @@ from typing import Callable
 
 import torch
 
-from spd.drafters.base import Slot
+from spd.drafters.base import step_view
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import needed_layers
 from spd.module import SpeculationModule
+from spd.runtime.schedule import spd_step
 from spd.sampling import SamplingParams, greedy_token, sample, verify_greedy, verify_sampled, warp
 from spd.target.stages import StagedTarget
 
@@ -113,18 +114,16 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
 
     # Steady state: positions 0..context-n are final (depth n), the n newest are in flight at depths n-1..0.
     drafter = ModuleDrafter(module)
-    done = context - n + 1
+    steady = spd_step(context, n, n)
+    done = steady.in_flight()[0][0]
     drafter.start({layer: h[:, :done] for layer, h in hidden.items()}, ids[0, :done].tolist())
-    slots = []
-    for pos in range(done, context + 1):
-        k = context - pos
-        # [1, 1, d] each: only the layers a token at depth k has already passed
-        captured = {layer: h[:, pos: pos + 1] for layer, h in hidden.items() if layer <= staged.bounds[k]}
-        slots.append(Slot(token=int(ids[0, pos]), pos=pos, depth=k, hidden=captured[staged.bounds[k]],
-                          captured=captured))
+    # [1, 1, d] each: only the layers a token at depth k has already passed
+    features = {pos: {layer: h[:, pos: pos + 1] for layer, h in hidden.items() if layer <= staged.bounds[k]}
+                for pos, k in steady.in_flight()}
+    view = step_view(context, n, n, ids[0].tolist(), features)
 
     def draft() -> tuple[int, torch.Tensor | None]:
-        logits = drafter.draft_logits(context, n, slots)                     # [V]
+        logits = drafter.draft_logits(view)                                    # [V]
         if params.greedy:
             return greedy_token(logits), None
         q = warp(logits, params)

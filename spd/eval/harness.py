@@ -24,7 +24,7 @@ from spd.eval.output import EvalOutput, write_json
 from spd.eval.summary import summarise
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
-from spd.pipeline import PipelineDecoder
+from spd.runtime.pipeline import PipelineDecoder
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import Session, open_session, sampling_params
 

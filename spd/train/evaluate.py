@@ -9,7 +9,7 @@ from spd.decoding import eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import sample_occupancy
 from spd.metrics import DecodeStats, pooled_eal
-from spd.pipeline import PipelineDecoder
+from spd.runtime.pipeline import PipelineDecoder
 from spd.prompts import chat_prompt_ids
 from spd.sampling import SamplingParams
 from spd.train.objective import collate, kd_loss, teacher_pass

@@ -1,0 +1,131 @@
+"""The SPD decoding loop: an n-stage pipeline in which a drafter proposes one token per step.
+
+Each step: the stages start (`launch`), the drafter reads G_t (the pipeline's *input* states) while they run,
+then the token leaving the last stage yields the target's distribution for the next-oldest token, which is
+accepted or corrected (streaming verification). A correction crops every cache, flushes the pipeline and
+reseeds it. Who advances, who exits and what a rejection flushes come from `spd.runtime.schedule`; where the
+stages run is the executor's business (`local.py`, `distributed/`), so this loop is the only copy.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from spd.decoding import GenerationResult, is_final
+from spd.drafters.base import Drafter, step_view
+from spd.metrics import DecodeStats
+from spd.runtime.executor import StageExecutor
+from spd.runtime.local import LocalStages
+from spd.runtime.schedule import first_step, flushed_from, next_step, relay_step
+from spd.sampling import SamplingParams, greedy_token, next_token, sample, verify_greedy, verify_sampled, warp
+from spd.target.stages import StagedTarget
+
+
+def as_executor(stages: StagedTarget | StageExecutor) -> StageExecutor:
+    return LocalStages(stages) if isinstance(stages, StagedTarget) else stages
+
+
+def propose(draft_logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
+    """The draft token and, when sampling, the warped q it was drawn from."""
+    if params.greedy:
+        return greedy_token(draft_logits), None
+    q = warp(draft_logits, params)
+    return sample(q, generator), q
+
+
+def settle(target_logits: torch.Tensor, draft: int, q: torch.Tensor | None, params: SamplingParams,
+           generator) -> tuple[bool, int]:
+    """Verify a draft against the target's logits [V] for its position; return (accepted, settled token)."""
+    if params.greedy:
+        return verify_greedy(draft, target_logits)
+    return verify_sampled(draft, warp(target_logits, params), q, generator)
+
+
+class PipelineDecoder:
+    def __init__(self, stages: StagedTarget | StageExecutor, drafter: Drafter, params: SamplingParams,
+                 eos_ids: frozenset[int], trace: bool = False):
+        self.executor = as_executor(stages)
+        self.drafter = drafter
+        self.params = params
+        self.eos_ids = eos_ids
+        self.n = self.executor.n
+        self.capture = frozenset(drafter.layers_needed(self.executor.bounds))
+        self.trace = trace
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int,
+                 generator: torch.Generator | None = None, on_token=None) -> GenerationResult:
+        """on_token(token_id): called for every token as it is settled (verified or corrected)."""
+        ex, params = self.executor, self.params
+        start = time.perf_counter()
+        stats = DecodeStats(n=self.n)
+        logits, captured = ex.prefill(prompt_ids, self.capture)
+        self.drafter.start(captured, prompt_ids)
+        first = next_token(logits, params, generator)
+        tokens = list(prompt_ids) + [first]
+        stats.N = 1
+        if on_token:
+            on_token(first)
+        trace: list[dict] = []
+        done = is_final(first, stats.N, max_new_tokens, self.eos_ids)
+        step = first_step(len(prompt_ids), self.n)
+        features = {step.t: {0: ex.embed(first)}}     # pos -> {layer: H^l [1, 1, d]} of in-flight tokens
+        drafts_q: dict[int, torch.Tensor | None] = {}  # pos -> q the in-flight draft was sampled from
+        while not done:
+            t = step.t
+            ex.launch(step, features[t][0] if step.runs(0) else None)
+            draft_logits = self.drafter.draft_logits(step_view(t, step.occupancy, self.n, tokens, features))
+            if self.trace:
+                trace.append({"t": t, "a": step.occupancy, "tokens": tokens[: t + 1], "logits": draft_logits})
+            out = ex.collect()
+            for pos, captured in out.features.items():
+                features[pos].update(captured)
+            stats.K += 1
+            draft, drafts_q[t + 1] = propose(draft_logits, params, generator)
+            tokens.append(draft)
+            features[t + 1] = {0: ex.embed(draft)}
+            if step.exiting is None:
+                step = next_step(step, None)  # warm-up: nobody leaves the pipeline yet
+                continue
+            exited = step.exiting
+            self.drafter.finalize(exited, features.pop(exited))
+            candidate = step.candidate
+            accepted, token = settle(out.exit_logits, tokens[candidate], drafts_q.pop(candidate), params, generator)
+            stats.settle(accepted)
+            if not accepted:
+                length = flushed_from(step)
+                ex.rollback(length)
+                self.drafter.on_rollback(length)
+                del tokens[length:]
+                tokens.append(token)
+                features = {length: {0: ex.embed(token)}}
+                drafts_q = {}
+            if on_token:
+                on_token(token)
+            step = next_step(step, accepted)
+            done = is_final(token, stats.N, max_new_tokens, self.eos_ids)
+        stats.finish()
+        generated = tokens[len(prompt_ids): len(prompt_ids) + stats.N]
+        return GenerationResult(token_ids=generated, seconds=time.perf_counter() - start, stats=stats, trace=trace)
+
+
+@torch.no_grad()
+def pipeline_ar_generate(stages: StagedTarget | StageExecutor, prompt_ids: list[int], max_new_tokens: int,
+                         params: SamplingParams, eos_ids: frozenset[int],
+                         generator: torch.Generator | None = None) -> GenerationResult:
+    """Plain pipeline-parallel AR: each token relays through the n stages, one stage busy per step."""
+    ex = as_executor(stages)
+    start = time.perf_counter()
+    logits, _ = ex.prefill(prompt_ids, frozenset())
+    token = next_token(logits, params, generator)
+    out = [token]
+    while not is_final(token, len(out), max_new_tokens, eos_ids):
+        pos = len(prompt_ids) + len(out) - 1
+        for stage in range(ex.n):
+            ex.launch(relay_step(pos, stage, ex.n), ex.embed(token) if stage == 0 else None)
+            result = ex.collect()
+        token = next_token(result.exit_logits, params, generator)
+        out.append(token)
+    return GenerationResult(token_ids=out, seconds=time.perf_counter() - start)
