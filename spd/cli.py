@@ -15,7 +15,8 @@ def _generate(cfg) -> dict:
     import torch
 
     from spd.ar import ar_generate
-    from spd.runtime.pipeline import PipelineDecoder
+    from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
+    from spd.runtime.stages import open_stages
     from spd.session import encode_prompt, open_session
 
     if cfg.method not in ("spd", "ar"):
@@ -23,15 +24,22 @@ def _generate(cfg) -> dict:
     session = open_session(cfg)
     prompt_ids = encode_prompt(session, cfg.prompt, cfg.chat_template, cfg.max_new_tokens)
     generator = torch.Generator(device=session.staged.device).manual_seed(cfg.seed)
-    if cfg.method == "ar":
-        result = ar_generate(session.staged, prompt_ids, cfg.max_new_tokens, session.params, session.eos_ids, generator)
-    else:
-        decoder = PipelineDecoder(session.staged, session.drafter(cfg.module_cache), session.params, session.eos_ids)
-        result = decoder.generate(prompt_ids, cfg.max_new_tokens, generator)
+    drafter = session.drafter(cfg.module_cache)
+    capture = drafter.layers_needed(session.staged.bounds) if cfg.method == "spd" else []
+    with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
+        if cfg.method == "ar" and cfg.runtime == "local":
+            result = ar_generate(session.staged, prompt_ids, cfg.max_new_tokens, session.params, session.eos_ids,
+                                 generator)
+        elif cfg.method == "ar":  # plain pipeline-parallel AR over the same stage processes
+            result = pipeline_ar_generate(stages, prompt_ids, cfg.max_new_tokens, session.params, session.eos_ids,
+                                          generator)
+        else:
+            decoder = PipelineDecoder(stages, drafter, session.params, session.eos_ids)
+            result = decoder.generate(prompt_ids, cfg.max_new_tokens, generator)
     stats = result.stats.as_dict() if result.stats else {"N": len(result.token_ids), "K": None, "alpha": None,
                                                           "eal": None, "rollbacks": None}
     return {"text": session.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
-            "token_ids": result.token_ids, "method": cfg.method, "n": session.staged.n,
+            "token_ids": result.token_ids, "method": cfg.method, "runtime": cfg.runtime, "n": session.staged.n,
             "stage_bounds": session.staged.bounds, **stats,
             "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
 
@@ -108,11 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # stderr stays clean: results, or exactly one error line
     parser = build_parser()
     args = parser.parse_args(argv)
+    from spd.runtime.distributed.comm import PipelineFailure
+
     try:
         return args.func(args)
     except UserError as exc:
         print(f"spd-infer: error: {exc}", file=sys.stderr)
         return 2
+    except PipelineFailure as exc:
+        print(f"spd-infer: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("spd-infer: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

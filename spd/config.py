@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -27,7 +27,7 @@ class GenerateConfig:
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
     method: str = "spd"                  # spd | ar (plain autoregressive through the same stage runner)
     n: Optional[int] = None              # pipeline stages; None = the checkpoint's n, else 5
-    stage_bounds: Optional[List[int]] = None  # explicit inner boundaries b_1..b_{n-1}
+    stage_bounds: Any = None             # explicit inner boundaries b_1..b_{n-1}, or "balanced" (by measured cost)
     module_layers: int = 1               # L_s of a randomly initialised module
     module_cache: bool = True            # cache K/V of depth-n memory rows (exact: they never change)
     max_new_tokens: int = 128
@@ -38,6 +38,11 @@ class GenerateConfig:
     dtype: str = "float32"
     device: str = "cpu"
     json: bool = False                   # print one JSON object instead of text + a stats line
+    runtime: str = "local"               # local (stages one after another, the reference) | distributed
+    threads_per_stage: Optional[int] = None  # distributed: intra-op threads per process (None: cores // (n + 1))
+    master_addr: str = "127.0.0.1"       # distributed: where the controller hosts the rendezvous
+    master_port: int = 0                 # distributed: 0 = any free port
+    timeout_s: float = 20.0              # distributed: longest wait for any message inside a generation
 
 
 def load_config(schema: type, path: str | None, overrides: list[str]):

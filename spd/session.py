@@ -13,7 +13,9 @@ from spd.drafters.spd_module import ModuleDrafter
 from spd.errors import UserError
 from spd.module import SpeculationModule
 from spd.sampling import SamplingParams
+from spd.runtime.stages import check_runtime
 from spd.target.loading import LoadedTarget, load_target
+from spd.target.partial import load_parts, materialize
 from spd.target.stages import StagedTarget
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -23,10 +25,11 @@ DEFAULT_N = 5
 @dataclass
 class Session:
     loaded: LoadedTarget
-    staged: StagedTarget
+    staged: StagedTarget               # runtime=distributed: the controller's parts only (embedding, head)
     module: SpeculationModule
     params: SamplingParams
     eos_ids: frozenset[int]
+    cache_dir: str | None = None       # runtime=distributed: the target cache the stage processes load from
 
     def drafter(self, use_cache: bool = True) -> ModuleDrafter:
         return ModuleDrafter(self.module, use_cache)
@@ -50,7 +53,16 @@ def open_session(cfg) -> Session:
     params = sampling_params(cfg)
     ckpt = read_checkpoint_config(cfg.checkpoint) if cfg.checkpoint else None
     n = cfg.n if cfg.n is not None else (ckpt["n"] if ckpt else DEFAULT_N)
-    loaded = load_target(cfg.target, DTYPES[cfg.dtype], cfg.device)
+    runtime = getattr(cfg, "runtime", "local")
+    check_runtime(runtime)
+    cache_dir = None
+    if runtime == "distributed":
+        if cfg.device not in ("cpu", "cuda") and not cfg.device.startswith("cuda:"):
+            raise UserError(f"device={cfg.device!r}: runtime=distributed runs on cpu or cuda")
+        cache_dir = materialize(cfg.target)  # the stages load their own layers from it; never the whole model here
+        loaded = load_parts(cache_dir, range(0), embed=True, head=True, dtype=DTYPES[cfg.dtype], device=cfg.device)
+    else:
+        loaded = load_target(cfg.target, DTYPES[cfg.dtype], cfg.device)
     num_layers = loaded.model.config.num_hidden_layers
     if not 1 <= n <= num_layers:
         raise UserError(f"n={n} stages is impossible for a target with L={num_layers} layers; use 1 <= n <= {num_layers}")
@@ -67,7 +79,7 @@ def open_session(cfg) -> Session:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             module = SpeculationModule.from_target(staged, cfg.module_layers, seed=cfg.seed)
-    return Session(loaded, staged, module.eval(), params, eos_ids_of(loaded.model.config, loaded.tokenizer))
+    return Session(loaded, staged, module.eval(), params, eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir)
 
 
 def encode_prompt(session: Session, prompt: str | None, chat_template: bool, max_new_tokens: int) -> list[int]:

@@ -48,5 +48,8 @@ class StageExecutor(ABC):
     def rollback(self, length: int) -> None:
         """Forget every position >= length in every stage (caches cropped, in-flight states dropped)."""
 
+    def finish(self) -> None:
+        """The generation ended (the stages may go idle until the next prefill)."""
+
     def close(self) -> None:
         """Release whatever the executor holds (processes, groups)."""

@@ -106,6 +106,7 @@ class PipelineDecoder:
                 on_token(token)
             step = next_step(step, accepted)
             done = is_final(token, stats.N, max_new_tokens, self.eos_ids)
+        ex.finish()
         stats.finish()
         generated = tokens[len(prompt_ids): len(prompt_ids) + stats.N]
         return GenerationResult(token_ids=generated, seconds=time.perf_counter() - start, stats=stats, trace=trace)
@@ -128,4 +129,5 @@ def pipeline_ar_generate(stages: StagedTarget | StageExecutor, prompt_ids: list[
             result = ex.collect()
         token = next_token(result.exit_logits, params, generator)
         out.append(token)
+    ex.finish()
     return GenerationResult(token_ids=out, seconds=time.perf_counter() - start)

@@ -31,13 +31,20 @@ class StagedTarget:
         self._rope_takes_type = "layer_type" in inspect.signature(rope.forward).parameters
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
 
+    def _materialised(self) -> torch.Tensor:
+        # A pipeline stage's process holds only its own parts (spd.target.partial); the rest sit on "meta".
+        for param in self.model.parameters():
+            if param.device.type != "meta":
+                return param
+        raise ValueError("the target has no materialised parameters")
+
     @property
     def device(self) -> torch.device:
-        return self.model.lm_head.weight.device
+        return self._materialised().device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.lm_head.weight.dtype
+        return self._materialised().dtype
 
     def new_cache(self) -> LayerKVCache:
         return LayerKVCache(self.num_layers)

@@ -1,0 +1,40 @@
+"""Distributed SPD under torchrun, the twin of `deepspeed train/run.py`:
+
+    torchrun --nproc-per-node <n+1> infer/run.py target=smollm2 n=5 prompt="..." [key=value ...]
+
+Rank 0 is the controller and takes `spd-infer generate`'s keys (runtime=distributed implied); ranks 1..n each run
+one stage. torchrun's multi-node flags (--nnodes, --node-rank, --master-addr, --master-port) span machines.
+"""
+
+import datetime
+import os
+import sys
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    from spd.runtime.distributed.worker import run_stage_process
+
+    rank = int(os.environ.get("RANK", "0"))
+    if "WORLD_SIZE" not in os.environ:
+        print("infer/run.py: error: start it with torchrun --nproc-per-node <n+1> (or use spd-infer generate "
+              "runtime=distributed, which starts the processes itself)", file=sys.stderr)
+        return 2
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("SPD_CONNECT_TIMEOUT_S", 300))))
+    if rank > 0:
+        return run_stage_process(rank)
+    from spd.cli import main as cli_main
+    from spd.runtime.distributed import launch
+
+    try:
+        return cli_main(["generate", "runtime=distributed", *sys.argv[1:]])
+    finally:
+        if dist.is_initialized() and not launch.setup_sent():
+            launch.abort_stages("the controller refused the run")  # the stages exit instead of waiting
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Point-to-point messages with a deadline: every wait has a timeout, and a failure names who was waited for."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+class PipelineFailure(RuntimeError):
+    """A pipeline process died, hung past its timeout, or the group could not be formed."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    # gloo prefixes its messages with a source location in brackets
+    return line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
+
+
+def wait(work, timeout_s: float, what: str) -> None:
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise PipelineFailure(f"{what}: {_first_line(exc)}") from None
+
+
+def send(tensor: torch.Tensor, dst: int, tag: int):
+    """Start sending (the caller waits for the returned work before reusing `tensor`)."""
+    return dist.isend(tensor.detach().cpu().contiguous(), dst, tag=tag)
+
+
+def recv(shape, dtype, src: int, tag: int, timeout_s: float, what: str) -> torch.Tensor:
+    buf = torch.empty(shape, dtype=dtype)
+    wait(dist.irecv(buf, src, tag=tag), timeout_s, what)
+    return buf
+
+
+class Pending:
+    """A receive posted early (so the transfer overlaps compute), completed later."""
+
+    def __init__(self, shape, dtype, src: int, tag: int, what: str, **info):
+        self.buf = torch.empty(shape, dtype=dtype)
+        self.work = dist.irecv(self.buf, src, tag=tag)
+        self.what = what
+        self.info = info
+
+    def get(self, timeout_s: float) -> torch.Tensor:
+        wait(self.work, timeout_s, self.what)
+        return self.buf

@@ -1,0 +1,171 @@
+"""Forming the process group: spawn the stage processes on this machine (`spd-infer ... runtime=distributed`), or
+join the ones torchrun started (`torchrun --nproc-per-node <n+1> infer/run.py`), and tidy up either way."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+from spd.errors import UserError
+from spd.runtime.distributed.comm import PipelineFailure
+from spd.runtime.distributed.controller import DistributedStages
+from spd.runtime.distributed.protocol import Setup
+from spd.target.stages import StagedTarget
+
+
+def check_port(addr: str, port: int) -> None:
+    """The controller will host the rendezvous here: refuse at once, before any process exists, if it cannot."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((addr, port))
+    except socket.gaierror:
+        raise UserError(f"master_addr={addr!r} is not a known host; use an address of this machine, e.g. "
+                        "127.0.0.1") from None
+    except OSError as exc:
+        if exc.errno == 98 or "in use" in str(exc):
+            raise UserError(f"master_port={port} is in use on {addr}; pick another master_port= (0 = any free "
+                            "port)") from None
+        raise UserError(f"cannot host the rendezvous at {addr}:{port} ({exc.strerror}); the controller runs on "
+                        "this machine, so master_addr= must be one of its addresses (e.g. 127.0.0.1)") from None
+
+
+def free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((addr, 0))
+        return sock.getsockname()[1]
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class StageProcesses:
+    """The n stage processes this controller spawned (ranks 1..n)."""
+
+    def __init__(self, n: int, addr: str, port: int, threads: int):
+        env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(n + 1),
+                   OMP_NUM_THREADS=str(threads), SPD_PARENT_PID=str(os.getpid()))
+        self.procs = []
+        for rank in range(1, n + 1):
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "spd.runtime.distributed.worker"],
+                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdin=subprocess.DEVNULL))
+
+    def describe_failure(self, grace_s: float = 2.0) -> str | None:
+        """The first stage process that ended badly, in words (waiting briefly: a socket error can beat the exit)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code not in (None, 0):
+                    return (f"stage {rank}/{len(self.procs)} (rank {rank}, pid {proc.pid}) {_exit_text(code)}; "
+                            "the pipeline was stopped")
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+
+
+def start_local_pipeline(target: StagedTarget, setup: Setup, addr: str = "127.0.0.1", port: int = 0) -> DistributedStages:
+    """Spawn n stage processes here and form the group with this process as the controller (rank 0)."""
+    port = port or free_port(addr)
+    check_port(addr, port)
+    processes = StageProcesses(setup.n, addr, port, setup.threads)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=0, world_size=setup.n + 1,
+                                timeout=datetime.timedelta(seconds=setup.idle_timeout_s))
+        return DistributedStages(target, setup, processes)
+    except PipelineFailure as exc:
+        dead = processes.describe_failure()
+        processes.kill()
+        _leave_group()
+        raise PipelineFailure(dead or str(exc)) from None
+    except BaseException:
+        processes.kill()
+        _leave_group()
+        raise
+
+
+_setup_sent = False
+
+
+def setup_sent() -> bool:
+    """Whether this controller has told the torchrun-started stages what to do (or that there is nothing to do)."""
+    return _setup_sent
+
+
+def join_launched_pipeline(target: StagedTarget, setup: Setup) -> DistributedStages:
+    """torchrun started every rank; this one (rank 0) is the controller."""
+    global _setup_sent
+    world = dist.get_world_size()
+    if world != setup.n + 1:
+        abort_stages(f"world size {world} != n + 1")
+        raise UserError(f"n={setup.n} stages need {setup.n + 1} processes (one per stage + the controller), "
+                        f"but torchrun started {world}; use --nproc-per-node/--nnodes for {setup.n + 1} in all")
+    _setup_sent = True
+    return DistributedStages(target, setup)
+
+
+def abort_stages(reason: str) -> None:
+    """Tell stage processes waiting for their setup that there is no run (they exit quietly)."""
+    global _setup_sent
+    _setup_sent = True
+    dist.broadcast_object_list([Setup(cache_dir="", n=0, bounds=[], capture=[], abort=reason)], src=0)
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def close_pipeline(executor: DistributedStages | None) -> None:
+    try:
+        if executor is not None:
+            executor.close()
+    finally:
+        if executor is not None and executor.processes is not None:
+            executor.processes.kill()
+        _leave_group()
+
+
+def watch_parent() -> None:
+    """A spawned stage process ends when its controller does, even if the controller could not say goodbye."""
+    parent = int(os.environ.get("SPD_PARENT_PID", "0"))
+    if not parent:
+        return
+
+    def watch():
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True).start()

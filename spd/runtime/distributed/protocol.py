@@ -1,0 +1,58 @@
+"""What the controller and the stage processes say to each other, and who holds what.
+
+Ranks: 0 is the controller (embedding, speculation module, verification); rank s + 1 runs stage s (0-indexed)
+and only that stage's layers; the last stage also holds the final norm and the LM head.
+
+Per step the controller sends every stage one control tensor (int64 [4 + n]: command, crop length, prompt
+length, capture flag, then the schedule's work row: the position each stage advances, IDLE if none) and stage 0
+the H^0 of the entering token. Stage s sends its output state to stage s + 1 (used next step, or dropped when
+the next control crops past it) and the controller its payload: the captured feature rows the drafter reads,
+and for the last stage the logits of the exiting token. Tags keep the kinds of message apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+PREFILL, STEP, END, STOP = 1, 2, 3, 4
+TAG_CONTROL, TAG_HIDDEN, TAG_PREFILL, TAG_PAYLOAD, TAG_READY = 1, 2, 3, 4, 5
+HEADER = 4
+
+
+@dataclass
+class Setup:
+    """Broadcast once from the controller: everything a stage process needs to load and run its stage."""
+
+    cache_dir: str                  # spd.target.partial cache of the target
+    n: int
+    bounds: list[int]
+    capture: list[int]              # layers whose H^l the drafter reads (0 excluded: the controller embeds)
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int = 1
+    step_timeout_s: float = 20.0
+    idle_timeout_s: float = 86400.0
+    abort: str | None = None        # the controller refused the run: stages exit quietly
+    extra: dict = field(default_factory=dict)
+
+
+def stage_layers(bounds: list[int], stage: int) -> range:
+    return range(bounds[stage], bounds[stage + 1])
+
+
+def stage_capture(capture: list[int], bounds: list[int], stage: int) -> list[int]:
+    """Captured layers whose H^l is produced by `stage` (the outputs of its layers), ascending."""
+    return [layer for layer in sorted(capture) if bounds[stage] < layer <= bounds[stage + 1]]
+
+
+def control(cmd: int, n: int, crop: int = -1, length: int = 0, capture: bool = True,
+            work: tuple[int, ...] | None = None) -> torch.Tensor:
+    row = [cmd, crop, length, int(capture)] + list(work if work is not None else (-1,) * n)
+    return torch.tensor(row, dtype=torch.long)
+
+
+def parse(row: torch.Tensor) -> tuple[int, int, int, bool, tuple[int, ...]]:
+    values = row.tolist()
+    return values[0], values[1], values[2], bool(values[3]), tuple(values[HEADER:])

@@ -1,0 +1,107 @@
+"""A stage process: load this stage's layers, then follow the controller's commands until told to stop.
+
+Each step it takes the state entering its stage (from the controller for stage 1, else the one the previous
+stage sent last step), runs its layers with its own KV cache, passes the output on, and sends the controller the
+feature rows the drafter reads (the last stage: plus the exiting token's logits, since it holds the head).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from spd.runtime.distributed import comm
+from spd.runtime.distributed.protocol import (END, PREFILL, STEP, STOP, TAG_CONTROL, TAG_HIDDEN, TAG_PAYLOAD,
+                                              TAG_PREFILL, TAG_READY, Setup, parse, stage_capture, stage_layers)
+from spd.runtime.schedule import IDLE
+from spd.session import DTYPES
+from spd.target.partial import load_parts
+from spd.target.stages import StagedTarget
+
+
+def receive_setup() -> Setup:
+    box = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class StageServer:
+    def __init__(self, setup: Setup, rank: int):
+        self.setup = setup
+        self.rank = rank
+        self.stage = rank - 1
+        self.n = setup.n
+        self.last = self.stage == self.n - 1
+        torch.set_num_threads(setup.threads)
+        device = torch.device(setup.device)
+        if device.type == "cuda" and torch.cuda.device_count() > 1:
+            device = torch.device("cuda", self.stage % torch.cuda.device_count())  # one GPU per stage
+        self.device = device
+        parts = load_parts(setup.cache_dir, stage_layers(setup.bounds, self.stage), embed=False, head=self.last,
+                           dtype=DTYPES[setup.dtype], device=device)
+        self.target = StagedTarget(parts.model, self.n, setup.bounds)
+        self.capture = stage_capture(setup.capture, setup.bounds, self.stage)
+        self.d = parts.model.config.hidden_size
+        self.sends = []
+        self.pending: comm.Pending | None = None   # what the previous stage sends during the current step
+
+    def what(self, action: str) -> str:
+        return f"stage {self.stage + 1}/{self.n} (rank {self.rank}) {action}"
+
+    def _run(self, hidden, positions, capture: list[int]):
+        hidden = hidden.to(self.device, self.target.dtype)
+        out, captured = self.target.run_stage(self.stage, hidden, positions.to(self.device), self.cache,
+                                              frozenset(capture))
+        if not self.last:
+            self.sends.append(comm.send(out.float(), self.rank + 1, TAG_PREFILL if positions.numel() > 1 else TAG_HIDDEN))
+        parts = [captured[layer][0].reshape(-1) for layer in capture]    # each [T * d]
+        if self.last:
+            parts.append(self.target.logits(out[0, -1]).reshape(-1))      # [V] of the exiting token
+        if parts:
+            self.sends.append(comm.send(torch.cat(parts).float(), 0, TAG_PAYLOAD))
+
+    def serve(self) -> None:
+        s = self.setup
+        active = False
+        self.sends.append(comm.send(torch.zeros(1), 0, TAG_READY))
+        while True:
+            row = comm.recv(4 + self.n, torch.long, 0, TAG_CONTROL,
+                            s.step_timeout_s if active else s.idle_timeout_s, self.what("waiting for the controller"))
+            cmd, crop, length, capture_on, work = parse(row)
+            for work_item in self.sends:
+                comm.wait(work_item, s.step_timeout_s, self.what("sending"))
+            self.sends = []
+            inbox, inbox_pos = None, None
+            if self.pending is not None:  # always drained, so the channel from the previous stage stays in step
+                inbox, inbox_pos = self.pending.get(s.step_timeout_s), self.pending.info["pos"]
+                self.pending = None
+            capture = self.capture if capture_on else []
+            if cmd == STOP:
+                return
+            if cmd == END:
+                active = False
+                continue
+            if cmd == PREFILL:
+                active = True
+                self.cache = self.target.new_cache()
+                hidden = comm.recv((1, length, self.d), torch.float32, self.rank - 1, TAG_PREFILL, s.step_timeout_s,
+                                   self.what("waiting for the prompt's states"))
+                self._run(hidden, torch.arange(length), capture)
+                continue
+            assert cmd == STEP, cmd
+            if crop >= 0:
+                self.cache.crop(crop)  # a rejection: forget the flushed positions
+            if self.stage > 0 and work[self.stage - 1] != IDLE:
+                self.pending = comm.Pending((1, 1, self.d), torch.float32, self.rank - 1, TAG_HIDDEN,
+                                            self.what("waiting for the previous stage"), pos=work[self.stage - 1])
+            pos = work[self.stage]
+            if pos == IDLE:
+                continue
+            if self.stage == 0:
+                hidden = comm.recv((1, 1, self.d), torch.float32, 0, TAG_HIDDEN, s.step_timeout_s,
+                                   self.what("waiting for the entering token"))
+            else:
+                if inbox_pos != pos:
+                    raise comm.PipelineFailure(self.what(f"expected position {pos}, holds {inbox_pos}"))
+                hidden = inbox
+            self._run(hidden, torch.tensor([pos]), capture)
