@@ -4,6 +4,10 @@ import pytest
 import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
+if "SPD_CACHE_DIR" not in os.environ:  # target caches of tiny models (runtime=distributed) stay out of ~/.cache
+    import tempfile
+
+    os.environ["SPD_CACHE_DIR"] = tempfile.mkdtemp(prefix="spd-test-cache-")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, min(2, os.cpu_count() or 1)))
 

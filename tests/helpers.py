@@ -3,6 +3,7 @@
 import torch
 
 from spd.ar import ar_generate
+from spd.drafters.base import Drafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
@@ -27,6 +28,41 @@ def spd_run(model, n, prompt_ids, max_new, module_layers=1, use_cache=True, draf
 
 def ar_run(model, prompt_ids, max_new, params=GREEDY, eos=frozenset(), generator=None):
     return ar_generate(StagedTarget(model, 1), prompt_ids, max_new, params, eos, generator)
+
+
+class ScriptedDrafter(Drafter):
+    """Runs a real drafter every step (its cost and state stay real) but drafts with the *target's own* logits
+    for the sequence in flight, except at every `wrong_every`-th position, where it drafts with them reversed.
+    Greedy or sampled, a run then holds long accepted stretches *and* rollbacks (with residual resampling)."""
+
+    def __init__(self, inner: Drafter, model, wrong_every: int, on_step=None):
+        self.inner, self.model, self.wrong_every, self.on_step = inner, model, wrong_every, on_step
+        self.steps = 0
+
+    def layers_needed(self, bounds):
+        return self.inner.layers_needed(bounds)
+
+    def start(self, prompt_hidden, prompt_ids):
+        self.seq = dict(enumerate(prompt_ids))  # pos -> token, as the views show them (verified or in flight)
+        self.inner.start(prompt_hidden, prompt_ids)
+
+    def finalize(self, pos, hidden):
+        self.inner.finalize(pos, hidden)
+
+    def on_rollback(self, length):
+        self.inner.on_rollback(length)
+
+    @torch.no_grad()
+    def draft_logits(self, view):
+        self.steps += 1
+        if self.on_step:
+            self.on_step(self.steps)
+        self.inner.draft_logits(view)
+        for item in view.in_flight:
+            self.seq[item.pos] = item.token
+        tokens = [self.seq[pos] for pos in range(view.t + 1)]
+        logits = self.model(torch.tensor([tokens])).logits[0, -1]
+        return -logits if (view.t + 1) % self.wrong_every == 0 else logits
 
 
 def read_wandb_offline(run_dir: str, wait_for=None, timeout: float = 30.0) -> dict:

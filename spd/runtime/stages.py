@@ -47,11 +47,15 @@ def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | 
     setup = Setup(cache_dir=cache_dir, n=staged.n, bounds=staged.bounds, capture=sorted(set(capture) - {0}),
                   dtype=cfg.dtype, device=cfg.device, threads=threads, step_timeout_s=cfg.timeout_s)
     executor: StageExecutor | None = None
+    graceful = True
     try:
         if dist.is_initialized():  # torchrun started every rank (infer/run.py)
             executor = join_launched_pipeline(staged, setup)
         else:
             executor = start_local_pipeline(staged, setup, cfg.master_addr, cfg.master_port)
         yield executor
+    except BaseException:
+        graceful = False
+        raise
     finally:
-        close_pipeline(executor)
+        close_pipeline(executor, graceful)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from spd.runtime.distributed import comm
-from spd.runtime.distributed.protocol import (END, PREFILL, STEP, STOP, TAG_CONTROL, TAG_HIDDEN, TAG_PAYLOAD,
+from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, STEP, STOP, TAG_CONTROL, TAG_HIDDEN, TAG_PAYLOAD,
                                               TAG_PREFILL, TAG_READY, Setup, control, stage_capture)
 from spd.runtime.executor import StageExecutor, StepOutput
 from spd.runtime.schedule import Step
@@ -140,6 +140,23 @@ class DistributedStages(StageExecutor):
         if self.active:
             self._command(control(END, self.n))
             self.active = False
+
+    def abort(self) -> None:
+        """After a failure: tell every stage still listening to stop (each says so in one line, exits non-zero)."""
+        if self.closed:
+            return
+        self.closed = True
+        works = []
+        for s in range(self.n):
+            try:
+                works.append(comm.send(control(ABORT, self.n), s + 1, TAG_CONTROL))
+            except RuntimeError:
+                pass
+        for work in works:
+            try:
+                comm.wait(work, 2.0, "aborting")
+            except comm.PipelineFailure:
+                pass  # that stage is gone already
 
     def close(self) -> None:
         if self.closed:

@@ -21,11 +21,13 @@ from spd.runtime.distributed.protocol import Setup
 from spd.target.stages import StagedTarget
 
 
-def check_port(addr: str, port: int) -> None:
-    """The controller will host the rendezvous here: refuse at once, before any process exists, if it cannot."""
+def check_port(addr: str, port: int) -> int:
+    """The controller will host the rendezvous here: refuse at once, before any process exists, if it cannot.
+    Returns the port (a free one when port is 0)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((addr, port))
+            return sock.getsockname()[1]
     except socket.gaierror:
         raise UserError(f"master_addr={addr!r} is not a known host; use an address of this machine, e.g. "
                         "127.0.0.1") from None
@@ -35,12 +37,6 @@ def check_port(addr: str, port: int) -> None:
                             "port)") from None
         raise UserError(f"cannot host the rendezvous at {addr}:{port} ({exc.strerror}); the controller runs on "
                         "this machine, so master_addr= must be one of its addresses (e.g. 127.0.0.1)") from None
-
-
-def free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((addr, 0))
-        return sock.getsockname()[1]
 
 
 def _exit_text(code: int) -> str:
@@ -96,8 +92,7 @@ class StageProcesses:
 
 def start_local_pipeline(target: StagedTarget, setup: Setup, addr: str = "127.0.0.1", port: int = 0) -> DistributedStages:
     """Spawn n stage processes here and form the group with this process as the controller (rank 0)."""
-    port = port or free_port(addr)
-    check_port(addr, port)
+    port = check_port(addr, port)
     processes = StageProcesses(setup.n, addr, port, setup.threads)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=0, world_size=setup.n + 1,
@@ -146,14 +141,16 @@ def _leave_group() -> None:
         dist.destroy_process_group()
 
 
-def close_pipeline(executor: DistributedStages | None) -> None:
+def close_pipeline(executor: DistributedStages | None, graceful: bool = True) -> None:
+    """graceful: tell the stages to stop (exit 0). Otherwise (a failure, Ctrl-C) just leave the group: every stage
+    then sees its connection to the controller close, says so in one line and exits non-zero."""
     try:
         if executor is not None:
-            executor.close()
+            executor.close() if graceful else executor.abort()
     finally:
-        if executor is not None and executor.processes is not None:
-            executor.processes.kill()
         _leave_group()
+        if executor is not None and executor.processes is not None:
+            executor.processes.join(timeout_s=10.0)
 
 
 def watch_parent() -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PREFILL, STEP, END, STOP = 1, 2, 3, 4
+PREFILL, STEP, END, STOP, ABORT = 1, 2, 3, 4, 5
 TAG_CONTROL, TAG_HIDDEN, TAG_PREFILL, TAG_PAYLOAD, TAG_READY = 1, 2, 3, 4, 5
 HEADER = 4
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from spd.runtime.distributed import comm
-from spd.runtime.distributed.protocol import (END, PREFILL, STEP, STOP, TAG_CONTROL, TAG_HIDDEN, TAG_PAYLOAD,
+from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, STEP, STOP, TAG_CONTROL, TAG_HIDDEN, TAG_PAYLOAD,
                                               TAG_PREFILL, TAG_READY, Setup, parse, stage_capture, stage_layers)
 from spd.runtime.schedule import IDLE
 from spd.session import DTYPES
@@ -68,6 +68,8 @@ class StageServer:
             row = comm.recv(4 + self.n, torch.long, 0, TAG_CONTROL,
                             s.step_timeout_s if active else s.idle_timeout_s, self.what("waiting for the controller"))
             cmd, crop, length, capture_on, work = parse(row)
+            if cmd == ABORT:
+                raise comm.PipelineFailure(self.what("was stopped by the controller after a failure elsewhere"))
             for work_item in self.sends:
                 comm.wait(work_item, s.step_timeout_s, self.what("sending"))
             self.sends = []

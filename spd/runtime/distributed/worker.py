@@ -23,15 +23,19 @@ def run_stage_process(rank: int) -> int:
         StageServer(setup, rank).serve()
         return 0
     except PipelineFailure as exc:
-        print(f"spd-infer: error: {exc}; exiting", file=sys.stderr)
-        return 1
+        _die(f"spd-infer: error: {exc}; exiting")
     except RuntimeError as exc:  # the group itself broke (e.g. the controller vanished during setup)
         line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        print(f"spd-infer: error: stage process rank {rank}: {line}; exiting", file=sys.stderr)
-        return 1
+        _die(f"spd-infer: error: stage process rank {rank}: {line}; exiting")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _die(line: str) -> None:
+    """One line, then exit at once: tearing down a broken group can block on peers that are gone."""
+    print(line, file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def main() -> int:

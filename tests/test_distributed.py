@@ -1,0 +1,111 @@
+"""runtime=distributed: one process per stage + the controller (this test process), over gloo on this machine.
+
+Token-identical to runtime=local for greedy and seeded sampling, with drafts accepted and rejected; plain
+pipeline-parallel AR equals AR; a killed stage stops everything within 30 s with one line per survivor.
+"""
+
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import GREEDY, ScriptedDrafter, ar_run, prompt
+from spd.ar import ar_generate
+from spd.drafters.spd_module import ModuleDrafter
+from spd.module import SpeculationModule
+from spd.runtime.distributed.comm import PipelineFailure
+from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
+from spd.runtime.stages import open_stages
+from spd.sampling import SamplingParams
+from spd.target.loading import load_target
+from spd.target.partial import load_parts, materialize
+from spd.target.stages import StagedTarget
+
+SAMPLED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+
+
+def distributed_cfg(**overrides):
+    base = dict(runtime="distributed", threads_per_stage=1, dtype="float32", device="cpu", timeout_s=20.0,
+                master_addr="127.0.0.1", master_port=0)
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def controller_parts(spec: str, n: int):
+    """What the controller process holds: the embedding and head, no decoder layer."""
+    cache = materialize(spec)
+    parts = load_parts(cache, range(0), embed=True, head=True, dtype=torch.float32)
+    return StagedTarget(parts.model, n), cache
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_target("tiny-llama")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_distributed_equals_local_greedy_and_sampled(tiny, n):
+    staged = StagedTarget(tiny.model, n)
+    module = SpeculationModule.from_target(staged, 1, seed=n).eval()
+    p = prompt(7, vocab=tiny.model.config.vocab_size)
+    reference = p + ar_run(tiny.model, p, 80).token_ids
+
+    def decode(stages, params, seed):
+        drafter = ScriptedDrafter(ModuleDrafter(module), tiny.model, wrong_every=5)
+        return PipelineDecoder(stages, drafter, params, frozenset()).generate(
+            p, 40, torch.Generator().manual_seed(seed))
+
+    runs = [(GREEDY, 0), (SAMPLED, 1), (SAMPLED, 2)]
+    local = [decode(staged, params, seed) for params, seed in runs]
+    controller, cache = controller_parts("tiny-llama", n)
+    with open_stages(controller, distributed_cfg(), module_layers(n, staged), cache) as stages:
+        remote = [decode(stages, params, seed) for params, seed in runs]   # one set of processes, several prompts
+        remote_ar = pipeline_ar_generate(stages, p, 40, GREEDY, frozenset())
+    for mine, theirs in zip(remote, local):
+        assert mine.token_ids == theirs.token_ids
+        assert (mine.stats.K, mine.stats.rollbacks) == (theirs.stats.K, theirs.stats.rollbacks)
+    assert local[0].token_ids == reference[len(p): len(p) + 40]    # greedy = the target's own decode
+    for run in local:                                              # both paths ran: accepted and rejected drafts
+        assert run.stats.rollbacks > 0 and run.stats.N - run.stats.rollbacks > 1
+    assert remote_ar.token_ids == reference[len(p): len(p) + 40]
+
+
+def module_layers(n, staged):
+    return ModuleDrafter(SpeculationModule.from_target(staged, 1)).layers_needed(staged.bounds)
+
+
+def test_pipeline_ar_locally_equals_ar(tiny):
+    p = prompt(3, vocab=tiny.model.config.vocab_size)
+    for n in (1, 3):
+        assert pipeline_ar_generate(StagedTarget(tiny.model, n), p, 30, GREEDY, frozenset()).token_ids == \
+            ar_generate(StagedTarget(tiny.model, 1), p, 30, GREEDY, frozenset()).token_ids
+
+
+def test_a_killed_stage_stops_every_process(tiny, capfd):
+    n = 3
+    staged = StagedTarget(tiny.model, n)
+    module = SpeculationModule.from_target(staged, 1).eval()
+    p = prompt(5, vocab=tiny.model.config.vocab_size)
+    controller, cache = controller_parts("tiny-llama", n)
+    with pytest.raises(PipelineFailure) as failure:
+        with open_stages(controller, distributed_cfg(), module_layers(n, staged), cache) as stages:
+            procs = stages.processes.procs
+            victim = procs[1]  # stage 2 of 3
+
+            def kill_mid_generation(step):
+                if step == 20:
+                    os.kill(victim.pid, signal.SIGKILL)
+
+            drafter = ScriptedDrafter(ModuleDrafter(module), tiny.model, wrong_every=7, on_step=kill_mid_generation)
+            start = time.monotonic()
+            PipelineDecoder(stages, drafter, GREEDY, frozenset()).generate(p, 250)
+    assert time.monotonic() - start < 30
+    assert "stage 2/3" in str(failure.value) and "SIGKILL" in str(failure.value)
+    for proc in procs:  # open_stages waited for them: every one has ended, none with success
+        assert proc.poll() is not None and proc.returncode != 0, proc.returncode
+    err = capfd.readouterr().err
+    survivors = [line for line in err.splitlines() if line.startswith("spd-infer: error:")]
+    assert len(survivors) == n - 1, (err, [proc.returncode for proc in procs])
+    assert all("Traceback" not in line for line in survivors)

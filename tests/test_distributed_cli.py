@@ -1,0 +1,109 @@
+"""runtime=distributed from the command line: `spd-infer generate runtime=distributed` (spawns the stage processes)
+and `torchrun ... infer/run.py` (one node, and two nodes on loopback) give runtime=local's tokens; bad input is
+one line and exit 2 before any process is started; a sampled run through it keeps the target's distribution."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from spd.checkpoint import save_checkpoint
+from spd.module import SpeculationModule
+from spd.target.loading import load_target
+from spd.target.stages import StagedTarget
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+COMMON = ["target=tiny-llama", "prompt=What is 12*7?", "max_new_tokens=24", "json=true", "threads_per_stage=1"]
+
+
+def spd_infer(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "spd.cli", "generate", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def stage_workers() -> set[int]:
+    """pids of live stage processes (spawned by spd-infer) on this machine."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spd.runtime.distributed.worker" in f.read():
+                    found.add(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def local_tokens():
+    out = spd_infer(*COMMON, "n=3")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["token_ids"]
+
+
+def test_spawned_pipeline_equals_local(local_tokens):
+    before = stage_workers()
+    out = spd_infer(*COMMON, "n=3", "runtime=distributed")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["token_ids"] == local_tokens and result["runtime"] == "distributed"
+    ar = spd_infer(*COMMON, "n=3", "runtime=distributed", "method=ar")
+    assert json.loads(ar.stdout)["token_ids"] == local_tokens
+    assert stage_workers() <= before  # no stray process
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_torchrun_launch_equals_local(local_tokens, nodes):
+    port = free_port()
+    per_node = 4 // nodes
+    commands = [[TORCHRUN, f"--nnodes={nodes}", f"--node-rank={rank}", f"--nproc-per-node={per_node}",
+                 "--master-addr=127.0.0.1", f"--master-port={port}", os.path.join(ROOT, "infer", "run.py"),
+                 *COMMON, "n=3"] for rank in range(nodes)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for cmd in commands]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err
+    assert json.loads(outputs[0][0].strip().splitlines()[-1])["token_ids"] == local_tokens
+
+
+def one_line_exit_2(out, *words):
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spd-infer: error:"), out.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert out.stdout == ""
+
+
+def test_bad_input_is_one_line_and_starts_no_process(tmp_path):
+    before = stage_workers()
+    one_line_exit_2(spd_infer(*COMMON, "runtime=threads"), "runtime='threads'", "local, distributed")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        one_line_exit_2(spd_infer(*COMMON, "runtime=distributed", f"master_port={port}"), f"master_port={port}",
+                        "in use")
+    one_line_exit_2(spd_infer(*COMMON, "runtime=distributed", "master_addr=192.0.2.1"), "192.0.2.1")
+    one_line_exit_2(spd_infer(*COMMON, "runtime=distributed", "master_addr=no-such-host.invalid"), "not a known host")
+    # a module trained for the even split [0, 5, 10] refuses other bounds, naming the ones it needs
+    loaded = load_target("tiny-llama")
+    module = SpeculationModule.from_target(StagedTarget(loaded.model, 2), 1)
+    save_checkpoint(module, loaded, str(tmp_path / "ckpt"))
+    one_line_exit_2(spd_infer(*COMMON, "runtime=distributed", f"checkpoint={tmp_path / 'ckpt'}", "stage_bounds=[3]"),
+                    "stage_bounds=[0, 5, 10]")
+    one_line_exit_2(spd_infer(*COMMON, "runtime=distributed", "threads_per_stage=0"), "threads_per_stage")
+    assert stage_workers() <= before
