@@ -109,3 +109,57 @@ def test_a_killed_stage_stops_every_process(tiny, capfd):
     survivors = [line for line in err.splitlines() if line.startswith("spd-infer: error:")]
     assert len(survivors) == n - 1, (err, [proc.returncode for proc in procs])
     assert all("Traceback" not in line for line in survivors)
+
+
+def test_sampling_through_distributed_runtime_matches_target_distribution(tmp_path):
+    """The chi-square test of test_lossless_sampling, with every continuation decoded by stage processes."""
+    from test_lossless_sampling import ALPHA, LENGTH, PARAMS, PROMPT, chi2_pvalue, exact_distribution
+
+    from spd.testing import tiny_model
+
+    model = tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
+    model.save_pretrained(tmp_path / "target")
+    n = 2
+    module = SpeculationModule.from_target(StagedTarget(model, n), 1, seed=1).eval()  # random: many rejections
+    controller, cache = controller_parts(str(tmp_path / "target"), n)
+    samples = DISTRIBUTED_SAMPLES
+    counts, rollbacks = {}, 0
+    g = torch.Generator().manual_seed(0)
+    with open_stages(controller, distributed_cfg(), module_layers(n, controller), cache) as stages:
+        decoder = PipelineDecoder(stages, ModuleDrafter(module), PARAMS, frozenset())
+        for _ in range(samples):
+            out = decoder.generate(PROMPT, LENGTH, g)
+            counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+            rollbacks += out.stats.rollbacks
+    assert rollbacks > samples * 0.2
+    dist = exact_distribution(model, PARAMS)
+    assert chi2_pvalue(counts, dist, samples) > ALPHA
+    assert power_against_shift(dist, samples, tv=0.04) >= 18  # the same test at this size can fail
+
+
+# Each continuation costs a prefill and two steps across three processes (~25 ms on 2 cores), so this test draws
+# fewer samples than the in-process one: enough to reject a 4% total-variation shift (checked above).
+DISTRIBUTED_SAMPLES = 4000
+
+
+def power_against_shift(dist: dict, samples: int, tv: float, trials: int = 20) -> int:
+    """How many of `trials` multinomial draws from a distribution `tv` away from `dist` the test rejects."""
+    import numpy as np
+
+    from test_lossless_sampling import ALPHA, chi2_pvalue
+
+    outcomes = sorted(dist)
+    p = np.array([dist[o] for o in outcomes])
+    rng = np.random.default_rng(0)
+    rejected = 0
+    for _ in range(trials):
+        signs = rng.choice([-1.0, 1.0], size=p.size)
+        signs[rng.integers(p.size)] *= -1 if abs(signs.sum()) == p.size else 1  # both signs present
+        direction = p * signs
+        direction -= p * direction.sum()  # keep the total mass
+        shifted = p + direction * (tv / (0.5 * np.abs(direction).sum()))
+        shifted = np.clip(shifted, 0, None)
+        shifted /= shifted.sum()
+        draws = rng.multinomial(samples, shifted)
+        rejected += chi2_pvalue({o: int(c) for o, c in zip(outcomes, draws)}, dist, samples) < ALPHA
+    return rejected
