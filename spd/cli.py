@@ -22,6 +22,12 @@ def _generate(cfg) -> dict:
     if cfg.method not in ("spd", "ar"):
         raise UserError(f"method={cfg.method!r} is not one of: spd, ar")
     session = open_session(cfg)
+    if session.balance:
+        b = session.balance
+        print(f"[spd] stage_bounds=balanced -> {b['stage_bounds']}: stage times "
+              f"{', '.join(f'{t * 1e3:.2f}' for t in b['stage_s'])} ms (even split: "
+              f"{', '.join(f'{t * 1e3:.2f}' for t in b['even_stage_s'])} ms), predicted step "
+              f"{b['predicted_step_s'] * 1e3:.2f} ms at {b['threads']} thread(s)", file=sys.stderr)
     prompt_ids = encode_prompt(session, cfg.prompt, cfg.chat_template, cfg.max_new_tokens)
     generator = torch.Generator(device=session.staged.device).manual_seed(cfg.seed)
     drafter = session.drafter(cfg.module_cache)
@@ -40,7 +46,7 @@ def _generate(cfg) -> dict:
                                                           "eal": None, "rollbacks": None}
     return {"text": session.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
             "token_ids": result.token_ids, "method": cfg.method, "runtime": cfg.runtime, "n": session.staged.n,
-            "stage_bounds": session.staged.bounds, **stats,
+            "stage_bounds": session.staged.bounds, "balance": session.balance, **stats,
             "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
 
 

@@ -30,6 +30,7 @@ class Session:
     params: SamplingParams
     eos_ids: frozenset[int]
     cache_dir: str | None = None       # runtime=distributed: the target cache the stage processes load from
+    balance: dict | None = None        # stage_bounds=balanced: the measured stage times and predicted step
 
     def drafter(self, use_cache: bool = True) -> ModuleDrafter:
         return ModuleDrafter(self.module, use_cache)
@@ -66,7 +67,7 @@ def open_session(cfg) -> Session:
     num_layers = loaded.model.config.num_hidden_layers
     if not 1 <= n <= num_layers:
         raise UserError(f"n={n} stages is impossible for a target with L={num_layers} layers; use 1 <= n <= {num_layers}")
-    bounds = list(cfg.stage_bounds) if cfg.stage_bounds else (ckpt["stage_bounds"] if ckpt and ckpt["n"] == n else None)
+    bounds, balance = resolve_bounds(cfg, n, ckpt, loaded, cache_dir, runtime)
     try:
         staged = StagedTarget(loaded.model, n, bounds)
     except ValueError as exc:
@@ -79,7 +80,48 @@ def open_session(cfg) -> Session:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             module = SpeculationModule.from_target(staged, cfg.module_layers, seed=cfg.seed)
-    return Session(loaded, staged, module.eval(), params, eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir)
+    return Session(loaded, staged, module.eval(), params, eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir,
+                   balance)
+
+
+def resolve_bounds(cfg, n: int, ckpt: dict | None, loaded: LoadedTarget, cache_dir: str | None,
+                   runtime: str) -> tuple[list[int] | None, dict | None]:
+    """Explicit bounds, the checkpoint's, the even split (None), or `balanced`: measured here, and then a
+    checkpoint trained for other bounds is refused with the bounds it needs."""
+    spec = cfg.stage_bounds
+    if spec is None:
+        return (ckpt["stage_bounds"] if ckpt and ckpt["n"] == n else None), None
+    if isinstance(spec, str):
+        if spec != "balanced":
+            raise UserError(f"stage_bounds={spec!r}: give the inner boundaries as a list (e.g. [10, 20]) or "
+                            "'balanced'")
+        from spd.runtime.balance import balanced_bounds, cached_profile, stage_costs
+        from spd.runtime.stages import threads_for
+
+        def full_target() -> StagedTarget:
+            num_layers = loaded.model.config.num_hidden_layers
+            if runtime == "distributed":  # the controller holds no layers: borrow all of them, once, to time them
+                whole = load_parts(cache_dir, range(num_layers), embed=True, head=True, dtype=DTYPES[cfg.dtype],
+                                   device=cfg.device)
+                return StagedTarget(whole.model, 1)
+            return StagedTarget(loaded.model, 1)
+
+        threads = threads_for(n, cfg.threads_per_stage) if runtime == "distributed" else torch.get_num_threads()
+        costs = cached_profile(cache_dir, full_target, threads, cfg.dtype, cfg.device)
+        bounds = balanced_bounds(costs, n)
+        stages = stage_costs(bounds, costs)
+        balance = {"stage_bounds": bounds, "stage_s": stages, "predicted_step_s": max(stages), "threads": threads,
+                   "even_stage_s": stage_costs(StagedTarget.even_bounds(len(costs["layer_s"]), n), costs)}
+        if ckpt and ckpt["stage_bounds"] != bounds:
+            raise UserError(f"checkpoint {cfg.checkpoint!r} was trained for stage_bounds={ckpt['stage_bounds']}, "
+                            f"but the balanced bounds on this machine are {bounds}; pass "
+                            f"stage_bounds={ckpt['stage_bounds'][1:-1]} to use it, or train a module with "
+                            f"model.stage_bounds={bounds[1:-1]}")
+        return bounds, balance
+    try:
+        return [int(b) for b in spec], None
+    except (TypeError, ValueError):
+        raise UserError(f"stage_bounds={spec!r}: give the inner boundaries as a list of integers or 'balanced'") from None
 
 
 def encode_prompt(session: Session, prompt: str | None, chat_template: bool, max_new_tokens: int) -> list[int]:

@@ -31,6 +31,10 @@ class StagedTarget:
         self._rope_takes_type = "layer_type" in inspect.signature(rope.forward).parameters
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
 
+    @staticmethod
+    def even_bounds(num_layers: int, n: int) -> list[int]:
+        return stage_bounds(num_layers, n)
+
     def _materialised(self) -> torch.Tensor:
         # A pipeline stage's process holds only its own parts (spd.target.partial); the rest sit on "meta".
         for param in self.model.parameters():
