@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from spd.runtime.distributed import comm
-from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, STEP, STOP, TAG_CONTROL, TAG_HIDDEN, TAG_PAYLOAD,
+from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, PROBE, STEP, STOP, TAG_CONTROL, TAG_HIDDEN, TAG_PAYLOAD,
                                               TAG_PREFILL, TAG_READY, Setup, control, stage_capture)
 from spd.runtime.executor import StageExecutor, StepOutput
 from spd.runtime.schedule import Step
@@ -108,8 +108,9 @@ class DistributedStages(StageExecutor):
             captured[0] = h0
         return logits, {layer: h for layer, h in captured.items() if layer in capture}
 
-    def launch(self, step: Step, entering):
-        self._command(control(STEP, self.n, crop=self.crop, capture=self.capture_on, work=step.work))
+    def launch(self, step: Step, entering, probe: bool = False):
+        self._command(control(PROBE if probe else STEP, self.n, crop=self.crop, capture=self.capture_on,
+                              work=step.work))
         self.crop = -1
         if entering is not None:
             self.sends.append(comm.send(entering.float(), 1, TAG_HIDDEN))
@@ -132,6 +133,27 @@ class DistributedStages(StageExecutor):
             self._fail(exc)
         self.waiting = []
         return out
+
+    def time_messages(self, steps: int = 200, warmup: int = 20) -> list[float]:
+        """Seconds per steady-state step spent on messages alone (every stage busy, no compute), one per step."""
+        import time
+
+        from spd.runtime.schedule import first_step, next_step
+
+        self.finish()
+        self.capture_on = bool(self.setup.capture)
+        entering = torch.zeros(1, 1, self.d)
+        times = []
+        step = first_step(0, self.n)  # fills like a decode, then every step is a full one
+        for _ in range(warmup + steps):
+            start = time.perf_counter()
+            self.launch(step, entering, probe=True)
+            self.collect()
+            times.append(time.perf_counter() - start)
+            step = next_step(step, None if step.exiting is None else True)
+        self.active = True
+        self.finish()
+        return times[warmup:]
 
     def rollback(self, length):
         self.crop = length  # travels with the next command, before any stage runs again

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PREFILL, STEP, END, STOP, ABORT = 1, 2, 3, 4, 5
+PREFILL, STEP, END, STOP, ABORT, PROBE = 1, 2, 3, 4, 5, 6  # PROBE: a STEP's messages, no compute
 TAG_CONTROL, TAG_HIDDEN, TAG_PREFILL, TAG_PAYLOAD, TAG_READY = 1, 2, 3, 4, 5
 HEADER = 4
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from spd.runtime.distributed import comm
-from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, STEP, STOP, TAG_CONTROL, TAG_HIDDEN, TAG_PAYLOAD,
+from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, PROBE, STEP, STOP, TAG_CONTROL, TAG_HIDDEN, TAG_PAYLOAD,
                                               TAG_PREFILL, TAG_READY, Setup, parse, stage_capture, stage_layers)
 from spd.runtime.schedule import IDLE
 from spd.session import DTYPES
@@ -48,15 +48,19 @@ class StageServer:
     def what(self, action: str) -> str:
         return f"stage {self.stage + 1}/{self.n} (rank {self.rank}) {action}"
 
-    def _run(self, hidden, positions, capture: list[int]):
+    def _run(self, hidden, positions, capture: list[int], probe: bool = False):
         hidden = hidden.to(self.device, self.target.dtype)
-        out, captured = self.target.run_stage(self.stage, hidden, positions.to(self.device), self.cache,
-                                              frozenset(capture))
+        if probe:  # the messages of a step without its compute: what communication alone costs per step
+            out, captured = hidden, {layer: hidden for layer in capture}
+        else:
+            out, captured = self.target.run_stage(self.stage, hidden, positions.to(self.device), self.cache,
+                                                  frozenset(capture))
         if not self.last:
             self.sends.append(comm.send(out.float(), self.rank + 1, TAG_PREFILL if positions.numel() > 1 else TAG_HIDDEN))
         parts = [captured[layer][0].reshape(-1) for layer in capture]    # each [T * d]
         if self.last:
-            parts.append(self.target.logits(out[0, -1]).reshape(-1))      # [V] of the exiting token
+            logits = out.new_zeros(self.target.config.vocab_size) if probe else self.target.logits(out[0, -1])
+            parts.append(logits.reshape(-1))                               # [V] of the exiting token
         if parts:
             self.sends.append(comm.send(torch.cat(parts).float(), 0, TAG_PAYLOAD))
 
@@ -90,7 +94,8 @@ class StageServer:
                                    self.what("waiting for the prompt's states"))
                 self._run(hidden, torch.arange(length), capture)
                 continue
-            assert cmd == STEP, cmd
+            assert cmd in (STEP, PROBE), cmd
+            active = True
             if crop >= 0:
                 self.cache.crop(crop)  # a rejection: forget the flushed positions
             if self.stage > 0 and work[self.stage - 1] != IDLE:
@@ -106,4 +111,4 @@ class StageServer:
                 if inbox_pos != pos:
                     raise comm.PipelineFailure(self.what(f"expected position {pos}, holds {inbox_pos}"))
                 hidden = inbox
-            self._run(hidden, torch.tensor([pos]), capture)
+            self._run(hidden, torch.tensor([pos]), capture, probe=cmd == PROBE)

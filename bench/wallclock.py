@@ -1,0 +1,236 @@
+"""Does SPD beat plain decoding by the clock? Tokens/s on this machine, every figure from one run.
+
+For each n the cores allow (n stage processes + the controller, >= 1 core each) and each bound choice (even,
+balanced): distributed SPD (the trained module whose n and bounds match, else an untrained one, labelled),
+distributed pipeline-parallel AR over the same processes, with L′acc, seconds per step, the module's time per
+step, the messages' time per step (a probe step: every message of a full step, no compute) and the calibrated
+prediction (spd/eval/calibrate.py's cost model at the stage processes' thread count). Beside them: the
+single-process AR of this suite and HF `generate`, both on all cores. Prompts: the first --limit of each eval set
+(chat template, first turn), --max-new-tokens each, stopping at EOS; greedy and T=1 (top-k 50, top-p 1.0).
+
+    python bench/wallclock.py --checkpoint outputs/smollm2_n2_balanced/checkpoint --ns 1,2 --limit 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import zlib
+
+import torch
+
+from spd.ar import ar_generate
+from spd.checkpoint import read_checkpoint_config
+from spd.config import GenerateConfig, load_config
+from spd.decoding import eos_ids_of
+from spd.drafters.base import Drafter
+from spd.eval.calibrate import calibrate, measured_cost_speedup
+from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
+from spd.runtime.stages import open_stages, threads_for
+from spd.sampling import SamplingParams
+from spd.session import open_session
+from spd.target.loading import load_target
+from spd.target.stages import StagedTarget
+
+
+class TimedDrafter(Drafter):
+    """The real drafter, with the time it spends drafting (the controller's share of every step) recorded."""
+
+    def __init__(self, inner: Drafter):
+        self.inner, self.seconds, self.calls = inner, 0.0, 0
+
+    def layers_needed(self, bounds):
+        return self.inner.layers_needed(bounds)
+
+    def start(self, prompt_hidden, prompt_ids):
+        self.inner.start(prompt_hidden, prompt_ids)
+
+    def finalize(self, pos, hidden):
+        self.inner.finalize(pos, hidden)
+
+    def on_rollback(self, length):
+        self.inner.on_rollback(length)
+
+    def draft_logits(self, view):
+        start = time.perf_counter()
+        out = self.inner.draft_logits(view)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return out
+
+
+def params_for(temperature: float) -> SamplingParams:
+    return SamplingParams() if temperature == 0 else SamplingParams(temperature=temperature, top_k=50, top_p=1.0)
+
+
+def seed_of(key: str) -> int:
+    return zlib.crc32(key.encode())
+
+
+def decode_all(prompts, run) -> dict:
+    """run(key, ids) -> GenerationResult; pooled tokens/s over every prompt, and L′acc where there are steps."""
+    tokens = seconds = N = K = 0
+    for key, ids in prompts:
+        result = run(key, ids)
+        tokens += len(result.token_ids)
+        seconds += result.seconds
+        if result.stats is not None:
+            N, K = N + result.stats.N, K + result.stats.K
+    out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    if K:
+        out.update(N=N, K=K, alpha=N / K)
+    return out
+
+
+def matching_checkpoint(checkpoints: list[str], n: int, bounds: list[int]) -> str | None:
+    for path in checkpoints:
+        cfg = read_checkpoint_config(path)
+        if cfg["n"] == n and cfg["stage_bounds"] == bounds:
+            return path
+    return None
+
+
+def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model) -> list[dict]:
+    overrides = [f"target={args.target}", f"n={n}", "runtime=distributed", f"threads_per_stage={max(1, cores // (n + 1))}"]
+    if kind == "balanced":
+        overrides.append("stage_bounds=balanced")
+    probe = open_session(load_config(GenerateConfig, None, overrides))  # resolves the bounds
+    checkpoint = matching_checkpoint(args.checkpoint, n, probe.staged.bounds)
+    bounds_override = [f"stage_bounds={probe.staged.bounds[1:-1]}"] if n > 1 else []
+    cfg = load_config(GenerateConfig, None, [o for o in overrides if not o.startswith("stage_bounds")]
+                      + bounds_override + ([f"checkpoint={checkpoint}"] if checkpoint else []))
+    session = open_session(cfg)
+    bounds = session.staged.bounds
+    threads = threads_for(n, cfg.threads_per_stage)
+    torch.set_num_threads(threads)
+    calibration = {}
+    staged_full = StagedTarget(full_model, n, bounds)
+    for temperature in args.temperatures:
+        calibration[temperature] = calibrate(staged_full, session.module, params_for(temperature), context=128,
+                                             repeats=10)
+    base = {"n": n, "bounds": kind, "stage_bounds": bounds, "threads_per_process": threads, "processes": n + 1,
+            "module": "trained" if checkpoint else "untrained", "checkpoint": checkpoint,
+            "balance": probe.balance}
+    rows = []
+    drafter = TimedDrafter(session.drafter())
+    capture = drafter.layers_needed(bounds)
+    with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
+        messages = stages.time_messages()
+        comm = {"message_us_per_step_median": statistics.median(messages) * 1e6,
+                "message_us_per_step_p90": sorted(messages)[int(0.9 * len(messages))] * 1e6}
+        for temperature in args.temperatures:
+            params = params_for(temperature)
+            decoder = PipelineDecoder(stages, drafter, params, session.eos_ids)
+            drafter.seconds, drafter.calls = 0.0, 0
+            result = decode_all(prompts, lambda key, ids: decoder.generate(
+                ids, args.max_new_tokens, torch.Generator().manual_seed(seed_of(key))))
+            cal = calibration[temperature]
+            rows.append({**base, **comm, "method": "spd", "runtime": "distributed", "temperature": temperature,
+                         **result, "eal": n * result["alpha"], "s_per_step": result["seconds"] / result["K"],
+                         "module_s_per_step": drafter.seconds / max(1, drafter.calls),
+                         "calibrated": {k: cal[k] for k in ("stage_s", "head_s", "module_s", "verify_s", "ar_token_s",
+                                                            "step_s", "bottleneck")},
+                         "calibrated_tokens_per_s": result["alpha"] / cal["step_s"],
+                         "calibrated_speedup_vs_ar_same_threads": measured_cost_speedup(result["alpha"], cal)})
+            print(json.dumps({k: rows[-1][k] for k in ("n", "bounds", "temperature", "tokens_per_s", "eal")}),
+                  file=sys.stderr)
+        if 0 in args.temperatures:
+            result = decode_all(prompts, lambda key, ids: pipeline_ar_generate(
+                stages, ids, args.max_new_tokens, params_for(0), session.eos_ids))
+            rows.append({**base, **comm, "method": "ar", "runtime": "distributed", "temperature": 0, **result})
+    return rows
+
+
+def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
+    torch.set_num_threads(cores)
+    eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
+    staged = StagedTarget(loaded.model, 1)
+    rows = []
+    for temperature in args.temperatures:
+        params = params_for(temperature)
+        result = decode_all(prompts, lambda key, ids: ar_generate(staged, ids, args.max_new_tokens, params, eos,
+                                                                  torch.Generator().manual_seed(seed_of(key))))
+        rows.append({"method": "ar", "runtime": "single process", "threads_per_process": cores, "processes": 1,
+                     "temperature": temperature, **result})
+        if args.skip_hf:
+            continue
+
+        def hf(key, ids, temperature=temperature):
+            from spd.decoding import GenerationResult
+
+            torch.manual_seed(seed_of(key))
+            sample = dict(do_sample=True, temperature=temperature, top_k=50, top_p=1.0) if temperature else \
+                dict(do_sample=False)
+            start = time.perf_counter()
+            out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
+                                        pad_token_id=loaded.tokenizer.pad_token_id or 0, **sample)
+            return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
+
+        result = decode_all(prompts, hf)
+        rows.append({"method": "hf_generate", "runtime": "single process", "threads_per_process": cores,
+                     "processes": 1, "temperature": temperature, **result})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--checkpoint", action="append", default=[], help="trained module(s); used where n and bounds match")
+    ap.add_argument("--ns", default="1,2")
+    ap.add_argument("--bounds", default="even,balanced")
+    ap.add_argument("--limit", type=int, default=20, help="first prompts of each eval set")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--cores", type=int, default=os.cpu_count())
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default="bench/results/wallclock.json")
+    args = ap.parse_args()
+    args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    loaded = load_target(args.target)
+    prompts = [(f"{ds}/{q['question_id']}", chat_prompt_ids(loaded.tokenizer, q["turns"][0]))
+               for ds in DATASETS for q in load_questions(ds)[: args.limit]]
+    rows = single_process_rows(args, prompts, args.cores, loaded)
+    for n in [int(x) for x in args.ns.split(",")]:
+        kinds = args.bounds.split(",") if n > 1 else ["even"]  # one stage: nothing to balance
+        for kind in kinds:
+            rows += distributed_rows(args, prompts, n, kind, args.cores, loaded.model)
+    fastest_ar = {t: max(r["tokens_per_s"] for r in rows if r["runtime"] == "single process" and r["temperature"] == t)
+                  for t in args.temperatures}
+    for row in rows:
+        row["speedup_vs_fastest_single_process"] = row["tokens_per_s"] / fastest_ar[row["temperature"]]
+    report = {"rows": rows, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "cores": args.cores,
+              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
+              "command": " ".join(["python", *sys.argv])}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(tmp, args.out)
+    print(markdown(report))
+    return 0
+
+
+def markdown(report: dict) -> str:
+    lines = ["| n | bounds | module | T | method | processes × threads | tokens/s | vs fastest AR | L′acc | "
+             "s/step | module s/step | messages µs/step | calibrated tokens/s |",
+             "|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        def f(key, spec=".3f", scale=1.0):
+            return format(r[key] * scale, spec) if r.get(key) is not None else "—"
+        lines.append(f"| {r.get('n', '—')} | {r.get('bounds', '—')} {r.get('stage_bounds', '')} | "
+                     f"{r.get('module', '—')} | {r['temperature']:g} | {r['method']} ({r['runtime']}) | "
+                     f"{r['processes']} × {r['threads_per_process']} | {f('tokens_per_s', '.1f')} | "
+                     f"{f('speedup_vs_fastest_single_process')} | {f('eal')} | {f('s_per_step', '.4f')} | "
+                     f"{f('module_s_per_step', '.4f')} | {f('message_us_per_step_median', '.0f')} | "
+                     f"{f('calibrated_tokens_per_s', '.1f')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
