@@ -163,3 +163,30 @@ def power_against_shift(dist: dict, samples: int, tv: float, trials: int = 20) -
         draws = rng.multinomial(samples, shifted)
         rejected += chi2_pvalue({o: int(c) for o, c in zip(outcomes, draws)}, dist, samples) < ALPHA
     return rejected
+
+
+@pytest.mark.slow
+def test_smollm2_n5_distributed_equals_local():
+    """The real target, five stage processes + the controller: greedy and seeded sampling, same tokens as local."""
+    smollm2 = load_target("smollm2")
+    n = 5
+    staged = StagedTarget(smollm2.model, n)
+    module = SpeculationModule.from_target(staged, 1).eval()
+    ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "What is 12*7?"}],
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"]
+    runs = [(GREEDY, 0), (SamplingParams(temperature=1.0, top_k=50), 1)]
+
+    def decode(stages, params, seed):
+        drafter = ScriptedDrafter(ModuleDrafter(module), smollm2.model, wrong_every=4)
+        return PipelineDecoder(stages, drafter, params, frozenset()).generate(
+            list(ids), 24, torch.Generator().manual_seed(seed))
+
+    local = [decode(staged, params, seed) for params, seed in runs]
+    controller, cache = controller_parts("smollm2", n)
+    with open_stages(controller, distributed_cfg(), module_layers(n, staged), cache) as stages:
+        remote = [decode(stages, params, seed) for params, seed in runs]
+    for mine, theirs in zip(remote, local):
+        assert mine.token_ids == theirs.token_ids
+        assert (mine.stats.K, mine.stats.rollbacks) == (theirs.stats.K, theirs.stats.rollbacks)
+        assert theirs.stats.rollbacks > 0 and theirs.stats.N - theirs.stats.rollbacks > 1

@@ -107,3 +107,23 @@ def test_bad_input_is_one_line_and_starts_no_process(tmp_path):
                     "stage_bounds=[0, 5, 10]")
     one_line_exit_2(spd_infer(*COMMON, "runtime=distributed", "threads_per_stage=0"), "threads_per_stage")
     assert stage_workers() <= before
+
+
+def test_eval_through_the_distributed_runtime(tmp_path):
+    """`spd-infer eval runtime=distributed`: the same samples as runtime=local's step-by-step runtime, and greedy
+    SPD equal to pipeline-parallel AR over the same stage processes on every sample."""
+    common = ["eval", "target=tiny-llama", "n=2", "limit=1", "max_new_tokens=12", "wandb.mode=disabled",
+              "calibrate=false", f"trace_cache_dir={tmp_path / 'traces'}"]
+    rows = {}
+    for runtime in ("local", "distributed"):
+        out = tmp_path / runtime
+        extra = ["exact_trace=true"] if runtime == "local" else ["threads_per_stage=1"]
+        done = subprocess.run([sys.executable, "-m", "spd.cli", *common, f"runtime={runtime}", f"output_dir={out}",
+                               *extra], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        with open(out / "samples.jsonl") as f:
+            rows[runtime] = [json.loads(line) for line in f]
+    assert len(rows["distributed"]) == 3
+    for mine, theirs in zip(rows["distributed"], rows["local"]):
+        assert (mine["text"], mine["K"], mine["rollbacks"]) == (theirs["text"], theirs["K"], theirs["rollbacks"])
+        assert mine["runtime"] == "distributed" and mine["ar_match"] is True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from spd.config import WandbSection
 
@@ -15,7 +15,7 @@ class EvalConfig:
     datasets: List[str] = field(default_factory=lambda: ["mt_bench", "gsm8k", "humaneval"])
     limit: Optional[int] = None         # the first `limit` prompts of each dataset; None = all 80
     n: Optional[int] = None             # None = the checkpoint's n, else 5
-    stage_bounds: Optional[List[int]] = None
+    stage_bounds: Any = None            # inner boundaries b_1..b_{n-1}, or "balanced" (by measured cost)
     module_layers: int = 1              # L_s of a randomly initialised module
     module_cache: bool = True
     max_new_tokens: int = 512           # the paper's protocol
@@ -31,4 +31,9 @@ class EvalConfig:
     output_dir: str = "outputs/eval/run"
     resume: bool = True                 # skip samples already in output_dir/samples.jsonl (same config only)
     trace_cache_dir: str = "outputs/cache/traces"
+    runtime: str = "local"              # local | distributed (one process per stage; always the step-by-step runtime)
+    threads_per_stage: Optional[int] = None
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    timeout_s: float = 20.0
     wandb: WandbSection = field(default_factory=WandbSection)

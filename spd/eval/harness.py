@@ -24,7 +24,8 @@ from spd.eval.output import EvalOutput, write_json
 from spd.eval.summary import summarise
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
-from spd.runtime.pipeline import PipelineDecoder
+from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
+from spd.runtime.stages import open_stages
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import Session, open_session, sampling_params
 
@@ -56,15 +57,20 @@ def fast_sample(session: Session, traces: TraceCache, dataset: str, question_id,
             "min_target_margin": result["min_target_margin"]}
 
 
-def runtime_sample(session: Session, cfg, seed: int, prompt_ids) -> dict:
+def runtime_sample(session: Session, cfg, seed: int, prompt_ids, stages) -> dict:
     device = session.staged.device
-    decoder = PipelineDecoder(session.staged, session.drafter(cfg.module_cache), session.params, session.eos_ids)
+    decoder = PipelineDecoder(stages, session.drafter(cfg.module_cache), session.params, session.eos_ids)
     spd = decoder.generate(prompt_ids, cfg.max_new_tokens, torch.Generator(device=device).manual_seed(seed))
     record = {"mode": "runtime", "token_ids": spd.token_ids, **spd.stats.as_dict(), "ar_match": None,
               "wall_s": spd.seconds, "tokens_per_s": spd.tokens_per_s, "ar_tokens_per_s": None}
     if cfg.ar_baseline:
-        ar = ar_generate(session.staged, prompt_ids, cfg.max_new_tokens, session.params, session.eos_ids,
-                         torch.Generator(device=device).manual_seed(seed))
+        generator = torch.Generator(device=device).manual_seed(seed)
+        if cfg.runtime == "distributed":  # this process holds no decoder layer: AR relays through the same stages
+            ar = pipeline_ar_generate(stages, prompt_ids, cfg.max_new_tokens, session.params, session.eos_ids,
+                                      generator)
+        else:
+            ar = ar_generate(session.staged, prompt_ids, cfg.max_new_tokens, session.params, session.eos_ids,
+                             generator)
         record["ar_tokens_per_s"] = ar.tokens_per_s
         if session.params.greedy:  # lossless: greedy SPD must be the target's own greedy decode
             record["ar_match"] = ar.token_ids == spd.token_ids
@@ -102,29 +108,36 @@ def run_eval(cfg, log=print) -> dict:
     work = [(ds, q) for ds in cfg.datasets for q in load_questions(ds)[: cfg.limit]]
     done = out.done()
     todo = [(ds, q) for ds, q in work if (ds, str(q["question_id"])) not in done]
-    fast = session.params.greedy and not cfg.exact_trace
+    fast = session.params.greedy and not cfg.exact_trace and cfg.runtime == "local"
     traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens) if fast else None
     L_s = len(session.module.layers)
     log(f"{len(work)} prompts, {len(work) - len(todo)} already done; "
         f"{'fast evaluator (greedy)' if fast else 'step-by-step runtime'}")
-    for ds, q in tqdm(todo, desc="eval", unit="prompt", disable=False):  # explicit: the CLI mutes other bars
-        ids = chat_prompt_ids(tok, q["turns"][0])
-        seed = prompt_seed(cfg.seed, ds, q["question_id"])
-        with torch.no_grad():
-            rec = fast_sample(session, traces, ds, q["question_id"], ids) if fast else runtime_sample(session, cfg, seed, ids)
-        token_ids = rec.pop("token_ids")
-        out.append({"question_id": q["question_id"], "dataset": ds, "method": "spd", "L_s": L_s,
-                    "T": cfg.temperature, "top_k": session.params.top_k, "top_p": session.params.top_p,
-                    "seed": seed, **rec, "text": tok.decode(token_ids, skip_special_tokens=True)})
+    capture = session.drafter().layers_needed(session.staged.bounds)
+    with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
+        for ds, q in tqdm(todo, desc="eval", unit="prompt", disable=False):  # explicit: the CLI mutes other bars
+            ids = chat_prompt_ids(tok, q["turns"][0])
+            seed = prompt_seed(cfg.seed, ds, q["question_id"])
+            with torch.no_grad():
+                rec = fast_sample(session, traces, ds, q["question_id"], ids) if fast else \
+                    runtime_sample(session, cfg, seed, ids, stages)
+            token_ids = rec.pop("token_ids")
+            out.append({"question_id": q["question_id"], "dataset": ds, "method": "spd", "L_s": L_s,
+                        "T": cfg.temperature, "top_k": session.params.top_k, "top_p": session.params.top_p,
+                        "seed": seed, "runtime": cfg.runtime, **rec,
+                        "text": tok.decode(token_ids, skip_special_tokens=True)})
     selected = {(ds, str(q["question_id"])) for ds, q in work}
     samples = [s for s in out.samples if (s["dataset"], str(s["question_id"])) in selected]
     summary = summarise(samples, list(cfg.datasets))
-    calibration = calibrate(session.staged, session.module, session.params) if cfg.calibrate else None
+    # Calibration times every stage in this process; under runtime=distributed it holds none (the clock is measured).
+    calibration = calibrate(session.staged, session.module, session.params) \
+        if cfg.calibrate and cfg.runtime == "local" else None
     summary["speedup"] = speedups(summary, session.staged.n, calibration)
     summary["run"] = {"method": "spd", "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
                       "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": 1,
                       "max_new_tokens": cfg.max_new_tokens, "checkpoint": cfg.checkpoint,
-                      "target": session.loaded.name, "mode": "fast" if fast else "runtime"}
+                      "target": session.loaded.name, "mode": "fast" if fast else "runtime",
+                      "runtime": cfg.runtime, "stage_bounds": session.staged.bounds}
     summary["meta"] = {"config": resolved, "git_commit": git_commit(), "machine": machine(session.staged.device),
                        "dtype": cfg.dtype, "seed": cfg.seed, "torch": torch.__version__,
                        "created": time.strftime("%Y-%m-%d %H:%M:%S")}
