@@ -28,7 +28,7 @@ from spd.ar import ar_generate
 from spd.checkpoint import read_checkpoint_config
 from spd.config import GenerateConfig, load_config
 from spd.decoding import eos_ids_of
-from spd.drafters.base import Drafter
+from spd.drafters.base import Drafter, WrappedDrafter
 from spd.eval.calibrate import calibrate, measured_cost_speedup
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
@@ -39,23 +39,12 @@ from spd.target.loading import load_target
 from spd.target.stages import StagedTarget
 
 
-class TimedDrafter(Drafter):
+class TimedDrafter(WrappedDrafter):
     """The real drafter, with the time it spends drafting (the controller's share of every step) recorded."""
 
     def __init__(self, inner: Drafter):
-        self.inner, self.seconds, self.calls = inner, 0.0, 0
-
-    def layers_needed(self, bounds):
-        return self.inner.layers_needed(bounds)
-
-    def start(self, prompt_hidden, prompt_ids):
-        self.inner.start(prompt_hidden, prompt_ids)
-
-    def finalize(self, pos, hidden):
-        self.inner.finalize(pos, hidden)
-
-    def on_rollback(self, length):
-        self.inner.on_rollback(length)
+        super().__init__(inner)
+        self.seconds, self.calls = 0.0, 0
 
     def draft_logits(self, view):
         start = time.perf_counter()

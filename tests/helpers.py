@@ -3,7 +3,7 @@
 import torch
 
 from spd.ar import ar_generate
-from spd.drafters.base import Drafter
+from spd.drafters.base import Drafter, WrappedDrafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
@@ -30,27 +30,19 @@ def ar_run(model, prompt_ids, max_new, params=GREEDY, eos=frozenset(), generator
     return ar_generate(StagedTarget(model, 1), prompt_ids, max_new, params, eos, generator)
 
 
-class ScriptedDrafter(Drafter):
+class ScriptedDrafter(WrappedDrafter):
     """Runs a real drafter every step (its cost and state stay real) but drafts with the *target's own* logits
     for the sequence in flight, except at every `wrong_every`-th position, where it drafts with them reversed.
     Greedy or sampled, a run then holds long accepted stretches *and* rollbacks (with residual resampling)."""
 
     def __init__(self, inner: Drafter, model, wrong_every: int, on_step=None):
-        self.inner, self.model, self.wrong_every, self.on_step = inner, model, wrong_every, on_step
+        super().__init__(inner)
+        self.model, self.wrong_every, self.on_step = model, wrong_every, on_step
         self.steps = 0
-
-    def layers_needed(self, bounds):
-        return self.inner.layers_needed(bounds)
 
     def start(self, prompt_hidden, prompt_ids):
         self.seq = dict(enumerate(prompt_ids))  # pos -> token, as the views show them (verified or in flight)
         self.inner.start(prompt_hidden, prompt_ids)
-
-    def finalize(self, pos, hidden):
-        self.inner.finalize(pos, hidden)
-
-    def on_rollback(self, length):
-        self.inner.on_rollback(length)
 
     @torch.no_grad()
     def draft_logits(self, view):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import GREEDY, ar_run, prompt
-from spd.drafters.base import Drafter
+from spd.drafters.base import WrappedDrafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
@@ -13,22 +13,14 @@ from spd.target.stages import StagedTarget
 from spd.train.objective import collate, teacher_pass
 
 
-class RecordingDrafter(Drafter):
+class RecordingDrafter(WrappedDrafter):
     """Runs the module every step and records its logits, but drafts the target's own token except every
     `wrong_every`-th position — so the trace holds long steady-state stretches *and* rollbacks."""
 
     def __init__(self, inner: ModuleDrafter, reference: list[int], wrong_every: int):
-        self.inner, self.reference, self.wrong_every = inner, reference, wrong_every
+        super().__init__(inner)
+        self.reference, self.wrong_every = reference, wrong_every
         self.records = []
-
-    def layers_needed(self, bounds):
-        return self.inner.layers_needed(bounds)
-
-    def start(self, prompt_hidden, prompt_ids):
-        self.inner.start(prompt_hidden, prompt_ids)
-
-    def finalize(self, pos, hidden):
-        self.inner.finalize(pos, hidden)
 
     def draft_logits(self, view):
         t = view.t

@@ -58,3 +58,25 @@ class Drafter(ABC):
 
     def on_rollback(self, length: int) -> None:
         """Every position >= length was discarded (a rejection); only positions < length remain."""
+
+
+class WrappedDrafter(Drafter):
+    """Forwards every call to `inner`; a subclass overrides what it changes (the drafts it returns, timing, ...)."""
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+
+    def layers_needed(self, bounds):
+        return self.inner.layers_needed(bounds)
+
+    def start(self, prompt_hidden, prompt_ids):
+        self.inner.start(prompt_hidden, prompt_ids)
+
+    def draft_logits(self, view):
+        return self.inner.draft_logits(view)
+
+    def finalize(self, pos, hidden):
+        self.inner.finalize(pos, hidden)
+
+    def on_rollback(self, length):
+        self.inner.on_rollback(length)
