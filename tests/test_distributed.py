@@ -134,12 +134,12 @@ def test_sampling_through_distributed_runtime_matches_target_distribution(tmp_pa
     assert rollbacks > samples * 0.2
     dist = exact_distribution(model, PARAMS)
     assert chi2_pvalue(counts, dist, samples) > ALPHA
-    assert power_against_shift(dist, samples, tv=0.04) >= 18  # the same test at this size can fail
+    assert power_against_shift(dist, samples, tv=0.06) >= 18  # the same test at this size can fail
 
 
 # Each continuation costs a prefill and two steps across three processes (~25 ms on 2 cores), so this test draws
-# fewer samples than the in-process one: enough to reject a 4% total-variation shift (checked above).
-DISTRIBUTED_SAMPLES = 4000
+# fewer samples than the in-process one: enough to reject a 6% total-variation shift (checked above).
+DISTRIBUTED_SAMPLES = 2000
 
 
 def power_against_shift(dist: dict, samples: int, tv: float, trials: int = 20) -> int:
@@ -168,8 +168,9 @@ def power_against_shift(dist: dict, samples: int, tv: float, trials: int = 20) -
 @pytest.mark.slow
 def test_smollm2_n5_distributed_equals_local():
     """The real target, five stage processes + the controller: greedy and seeded sampling, same tokens as local."""
-    smollm2 = load_target("smollm2")
     n = 5
+    controller, cache = controller_parts("smollm2", n)
+    smollm2 = load_parts(cache, range(30), embed=True, head=True, dtype=torch.float32)  # the whole target, loaded once
     staged = StagedTarget(smollm2.model, n)
     module = SpeculationModule.from_target(staged, 1).eval()
     ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "What is 12*7?"}],
@@ -180,10 +181,9 @@ def test_smollm2_n5_distributed_equals_local():
     def decode(stages, params, seed):
         drafter = ScriptedDrafter(ModuleDrafter(module), smollm2.model, wrong_every=4)
         return PipelineDecoder(stages, drafter, params, frozenset()).generate(
-            list(ids), 24, torch.Generator().manual_seed(seed))
+            list(ids), 16, torch.Generator().manual_seed(seed))
 
     local = [decode(staged, params, seed) for params, seed in runs]
-    controller, cache = controller_parts("smollm2", n)
     with open_stages(controller, distributed_cfg(), module_layers(n, staged), cache) as stages:
         remote = [decode(stages, params, seed) for params, seed in runs]
     for mine, theirs in zip(remote, local):

@@ -64,8 +64,9 @@ def test_spawned_pipeline_equals_local(local_tokens):
     assert stage_workers() <= before  # no stray process
 
 
-@pytest.mark.parametrize("nodes", [1, 2])
-def test_torchrun_launch_equals_local(local_tokens, nodes):
+def test_torchrun_two_nodes_on_loopback_equal_local(local_tokens):
+    """The torchrun entry point, spanning two "nodes" (two torchrun commands, 2 processes each) on this machine."""
+    nodes = 2
     port = free_port()
     per_node = 4 // nodes
     commands = [[TORCHRUN, f"--nnodes={nodes}", f"--node-rank={rank}", f"--nproc-per-node={per_node}",
