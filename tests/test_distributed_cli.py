@@ -128,3 +128,25 @@ def test_eval_through_the_distributed_runtime(tmp_path):
     for mine, theirs in zip(rows["distributed"], rows["local"]):
         assert (mine["text"], mine["K"], mine["rollbacks"]) == (theirs["text"], theirs["K"], theirs["rollbacks"])
         assert mine["runtime"] == "distributed" and mine["ar_match"] is True
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process():
+    """SIGINT to the whole foreground group (a terminal's Ctrl-C) mid-generation: one line, exit 130, no process left."""
+    import signal
+
+    before = stage_workers()
+    proc = subprocess.Popen([sys.executable, "-m", "spd.cli", "generate", "prompt=Write a long story about a dragon.",
+                             "n=2", "max_new_tokens=400", "runtime=distributed", "threads_per_stage=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    deadline = time.monotonic() + 180
+    while len(stage_workers() - before) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(8)  # loaded and decoding (400 tokens take far longer than this)
+    assert proc.poll() is None, proc.communicate()
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and err.strip().splitlines() == ["spd-infer: interrupted"], err
+    time.sleep(1)
+    assert stage_workers() <= before
