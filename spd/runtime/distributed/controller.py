@@ -48,6 +48,8 @@ class DistributedStages(StageExecutor):
     def _fail(self, exc: comm.PipelineFailure):
         """Name the dead process when we spawned it: more useful than the socket error it caused."""
         if self.processes is not None:
+            if self.processes.interrupted():  # Ctrl-C reached the stages first: the user's interrupt, not a fault
+                raise KeyboardInterrupt
             dead = self.processes.describe_failure()
             if dead:
                 raise comm.PipelineFailure(dead) from None

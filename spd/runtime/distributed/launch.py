@@ -73,6 +73,16 @@ class StageProcesses:
                 return None
             time.sleep(0.05)
 
+    def interrupted(self, grace_s: float = 0.5) -> bool:
+        """Whether a stage process ended on SIGINT (a terminal's Ctrl-C reaches the whole process group)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            if any(proc.poll() == -signal.SIGINT for proc in self.procs):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
     def join(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
