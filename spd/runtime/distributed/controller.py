@@ -9,6 +9,8 @@ every random draw in the same order as `runtime=local`, so seeded sampling gives
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -16,7 +18,7 @@ from spd.runtime.distributed import comm
 from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, PROBE, STEP, STOP, TAG_CONTROL, TAG_HIDDEN, TAG_PAYLOAD,
                                               TAG_PREFILL, TAG_READY, Setup, control, stage_capture)
 from spd.runtime.executor import StageExecutor, StepOutput
-from spd.runtime.schedule import Step
+from spd.runtime.schedule import Step, first_step, next_step
 from spd.target.stages import StagedTarget
 
 
@@ -30,6 +32,7 @@ class DistributedStages(StageExecutor):
         self.n = setup.n
         self.bounds = setup.bounds
         self.device = target.device
+        self.dtype = target.dtype  # once: StagedTarget.dtype searches the parameters for a materialised one
         self.d = target.config.hidden_size
         self.vocab = target.config.vocab_size
         self.timeout = setup.step_timeout_s
@@ -77,7 +80,7 @@ class DistributedStages(StageExecutor):
         offset = 0
         for layer in (self.capture_of[stage] if capture else []):
             size = length * self.d
-            sink[layer] = flat[offset: offset + size].view(1, length, self.d).to(self.device, self.target.dtype)
+            sink[layer] = flat[offset: offset + size].view(1, length, self.d).to(self.device, self.dtype)
             offset += size
         return flat[offset:].to(self.device) if stage == self.n - 1 else None
 
@@ -138,10 +141,6 @@ class DistributedStages(StageExecutor):
 
     def time_messages(self, steps: int = 200, warmup: int = 20) -> list[float]:
         """Seconds per steady-state step spent on messages alone (every stage busy, no compute), one per step."""
-        import time
-
-        from spd.runtime.schedule import first_step, next_step
-
         self.finish()
         self.capture_on = bool(self.setup.capture)
         entering = torch.zeros(1, 1, self.d)

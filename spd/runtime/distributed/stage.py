@@ -40,6 +40,7 @@ class StageServer:
         parts = load_parts(setup.cache_dir, stage_layers(setup.bounds, self.stage), embed=False, head=self.last,
                            dtype=DTYPES[setup.dtype], device=device)
         self.target = StagedTarget(parts.model, self.n, setup.bounds)
+        self.dtype = self.target.dtype  # once: the property searches the parameters for a materialised one
         self.capture = stage_capture(setup.capture, setup.bounds, self.stage)
         self.d = parts.model.config.hidden_size
         self.sends = []
@@ -49,7 +50,7 @@ class StageServer:
         return f"stage {self.stage + 1}/{self.n} (rank {self.rank}) {action}"
 
     def _run(self, hidden, positions, capture: list[int], probe: bool = False):
-        hidden = hidden.to(self.device, self.target.dtype)
+        hidden = hidden.to(self.device, self.dtype)
         if probe:  # the messages of a step without its compute: what communication alone costs per step
             out, captured = hidden, {layer: hidden for layer in capture}
         else:
