@@ -13,14 +13,19 @@ from spd.target.stages import StagedTarget
 
 @torch.no_grad()
 def ar_generate(target: StagedTarget, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
-                eos_ids: frozenset[int], generator: torch.Generator | None = None) -> GenerationResult:
+                eos_ids: frozenset[int], generator: torch.Generator | None = None, on_token=None) -> GenerationResult:
+    """on_token(token_id): called for every token as it is sampled (streaming output)."""
     start = time.perf_counter()
     cache, hidden, _ = prefill(target, prompt_ids)
     token = next_token(target.logits(hidden[0, -1]), params, generator)
     out = [token]
+    if on_token:
+        on_token(token)
     while not is_final(token, len(out), max_new_tokens, eos_ids):
         ids = torch.tensor([[token]], device=target.device)
         hidden, _ = target.forward_all(ids, cache, start_pos=len(prompt_ids) + len(out) - 1)
         token = next_token(target.logits(hidden[0, -1]), params, generator)
         out.append(token)
+        if on_token:
+            on_token(token)
     return GenerationResult(token_ids=out, seconds=time.perf_counter() - start)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+import re
+import typing
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
@@ -23,7 +27,8 @@ class WandbSection:
 class GenerateConfig:
     target: str = "smollm2"              # "smollm2", an HF model directory, or a .gguf file
     checkpoint: Optional[str] = None     # trained module directory; None = randomly initialised module
-    prompt: Optional[str] = None
+    prompt: Optional[str] = None         # taken verbatim; or prompt_file=, a positional argument, standard input
+    prompt_file: Optional[str] = None    # a UTF-8 text file whose whole content is the prompt
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
     method: str = "spd"                  # spd | ar (plain autoregressive through the same stage runner)
     n: Optional[int] = None              # pipeline stages; None = the checkpoint's n, else 5
@@ -44,9 +49,94 @@ class GenerateConfig:
     master_port: int = 0                 # distributed: 0 = any free port
     timeout_s: float = 20.0              # distributed: longest wait for any message inside a generation
 
+    @staticmethod
+    def check(cfg) -> None:
+        one_of(cfg, "method", ("spd", "ar"))
+        check_decoding(cfg)
 
-def load_config(schema: type, path: str | None, overrides: list[str]):
-    """Merge schema defaults, an optional YAML file and dotlist overrides; return a typed, read-only config."""
+
+def field_type(schema: type, dotted: str):
+    """The declared type of `a.b.c` in a dataclass schema, or None where the key does not exist."""
+    kind = schema
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(kind):
+            return None
+        hints = typing.get_type_hints(kind)
+        if part not in hints:
+            return None
+        kind = hints[part]
+    return kind
+
+
+def _is_text(kind) -> bool:
+    return kind is str or (typing.get_origin(kind) is typing.Union and set(typing.get_args(kind)) == {str, type(None)})
+
+
+def escape_interpolation(text: str) -> str:
+    """OmegaConf reads `${...}` in a string as an interpolation; escape it so the text comes back verbatim."""
+    return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
+
+
+def split_override(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not OVERRIDE_KEY.match(key):
+        raise UserError(f"override {item!r} is not key=value (e.g. n=5)")
+    return key, value
+
+
+OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+RUNTIMES = ("local", "distributed")
+DEVICE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
+
+
+def one_of(cfg, key: str, choices) -> None:
+    if cfg[key] not in choices:
+        raise UserError(f"{key}={cfg[key]!r} is not one of: {', '.join(choices)}")
+
+
+def at_least(cfg, key: str, low: float, what: str = "") -> None:
+    value = cfg[key]
+    if value is not None and not (math.isfinite(value) and value >= low):
+        raise UserError(f"{key}={value} must be a finite number >= {low:g}{what}")
+
+
+def check_decoding(cfg) -> None:
+    """The keys every decoding command shares (generate, chat, eval): what can be refused before any model loads."""
+    one_of(cfg, "dtype", DTYPE_NAMES)
+    one_of(cfg, "runtime", RUNTIMES)
+    if not DEVICE.match(cfg.device):
+        raise UserError(f"device={cfg.device!r} is not a device; use cpu, cuda, cuda:<index> or mps")
+    at_least(cfg, "n", 1, " (pipeline stages)")
+    at_least(cfg, "max_new_tokens", 1, " (tokens to generate)")
+    at_least(cfg, "module_layers", 1)
+    at_least(cfg, "temperature", 0, " (0 = greedy)")
+    at_least(cfg, "top_k", 0, " (0 = off)")
+    if not (math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1):
+        raise UserError(f"top_p={cfg.top_p} must be in (0, 1]")
+    if not 0 <= cfg.seed < 2**63:
+        raise UserError(f"seed={cfg.seed} must be in [0, 2**63)")
+    at_least(cfg, "threads_per_stage", 1)
+    if not 0 <= cfg.master_port <= 65535:
+        raise UserError(f"master_port={cfg.master_port} must be in [0, 65535] (0 = any free port)")
+    if not (math.isfinite(cfg.timeout_s) and cfg.timeout_s > 0):
+        raise UserError(f"timeout_s={cfg.timeout_s} must be a positive number of seconds")
+    bounds = cfg.stage_bounds
+    if bounds is not None and bounds != "balanced" and not (
+            OmegaConf.is_list(bounds) and all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)):
+        raise UserError(f"stage_bounds={bounds!r}: give the inner boundaries as a list of integers (e.g. [10, 20]) "
+                        "or 'balanced'")
+
+
+def load_config(schema: type, path: str | None, overrides: list[str], text: dict | None = None):
+    """Merge schema defaults, an optional YAML file and `key=value` overrides; check the result with the schema's
+    `check` (ranges, enumerations: everything that needs no model or data); return it read-only.
+
+    Values of text keys (`prompt=`, `label=`, paths) are taken verbatim, never parsed as YAML, so `: `, `#`,
+    brackets and quotes survive; `null` unsets an optional one. Other values are YAML (`n=5`, `[10, 20]`).
+    `text` sets keys to values that are already text (a prompt read from a file, stdin or a positional argument)."""
     base = OmegaConf.structured(schema)
     try:
         layers = [base]
@@ -54,10 +144,21 @@ def load_config(schema: type, path: str | None, overrides: list[str]):
             if not os.path.isfile(path):
                 raise UserError(f"config file {path!r} does not exist")
             layers.append(OmegaConf.load(path))
-        bad = [item for item in overrides if "=" not in item]
-        if bad:
-            raise UserError(f"override {bad[0]!r} is not key=value (e.g. n=5)")
-        layers.append(OmegaConf.from_dotlist(overrides))
+        parsed, verbatim = [], {}
+        for item in overrides:
+            key, value = split_override(item)
+            kind = field_type(schema, key)
+            if kind is not None and _is_text(kind) and not (value == "null" and kind is not str):
+                verbatim[key] = escape_interpolation(value)
+            else:
+                parsed.append(item)
+        layers.append(OmegaConf.from_dotlist(parsed))
+        for key, value in (text or {}).items():
+            verbatim[key] = None if value is None else escape_interpolation(value)
+        text_layer = OmegaConf.create()
+        for key, value in verbatim.items():
+            OmegaConf.update(text_layer, key, value, force_add=True)
+        layers.append(text_layer)
         cfg = OmegaConf.merge(*layers)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
@@ -65,6 +166,9 @@ def load_config(schema: type, path: str | None, overrides: list[str]):
         if "not in struct" in first or "Key '" in first and "not" in first:
             raise UserError(f"unknown config key {key!r}; valid keys: {', '.join(base.keys())}") from None
         raise UserError(f"bad value for config key {key!r}: {first}") from None
+    check = getattr(schema, "check", None)
+    if check is not None:
+        check(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 

@@ -15,7 +15,7 @@ from spd.module import SpeculationModule
 from spd.sampling import SamplingParams
 from spd.runtime.stages import check_runtime
 from spd.target.loading import LoadedTarget, load_target
-from spd.target.partial import load_parts, materialize
+from spd.target.weight_cache import load_parts, materialize
 from spd.target.stages import StagedTarget
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,10 +47,6 @@ def sampling_params(cfg) -> SamplingParams:
 
 
 def open_session(cfg) -> Session:
-    if cfg.dtype not in DTYPES:
-        raise UserError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
-    if cfg.max_new_tokens <= 0:
-        raise UserError(f"max_new_tokens={cfg.max_new_tokens} must be a positive number of tokens")
     params = sampling_params(cfg)
     ckpt = read_checkpoint_config(cfg.checkpoint) if cfg.checkpoint else None
     n = cfg.n if cfg.n is not None else (ckpt["n"] if ckpt else DEFAULT_N)
@@ -60,7 +56,7 @@ def open_session(cfg) -> Session:
     if runtime == "distributed":
         if cfg.device not in ("cpu", "cuda") and not cfg.device.startswith("cuda:"):
             raise UserError(f"device={cfg.device!r}: runtime=distributed runs on cpu or cuda")
-        cache_dir = materialize(cfg.target)  # the stages load their own layers from it; never the whole model here
+        cache_dir = materialize(cfg.target, DTYPES[cfg.dtype])  # the stages load their own layers from it; never the whole model here
         loaded = load_parts(cache_dir, range(0), embed=True, head=True, dtype=DTYPES[cfg.dtype], device=cfg.device)
     else:
         loaded = load_target(cfg.target, DTYPES[cfg.dtype], cfg.device)
@@ -127,18 +123,33 @@ def resolve_bounds(cfg, n: int, ckpt: dict | None, loaded: LoadedTarget, cache_d
 def encode_prompt(session: Session, prompt: str | None, chat_template: bool, max_new_tokens: int) -> list[int]:
     if not prompt or not prompt.strip():
         raise UserError("the prompt is empty; pass prompt=\"...\"")
-    tok = session.loaded.tokenizer
-    if tok is None:
-        raise UserError(f"target {session.loaded.name!r} has no tokenizer; give a target directory that includes one")
     if chat_template:
-        if not getattr(tok, "chat_template", None):
-            raise UserError(f"target {session.loaded.name!r} has no chat template; set chat_template=false")
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=True)["input_ids"]
-    else:
-        ids = tok(prompt)["input_ids"]
-    window = getattr(session.loaded.model.config, "max_position_embeddings", None)
+        return encode_chat(session, [{"role": "user", "content": prompt}], max_new_tokens)
+    return _fits(session, list(_tokenizer(session)(prompt)["input_ids"]), max_new_tokens)
+
+
+def encode_chat(session: Session, messages: list[dict], max_new_tokens: int) -> list[int]:
+    """A conversation through the target's chat template, ending with the generation prompt."""
+    tok = _tokenizer(session)
+    if not getattr(tok, "chat_template", None):
+        raise UserError(f"target {session.loaded.name!r} has no chat template; set chat_template=false")
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    return _fits(session, list(ids), max_new_tokens)
+
+
+def context_window(session: Session) -> int | None:
+    return getattr(session.loaded.model.config, "max_position_embeddings", None)
+
+
+def _tokenizer(session: Session):
+    if session.loaded.tokenizer is None:
+        raise UserError(f"target {session.loaded.name!r} has no tokenizer; give a target directory that includes one")
+    return session.loaded.tokenizer
+
+
+def _fits(session: Session, ids: list[int], max_new_tokens: int) -> list[int]:
+    window = context_window(session)
     if window and len(ids) + max_new_tokens > window:
         raise UserError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
                         f"context window of {window}; shorten the prompt or lower max_new_tokens")
-    return list(ids)
+    return ids

@@ -21,7 +21,7 @@ from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
 from spd.runtime.stages import open_stages
 from spd.sampling import SamplingParams
 from spd.target.loading import load_target
-from spd.target.partial import load_parts, materialize
+from spd.target.weight_cache import load_parts, materialize
 from spd.target.stages import StagedTarget
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from spd.config import WandbSection
+from spd.config import WandbSection, at_least, check_decoding
 
 
 @dataclass
@@ -37,3 +37,8 @@ class EvalConfig:
     master_port: int = 0
     timeout_s: float = 20.0
     wandb: WandbSection = field(default_factory=WandbSection)
+
+    @staticmethod
+    def check(cfg) -> None:
+        check_decoding(cfg)
+        at_least(cfg, "limit", 1, " (prompts per dataset; null = all)")

@@ -115,13 +115,15 @@ class PipelineDecoder:
 @torch.no_grad()
 def pipeline_ar_generate(stages: StagedTarget | StageExecutor, prompt_ids: list[int], max_new_tokens: int,
                          params: SamplingParams, eos_ids: frozenset[int],
-                         generator: torch.Generator | None = None) -> GenerationResult:
+                         generator: torch.Generator | None = None, on_token=None) -> GenerationResult:
     """Plain pipeline-parallel AR: each token relays through the n stages, one stage busy per step."""
     ex = as_executor(stages)
     start = time.perf_counter()
     logits, _ = ex.prefill(prompt_ids, frozenset())
     token = next_token(logits, params, generator)
     out = [token]
+    if on_token:
+        on_token(token)
     while not is_final(token, len(out), max_new_tokens, eos_ids):
         pos = len(prompt_ids) + len(out) - 1
         for stage in range(ex.n):
@@ -129,5 +131,7 @@ def pipeline_ar_generate(stages: StagedTarget | StageExecutor, prompt_ids: list[
             result = ex.collect()
         token = next_token(result.exit_logits, params, generator)
         out.append(token)
+        if on_token:
+            on_token(token)
     ex.finish()
     return GenerationResult(token_ids=out, seconds=time.perf_counter() - start)

@@ -7,9 +7,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-
-class PipelineFailure(RuntimeError):
-    """A pipeline process died, hung past its timeout, or the group could not be formed."""
+from spd.errors import PipelineFailure  # noqa: F401  (raised here; defined where the CLI can catch it cheaply)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -15,7 +15,7 @@ from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, PROBE, STEP, 
                                               TAG_PREFILL, TAG_READY, Setup, parse, stage_capture, stage_layers)
 from spd.runtime.schedule import IDLE
 from spd.session import DTYPES
-from spd.target.partial import load_parts
+from spd.target.weight_cache import load_parts
 from spd.target.stages import StagedTarget
 
 

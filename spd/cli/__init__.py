@@ -1,0 +1,95 @@
+"""`spd-infer`: thin command-line entry over the library. Bad input -> one line on stderr, exit code 2.
+
+Nothing heavy is imported until the command line and the config are checked, so bad input is refused at once;
+the commands import torch and transformers when they start decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from spd.errors import PipelineFailure, UserError
+
+PROMPT_HELP = ("the prompt, verbatim: a positional argument, prompt=TEXT (never parsed as YAML), prompt_file=PATH, "
+               "'-' or a pipe for standard input, or any text after --")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spd-infer", description="Speculative Pipeline Decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in [("generate", "decode one prompt with SPD (or method=ar), streaming the text"),
+                       ("chat", "a multi-turn conversation on standard input (/exit leaves, /reset starts over)")]:
+        cmd = sub.add_parser(name, help=text, description=text)
+        cmd.add_argument("--config", default=None, help="YAML config (configs/infer/generate.yaml)")
+        cmd.add_argument("words", nargs="*", metavar="key=value | PROMPT",
+                         help="config overrides (e.g. n=5 max_new_tokens=64); " +
+                         (PROMPT_HELP if name == "generate" else "the turns come from standard input"))
+    ev = sub.add_parser("eval", help="MT-Bench / GSM8K / HumanEval: L′acc, speedups, JSONL, table, plots, W&B")
+    ev.add_argument("--config", default=None, help="YAML config (configs/eval/*.yaml)")
+    ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. checkpoint=DIR limit=20 n=5")
+    rep = sub.add_parser("report", help="rebuild the table and plots from one or more eval directories")
+    rep.add_argument("dirs", nargs="+", help="eval output directories (each holds summary.json)")
+    rep.add_argument("--out", default=None, help="where to write table.md and the PNGs (default: the first dir)")
+    return parser
+
+
+def quiet_libraries() -> None:
+    """stderr holds results or one error line: no FutureWarnings, no progress bars from transformers."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def decode_command(command: str, words: list[str], parser: argparse.ArgumentParser) -> int:
+    """generate / chat: the words are read by spd.cli.args (argparse would take a prompt like `-x` for an option)."""
+    from spd.cli.args import prompt_text, resolve_prompt, split_command_line
+    from spd.config import GenerateConfig, load_config
+    from spd.target.source import resolve_source
+
+    line = split_command_line(words, GenerateConfig, command)
+    if line.help:
+        parser.parse_args([command, "--help"])
+    if command == "chat" and line.prompt_sources():
+        raise UserError("chat reads its turns from standard input; drop the prompt argument")
+    cfg = load_config(GenerateConfig, line.config, line.overrides, prompt_text(line, command))
+    if command == "chat" and (cfg.prompt is not None or cfg.prompt_file is not None):
+        raise UserError("chat reads its turns from standard input; drop prompt/prompt_file from the config")
+    prompt = resolve_prompt(cfg) if command == "generate" else None
+    resolve_source(cfg.target)  # a bad target= is refused before torch is imported
+    quiet_libraries()
+    if command == "chat":
+        from spd.cli.chat import chat
+
+        return chat(cfg)
+    from spd.cli.generate import generate
+
+    return generate(cfg, prompt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # e.g. weight-loading bars: stderr holds results or one error
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        if argv and argv[0] in ("generate", "chat"):
+            return decode_command(argv[0], argv[1:], parser)
+        args = parser.parse_args(argv)
+        quiet_libraries()
+        from spd.cli.evaluate import cmd_eval, cmd_report
+
+        return {"eval": cmd_eval, "report": cmd_report}[args.command](args)
+    except UserError as exc:
+        print(f"spd-infer: error: {exc}", file=sys.stderr)
+        return 2
+    except PipelineFailure as exc:
+        print(f"spd-infer: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("spd-infer: interrupted", file=sys.stderr)
+        return 130

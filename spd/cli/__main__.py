@@ -1,0 +1,5 @@
+import sys
+
+from spd.cli import main
+
+sys.exit(main())

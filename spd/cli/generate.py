@@ -1,0 +1,98 @@
+"""`spd-infer generate`: one prompt, decoded with SPD (or method=ar); text streams out as tokens are verified."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+
+import torch
+from transformers import TextStreamer
+
+from spd.ar import ar_generate
+from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
+from spd.runtime.stages import open_stages
+from spd.session import Session, encode_prompt, open_session
+
+
+class TextStream(TextStreamer):
+    """Prints verified tokens as text as soon as they form whole words (transformers' streamer, our stream)."""
+
+    def __init__(self, tokenizer, stream):
+        super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True)
+        self.stream = stream
+
+    def __call__(self, token_id: int) -> None:
+        self.put(torch.tensor([token_id]))
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        self.stream.write(text + ("\n" if stream_end else ""))
+        self.stream.flush()
+
+
+class Decoding:
+    """What one configured command decodes with: the session, its open stages and drafter, reused across prompts
+    (chat turns) so stage processes start once."""
+
+    def __init__(self, cfg, session: Session, stages, drafter):
+        self.cfg, self.session, self.stages, self.drafter = cfg, session, stages, drafter
+
+    def run(self, prompt_ids: list[int], on_token=None) -> dict:
+        cfg, s = self.cfg, self.session
+        generator = torch.Generator(device=s.staged.device).manual_seed(cfg.seed)
+        if cfg.method == "ar" and cfg.runtime == "local":
+            result = ar_generate(s.staged, prompt_ids, cfg.max_new_tokens, s.params, s.eos_ids, generator, on_token)
+        elif cfg.method == "ar":  # plain pipeline-parallel AR over the same stage processes
+            result = pipeline_ar_generate(self.stages, prompt_ids, cfg.max_new_tokens, s.params, s.eos_ids,
+                                          generator, on_token)
+        else:
+            decoder = PipelineDecoder(self.stages, self.drafter, s.params, s.eos_ids)
+            result = decoder.generate(prompt_ids, cfg.max_new_tokens, generator, on_token)
+        stats = result.stats.as_dict() if result.stats else {"N": len(result.token_ids), "K": None, "alpha": None,
+                                                              "eal": None, "rollbacks": None}
+        return {"text": s.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+                "token_ids": result.token_ids, "prompt_token_ids": prompt_ids, "method": cfg.method,
+                "runtime": cfg.runtime, "n": s.staged.n, "stage_bounds": s.staged.bounds, "balance": s.balance,
+                **stats, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
+
+
+@contextmanager
+def open_decoding(cfg):
+    """The session and its stages (stage processes for runtime=distributed), closed on exit."""
+    session = open_session(cfg)
+    report_balance(session)
+    drafter = session.drafter(cfg.module_cache)
+    capture = drafter.layers_needed(session.staged.bounds) if cfg.method == "spd" else []
+    with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
+        yield Decoding(cfg, session, stages, drafter)
+
+
+def report_balance(session: Session) -> None:
+    if session.balance:
+        b = session.balance
+        print(f"[spd] stage_bounds=balanced -> {b['stage_bounds']}: stage times "
+              f"{', '.join(f'{t * 1e3:.2f}' for t in b['stage_s'])} ms (even split: "
+              f"{', '.join(f'{t * 1e3:.2f}' for t in b['even_stage_s'])} ms), predicted step "
+              f"{b['predicted_step_s'] * 1e3:.2f} ms at {b['threads']} thread(s)", file=sys.stderr)
+
+
+def _fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def stats_line(out: dict) -> str:
+    return (f"[{out['method']} n={out['n']}] N={out['N']} K={_fmt(out['K'], 'd')} α={_fmt(out['alpha'])} "
+            f"L′acc={_fmt(out['eal'])} rollbacks={_fmt(out['rollbacks'], 'd')} tokens/s={out['tokens_per_s']:.1f}")
+
+
+def generate(cfg, prompt: str) -> int:
+    with open_decoding(cfg) as decoding:
+        prompt_ids = encode_prompt(decoding.session, prompt, cfg.chat_template, cfg.max_new_tokens)
+        if cfg.json:
+            print(json.dumps(decoding.run(prompt_ids)))
+            return 0
+        stream = TextStream(decoding.session.loaded.tokenizer, sys.stdout)
+        out = decoding.run(prompt_ids, on_token=stream)
+        stream.end()
+    print(stats_line(out), file=sys.stderr)
+    return 0

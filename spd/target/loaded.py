@@ -1,0 +1,53 @@
+"""A loaded target and its identity: the weight fingerprint that checkpoints and caches compare."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from spd.errors import UserError
+from spd.target.source import Source
+
+
+@dataclass
+class LoadedTarget:
+    model: PreTrainedModel
+    tokenizer: object | None
+    name: str          # what identifies the target to a human (file or directory name)
+    fingerprint: str   # hash of the weights, stored in checkpoints to refuse foreign targets
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """Cheap but weight-sensitive: shapes plus the first 4096 values of every parameter, hashed."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)[:4096].to(torch.float32).cpu().contiguous()
+        digest.update(name.encode())
+        digest.update(json.dumps(list(tensor.shape)).encode())
+        digest.update(flat.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def read_source(source: Source, dtype: torch.dtype) -> LoadedTarget:
+    """The whole target from its source files, on the CPU (slow for GGUF: every tensor is de-quantised)."""
+    if source.name.startswith("tiny-"):  # seeded, so every process builds the same weights
+        from spd.testing import tiny_target
+
+        model, tokenizer = tiny_target(source.name[5:])
+        model.to(dtype=dtype).eval().requires_grad_(False)
+        return LoadedTarget(model, tokenizer, source.name, weights_fingerprint(model))
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"could not load target {source.name!r}: {str(exc).splitlines()[0]}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None  # tiny test models may come without one; callers needing text say so
+    model.eval().requires_grad_(False)
+    return LoadedTarget(model=model, tokenizer=tokenizer, name=source.name, fingerprint=weights_fingerprint(model))
