@@ -26,7 +26,7 @@ DEFAULT_N = 5
 class Session:
     loaded: LoadedTarget
     staged: StagedTarget               # runtime=distributed: the controller's parts only (embedding, head)
-    module: SpeculationModule
+    module: SpeculationModule | None   # None for method=ar
     params: SamplingParams
     eos_ids: frozenset[int]
     cache_dir: str | None = None       # runtime=distributed: the target cache the stage processes load from
@@ -68,7 +68,9 @@ def open_session(cfg) -> Session:
         staged = StagedTarget(loaded.model, n, bounds)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    if ckpt:
+    if getattr(cfg, "method", "spd") == "ar":
+        module = None  # plain decoding drafts nothing
+    elif ckpt:
         module = load_checkpoint(cfg.checkpoint, staged, loaded)
     else:
         if cfg.module_layers < 1:
@@ -76,7 +78,7 @@ def open_session(cfg) -> Session:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             module = SpeculationModule.from_target(staged, cfg.module_layers, seed=cfg.seed)
-    return Session(loaded, staged, module.eval(), params, eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir,
+    return Session(loaded, staged, module.eval() if module else None, params, eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir,
                    balance)
 
 

@@ -8,10 +8,11 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qw
 FAMILIES = ("llama", "qwen3", "gemma3")
 
 
-def tiny_config(family: str, num_layers: int = 10, vocab_size: int = 128, hidden_size: int = 32):
+def tiny_config(family: str, num_layers: int = 10, vocab_size: int = 128, hidden_size: int = 32,
+                max_position_embeddings: int = 512):
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                  max_position_embeddings=512, eos_token_id=vocab_size - 1, bos_token_id=0, pad_token_id=0,
+                  max_position_embeddings=max_position_embeddings, eos_token_id=vocab_size - 1, bos_token_id=0, pad_token_id=0,
                   tie_word_embeddings=True)
     if family == "llama":
         return LlamaConfig(**common)

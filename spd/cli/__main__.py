@@ -1,5 +1,3 @@
-import sys
+from spd.cli import entry
 
-from spd.cli import main
-
-sys.exit(main())
+entry()

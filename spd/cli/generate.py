@@ -61,8 +61,8 @@ def open_decoding(cfg):
     """The session and its stages (stage processes for runtime=distributed), closed on exit."""
     session = open_session(cfg)
     report_balance(session)
-    drafter = session.drafter(cfg.module_cache)
-    capture = drafter.layers_needed(session.staged.bounds) if cfg.method == "spd" else []
+    drafter = session.drafter(cfg.module_cache) if cfg.method == "spd" else None
+    capture = drafter.layers_needed(session.staged.bounds) if drafter else []
     with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
         yield Decoding(cfg, session, stages, drafter)
 

@@ -23,6 +23,7 @@ from accelerate.utils import set_module_tensor_to_device
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.initialization import no_init_weights
 
 from spd.errors import UserError
 from spd.target.loaded import LoadedTarget, read_source
@@ -167,7 +168,8 @@ def load_parts(path: str, layers: range | None, embed: bool, head: bool, dtype: 
     with open(os.path.join(path, META_FILE)) as f:
         meta = json.load(f)
     config = AutoConfig.from_pretrained(path)
-    with init_empty_weights(include_buffers=False):  # rotary tables etc. are real; parameters are not
+    # Parameters on meta, filled below; rotary tables etc. are real. No initialisation: every weight is loaded.
+    with init_empty_weights(include_buffers=False), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if layers is None:
         layers = range(config.num_hidden_layers)
