@@ -30,6 +30,23 @@ def test_loaded_as_expected(smollm2):
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == ("llama", 30, 576, 49152)
 
 
+def test_weight_cache_equals_the_gguf(smollm2):
+    """The safetensors cache every load now reads is the de-quantised GGUF, bit for bit, tokenizer included."""
+    from spd.target.loaded import read_source
+    from spd.target.source import resolve_source
+
+    gguf = read_source(resolve_source("smollm2"), torch.float32)
+    cached, direct = smollm2.model.state_dict(), gguf.model.state_dict()
+    assert cached.keys() == direct.keys() and all(torch.equal(cached[k], direct[k]) for k in cached)
+    assert smollm2.fingerprint == gguf.fingerprint
+    ids = torch.tensor([[1, 504, 3458, 30, 216]])
+    assert torch.equal(smollm2.model(ids).logits, gguf.model(ids).logits)
+    messages = [{"role": "user", "content": "def f(s: str):\n  # 2+2? 🌊 [x] {y}"}]
+    assert chat_prompt_ids(smollm2.tokenizer, messages[0]["content"]) == chat_prompt_ids(gguf.tokenizer,
+                                                                                          messages[0]["content"])
+    assert smollm2.tokenizer.chat_template == gguf.tokenizer.chat_template
+
+
 @pytest.mark.parametrize("n", [2, 3, 5, 6, 10])
 def test_spd_equals_ar_on_smollm2(smollm2, n):
     ids = chat_prompt_ids(smollm2.tokenizer, load_questions("gsm8k")[0]["turns"][0])
