@@ -23,6 +23,7 @@ from spd.target.stages import StagedTarget
 
 FORMAT = "spd-speculation-module"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+REQUIRED = ("target", "n", "stage_bounds", "module_layers")
 
 
 def checkpoint_config(module: SpeculationModule, target: LoadedTarget, extra: dict | None = None) -> dict:
@@ -76,16 +77,26 @@ def read_checkpoint_config(path: str) -> dict:
         raise UserError(f"{config_path} is corrupt (not valid JSON); re-save or re-train the checkpoint") from None
     if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
         raise UserError(f"{config_path} is not an SPD module checkpoint (format != {FORMAT!r})")
+    missing = [k for k in REQUIRED if k not in cfg] + \
+        [f"target.{k}" for k in ("name", "fingerprint") if not isinstance(cfg.get("target"), dict) or k not in cfg["target"]]
+    if missing:
+        raise UserError(f"{config_path} lacks {', '.join(missing)}; it is not a complete module checkpoint "
+                        "(re-save or re-train it)")
     return cfg
+
+
+def check_target(path: str, cfg: dict, target: LoadedTarget) -> None:
+    """A checkpoint runs only on the target it was trained for (checked before anything about n or bounds)."""
+    ident = cfg["target"]
+    if ident["fingerprint"] != target.fingerprint:
+        raise UserError(f"checkpoint {path!r} was trained for target {ident['name']!r} (fingerprint "
+                        f"{ident['fingerprint']}), not {target.name!r} ({target.fingerprint}); use the matching target=")
 
 
 def load_checkpoint(path: str, staged: StagedTarget, target: LoadedTarget) -> SpeculationModule:
     """Build the module the checkpoint describes and load its weights, refusing a foreign target or n."""
     cfg = read_checkpoint_config(path)
-    ident = cfg["target"]
-    if ident["fingerprint"] != target.fingerprint:
-        raise UserError(f"checkpoint {path!r} was trained for target {ident['name']!r} (fingerprint "
-                        f"{ident['fingerprint']}), not {target.name!r} ({target.fingerprint}); use the matching target=")
+    check_target(path, cfg, target)
     if cfg["n"] != staged.n or cfg["stage_bounds"] != staged.bounds:
         raise UserError(f"checkpoint {path!r} is for n={cfg['n']} with stage_bounds={cfg['stage_bounds']}, "
                         f"but this run has n={staged.n}, stage_bounds={staged.bounds}; drop n= or match it")

@@ -10,10 +10,14 @@ import typing
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spd.errors import UserError
+
+
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 @dataclass
@@ -21,6 +25,11 @@ class WandbSection:
     mode: str = "offline"               # offline | online | disabled (never a login call in code)
     project: str = "spd"
     name: Optional[str] = None
+
+    @staticmethod
+    def check(section) -> None:
+        if section.mode not in WANDB_MODES:
+            raise UserError(f"wandb.mode={section.mode!r} is not one of: {', '.join(WANDB_MODES)}")
 
 
 @dataclass
@@ -92,15 +101,23 @@ RUNTIMES = ("local", "distributed")
 DEVICE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
 
 
+def full_key(cfg, key: str) -> str:
+    """`optim.steps`, not `steps`, for a key inside a section."""
+    try:
+        return cfg._get_full_key(key) or key
+    except AttributeError:  # a plain namespace (library callers)
+        return key
+
+
 def one_of(cfg, key: str, choices) -> None:
     if cfg[key] not in choices:
-        raise UserError(f"{key}={cfg[key]!r} is not one of: {', '.join(choices)}")
+        raise UserError(f"{full_key(cfg, key)}={cfg[key]!r} is not one of: {', '.join(map(str, choices))}")
 
 
 def at_least(cfg, key: str, low: float, what: str = "") -> None:
     value = cfg[key]
     if value is not None and not (math.isfinite(value) and value >= low):
-        raise UserError(f"{key}={value} must be a finite number >= {low:g}{what}")
+        raise UserError(f"{full_key(cfg, key)}={value} must be a finite number >= {low:g}{what}")
 
 
 def check_decoding(cfg) -> None:
@@ -141,9 +158,7 @@ def load_config(schema: type, path: str | None, overrides: list[str], text: dict
     try:
         layers = [base]
         if path is not None:
-            if not os.path.isfile(path):
-                raise UserError(f"config file {path!r} does not exist")
-            layers.append(OmegaConf.load(path))
+            layers.append(read_config_file(path))
         parsed, verbatim = [], {}
         for item in overrides:
             key, value = split_override(item)
@@ -166,11 +181,64 @@ def load_config(schema: type, path: str | None, overrides: list[str], text: dict
         if "not in struct" in first or "Key '" in first and "not" in first:
             raise UserError(f"unknown config key {key!r}; valid keys: {', '.join(base.keys())}") from None
         raise UserError(f"bad value for config key {key!r}: {first}") from None
+    except yaml.YAMLError as exc:  # a value YAML cannot read, e.g. n=[1,
+        raise UserError(f"an override is not valid YAML ({_yaml_problem(exc)}); quote or fix it") from None
+    check_numbers(cfg)
+    run_checks(schema, cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def run_checks(schema: type, cfg) -> None:
+    """Each section's `check` (nested sections first), then the schema's own."""
+    for name, kind in typing.get_type_hints(schema).items():
+        if dataclasses.is_dataclass(kind):
+            run_checks(kind, cfg[name])
     check = getattr(schema, "check", None)
     if check is not None:
         check(cfg)
-    OmegaConf.set_readonly(cfg, True)
-    return cfg
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{getattr(exc, 'problem', None) or type(exc).__name__}{where}"
+
+
+def read_config_file(path: str):
+    """A YAML mapping of config keys, or a one-line UserError naming what is wrong with the file."""
+    if not os.path.exists(path):
+        raise UserError(f"config file {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise UserError(f"config file {path!r} is not a file; give a YAML file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        data = yaml.safe_load(text)
+    except UnicodeDecodeError:
+        raise UserError(f"config file {path!r} is not text (not UTF-8); give a YAML file") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"config file {path!r} is not valid YAML ({_yaml_problem(exc)}); fix it") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path!r} holds a YAML {type(data).__name__}, not a mapping of keys to values "
+                        "(key: value lines)")
+    return OmegaConf.load(path)
+
+
+def check_numbers(cfg, prefix: str = "") -> None:
+    """Every number in every schema is finite and fits in 64 bits: nan/inf and 20-digit integers are typos."""
+    for key, value in cfg.items():
+        name = f"{prefix}{key}"
+        if OmegaConf.is_dict(value):
+            check_numbers(value, name + ".")
+            continue
+        for item in (value if OmegaConf.is_list(value) else [value]):
+            if isinstance(item, float) and not math.isfinite(item):
+                raise UserError(f"{name}={item} is not a finite number")
+            if isinstance(item, int) and not isinstance(item, bool) and not -2**63 <= item < 2**63:
+                raise UserError(f"{name}={item} is out of range (it must fit in 64 bits)")
 
 
 def to_yaml(cfg) -> str:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spd.checkpoint import load_checkpoint, read_checkpoint_config
+from spd.checkpoint import check_target, load_checkpoint, read_checkpoint_config
 from spd.decoding import eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
 from spd.errors import UserError
@@ -46,7 +46,19 @@ def sampling_params(cfg) -> SamplingParams:
     return SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
 
 
+def check_device(device: str) -> None:
+    """The config's pattern check knows the name; only torch knows whether this machine has it."""
+    kind, _, index = device.partition(":")
+    if kind == "cuda" and (not torch.cuda.is_available() or int(index or 0) >= torch.cuda.device_count()):
+        raise UserError(f"device={device!r}: torch sees {torch.cuda.device_count()} CUDA device(s) here; use "
+                        "device=cpu or another index")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"device={device!r}: MPS is not available on this machine; use device=cpu")
+
+
 def open_session(cfg) -> Session:
+    """Everything a decoding command needs; `cfg` has passed its schema's checks (spd.config.load_config)."""
+    check_device(cfg.device)
     params = sampling_params(cfg)
     ckpt = read_checkpoint_config(cfg.checkpoint) if cfg.checkpoint else None
     n = cfg.n if cfg.n is not None else (ckpt["n"] if ckpt else DEFAULT_N)
@@ -60,6 +72,8 @@ def open_session(cfg) -> Session:
         loaded = load_parts(cache_dir, range(0), embed=True, head=True, dtype=DTYPES[cfg.dtype], device=cfg.device)
     else:
         loaded = load_target(cfg.target, DTYPES[cfg.dtype], cfg.device)
+    if ckpt:
+        check_target(cfg.checkpoint, ckpt, loaded)  # before n and bounds: a foreign checkpoint is the real problem
     num_layers = loaded.model.config.num_hidden_layers
     if not 1 <= n <= num_layers:
         raise UserError(f"n={n} stages is impossible for a target with L={num_layers} layers; use 1 <= n <= {num_layers}")

@@ -154,7 +154,7 @@ def test_bad_output_dirs_and_foreign_checkpoint(capsys, tiny_target_dir, tmp_pat
     blocker = tmp_path / "file.txt"
     blocker.write_text("not a directory")
     code, err = run_eval(capsys, tiny_target_dir, str(blocker / "sub"), "limit=1")
-    assert code == 2 and "not writable" in err
+    assert code == 2 and "is a file" in err
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("someone else's")

@@ -17,7 +17,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 def main(argv=None) -> int:
     from spd.config import load_config
-    from spd.errors import UserError
+    from spd.errors import run_command
     from spd.train.config import TrainConfig
 
     parser = argparse.ArgumentParser(prog="train/run.py")
@@ -25,15 +25,15 @@ def main(argv=None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    try:
+
+    def body() -> int:
         cfg = load_config(TrainConfig, args.config, args.overrides)
-        from spd.train.loop import train
+        from spd.train.loop import train  # after the config is checked: bad input is refused before DeepSpeed loads
 
         train(cfg)
-    except UserError as exc:
-        print(f"train/run.py: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_command("train/run.py", body)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import os
 import sys
 import warnings
 
-from spd.errors import PipelineFailure, UserError
+from spd.errors import UserError, run_command
 
 PROMPT_HELP = ("the prompt, verbatim: a positional argument, prompt=TEXT (never parsed as YAML), prompt_file=PATH, "
                "'-' or a pipe for standard input, or any text after --")
@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TQDM_DISABLE", "1")  # e.g. weight-loading bars: stderr holds results or one error
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    try:
+
+    def body() -> int:
         if argv and argv[0] in ("generate", "chat"):
             return decode_command(argv[0], argv[1:], parser)
         args = parser.parse_args(argv)
@@ -84,15 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         from spd.cli.evaluate import cmd_eval, cmd_report
 
         return {"eval": cmd_eval, "report": cmd_report}[args.command](args)
-    except UserError as exc:
-        print(f"spd-infer: error: {exc}", file=sys.stderr)
-        return 2
-    except PipelineFailure as exc:
-        print(f"spd-infer: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("spd-infer: interrupted", file=sys.stderr)
-        return 130
+
+    return run_command("spd-infer", body)
 
 
 def entry() -> None:

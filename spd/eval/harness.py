@@ -19,15 +19,16 @@ from tqdm import tqdm
 
 from spd.ar import ar_generate
 from spd.errors import UserError
+from spd.paths import check_writable_dir
 from spd.eval.calibrate import calibrate, formula_speedup, measured_cost_speedup
-from spd.eval.output import EvalOutput, write_json
+from spd.eval.output import EvalOutput, check_output_dir, write_json
 from spd.eval.summary import summarise
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
 from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
 from spd.runtime.stages import open_stages
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.session import Session, open_session, sampling_params
+from spd.session import Session, open_session
 
 
 def validate(cfg) -> None:
@@ -35,9 +36,6 @@ def validate(cfg) -> None:
     if unknown or not cfg.datasets:
         raise UserError(f"unknown dataset {', '.join(map(repr, unknown)) or '(none given)'}; choose from "
                         f"{', '.join(DATASETS)}")
-    if cfg.limit is not None and cfg.limit < 1:
-        raise UserError(f"limit={cfg.limit} must be a positive number of prompts per dataset (or null for all)")
-    sampling_params(cfg)  # T and top_p checked before the target is loaded
 
 
 def prompt_seed(seed: int, dataset: str, question_id) -> int:
@@ -99,9 +97,12 @@ def run_label(session: Session, cfg) -> str:
 
 def run_eval(cfg, log=print) -> dict:
     validate(cfg)
-    session = open_session(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    out = EvalOutput(cfg.output_dir, resolved, cfg.resume)
+    check_output_dir(cfg.output_dir, resolved, cfg.resume)
+    if cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local":
+        check_writable_dir(cfg.trace_cache_dir, "trace_cache_dir")
+    session = open_session(cfg)
+    out = EvalOutput(cfg.output_dir, resolved)
     tok = session.loaded.tokenizer
     if tok is None:
         raise UserError(f"target {session.loaded.name!r} has no tokenizer; eval needs its chat template")

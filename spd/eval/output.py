@@ -6,17 +6,11 @@ import json
 import os
 
 from spd.errors import UserError
+from spd.paths import check_writable_dir
 
 CONFIG_FILE, SAMPLES_FILE = "config.json", "samples.jsonl"
 # keys that may change between a run and its resumption: they select work or outputs, not the numbers
 RESUMABLE_KEYS = {"limit", "datasets", "resume", "output_dir", "wandb", "calibrate", "trace_cache_dir"}
-
-
-def _writable(path: str) -> bool:
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    return os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK)
 
 
 def write_json(path: str, payload) -> None:
@@ -25,27 +19,35 @@ def write_json(path: str, payload) -> None:
     os.replace(path + ".tmp", path)
 
 
-class EvalOutput:
-    def __init__(self, directory: str, resolved: dict, resume: bool):
-        self.directory = directory
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            raise UserError(f"output_dir={directory!r} is a file; give a directory")
-        if not _writable(directory):
-            raise UserError(f"output_dir={directory!r} is not writable; choose a directory you can write to")
-        config_path = os.path.join(directory, CONFIG_FILE)
-        if os.path.isdir(directory) and os.listdir(directory):
-            if not os.path.isfile(config_path):
-                raise UserError(f"output_dir={directory!r} is not empty and was not written by `spd-infer eval`; "
-                                "choose a new or empty directory")
+def check_output_dir(directory: str, resolved: dict, resume: bool) -> None:
+    """Read-only preflight: the directory can hold this eval (new, empty, or this config's run to resume)."""
+    check_writable_dir(directory, "output_dir")
+    config_path = os.path.join(directory, CONFIG_FILE)
+    if os.path.isdir(directory) and os.listdir(directory):
+        if not os.path.isfile(config_path):
+            raise UserError(f"output_dir={directory!r} is not empty and was not written by `spd-infer eval`; "
+                            "choose a new or empty directory")
+        try:
             with open(config_path) as f:
                 previous = json.load(f)
-            if "datasets" not in previous or _fixed(previous) != _fixed(resolved):
-                raise UserError(f"output_dir={directory!r} holds an eval with a different config; use a new output_dir "
-                                "(only limit, datasets and wandb may change when resuming)")
-            if not resume:
-                raise UserError(f"output_dir={directory!r} already holds results and resume=false; use a new output_dir")
+        except (OSError, ValueError):
+            raise UserError(f"{config_path} is unreadable (half-written?); delete {directory!r} or choose a new "
+                            "output_dir") from None
+        if not isinstance(previous, dict) or "datasets" not in previous or _fixed(previous) != _fixed(resolved):
+            raise UserError(f"output_dir={directory!r} holds an eval with a different config; use a new output_dir "
+                            "(only limit, datasets and wandb may change when resuming)")
+        if not resume:
+            raise UserError(f"output_dir={directory!r} already holds results and resume=false; use a new output_dir")
+
+
+class EvalOutput:
+    """Opened once the run is known to start (check_output_dir passed, the model loaded): only then is anything
+    written."""
+
+    def __init__(self, directory: str, resolved: dict):
+        self.directory = directory
         os.makedirs(directory, exist_ok=True)
-        write_json(config_path, resolved)
+        write_json(os.path.join(directory, CONFIG_FILE), resolved)
         self.samples = self._read_samples()
 
     def _read_samples(self) -> list[dict]:

@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from spd.errors import UserError  # noqa: E402
+from spd.paths import check_writable_dir  # noqa: E402
 
 DATASETS = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval"}
 DASH = "–"
@@ -59,10 +60,16 @@ def _series_name(run: dict) -> str:
 
 
 def _unique(runs: list[dict]) -> list[dict]:
-    """One run per (label, setting), the later one winning; first-appearance order is kept."""
+    """One run per (label, setting), the later one winning (a rerun); first-appearance order is kept. Two runs
+    that share a label and setting but evaluate different targets are not reruns: refused."""
     by_key: dict[tuple[str, str], dict] = {}
     for run in runs:
-        by_key[(run["run"]["label"], setting(run))] = run
+        key = (run["run"]["label"], setting(run))
+        if key in by_key and by_key[key]["run"].get("target") != run["run"].get("target"):
+            raise UserError(f"two runs labelled {key[0]!r} ({key[1]}) evaluate different targets "
+                            f"({by_key[key]['run'].get('target')!r} and {run['run'].get('target')!r}); report them "
+                            "separately")
+        by_key[key] = run
     return list(by_key.values())
 
 
@@ -254,4 +261,6 @@ def report_command(dirs: list[str], out_dir: str | None = None) -> list[str]:
     if not dirs:
         raise UserError("report needs at least one directory written by `spd-infer eval`")
     runs = [load_run(directory) for directory in dirs]
+    _unique(runs)  # refuses conflicting runs before anything is written
+    check_writable_dir(out_dir or dirs[0], "--out")
     return write_report(runs, out_dir or dirs[0])

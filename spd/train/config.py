@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from spd.config import WandbSection
+
+from spd.config import WandbSection, at_least, one_of
+from spd.errors import UserError
 
 
 @dataclass
@@ -17,6 +19,13 @@ class ModelSection:
     draft_vocab: int = 16384            # 0 = the full vocabulary
     init_fc: str = "random"             # random | select: FC_k starts as a selector of H^{b_k} (FC_0 of H^0)
     init_layers: Optional[List[int]] = None  # copy these target layers into the module's layers (one each)
+
+    @staticmethod
+    def check(m) -> None:
+        for key in ("n", "module_layers"):
+            at_least(m, key, 1)
+        at_least(m, "draft_vocab", 0, " (0 = the full vocabulary)")
+        one_of(m, "init_fc", ("random", "select"))
 
 
 @dataclass
@@ -31,6 +40,12 @@ class DataSection:
     regenerate_batch: int = 16          # prompts per generate call
     regenerated_dir: str = "outputs/cache/regenerated"
 
+    @staticmethod
+    def check(d) -> None:
+        for key, low in (("max_conversations", 1), ("max_length", 2), ("heldout", 0), ("regenerate_temperature", 0),
+                         ("regenerate_new_tokens", 1), ("regenerate_batch", 1)):
+            at_least(d, key, low)
+
 
 @dataclass
 class OptimSection:
@@ -41,6 +56,16 @@ class OptimSection:
     grad_clip: float = 1.0
     steps: int = 1000                   # optimizer steps; lr decays linearly to 0 at the last one
 
+    @staticmethod
+    def check(o) -> None:
+        if not o.lr > 0:
+            raise UserError(f"optim.lr={o.lr} must be a positive learning rate (e.g. 1e-4)")
+        at_least(o, "steps", 1, " (optimizer steps to train)")
+        for key in ("warmup_steps", "weight_decay", "grad_clip"):
+            at_least(o, key, 0)
+        if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+            raise UserError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+
 
 @dataclass
 class DeepSpeedSection:
@@ -49,6 +74,13 @@ class DeepSpeedSection:
     accumulation: int = 8               # micro-batches per optimizer step
     zero_stage: int = 0
     precision: str = "fp32"             # fp32 | bf16 | fp16
+
+    @staticmethod
+    def check(ds) -> None:
+        for key in ("batch_size", "micro_batch", "accumulation"):
+            at_least(ds, key, 1)
+        one_of(ds, "zero_stage", (0, 1, 2, 3))
+        one_of(ds, "precision", ("fp32", "bf16", "fp16"))
 
 
 @dataclass
@@ -67,8 +99,25 @@ class TrainConfig:
     teacher_cache: bool = False         # compute the teacher's needed hidden states once, reuse them every epoch
     teacher_cache_dir: str = "outputs/cache/teacher"
     teacher_cache_dtype: str = "float16"  # float16 halves the disk; float32 keeps the teacher's exact values
+    overwrite: bool = False             # start afresh in a non-empty output_dir (its old run is deleted)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     wandb: WandbSection = field(default_factory=WandbSection)
+
+    @staticmethod
+    def check(cfg) -> None:
+        if not 0 <= cfg.seed < 2**63:
+            raise UserError(f"seed={cfg.seed} must be in [0, 2**63)")
+        for key, low in (("log_every", 1), ("eval_every", 0), ("eval_decodes", 0), ("eval_new_tokens", 1),
+                         ("save_every", 0)):
+            at_least(cfg, key, low)
+        if not 0 <= cfg.p_full <= 1:
+            raise UserError(f"p_full={cfg.p_full} must be a probability in [0, 1]")
+        one_of(cfg, "teacher_cache_dtype", ("float16", "float32"))
+        weights = list(cfg.occupancy_weights) if cfg.occupancy_weights is not None else None
+        if weights is not None and (len(weights) != cfg.model.n or min(weights) < 0 or sum(weights) <= 0):
+            raise UserError(f"occupancy_weights={weights} needs {cfg.model.n} non-negative entries (a=1..n), not all 0")
+        if cfg.resume and cfg.overwrite:
+            raise UserError("resume=true and overwrite=true contradict each other; choose one")

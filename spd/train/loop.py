@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import time
 
@@ -18,6 +19,7 @@ from tqdm import tqdm
 
 from spd.checkpoint import save_checkpoint
 from spd.errors import UserError
+from spd.paths import check_writable_dir, is_empty_dir
 from spd.layout import sample_occupancy
 from spd.module import SpeculationModule
 from spd.target.loading import load_target
@@ -30,6 +32,80 @@ from spd.train.regenerate import regenerate, regenerated_path
 from spd.train.objective import build_draft_vocab, collate, kd_loss, teacher_pass, teacher_targets
 
 PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+METRICS_FILE = "metrics.jsonl"
+
+
+class StopRequest:
+    """Ctrl-C while training: finish the step, save a resumable state, stop (a second Ctrl-C stops at once).
+    Every rank stops after the same step: the request is agreed on by all of them."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGINT, self._request)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self.previous)
+
+    def _request(self, signum, frame) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, self.previous)
+
+    def agreed(self, world: int) -> bool:
+        if world == 1:
+            return self.requested
+        flag = torch.tensor([int(self.requested)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag)
+
+
+def check_paths(cfg) -> None:
+    """Before anything loads: every directory this run writes is writable, and output_dir is new, empty, this
+    run's own (resume=true) or given up (overwrite=true)."""
+    check_writable_dir(cfg.output_dir, "output_dir")
+    if cfg.teacher_cache:
+        check_writable_dir(cfg.teacher_cache_dir, "teacher_cache_dir")
+    if cfg.data.regenerate:
+        check_writable_dir(cfg.data.regenerated_dir, "data.regenerated_dir")
+    if not (cfg.resume or cfg.overwrite or is_empty_dir(cfg.output_dir)):
+        raise UserError(f"output_dir={cfg.output_dir!r} is not empty; pass resume=true to continue the run in it, "
+                        "overwrite=true to replace it, or choose a new output_dir")
+
+
+def check_resumable(cfg, resolved: dict) -> None:
+    cfg_path = os.path.join(cfg.output_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise UserError(f"resume=true but {cfg.output_dir!r} holds no run (no config.json); drop resume or fix "
+                        "output_dir")
+    try:
+        with open(cfg_path) as f:
+            previous = json.load(f)
+    except (OSError, ValueError):
+        raise UserError(f"{cfg_path} is unreadable (half-written?); start afresh with overwrite=true") from None
+    ignore = ("resume", "overwrite")
+    if not isinstance(previous, dict) or {k: v for k, v in previous.items() if k not in ignore} != \
+            {k: v for k, v in resolved.items() if k not in ignore}:
+        raise UserError(f"{cfg.output_dir!r} was written by a different config; resume with the same config or "
+                        "use a new output_dir")
+
+
+def cut_metrics(path: str, step: int) -> None:
+    """Keep the metrics of steps 1..step: the steps after the last checkpoint are trained again on resume."""
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError, TypeError):  # a line torn by the interruption
+                continue
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 def _free_port() -> str:
@@ -54,8 +130,6 @@ def deepspeed_config(cfg, world: int) -> dict:
     if ds.micro_batch * ds.accumulation * world != ds.batch_size:
         raise UserError(f"deepspeed.micro_batch ({ds.micro_batch}) x accumulation ({ds.accumulation}) x world size "
                         f"({world}) = {ds.micro_batch * ds.accumulation * world}, not batch_size={ds.batch_size}")
-    if ds.precision not in PRECISION:
-        raise UserError(f"deepspeed.precision={ds.precision!r} is not one of {', '.join(PRECISION)}")
     return {"train_batch_size": ds.batch_size, "train_micro_batch_size_per_gpu": ds.micro_batch,
             "gradient_accumulation_steps": ds.accumulation, "gradient_clipping": cfg.optim.grad_clip,
             "zero_optimization": {"stage": ds.zero_stage},
@@ -124,8 +198,6 @@ def prepare(cfg, log):
     if cfg.model.draft_vocab:
         draft = build_draft_vocab(train, cfg.model.draft_vocab, loaded.model.config.vocab_size).to(staged.device)
     module = SpeculationModule.from_target(staged, cfg.model.module_layers, draft_to_target=draft, seed=cfg.seed)
-    if cfg.model.init_fc not in ("random", "select"):
-        raise UserError(f"model.init_fc={cfg.model.init_fc!r} is not one of: random, select")
     if cfg.model.init_fc == "select":
         module.init_selectors()
     if cfg.model.init_layers:
@@ -139,25 +211,16 @@ def prepare(cfg, log):
 def train(cfg) -> dict:
     import deepspeed
 
+    check_paths(cfg)
     rank, world = init_distributed()
     log = (lambda msg: tqdm.write(f"[train] {msg}")) if rank == 0 else (lambda msg: None)
     out_dir = cfg.output_dir
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    fingerprint = {k: v for k, v in resolved.items() if k != "resume"}
     cfg_path = os.path.join(out_dir, "config.json")
     if cfg.resume:
-        if not os.path.isfile(cfg_path):
-            raise UserError(f"resume=true but {out_dir!r} holds no run (no config.json); drop resume or fix output_dir")
-        with open(cfg_path) as f:
-            if {k: v for k, v in json.load(f).items() if k != "resume"} != fingerprint:
-                raise UserError(f"{out_dir!r} was written by a different config; resume with the same config or "
-                                "use a new output_dir")
+        check_resumable(cfg, resolved)
     ds_config = deepspeed_config(cfg, world)
     weights = list(cfg.occupancy_weights) if cfg.occupancy_weights else None
-    if weights is not None and (len(weights) != cfg.model.n or min(weights) < 0 or sum(weights) <= 0):
-        raise UserError(f"occupancy_weights={weights} needs {cfg.model.n} non-negative entries (a=1..n), not all 0")
-    if cfg.teacher_cache_dtype not in CACHE_DTYPES:
-        raise UserError(f"teacher_cache_dtype={cfg.teacher_cache_dtype!r} is not one of {', '.join(CACHE_DTYPES)}")
     torch.manual_seed(cfg.seed)
     loaded, staged, train_set, held, held_convs, draft, module = prepare(cfg, log)
     features = None
@@ -184,7 +247,11 @@ def train(cfg) -> dict:
             raise UserError(f"resume=true but {ds_dir!r} holds no DeepSpeed state; drop resume")
         start, tokens_seen = int(client["step"]), int(client.get("tokens_seen", 0))
         log(f"resumed at step {start}")
+        if rank == 0:
+            cut_metrics(os.path.join(out_dir, METRICS_FILE), start)
     if rank == 0:
+        if cfg.overwrite and os.path.isdir(out_dir):  # only now: a refused run must not lose the old one
+            shutil.rmtree(out_dir)
         os.makedirs(out_dir, exist_ok=True)
         tmp = cfg_path + ".tmp"
         with open(tmp, "w") as f:
@@ -203,62 +270,72 @@ def train(cfg) -> dict:
     extra = {"training": {"data": cfg.data.path, "regenerated": cfg.data.regenerate, "steps": cfg.optim.steps,
                           "init_fc": cfg.model.init_fc, "init_layers": resolved["model"]["init_layers"],
                           "occupancy_weights": weights, "lr": cfg.optim.lr}}
-    summary = {}
-    bar = tqdm(range(start, cfg.optim.steps), initial=start, total=cfg.optim.steps, disable=rank != 0, desc="train")
-    for step in bar:
-        t0 = time.perf_counter()
-        losses, agree, per_a, tokens, excluded = [], [], {a: [] for a in range(1, n + 1)}, 0, 0
-        occ_gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + rank)
-        for idx in micro_batches(len(train_set), cfg.seed, step, rank, world, cfg.deepspeed.micro_batch,
-                                 cfg.deepspeed.accumulation):
-            batch = collate([train_set[i] for i in idx], pad)
-            if features is None:
-                teacher = teacher_pass(staged, batch, draft)
-            else:
-                cached = features.hidden(idx, batch["input_ids"].shape[1], staged.device)
-                teacher = teacher_targets(staged, cached, batch, draft)
-            hidden = {k: v.to(PRECISION[cfg.deepspeed.precision]) for k, v in teacher.hidden.items()}
-            occ = sample_occupancy(len(idx), n, occ_gen, cfg.p_full, weights).to(staged.device)
-            logits = engine(hidden, occ, batch["valid"].to(staged.device))
-            loss, top1 = kd_loss(logits, teacher)
-            engine.backward(loss)
-            if engine.is_gradient_accumulation_boundary():
-                grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters()
-                                                                 if p.grad is not None]))
-            engine.step()
-            losses.append(float(loss.detach()))
-            agree.append(top1)
-            for a, hit in zip(occ[teacher.positions[:, 0]].tolist(), top1.tolist()):
-                per_a[a].append(hit)
-            tokens += int(batch["valid"].sum())
-            tokens_seen += int(batch["valid"].sum()) * world
-            excluded += teacher.excluded
-        seconds = time.perf_counter() - t0
-        metrics = {"train/loss": sum(losses) / len(losses), "train/top1": float(torch.cat(agree).mean()),
-                   "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                   "tokens_per_s": tokens * world / seconds, "train/excluded_positions": excluded,
-                   "train/tokens_seen": tokens_seen}
-        metrics.update({f"train/top1_a{a}": sum(v) / len(v) for a, v in per_a.items() if v})
-        last = step + 1 == cfg.optim.steps
-        if rank == 0 and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last):
-            metrics.update(evaluate(module, staged, loaded.tokenizer, held, held_convs, draft, cfg))
+    def save(done: int, tokens_done: int) -> None:
+        engine.save_checkpoint(ds_dir, tag=f"step{done}", client_state={"step": done, "tokens_seen": tokens_done})
         if rank == 0:
-            with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:  # plain-text twin of the W&B history
-                f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
-            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", top1=f"{metrics['train/top1']:.3f}")
-            if run is not None and ((step + 1) % cfg.log_every == 0 or last):
-                run.log(metrics, step=step + 1)
-        summary = metrics
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
-            engine.save_checkpoint(ds_dir, tag=f"step{step + 1}", client_state={"step": step + 1, "tokens_seen": tokens_seen})
+            for old in os.listdir(ds_dir):  # keep only the state `latest` points to (optimizer state is large)
+                if old.startswith("step") and old != f"step{done}":
+                    shutil.rmtree(os.path.join(ds_dir, old), ignore_errors=True)
+            meta = {**extra, "step": done, "train_tokens": tokens_done}
+            save_checkpoint(module, loaded, os.path.join(out_dir, "checkpoint"), meta)
+            if cfg.keep_checkpoints:
+                save_checkpoint(module, loaded, os.path.join(out_dir, "checkpoints", f"step-{done:05d}"), meta)
+
+    summary = {}
+    stop = StopRequest()
+    bar = tqdm(range(start, cfg.optim.steps), initial=start, total=cfg.optim.steps, disable=rank != 0, desc="train")
+    with stop:
+        for step in bar:
+            t0 = time.perf_counter()
+            losses, agree, per_a, tokens, excluded = [], [], {a: [] for a in range(1, n + 1)}, 0, 0
+            occ_gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + rank)
+            for idx in micro_batches(len(train_set), cfg.seed, step, rank, world, cfg.deepspeed.micro_batch,
+                                     cfg.deepspeed.accumulation):
+                batch = collate([train_set[i] for i in idx], pad)
+                if features is None:
+                    teacher = teacher_pass(staged, batch, draft)
+                else:
+                    cached = features.hidden(idx, batch["input_ids"].shape[1], staged.device)
+                    teacher = teacher_targets(staged, cached, batch, draft)
+                hidden = {k: v.to(PRECISION[cfg.deepspeed.precision]) for k, v in teacher.hidden.items()}
+                occ = sample_occupancy(len(idx), n, occ_gen, cfg.p_full, weights).to(staged.device)
+                logits = engine(hidden, occ, batch["valid"].to(staged.device))
+                loss, top1 = kd_loss(logits, teacher)
+                engine.backward(loss)
+                if engine.is_gradient_accumulation_boundary():
+                    grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters()
+                                                                     if p.grad is not None]))
+                engine.step()
+                losses.append(float(loss.detach()))
+                agree.append(top1)
+                for a, hit in zip(occ[teacher.positions[:, 0]].tolist(), top1.tolist()):
+                    per_a[a].append(hit)
+                tokens += int(batch["valid"].sum())
+                tokens_seen += int(batch["valid"].sum()) * world
+                excluded += teacher.excluded
+            seconds = time.perf_counter() - t0
+            metrics = {"train/loss": sum(losses) / len(losses), "train/top1": float(torch.cat(agree).mean()),
+                       "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                       "tokens_per_s": tokens * world / seconds, "train/excluded_positions": excluded,
+                       "train/tokens_seen": tokens_seen}
+            metrics.update({f"train/top1_a{a}": sum(v) / len(v) for a, v in per_a.items() if v})
+            last = step + 1 == cfg.optim.steps
+            if rank == 0 and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last):
+                metrics.update(evaluate(module, staged, loaded.tokenizer, held, held_convs, draft, cfg))
             if rank == 0:
-                for old in os.listdir(ds_dir):  # keep only the state `latest` points to (optimizer state is large)
-                    if old.startswith("step") and old != f"step{step + 1}":
-                        shutil.rmtree(os.path.join(ds_dir, old), ignore_errors=True)
-                meta = {**extra, "step": step + 1, "train_tokens": tokens_seen}
-                save_checkpoint(module, loaded, os.path.join(out_dir, "checkpoint"), meta)
-                if cfg.keep_checkpoints:
-                    save_checkpoint(module, loaded, os.path.join(out_dir, "checkpoints", f"step-{step + 1:05d}"), meta)
+                with open(os.path.join(out_dir, METRICS_FILE), "a") as f:  # plain-text twin of the W&B history
+                    f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
+                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", top1=f"{metrics['train/top1']:.3f}")
+                if run is not None and ((step + 1) % cfg.log_every == 0 or last):
+                    run.log(metrics, step=step + 1)
+            summary = metrics
+            stopping = stop.agreed(world)
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stopping:
+                save(step + 1, tokens_seen)
+            if stopping:
+                if run is not None:
+                    run.finish(exit_code=130)
+                raise KeyboardInterrupt  # the entry point prints one line and exits 130; resume=true continues
     if run is not None:
         run.summary.update(summary)
         run.finish()
