@@ -175,6 +175,7 @@ def load_config(schema: type, path: str | None, overrides: list[str], text: dict
             OmegaConf.update(text_layer, key, value, force_add=True)
         layers.append(text_layer)
         cfg = OmegaConf.merge(*layers)
+        OmegaConf.to_container(cfg, resolve=True)  # a bad interpolation (in a YAML file) fails here, as a UserError
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
         first = str(exc).splitlines()[0]

@@ -1,5 +1,8 @@
 """Small builders shared by tests."""
 
+import importlib.util
+import os
+
 import torch
 
 from spd.ar import ar_generate
@@ -103,3 +106,25 @@ def _read_wandb_records(run_dir: str) -> dict:
             for item in items[kind_name](record):
                 found[(kind_name, item.key or "/".join(item.nested_key))] = json.loads(item.value_json)
     return found
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_train_main():
+    spec = importlib.util.spec_from_file_location("train_run", os.path.join(ROOT, "train", "run.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+
+
+def snapshot(root) -> dict:
+    files = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(directory, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, root)] = f.read()
+    return files

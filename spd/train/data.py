@@ -69,6 +69,29 @@ def _sharegpt_generator(path: str):
             yield {"messages": msgs}
 
 
+def check_json_lines(path: str) -> None:
+    """A JSON document or JSON Lines, else a UserError naming the first bad line (datasets' own error is a
+    three-line chain with the useful part in the middle)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise UserError(f"data file {path!r} is not UTF-8 text; give a JSON, JSONL or parquet file") from None
+    try:
+        json.loads(text)
+        return
+    except json.JSONDecodeError:
+        pass
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"data file {path!r}, line {number}: not JSON ({exc.msg} at column {exc.colno}); fix "
+                            "that line or give a JSON, JSONL or parquet file") from None
+
+
 def load_conversations(path: str, limit: int) -> list[list[dict]]:
     """Conversations as role/content lists, through `datasets` (its cache makes reloads cheap)."""
     if path == SHAREGPT:
@@ -80,6 +103,8 @@ def load_conversations(path: str, limit: int) -> list[list[dict]]:
         if os.path.getsize(path) == 0:
             raise UserError(f"data file {path!r} is empty; give a file with conversations")
         kind = "parquet" if path.endswith(".parquet") else "json"
+        if kind == "json":
+            check_json_lines(path)
         try:
             ds = datasets.load_dataset(kind, data_files=path, split="train")
         except Exception as exc:  # datasets raises many types for unreadable files
