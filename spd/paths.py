@@ -3,6 +3,7 @@ so that a refused run leaves nothing behind. It creates nothing itself."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -34,3 +35,15 @@ def check_writable_dir(path: str, key: str, need_bytes: int = MIN_FREE_BYTES) ->
 
 def is_empty_dir(path: str) -> bool:
     return not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path))
+
+
+def read_run_config(path: str, fix: str) -> dict:
+    """The config.json a run left in its directory, or a UserError (a torn file is a crash's, not a bug)."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        raise UserError(f"{path} is unreadable (half-written?); {fix}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} is not a run's config; {fix}")
+    return config

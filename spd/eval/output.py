@@ -6,7 +6,7 @@ import json
 import os
 
 from spd.errors import UserError
-from spd.paths import check_writable_dir
+from spd.paths import check_writable_dir, read_run_config
 
 CONFIG_FILE, SAMPLES_FILE = "config.json", "samples.jsonl"
 # keys that may change between a run and its resumption: they select work or outputs, not the numbers
@@ -27,13 +27,8 @@ def check_output_dir(directory: str, resolved: dict, resume: bool) -> None:
         if not os.path.isfile(config_path):
             raise UserError(f"output_dir={directory!r} is not empty and was not written by `spd-infer eval`; "
                             "choose a new or empty directory")
-        try:
-            with open(config_path) as f:
-                previous = json.load(f)
-        except (OSError, ValueError):
-            raise UserError(f"{config_path} is unreadable (half-written?); delete {directory!r} or choose a new "
-                            "output_dir") from None
-        if not isinstance(previous, dict) or "datasets" not in previous or _fixed(previous) != _fixed(resolved):
+        previous = read_run_config(config_path, f"delete {directory!r} or choose a new output_dir")
+        if "datasets" not in previous or _fixed(previous) != _fixed(resolved):
             raise UserError(f"output_dir={directory!r} holds an eval with a different config; use a new output_dir "
                             "(only limit, datasets and wandb may change when resuming)")
         if not resume:

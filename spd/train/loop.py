@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from spd.checkpoint import save_checkpoint
 from spd.errors import UserError
-from spd.paths import check_writable_dir, is_empty_dir
+from spd.paths import check_writable_dir, is_empty_dir, read_run_config
 from spd.layout import sample_occupancy
 from spd.module import SpeculationModule
 from spd.target.loading import load_target
@@ -79,14 +79,9 @@ def check_resumable(cfg, resolved: dict) -> None:
     if not os.path.isfile(cfg_path):
         raise UserError(f"resume=true but {cfg.output_dir!r} holds no run (no config.json); drop resume or fix "
                         "output_dir")
-    try:
-        with open(cfg_path) as f:
-            previous = json.load(f)
-    except (OSError, ValueError):
-        raise UserError(f"{cfg_path} is unreadable (half-written?); start afresh with overwrite=true") from None
+    previous = read_run_config(cfg_path, "start afresh with overwrite=true")
     ignore = ("resume", "overwrite")
-    if not isinstance(previous, dict) or {k: v for k, v in previous.items() if k not in ignore} != \
-            {k: v for k, v in resolved.items() if k not in ignore}:
+    if {k: v for k, v in previous.items() if k not in ignore} != {k: v for k, v in resolved.items() if k not in ignore}:
         raise UserError(f"{cfg.output_dir!r} was written by a different config; resume with the same config or "
                         "use a new output_dir")
 
