@@ -4,10 +4,13 @@ import pytest
 import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
-if "SPD_CACHE_DIR" not in os.environ:  # target caches of tiny models (runtime=distributed) stay out of ~/.cache
+if "SPD_CACHE_DIR" not in os.environ:  # weight caches written by tests stay out of ~/.cache, and go at the end
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["SPD_CACHE_DIR"] = tempfile.mkdtemp(prefix="spd-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["SPD_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, min(2, os.cpu_count() or 1)))
 
