@@ -133,8 +133,7 @@ def check_decoding(cfg) -> None:
     at_least(cfg, "top_k", 0, " (0 = off)")
     if not (math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1):
         raise UserError(f"top_p={cfg.top_p} must be in (0, 1]")
-    if not 0 <= cfg.seed < 2**63:
-        raise UserError(f"seed={cfg.seed} must be in [0, 2**63)")
+    at_least(cfg, "seed", 0)  # and below 2**63: check_numbers
     at_least(cfg, "threads_per_stage", 1)
     if not 0 <= cfg.master_port <= 65535:
         raise UserError(f"master_port={cfg.master_port} must be in [0, 65535] (0 = any free port)")
@@ -214,18 +213,14 @@ def read_config_file(path: str):
         raise UserError(f"config file {path!r} is not a file; give a YAML file")
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
-        data = yaml.safe_load(text)
+            data = OmegaConf.create(f.read())  # OmegaConf's YAML reader (1e-4 is a float), parsed once
     except UnicodeDecodeError:
         raise UserError(f"config file {path!r} is not text (not UTF-8); give a YAML file") from None
     except yaml.YAMLError as exc:
         raise UserError(f"config file {path!r} is not valid YAML ({_yaml_problem(exc)}); fix it") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise UserError(f"config file {path!r} holds a YAML {type(data).__name__}, not a mapping of keys to values "
-                        "(key: value lines)")
-    return OmegaConf.load(path)
+    if not OmegaConf.is_dict(data):
+        raise UserError(f"config file {path!r} holds a YAML list, not a mapping of keys to values (key: value lines)")
+    return data
 
 
 def check_numbers(cfg, prefix: str = "") -> None:

@@ -1,5 +1,6 @@
 """User-facing errors: one line naming the problem and the fix; entry points turn them into exit code 2."""
 
+import errno
 import sys
 
 
@@ -14,14 +15,13 @@ class PipelineFailure(RuntimeError):
 # Failures of files and paths that reach an entry point are the user's to fix (a path that is a file, a full disk,
 # no permission): one line, exit 2. Anything else is a bug and keeps its traceback.
 FILE_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
-FILE_ERRNOS = {28: "no space left on the disk", 30: "the file system is read-only", 122: "disk quota exceeded"}
+FILE_ERRNOS = {errno.ENOSPC: "no space left on the disk", errno.EROFS: "the file system is read-only",
+               errno.EDQUOT: "disk quota exceeded"}
 
 
 def run_command(command: str, body) -> int:
     """The error boundary of an entry point: `<command>: error: ...` and exit 2 for bad input, 1 for a failed
     pipeline process, 130 for Ctrl-C; never a traceback for those."""
-    import errno
-
     try:
         return body()
     except UserError as exc:

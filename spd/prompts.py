@@ -21,5 +21,10 @@ def load_questions(dataset: str) -> list[dict]:
 
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     """First-turn protocol: the target's chat template with the generation prompt."""
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=True)["input_ids"])
+    return conversation_ids(tokenizer, [{"role": "user", "content": text}])
+
+
+def conversation_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation through the target's chat template, ending with the generation prompt."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])

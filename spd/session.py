@@ -12,6 +12,7 @@ from spd.decoding import eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
 from spd.errors import UserError
 from spd.module import SpeculationModule
+from spd.prompts import conversation_ids
 from spd.sampling import SamplingParams
 from spd.runtime.stages import check_runtime
 from spd.target.loading import LoadedTarget, load_target
@@ -149,12 +150,7 @@ def encode_chat(session: Session, messages: list[dict], max_new_tokens: int) -> 
     tok = _tokenizer(session)
     if not getattr(tok, "chat_template", None):
         raise UserError(f"target {session.loaded.name!r} has no chat template; set chat_template=false")
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    return _fits(session, list(ids), max_new_tokens)
-
-
-def context_window(session: Session) -> int | None:
-    return getattr(session.loaded.model.config, "max_position_embeddings", None)
+    return _fits(session, conversation_ids(tok, messages), max_new_tokens)
 
 
 def _tokenizer(session: Session):
@@ -164,7 +160,7 @@ def _tokenizer(session: Session):
 
 
 def _fits(session: Session, ids: list[int], max_new_tokens: int) -> list[int]:
-    window = context_window(session)
+    window = getattr(session.loaded.model.config, "max_position_embeddings", None)
     if window and len(ids) + max_new_tokens > window:
         raise UserError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
                         f"context window of {window}; shorten the prompt or lower max_new_tokens")

@@ -13,6 +13,7 @@ import warnings
 
 from spd.errors import UserError, run_command
 
+DECODE_COMMANDS = ("generate", "chat")  # their words are read by spd.cli.args, not argparse
 PROMPT_HELP = ("the prompt, verbatim: a positional argument, prompt=TEXT (never parsed as YAML), prompt_file=PATH, "
                "'-' or a pipe for standard input, or any text after --")
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
 
     def body() -> int:
-        if argv and argv[0] in ("generate", "chat"):
+        if argv and argv[0] in DECODE_COMMANDS:
             return decode_command(argv[0], argv[1:], parser)
         args = parser.parse_args(argv)
         quiet_libraries()
@@ -94,7 +95,7 @@ def entry() -> None:
     second on these machines, longer than a short answer): stages are closed and the output is flushed by then."""
     argv = sys.argv[1:]
     code = main(argv)
-    if argv and argv[0] in ("generate", "chat"):
+    if argv and argv[0] in DECODE_COMMANDS:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -108,9 +108,7 @@ class TrainConfig:
 
     @staticmethod
     def check(cfg) -> None:
-        if not 0 <= cfg.seed < 2**63:
-            raise UserError(f"seed={cfg.seed} must be in [0, 2**63)")
-        for key, low in (("log_every", 1), ("eval_every", 0), ("eval_decodes", 0), ("eval_new_tokens", 1),
+        for key, low in (("seed", 0), ("log_every", 1), ("eval_every", 0), ("eval_decodes", 0), ("eval_new_tokens", 1),
                          ("save_every", 0)):
             at_least(cfg, key, low)
         if not 0 <= cfg.p_full <= 1:
