@@ -38,6 +38,8 @@ def checkpoint_config(module: SpeculationModule, target: LoadedTarget, extra: di
         "feature_layers": [list(layers) for layers in module.feature_layers],
         "module_layers": len(module.layers),
         "draft_vocab_size": None if module.draft_to_target is None else int(module.draft_to_target.numel()),
+        "feature_norm": module.feature_norm,
+        "fc_bias": module.fc_bias,
         **(extra or {}),
     }
 
@@ -108,7 +110,9 @@ def load_checkpoint(path: str, staged: StagedTarget, target: LoadedTarget) -> Sp
     except (SafetensorError, OSError) as exc:
         raise UserError(f"{weights} is corrupt ({str(exc).splitlines()[0]}); re-save or re-train the checkpoint") from None
     draft_map = state.get("draft_to_target")
-    module = SpeculationModule.from_target(staged, cfg["module_layers"], draft_to_target=draft_map)
+    module = SpeculationModule.from_target(staged, cfg["module_layers"], draft_to_target=draft_map,
+                                           feature_norm=cfg.get("feature_norm", "none"),
+                                           fc_bias=cfg.get("fc_bias", False))
     try:
         module.load_state_dict(state, strict=True)
     except RuntimeError as exc:

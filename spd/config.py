@@ -35,7 +35,7 @@ class WandbSection:
 @dataclass
 class GenerateConfig:
     target: str = "smollm2"              # "smollm2", an HF model directory, or a .gguf file
-    checkpoint: Optional[str] = None     # trained module directory; None = randomly initialised module
+    checkpoint: Optional[str] = None     # module directory; None = the shipped one for the run's n, random = untrained
     prompt: Optional[str] = None         # taken verbatim; or prompt_file=, a positional argument, standard input
     prompt_file: Optional[str] = None    # a UTF-8 text file whose whole content is the prompt
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt

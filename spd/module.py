@@ -14,25 +14,43 @@ import torch
 from torch import nn
 
 from spd.attention import layer_forward, memory_kv
-from spd.layout import depth_grid, feature_layers
+from spd.layout import depth_grid, feature_layers, needed_layers
 from spd.target.stages import StagedTarget
+
+
+FEATURE_NORMS = ("none", "standard")
 
 
 class SpeculationModule(nn.Module):
     def __init__(self, target_config, bounds: list[int], num_layers: int, layer_cls, rotary_cls, norm_cls,
-                 draft_to_target: torch.Tensor | None = None):
+                 draft_to_target: torch.Tensor | None = None, feature_norm: str = "none", fc_bias: bool = False):
         super().__init__()
+        if feature_norm not in FEATURE_NORMS:
+            raise ValueError(f"feature_norm={feature_norm!r} is not one of {FEATURE_NORMS}")
         self.bounds = list(bounds)
         self.n = len(bounds) - 1
         self.feature_layers = feature_layers(self.bounds)
         d = target_config.hidden_size
+        self.feature_norm = feature_norm
+        if feature_norm == "standard":
+            # Per-dimension shift and scale of every hidden state a feature reads (set by `fit_feature_norm`).
+            # The target's residual stream carries a few "massive" dimensions (SmolLM2: 3 of 576 hold about half
+            # the squared norm from layer 2 on) and grows ~250x in RMS from H^0 to H^L, so unscaled the FCs see
+            # little but those dimensions and the deepest state.
+            self._norm_row = {layer: row for row, layer in enumerate(needed_layers(self.bounds))}
+            self.register_buffer("feature_shift", torch.zeros(len(self._norm_row), d))
+            self.register_buffer("feature_scale", torch.ones(len(self._norm_row), d))
         cfg = copy.deepcopy(target_config)
         cfg.num_hidden_layers = num_layers
         if hasattr(cfg, "layer_types"):
             cfg.layer_types = ["full_attention"] * num_layers  # the module always attends over the whole sequence
         self.config = cfg
+        # fc_bias: standardised features have mean 0, so bias-free FCs give every row a zero-mean input and the
+        # attention has no content-free direction with which RoPE could single out a position (e.g. t-1); a bias
+        # per FC_k supplies one (and marks each row's depth).
+        self.fc_bias = fc_bias
         self.fc = nn.ModuleList(
-            [nn.Linear(d, d, bias=False)] + [nn.Linear(3 * d, d, bias=False) for _ in range(self.n)]
+            [nn.Linear(d, d, bias=fc_bias)] + [nn.Linear(3 * d, d, bias=fc_bias) for _ in range(self.n)]
         )
         self.layers = nn.ModuleList([layer_cls(cfg, layer_idx=i) for i in range(num_layers)])
         self.rotary = rotary_cls(cfg)
@@ -47,8 +65,8 @@ class SpeculationModule(nn.Module):
             self.draft_to_target = None
 
     @classmethod
-    def from_target(cls, target: StagedTarget, num_layers: int = 1,
-                    draft_to_target: torch.Tensor | None = None, seed: int = 0) -> "SpeculationModule":
+    def from_target(cls, target: StagedTarget, num_layers: int = 1, draft_to_target: torch.Tensor | None = None,
+                    seed: int = 0, feature_norm: str = "none", fc_bias: bool = False) -> "SpeculationModule":
         """Random layers and FCs; head and final norm copied from the target (head rows of the draft vocabulary)."""
         if num_layers > target.num_layers / target.n:
             warnings.warn(
@@ -58,7 +76,7 @@ class SpeculationModule(nn.Module):
             torch.manual_seed(seed)
             layer0 = target.layers[0]
             module = cls(target.config, target.bounds, num_layers, type(layer0), type(target.decoder.rotary_emb),
-                         type(target.decoder.norm), draft_to_target)
+                         type(target.decoder.norm), draft_to_target, feature_norm, fc_bias)
         head = target.model.lm_head.weight.detach()
         rows = head if draft_to_target is None else head[draft_to_target.long()]
         module.head.weight.data.copy_(rows)
@@ -75,6 +93,9 @@ class SpeculationModule(nn.Module):
         for fc in self.fc[1:]:
             fc.weight.zero_()
             fc.weight[:, 2 * d:].copy_(eye)
+        for fc in self.fc:
+            if fc.bias is not None:
+                fc.bias.zero_()
 
     @torch.no_grad()
     def init_layers_from(self, target_layers: list[nn.Module]) -> None:
@@ -84,10 +105,25 @@ class SpeculationModule(nn.Module):
         for mine, theirs in zip(self.layers, target_layers):
             mine.load_state_dict(theirs.state_dict())
 
+    @torch.no_grad()
+    def fit_feature_norm(self, hidden: dict[int, torch.Tensor]) -> None:
+        """Shift and scale from samples {layer: [M, d]} of the target's states: each dimension to mean 0, std 1."""
+        for layer, row in self._norm_row.items():
+            x = hidden[layer].reshape(-1, hidden[layer].shape[-1]).float()
+            self.feature_shift[row] = x.mean(0).to(self.feature_shift.dtype)
+            self.feature_scale[row] = (1 / x.std(0).clamp(min=1e-3)).to(self.feature_scale.dtype)
+
     # ---------------------------------------------------------------- features
+    def feature_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """H^layer [..., d] as the FCs read it: raw, or standardised per dimension (feature_norm="standard")."""
+        if self.feature_norm == "none":
+            return h
+        row = self._norm_row[layer]
+        return (h - self.feature_shift[row]) * self.feature_scale[row]
+
     def feature(self, k: int, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """g^k from {layer: H^layer [..., d]}: FC_k over concat(H^0, H^{m_k}, H^{b_k}) (k=0: FC_0(H^0))."""
-        parts = [hidden[layer] for layer in self.feature_layers[k]]
+        parts = [self.feature_input(layer, hidden[layer]) for layer in self.feature_layers[k]]
         return self.fc[k](parts[0] if k == 0 else torch.cat(parts, dim=-1))
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor):

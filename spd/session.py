@@ -14,6 +14,7 @@ from spd.errors import UserError
 from spd.module import SpeculationModule
 from spd.prompts import conversation_ids
 from spd.sampling import SamplingParams
+from spd.shipped import checkpoint_for
 from spd.runtime.stages import check_runtime
 from spd.target.loading import LoadedTarget, load_target
 from spd.target.weight_cache import load_parts, materialize
@@ -32,6 +33,7 @@ class Session:
     eos_ids: frozenset[int]
     cache_dir: str | None = None       # runtime=distributed: the target cache the stage processes load from
     balance: dict | None = None        # stage_bounds=balanced: the measured stage times and predicted step
+    checkpoint: str | None = None      # the module directory drafting (a shipped one by default); None = untrained
 
     def drafter(self, use_cache: bool = True) -> ModuleDrafter:
         return ModuleDrafter(self.module, use_cache)
@@ -61,7 +63,8 @@ def open_session(cfg) -> Session:
     """Everything a decoding command needs; `cfg` has passed its schema's checks (spd.config.load_config)."""
     check_device(cfg.device)
     params = sampling_params(cfg)
-    ckpt = read_checkpoint_config(cfg.checkpoint) if cfg.checkpoint else None
+    path = checkpoint_for(cfg.checkpoint, cfg.target, cfg.n, cfg.stage_bounds)
+    ckpt = read_checkpoint_config(path) if path else None
     n = cfg.n if cfg.n is not None else (ckpt["n"] if ckpt else DEFAULT_N)
     runtime = getattr(cfg, "runtime", "local")
     check_runtime(runtime)
@@ -74,11 +77,11 @@ def open_session(cfg) -> Session:
     else:
         loaded = load_target(cfg.target, DTYPES[cfg.dtype], cfg.device)
     if ckpt:
-        check_target(cfg.checkpoint, ckpt, loaded)  # before n and bounds: a foreign checkpoint is the real problem
+        check_target(path, ckpt, loaded)  # before n and bounds: a foreign checkpoint is the real problem
     num_layers = loaded.model.config.num_hidden_layers
     if not 1 <= n <= num_layers:
         raise UserError(f"n={n} stages is impossible for a target with L={num_layers} layers; use 1 <= n <= {num_layers}")
-    bounds, balance = resolve_bounds(cfg, n, ckpt, loaded, cache_dir, runtime)
+    bounds, balance = resolve_bounds(cfg, n, ckpt, path, loaded, cache_dir, runtime)
     try:
         staged = StagedTarget(loaded.model, n, bounds)
     except ValueError as exc:
@@ -86,18 +89,18 @@ def open_session(cfg) -> Session:
     if getattr(cfg, "method", "spd") == "ar":
         module = None  # plain decoding drafts nothing
     elif ckpt:
-        module = load_checkpoint(cfg.checkpoint, staged, loaded)
+        module = load_checkpoint(path, staged, loaded)
     else:
         if cfg.module_layers < 1:
             raise UserError(f"module_layers={cfg.module_layers} must be >= 1")
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             module = SpeculationModule.from_target(staged, cfg.module_layers, seed=cfg.seed)
-    return Session(loaded, staged, module.eval() if module else None, params, eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir,
-                   balance)
+    return Session(loaded, staged, module.eval() if module else None, params,
+                   eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None)
 
 
-def resolve_bounds(cfg, n: int, ckpt: dict | None, loaded: LoadedTarget, cache_dir: str | None,
+def resolve_bounds(cfg, n: int, ckpt: dict | None, path: str | None, loaded: LoadedTarget, cache_dir: str | None,
                    runtime: str) -> tuple[list[int] | None, dict | None]:
     """Explicit bounds, the checkpoint's, the even split (None), or `balanced`: measured here, and then a
     checkpoint trained for other bounds is refused with the bounds it needs."""
@@ -126,7 +129,7 @@ def resolve_bounds(cfg, n: int, ckpt: dict | None, loaded: LoadedTarget, cache_d
         balance = {"stage_bounds": bounds, "stage_s": stages, "predicted_step_s": max(stages), "threads": threads,
                    "even_stage_s": stage_costs(StagedTarget.even_bounds(len(costs["layer_s"]), n), costs)}
         if ckpt and ckpt["stage_bounds"] != bounds:
-            raise UserError(f"checkpoint {cfg.checkpoint!r} was trained for stage_bounds={ckpt['stage_bounds']}, "
+            raise UserError(f"checkpoint {path!r} was trained for stage_bounds={ckpt['stage_bounds']}, "
                             f"but the balanced bounds on this machine are {bounds}; pass "
                             f"stage_bounds={ckpt['stage_bounds'][1:-1]} to use it, or train a module with "
                             f"model.stage_bounds={bounds[1:-1]}")

@@ -43,14 +43,24 @@ def layout_logits(staged, module, tokens, occupancy):
     return module.target_logits(logits[0])
 
 
-@pytest.mark.parametrize("n,use_cache,layers", [(2, True, 1), (3, False, 2), (5, True, 2), (6, True, 1)])
-def test_runtime_logits_equal_training_layout(family_model, n, use_cache, layers):
+@pytest.mark.parametrize("n,use_cache,layers,feature_norm,fc_bias", [
+    (2, True, 1, "none", False), (3, False, 2, "standard", True), (5, True, 2, "none", False),
+    (6, True, 1, "standard", True)])
+def test_runtime_logits_equal_training_layout(family_model, n, use_cache, layers, feature_norm, fc_bias):
     family, model = family_model
     p = prompt(5)
     reference = p + ar_run(model, p, 60).token_ids
     staged = StagedTarget(model, n)
     draft_vocab = torch.arange(0, model.config.vocab_size, 3) if n == 5 else None
-    module = SpeculationModule.from_target(staged, layers, draft_to_target=draft_vocab, seed=n).eval()
+    module = SpeculationModule.from_target(staged, layers, draft_to_target=draft_vocab, seed=n,
+                                           feature_norm=feature_norm, fc_bias=fc_bias).eval()
+    if fc_bias:  # large enough that a path which dropped the biases would differ
+        for fc in module.fc:
+            torch.nn.init.normal_(fc.bias, std=0.5)
+    if feature_norm == "standard":  # statistics far from the identity, so a path that skipped them would differ
+        g = torch.Generator().manual_seed(n)
+        module.feature_shift.copy_(torch.randn(module.feature_shift.shape, generator=g))
+        module.feature_scale.copy_(torch.rand(module.feature_scale.shape, generator=g) * 3 + 0.2)
     drafter = RecordingDrafter(ModuleDrafter(module, use_cache), reference, wrong_every=9)
     out = PipelineDecoder(staged, drafter, GREEDY, frozenset()).generate(p, 40)
     assert out.stats.rollbacks > 0

@@ -53,7 +53,7 @@ class Decoding:
         return {"text": s.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
                 "token_ids": result.token_ids, "prompt_token_ids": prompt_ids, "method": cfg.method,
                 "runtime": cfg.runtime, "n": s.staged.n, "stage_bounds": s.staged.bounds, "balance": s.balance,
-                **stats, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
+                "checkpoint": s.checkpoint, **stats, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
 
 
 @contextmanager

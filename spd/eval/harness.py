@@ -91,7 +91,7 @@ def machine(device: torch.device) -> str:
 
 
 def run_label(session: Session, cfg) -> str:
-    suffix = "" if cfg.checkpoint else ", untrained"
+    suffix = "" if session.checkpoint else ", untrained"
     return f"SPD (n={session.staged.n}, L_s={len(session.module.layers)}{suffix})"
 
 
@@ -136,7 +136,7 @@ def run_eval(cfg, log=print) -> dict:
     summary["speedup"] = speedups(summary, session.staged.n, calibration)
     summary["run"] = {"method": "spd", "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
                       "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": 1,
-                      "max_new_tokens": cfg.max_new_tokens, "checkpoint": cfg.checkpoint,
+                      "max_new_tokens": cfg.max_new_tokens, "checkpoint": session.checkpoint,
                       "target": session.loaded.name, "mode": "fast" if fast else "runtime",
                       "runtime": cfg.runtime, "stage_bounds": session.staged.bounds}
     summary["meta"] = {"config": resolved, "git_commit": git_commit(), "machine": machine(session.staged.device),

@@ -19,6 +19,10 @@ class ModelSection:
     draft_vocab: int = 16384            # 0 = the full vocabulary
     init_fc: str = "random"             # random | select: FC_k starts as a selector of H^{b_k} (FC_0 of H^0)
     init_layers: Optional[List[int]] = None  # copy these target layers into the module's layers (one each)
+    feature_norm: str = "none"          # none | standard: each H^l standardised per dimension before the FCs
+    feature_norm_examples: int = 16     # training conversations whose states set that standardisation
+    fc_bias: bool = False               # a bias in every FC_k (the paper's are bias-free)
+    init_attention: str = "random"      # random | previous: head 0 starts attending to row t-1 (needs fc_bias)
 
     @staticmethod
     def check(m) -> None:
@@ -26,6 +30,12 @@ class ModelSection:
             at_least(m, key, 1)
         at_least(m, "draft_vocab", 0, " (0 = the full vocabulary)")
         one_of(m, "init_fc", ("random", "select"))
+        one_of(m, "feature_norm", ("none", "standard"))
+        one_of(m, "init_attention", ("random", "previous"))
+        if m.init_attention == "previous" and not m.fc_bias:
+            raise UserError("model.init_attention=previous needs model.fc_bias=true (a position needs a constant "
+                            "component to be found by); set both")
+        at_least(m, "feature_norm_examples", 1)
 
 
 @dataclass

@@ -6,11 +6,14 @@ uninterrupted one would.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
+import sys
 import time
 
 import torch
@@ -20,8 +23,9 @@ from tqdm import tqdm
 from spd.checkpoint import save_checkpoint
 from spd.errors import UserError
 from spd.paths import check_writable_dir, is_empty_dir, read_run_config
-from spd.layout import sample_occupancy
+from spd.layout import needed_layers, sample_occupancy
 from spd.module import SpeculationModule
+from spd.module_init import init_previous_token_head
 from spd.target.loading import load_target
 from spd.target.stages import StagedTarget
 from spd.train.data import load_conversations, tokenize_conversations
@@ -172,6 +176,37 @@ def regenerated_conversations(cfg, loaded, convs, log):
     return load_conversations(path, len(convs))
 
 
+@torch.no_grad()
+def feature_samples(staged: StagedTarget, examples: list[dict]) -> dict[int, torch.Tensor]:
+    """{layer: [M, d]} the needed hidden states at every token of `examples` (one unpadded forward each)."""
+    capture = frozenset(needed_layers(staged.bounds))
+    rows: dict[int, list[torch.Tensor]] = {layer: [] for layer in capture}
+    for ex in examples:
+        _, hidden = staged.forward_all(torch.tensor([ex["input_ids"]], device=staged.device), None, capture=capture)
+        for layer in capture:
+            rows[layer].append(hidden[layer][0])
+    return {layer: torch.cat(parts) for layer, parts in rows.items()}
+
+
+def examples_sha256(examples: list[dict]) -> str:
+    """Identity of the training data as the module saw it: every example's token ids and loss mask."""
+    digest = hashlib.sha256()
+    for ex in examples:
+        digest.update(json.dumps([ex["input_ids"], ex["loss_mask"]]).encode())
+    return digest.hexdigest()
+
+
+def gradient_norms(module: SpeculationModule) -> dict[str, float]:
+    """The whole gradient's norm and each part's: which FC_k, the layers and the head actually learn."""
+    def norm(params) -> float:
+        grads = [p.grad for p in params if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    out = {"grad_norm": norm(module.parameters())}
+    out.update({f"grad_norm/fc{k}": norm(fc.parameters()) for k, fc in enumerate(module.fc)})
+    out.update({"grad_norm/layers": norm(module.layers.parameters()), "grad_norm/head": norm(module.head.parameters())})
+    return out
+
+
 def prepare(cfg, log):
     """Target, stages, data splits, draft vocabulary, module (everything but the engine)."""
     loaded = load_target(cfg.model.target, torch.float32, "cuda" if torch.cuda.is_available() else "cpu")
@@ -192,7 +227,10 @@ def prepare(cfg, log):
     draft = None
     if cfg.model.draft_vocab:
         draft = build_draft_vocab(train, cfg.model.draft_vocab, loaded.model.config.vocab_size).to(staged.device)
-    module = SpeculationModule.from_target(staged, cfg.model.module_layers, draft_to_target=draft, seed=cfg.seed)
+    module = SpeculationModule.from_target(staged, cfg.model.module_layers, draft_to_target=draft, seed=cfg.seed,
+                                           feature_norm=cfg.model.feature_norm, fc_bias=cfg.model.fc_bias)
+    if cfg.model.feature_norm == "standard" and not cfg.resume:  # on resume the statistics come with the state
+        module.fit_feature_norm(feature_samples(staged, train[: cfg.model.feature_norm_examples]))
     if cfg.model.init_fc == "select":
         module.init_selectors()
     if cfg.model.init_layers:
@@ -200,6 +238,8 @@ def prepare(cfg, log):
             raise UserError(f"model.init_layers={list(cfg.model.init_layers)} needs {cfg.model.module_layers} "
                             f"target layer indices in 0..{L - 1}")
         module.init_layers_from([staged.layers[i] for i in cfg.model.init_layers])
+    if cfg.model.init_attention == "previous":
+        init_previous_token_head(module)
     return loaded, staged, train, held, held_convs, draft, module
 
 
@@ -262,8 +302,12 @@ def train(cfg) -> dict:
                          config=resolved, resume="allow")
     n = cfg.model.n
     pad = loaded.tokenizer.pad_token_id or 0
-    extra = {"training": {"data": cfg.data.path, "regenerated": cfg.data.regenerate, "steps": cfg.optim.steps,
+    extra = {"training": {"command": shlex.join([os.path.basename(sys.executable), *sys.argv]),
+                          "data_sha256": examples_sha256(train_set),
+                          "data": cfg.data.path, "regenerated": cfg.data.regenerate, "steps": cfg.optim.steps,
                           "init_fc": cfg.model.init_fc, "init_layers": resolved["model"]["init_layers"],
+                          "feature_norm": cfg.model.feature_norm, "fc_bias": cfg.model.fc_bias,
+                          "init_attention": cfg.model.init_attention,
                           "occupancy_weights": weights, "lr": cfg.optim.lr}}
     def save(done: int, tokens_done: int) -> None:
         engine.save_checkpoint(ds_dir, tag=f"step{done}", client_state={"step": done, "tokens_seen": tokens_done})
@@ -298,8 +342,7 @@ def train(cfg) -> dict:
                 loss, top1 = kd_loss(logits, teacher)
                 engine.backward(loss)
                 if engine.is_gradient_accumulation_boundary():
-                    grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters()
-                                                                     if p.grad is not None]))
+                    grad_norms = gradient_norms(module)
                 engine.step()
                 losses.append(float(loss.detach()))
                 agree.append(top1)
@@ -310,7 +353,7 @@ def train(cfg) -> dict:
                 excluded += teacher.excluded
             seconds = time.perf_counter() - t0
             metrics = {"train/loss": sum(losses) / len(losses), "train/top1": float(torch.cat(agree).mean()),
-                       "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                       "lr": scheduler.get_last_lr()[0], **grad_norms,
                        "tokens_per_s": tokens * world / seconds, "train/excluded_positions": excluded,
                        "train/tokens_seen": tokens_seen}
             metrics.update({f"train/top1_a{a}": sum(v) / len(v) for a, v in per_a.items() if v})

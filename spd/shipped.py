@@ -1,0 +1,50 @@
+"""Trained speculation modules that ship inside the package, and which one a decoding run gets by default.
+
+`spd-infer generate` / `chat` / `eval` on the default target with no `checkpoint=` draft with the shipped module
+whose n and stage bounds match the run (so a first command shows real acceptance); `checkpoint=random` asks for
+an untrained module, any other value is a checkpoint directory. Torch-free: resolving happens before loading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from spd.target.source import DEFAULT_TARGET
+
+SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "assets", "modules")
+RANDOM = "random"   # checkpoint=random: an untrained module
+
+
+def shipped_modules() -> list[dict]:
+    """config.json of every shipped module, with its directory under "path"."""
+    out = []
+    if not os.path.isdir(SHIPPED_DIR):
+        return out
+    for name in sorted(os.listdir(SHIPPED_DIR)):
+        config = os.path.join(SHIPPED_DIR, name, "config.json")
+        if os.path.isfile(config):
+            with open(config) as f:
+                out.append({**json.load(f), "path": os.path.join(SHIPPED_DIR, name)})
+    return out
+
+
+def checkpoint_for(checkpoint: str | None, target: str, n: int | None, stage_bounds) -> str | None:
+    """The module directory a run drafts with, or None for an untrained module.
+
+    The default applies to the default target only, and only where a shipped module was trained for the
+    requested n (any, if n is not given) and stage bounds (the module's own, if none are given)."""
+    if checkpoint == RANDOM:
+        return None
+    if checkpoint is not None:
+        return checkpoint
+    if target != DEFAULT_TARGET:
+        return None
+    for module in shipped_modules():
+        inner = module["stage_bounds"][1:-1]
+        if n is not None and n != module["n"]:
+            continue
+        if stage_bounds is not None and (isinstance(stage_bounds, str) or list(stage_bounds) != inner):
+            continue
+        return module["path"]
+    return None

@@ -1,0 +1,98 @@
+"""The trained modules inside the package: which one a run gets, and that each loads on the default target
+and decodes losslessly."""
+
+import pytest
+import torch
+
+from spd.ar import ar_generate
+from spd.checkpoint import load_checkpoint, read_checkpoint_config
+from spd.decoding import eos_ids_of
+from spd.drafters.spd_module import ModuleDrafter
+from spd.prompts import chat_prompt_ids
+from spd.runtime.pipeline import PipelineDecoder
+from spd.sampling import SamplingParams
+from spd.shipped import RANDOM, checkpoint_for, shipped_modules
+from spd.target.stages import StagedTarget
+
+SHIPPED = shipped_modules()
+
+
+def test_a_module_ships_for_the_default_target_at_n5():
+    assert any(m["n"] == 5 and m["target"]["name"] == "SmolLM2-135M-Instruct" for m in SHIPPED), SHIPPED
+    for m in SHIPPED:  # each records how it was made and what it measured
+        assert {"command", "data_sha256", "train_tokens", "measured"} <= set(m["provenance"]), m["path"]
+
+
+def test_which_module_a_run_gets():
+    n5 = next(m for m in SHIPPED if m["n"] == 5)
+    inner = n5["stage_bounds"][1:-1]
+    assert checkpoint_for(None, "smollm2", None, None) in {m["path"] for m in SHIPPED}
+    assert checkpoint_for(None, "smollm2", 5, None) == n5["path"]
+    assert checkpoint_for(None, "smollm2", 5, inner) == n5["path"]
+    assert checkpoint_for(RANDOM, "smollm2", 5, None) is None              # untrained on request
+    assert checkpoint_for("some/dir", "smollm2", 5, None) == "some/dir"    # an explicit one always wins
+    assert checkpoint_for(None, "tiny-llama", 5, None) is None             # only for the target it was trained on
+    assert checkpoint_for(None, "smollm2", 29, None) is None               # no module for that n
+    assert checkpoint_for(None, "smollm2", 5, "balanced") is None          # bounds measured here: no default
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", SHIPPED, ids=lambda m: m["path"].rsplit("/", 1)[-1])
+def test_shipped_module_loads_on_the_default_target_and_is_lossless(module):
+    from spd.target.loading import load_target
+
+    loaded = load_target("smollm2")
+    cfg = read_checkpoint_config(module["path"])
+    assert cfg["target"]["fingerprint"] == loaded.fingerprint
+    staged = StagedTarget(loaded.model, cfg["n"], cfg["stage_bounds"])
+    drafter_module = load_checkpoint(module["path"], staged, loaded).eval()
+    assert drafter_module.head.weight.dtype == torch.float32     # stored in float16, widened on load
+    ids = chat_prompt_ids(loaded.tokenizer, "Tom has 3 boxes of 12 pencils and gives away 7. How many are left?")
+    eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
+    reference = ar_generate(StagedTarget(loaded.model, 1), ids, 48, SamplingParams(), eos)
+    out = PipelineDecoder(staged, ModuleDrafter(drafter_module), SamplingParams(), eos).generate(ids, 48)
+    assert out.token_ids == reference.token_ids
+    assert out.stats.eal > 1.1, out.stats    # a trained module: drafts get accepted
+
+
+def test_ship_script_halves_the_weights_and_records_provenance(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    import spd.shipped
+    from spd.checkpoint import save_checkpoint
+    from spd.module import SpeculationModule
+    from spd.target.loading import load_target
+
+    loaded = load_target("tiny-llama")
+    staged = StagedTarget(loaded.model, 3)
+    module = SpeculationModule.from_target(staged, 1, draft_to_target=torch.arange(0, 128, 2),
+                                           feature_norm="standard").eval()
+    module.feature_shift.normal_()
+    save_checkpoint(module, loaded, str(tmp_path / "ckpt"),
+                    {"step": 7, "train_tokens": 1234, "training": {"command": "python train/run.py x=1",
+                                                                  "data_sha256": "ab" * 32}})
+    (tmp_path / "acc.json").write_text(json.dumps({"eal_pooled": 1.5, "eal_per_dataset": {"gsm8k": 1.5},
+                                                   "limit": 20, "max_new_tokens": 128}))
+    monkeypatch.setattr(spd.shipped, "SHIPPED_DIR", str(tmp_path / "modules"))
+    spec = importlib.util.spec_from_file_location("ship", os.path.join(os.path.dirname(__file__), "..", "train",
+                                                                       "ship.py"))
+    ship = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ship)
+    assert ship.main([str(tmp_path / "ckpt"), "tiny-n3", "--measured", str(tmp_path / "acc.json"),
+                      "--measured-command", "python bench/acceptance.py ..."]) == 0
+    dest = tmp_path / "modules" / "tiny-n3"
+    state = load_file(str(dest / "model.safetensors"))
+    assert state["head.weight"].dtype == torch.float16 and state["draft_to_target"].dtype == torch.int64
+    assert state["feature_shift"].dtype == torch.float32
+    (shipped,) = spd.shipped.shipped_modules()
+    assert shipped["provenance"]["train_tokens"] == 1234 and shipped["provenance"]["measured"]["eal_pooled"] == 1.5
+    assert shipped["provenance"]["command"] == "python train/run.py x=1"
+    again = load_checkpoint(str(dest), staged, loaded)
+    hidden = {l: torch.randn(1, 6, loaded.model.config.hidden_size) for l in range(loaded.model.config.num_hidden_layers + 1)}
+    with torch.no_grad():
+        torch.testing.assert_close(again(hidden, torch.tensor([2])), module(hidden, torch.tensor([2])),
+                                   atol=2e-2, rtol=2e-2)

@@ -1,0 +1,74 @@
+"""Copy a trained checkpoint into the package as a shipped module (float16 weights, provenance in config.json).
+
+    python train/ship.py outputs/smollm2_n5_best/checkpoint smollm2-n5 --measured bench/results/acceptance_best.json
+
+Weight matrices are stored in float16 (half the bytes; load_checkpoint widens them to the run's dtype); the
+draft-vocabulary map stays int64 and the feature standardisation float32. config.json gains "provenance": the
+training command, the hash of the training data, the training tokens, and what --measured (a bench/acceptance.py
+or `spd-infer eval` summary JSON) says of its L'acc, with the command that measured it.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+FLOAT16_KEYS_SKIP = ("draft_to_target", "feature_shift", "feature_scale")
+
+
+def measured_of(path: str, command: str) -> dict:
+    with open(path) as f:
+        data = json.load(f)
+    if "eal_pooled" in data:   # bench/acceptance.py
+        keep = ("eal_pooled", "eal_per_dataset", "limit", "max_new_tokens")
+        return {"source": path, "command": command, **{k: data[k] for k in keep}}
+    if "run" in data:          # spd-infer eval summary.json
+        return {"source": path, "command": command, "eal": data.get("eal"), "per_dataset": data.get("per_dataset"),
+                "max_new_tokens": data["run"]["max_new_tokens"], "temperature": data["run"]["temperature"]}
+    raise SystemExit(f"ship.py: error: {path} is neither a bench/acceptance.py result nor an eval summary.json")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="train/ship.py")
+    ap.add_argument("checkpoint")
+    ap.add_argument("name", help="directory name under spd/assets/modules/")
+    ap.add_argument("--measured", required=True, help="JSON of the module's measured L'acc")
+    ap.add_argument("--measured-command", required=True, help="the command that wrote --measured")
+    args = ap.parse_args(argv)
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from spd.shipped import SHIPPED_DIR
+
+    with open(os.path.join(args.checkpoint, "config.json")) as f:
+        config = json.load(f)
+    training = config.get("training") or {}
+    state = load_file(os.path.join(args.checkpoint, "model.safetensors"))
+    small = {k: (v if k in FLOAT16_KEYS_SKIP or not v.is_floating_point() else v.to(torch.float16)).contiguous()
+             for k, v in state.items()}
+    config["provenance"] = {"command": training.get("command"), "data_sha256": training.get("data_sha256"),
+                            "train_tokens": config.get("train_tokens"), "steps": config.get("step"),
+                            "measured": measured_of(args.measured, args.measured_command)}
+    os.makedirs(SHIPPED_DIR, exist_ok=True)
+    dest = os.path.join(SHIPPED_DIR, args.name)
+    tmp = tempfile.mkdtemp(prefix=".tmp-ship-", dir=SHIPPED_DIR)
+    try:
+        save_file(small, os.path.join(tmp, "model.safetensors"), metadata={"format": config["format"]})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        if os.path.isdir(dest):
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = os.path.getsize(os.path.join(dest, "model.safetensors"))
+    print(f"shipped {args.checkpoint} -> {dest} ({size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
