@@ -86,7 +86,9 @@ VALUES = {
               ("optim.lr=nan", "not a finite"), ("seed=99999999999999999999", "out of range"),
               ("p_full=1.5", "p_full=1.5"), ("optim.betas=[0.9]", "optim.betas"), ("deepspeed.zero_stage=7", "zero_stage"),
               ("resume=true overwrite=true", "contradict"), ("model.init_fc=magic", "init_fc"),
-              ("teacher_cache_dtype=int4", "teacher_cache_dtype")],
+              ("teacher_cache_dtype=int4", "teacher_cache_dtype"), ("model.feature_norm=layer", "feature_norm"),
+              ("model.init_attention=previous", "needs model.fc_bias=true"),
+              ("model.init_attention=sideways", "init_attention")],
 }
 
 

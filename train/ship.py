@@ -25,8 +25,10 @@ def measured_of(path: str, command: str) -> dict:
         keep = ("eal_pooled", "eal_per_dataset", "limit", "max_new_tokens")
         return {"source": path, "command": command, **{k: data[k] for k in keep}}
     if "run" in data:          # spd-infer eval summary.json
-        return {"source": path, "command": command, "eal": data.get("eal"), "per_dataset": data.get("per_dataset"),
-                "max_new_tokens": data["run"]["max_new_tokens"], "temperature": data["run"]["temperature"]}
+        return {"source": path, "command": command, "eal_pooled": data["overall"]["eal_pooled"],
+                "eal_per_dataset": {name: ds["eal_pooled"] for name, ds in data["datasets"].items()},
+                "samples": data["overall"]["samples"], "max_new_tokens": data["run"]["max_new_tokens"],
+                "temperature": data["run"]["temperature"]}
     raise SystemExit(f"ship.py: error: {path} is neither a bench/acceptance.py result nor an eval summary.json")
 
 
@@ -59,6 +61,9 @@ def main(argv=None) -> int:
         save_file(small, os.path.join(tmp, "model.safetensors"), metadata={"format": config["format"]})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
+        os.chmod(tmp, 0o755)   # mkdtemp's 0700 would hide the module from other users of an installed copy
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o644)
         if os.path.isdir(dest):
             shutil.rmtree(dest)
         os.replace(tmp, dest)
