@@ -7,9 +7,9 @@ an untrained module, any other value is a checkpoint directory. Torch-free: reso
 
 from __future__ import annotations
 
-import json
 import os
 
+from spd.paths import read_run_config
 from spd.target.source import DEFAULT_TARGET
 
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "assets", "modules")
@@ -24,8 +24,8 @@ def shipped_modules() -> list[dict]:
     for name in sorted(os.listdir(SHIPPED_DIR)):
         config = os.path.join(SHIPPED_DIR, name, "config.json")
         if os.path.isfile(config):
-            with open(config) as f:
-                out.append({**json.load(f), "path": os.path.join(SHIPPED_DIR, name)})
+            fix = "reinstall the package, or pass checkpoint=random"
+            out.append({**read_run_config(config, fix), "path": os.path.join(SHIPPED_DIR, name)})
     return out
 
 
