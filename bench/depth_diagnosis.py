@@ -53,7 +53,7 @@ def acceptance_per_occupancy(module, traces: list[GreedyTrace], variant: str, se
     hits, total = torch.zeros(n), 0
     g = torch.Generator().manual_seed(seed)
     for trace in traces:
-        feats = [module.feature(k, trace.hidden) for k in range(n + 1)]
+        feats = module.features(trace.hidden)
         width = feats[0].shape[1]
         valid = torch.ones(n, width, dtype=torch.bool)
         if variant == "deep_shuffled":
@@ -62,7 +62,7 @@ def acceptance_per_occupancy(module, traces: list[GreedyTrace], variant: str, se
             feats[n] = torch.zeros_like(feats[n])
         elif variant == "no_memory":
             valid[:] = False   # every key but the query's own row is masked
-        logits = module.forward_layout([f.expand(n, -1, -1) for f in feats], torch.arange(1, n + 1), valid)
+        logits = module.forward_layout({k: f.expand(n, -1, -1) for k, f in feats.items()}, torch.arange(1, n + 1), valid)
         drafts = logits.argmax(-1)
         if module.draft_to_target is not None:
             drafts = module.draft_to_target[drafts]
@@ -110,7 +110,7 @@ def fused_input_shares(module, traces: list[GreedyTrace]) -> dict[int, dict]:
     """For each FC_k (k >= 1): RMS of W_k[:, part] @ input_part for the parts H^0, H^{m_k}, H^{b_k}."""
     out = {}
     for k in range(1, module.n + 1):
-        weight = module.fc[k].weight.float()
+        weight = module.fc[str(k)].weight.float()
         d = weight.shape[0]
         parts = {}
         for j, layer in enumerate(module.feature_layers[k]):
@@ -129,7 +129,7 @@ def query_share(module, traces: list[GreedyTrace]) -> dict[str, float]:
     hook = module.norm.register_forward_hook(lambda mod, args, out: captured.update(h=args[0]))
     try:
         for trace in traces:
-            feats = [module.feature(k, trace.hidden) for k in range(module.n + 1)]
+            feats = module.features(trace.hidden)
             module.forward_layout(feats, torch.tensor([1]))
             g0, h = feats[0][0].float(), captured["h"][0].float()
             ratios.append(g0.pow(2).mean(-1).sqrt() / h.pow(2).mean(-1).sqrt())
@@ -179,7 +179,7 @@ def fc_gradient_norms(module, traces: list[GreedyTrace], occupancy: int) -> dict
     module.zero_grad()
     n = module.n
     for trace in traces:
-        feats = [module.feature(k, trace.hidden) for k in range(n + 1)]
+        feats = module.features(trace.hidden)
         logits = module.forward_layout(feats, torch.tensor([occupancy]))[0]
         t, want = drafted_positions(trace)
         if module.draft_to_target is not None:
@@ -187,7 +187,7 @@ def fc_gradient_norms(module, traces: list[GreedyTrace], occupancy: int) -> dict
             index[module.draft_to_target] = torch.arange(module.draft_to_target.numel())
             want = index[want]
         F.cross_entropy(logits[t].float(), want, ignore_index=-100, reduction="sum").backward()
-    norms = {f"fc{k}": float(fc.weight.grad.norm()) for k, fc in enumerate(module.fc)}
+    norms = {f"fc{k}": float(fc.weight.grad.norm()) for k, fc in module.fc.items()}
     module.zero_grad()
     return norms
 

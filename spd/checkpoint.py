@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from spd.errors import UserError
+from spd.layout import PLANS
 from spd.module import SpeculationModule
 from spd.target.loading import LoadedTarget
 from spd.target.stages import StagedTarget
@@ -35,7 +36,10 @@ def checkpoint_config(module: SpeculationModule, target: LoadedTarget, extra: di
                    "num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
         "n": module.n,
         "stage_bounds": module.bounds,
-        "feature_layers": [list(layers) for layers in module.feature_layers],
+        "method": module.plan.method,
+        # indexed by depth k; null where the method reads no feature of that depth
+        "feature_layers": [list(module.feature_layers[k]) if k in module.feature_layers else None
+                           for k in range(module.n + 1)],
         "module_layers": len(module.layers),
         "draft_vocab_size": None if module.draft_to_target is None else int(module.draft_to_target.numel()),
         "feature_norm": module.feature_norm,
@@ -87,6 +91,15 @@ def read_checkpoint_config(path: str) -> dict:
     return cfg
 
 
+def checkpoint_method(path: str, cfg: dict) -> str:
+    """The pipelined drafter a checkpoint was trained as (files written before methods existed are SPD's)."""
+    method = cfg.get("method", "spd")
+    if method not in PLANS:
+        raise UserError(f"{os.path.join(path, CONFIG_FILE)} names method {method!r}, which this version cannot "
+                        f"decode ({', '.join(PLANS)}); upgrade spd or re-train the module")
+    return method
+
+
 def check_target(path: str, cfg: dict, target: LoadedTarget) -> None:
     """A checkpoint runs only on the target it was trained for (checked before anything about n or bounds)."""
     ident = cfg["target"]
@@ -112,7 +125,7 @@ def load_checkpoint(path: str, staged: StagedTarget, target: LoadedTarget) -> Sp
     draft_map = state.get("draft_to_target")
     module = SpeculationModule.from_target(staged, cfg["module_layers"], draft_to_target=draft_map,
                                            feature_norm=cfg.get("feature_norm", "none"),
-                                           fc_bias=cfg.get("fc_bias", False))
+                                           fc_bias=cfg.get("fc_bias", False), method=checkpoint_method(path, cfg))
     try:
         module.load_state_dict(state, strict=True)
     except RuntimeError as exc:

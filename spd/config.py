@@ -39,7 +39,8 @@ class GenerateConfig:
     prompt: Optional[str] = None         # taken verbatim; or prompt_file=, a positional argument, standard input
     prompt_file: Optional[str] = None    # a UTF-8 text file whose whole content is the prompt
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
-    method: str = "spd"                  # spd | ar (plain autoregressive through the same stage runner)
+    method: Optional[str] = None         # spd | ppsd | spd_output_state | ar (plain autoregressive through the
+                                         # same stage runner); None = the checkpoint's drafter (spd without one)
     n: Optional[int] = None              # pipeline stages; None = the checkpoint's n, else 5
     stage_bounds: Any = None             # explicit inner boundaries b_1..b_{n-1}, or "balanced" (by measured cost)
     module_layers: int = 1               # L_s of a randomly initialised module
@@ -60,7 +61,6 @@ class GenerateConfig:
 
     @staticmethod
     def check(cfg) -> None:
-        one_of(cfg, "method", ("spd", "ar"))
         check_decoding(cfg)
 
 
@@ -97,6 +97,7 @@ OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DECODING_METHODS = ("spd", "ppsd", "spd_output_state", "ar")
 RUNTIMES = ("local", "distributed")
 DEVICE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
 
@@ -122,6 +123,8 @@ def at_least(cfg, key: str, low: float, what: str = "") -> None:
 
 def check_decoding(cfg) -> None:
     """The keys every decoding command shares (generate, chat, eval): what can be refused before any model loads."""
+    if cfg.method is not None:
+        one_of(cfg, "method", DECODING_METHODS)
     one_of(cfg, "dtype", DTYPE_NAMES)
     one_of(cfg, "runtime", RUNTIMES)
     if not DEVICE.match(cfg.device):

@@ -62,8 +62,8 @@ def record_greedy_trace(staged: StagedTarget, prompt_ids: list[int], max_new_tok
 def module_drafts(module: SpeculationModule, trace: GreedyTrace) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft token ids [n, T] and the module's top-2 margins [n, T] for every (occupancy a = row + 1, position t)."""
     n = module.n
-    feats = [module.feature(k, trace.hidden) for k in range(n + 1)]
-    logits = module.forward_layout([f.expand(n, -1, -1) for f in feats], torch.arange(1, n + 1))  # [n, T, V']
+    feats = {k: f.expand(n, -1, -1) for k, f in module.features(trace.hidden).items()}
+    logits = module.forward_layout(feats, torch.arange(1, n + 1))  # [n, T, V']
     logits = logits.float()
     top2 = torch.topk(logits, 2, dim=-1)
     drafts = top2.indices[..., 0]

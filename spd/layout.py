@@ -9,17 +9,21 @@ occupancy counting that token (1 <= a <= n).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
-def depth(t: int, i: int, a: int, n: int) -> int:
-    """Depth of the feature position i contributes when the step for position t begins with occupancy a."""
+def depth(t: int, i: int, a: int, n: int, shift: int = 0) -> int:
+    """Depth of the feature position i contributes when the step for position t begins with occupancy a.
+
+    shift=1 reads the step's *outputs* instead (the output-state ablation): every in-flight token one stage deeper."""
     if i > t:
         raise ValueError(f"position {i} is in the future of step position {t}")
-    return t - i if t - i < a else n
+    return min(n, t - i + shift) if t - i < a else n
 
 
-def depth_grid(n_pos: int, occupancy: torch.Tensor, n: int) -> torch.Tensor:
+def depth_grid(n_pos: int, occupancy: torch.Tensor, n: int, shift: int = 0) -> torch.Tensor:
     """k(t, i, a) for every (query t, key i) at once, -1 where i > t. Vectorised twin of `depth`, tested against it.
 
     occupancy: [B] ints in 1..n.  Returns [B, n_pos, n_pos] long (query t on dim 1, key i on dim 2).
@@ -28,7 +32,7 @@ def depth_grid(n_pos: int, occupancy: torch.Tensor, n: int) -> torch.Tensor:
     i = torch.arange(n_pos, device=occupancy.device).view(1, 1, n_pos)
     lag = (t - i).expand(occupancy.shape[0], n_pos, n_pos)  # [B, N, N]
     a = occupancy.view(-1, 1, 1)
-    grid = torch.where(lag < a, lag, torch.full_like(lag, n))
+    grid = torch.where(lag < a, (lag + shift).clamp(max=n), torch.full_like(lag, n))
     return torch.where(lag < 0, torch.full_like(grid, -1), grid)
 
 
@@ -86,3 +90,69 @@ def sample_occupancy(batch: int, n: int, generator: torch.Generator | None = Non
         return torch.ones(batch, dtype=torch.long)
     partial = torch.randint(1, n, (batch,), generator=generator)
     return torch.where(full, torch.full_like(partial, n), partial)
+
+
+# ---------------------------------------------------------------- pipelined drafters
+@dataclass(frozen=True)
+class FeaturePlan:
+    """What a pipelined drafter reads and when it runs: SPD (input states, concurrent with the step), its
+    output-state ablation (paper Table 2) and PPSD. The module, the trainer's mask, the runtime's row builder and
+    the fast evaluator all take depths from here."""
+
+    method: str
+    shift: int             # an in-flight token j positions behind the newest has depth j + shift (capped at n)
+    single: int | None     # every position reads this one depth instead (PPSD: 1, the stage-1 output)
+    after_step: bool       # the drafter runs after the step, on what it produced: its time adds to every step
+
+    def depth(self, t: int, i: int, a: int, n: int) -> int:
+        if self.single is not None:
+            if i > t:
+                raise ValueError(f"position {i} is in the future of step position {t}")
+            return self.single
+        return depth(t, i, a, n, self.shift)
+
+    def depth_grid(self, n_pos: int, occupancy: torch.Tensor, n: int) -> torch.Tensor:
+        grid = depth_grid(n_pos, occupancy, n, self.shift)
+        return grid if self.single is None else torch.where(grid < 0, grid, torch.full_like(grid, self.single))
+
+    def query_depth(self) -> int:
+        """Depth of the newest token's row (the query)."""
+        return self.shift if self.single is None else self.single
+
+    def memory_depth(self, n: int) -> int:
+        """Depth of every position that has left the pipeline (the rows a drafter may cache)."""
+        return n if self.single is None else self.single
+
+    def lag_depths(self, n: int) -> dict[int, int]:
+        """{lag j: depth} of the in-flight rows whose depth differs from the memory depth (when j < a)."""
+        if self.single is not None:
+            return {}
+        return {j: j + self.shift for j in range(1, n) if j + self.shift < n}
+
+    def depths(self, n: int) -> list[int]:
+        """Every depth this plan reads, hence one FC each."""
+        return [self.single] if self.single is not None else list(range(self.shift, n + 1))
+
+    def feature_layers(self, bounds: list[int]) -> dict[int, tuple[int, ...]]:
+        """{depth k: the layers g^k reads}. PPSD reads the stage-1 output H^{b_1} alone."""
+        if self.single is not None:
+            return {self.single: (bounds[self.single],)}
+        every = feature_layers(bounds)
+        return {k: every[k] for k in self.depths(len(bounds) - 1)}
+
+    def needed_layers(self, bounds: list[int]) -> list[int]:
+        return sorted({layer for layers in self.feature_layers(bounds).values() for layer in layers})
+
+
+PLANS = {
+    "spd": FeaturePlan("spd", shift=0, single=None, after_step=False),
+    "spd_output_state": FeaturePlan("spd_output_state", shift=1, single=None, after_step=True),
+    "ppsd": FeaturePlan("ppsd", shift=0, single=1, after_step=True),
+}
+PIPELINED_METHODS = tuple(PLANS)
+
+
+def plan_for(method: str) -> FeaturePlan:
+    if method not in PLANS:
+        raise ValueError(f"method {method!r} is not a pipelined drafter; choose from {', '.join(PLANS)}")
+    return PLANS[method]

@@ -1,7 +1,8 @@
 """The speculation module (design §1): one FC per depth, L_s decoder layers of the target's family, norm, head.
 
 `forward_layout` is the training pass over the (n+1)-block layout; `forward_step` is one decoding step for the
-newest position. Both run the same `layer_forward`, and both read depths from `spd.layout`.
+newest position. Both run the same `layer_forward`, and both read depths from `spd.layout`. The same module
+serves every pipelined drafter; its `plan` (SPD, the output-state ablation, PPSD) says which depths it reads.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from spd.attention import layer_forward, memory_kv
-from spd.layout import depth_grid, feature_layers, needed_layers
+from spd.layout import plan_for
 from spd.target.stages import StagedTarget
 
 
@@ -23,13 +24,15 @@ FEATURE_NORMS = ("none", "standard")
 
 class SpeculationModule(nn.Module):
     def __init__(self, target_config, bounds: list[int], num_layers: int, layer_cls, rotary_cls, norm_cls,
-                 draft_to_target: torch.Tensor | None = None, feature_norm: str = "none", fc_bias: bool = False):
+                 draft_to_target: torch.Tensor | None = None, feature_norm: str = "none", fc_bias: bool = False,
+                 method: str = "spd"):
         super().__init__()
         if feature_norm not in FEATURE_NORMS:
             raise ValueError(f"feature_norm={feature_norm!r} is not one of {FEATURE_NORMS}")
         self.bounds = list(bounds)
         self.n = len(bounds) - 1
-        self.feature_layers = feature_layers(self.bounds)
+        self.plan = plan_for(method)
+        self.feature_layers = self.plan.feature_layers(self.bounds)   # {depth k: layers g^k reads}
         d = target_config.hidden_size
         self.feature_norm = feature_norm
         if feature_norm == "standard":
@@ -37,7 +40,7 @@ class SpeculationModule(nn.Module):
             # The target's residual stream carries a few "massive" dimensions (SmolLM2: 3 of 576 hold about half
             # the squared norm from layer 2 on) and grows ~250x in RMS from H^0 to H^L, so unscaled the FCs see
             # little but those dimensions and the deepest state.
-            self._norm_row = {layer: row for row, layer in enumerate(needed_layers(self.bounds))}
+            self._norm_row = {layer: row for row, layer in enumerate(self.plan.needed_layers(self.bounds))}
             self.register_buffer("feature_shift", torch.zeros(len(self._norm_row), d))
             self.register_buffer("feature_scale", torch.ones(len(self._norm_row), d))
         cfg = copy.deepcopy(target_config)
@@ -49,9 +52,9 @@ class SpeculationModule(nn.Module):
         # attention has no content-free direction with which RoPE could single out a position (e.g. t-1); a bias
         # per FC_k supplies one (and marks each row's depth).
         self.fc_bias = fc_bias
-        self.fc = nn.ModuleList(
-            [nn.Linear(d, d, bias=fc_bias)] + [nn.Linear(3 * d, d, bias=fc_bias) for _ in range(self.n)]
-        )
+        # keyed by depth ("0".."n" for SPD): the state-dict names are fc.<k>.weight whatever the plan
+        self.fc = nn.ModuleDict({str(k): nn.Linear(len(layers) * d, d, bias=fc_bias)
+                                 for k, layers in self.feature_layers.items()})
         self.layers = nn.ModuleList([layer_cls(cfg, layer_idx=i) for i in range(num_layers)])
         self.rotary = rotary_cls(cfg)
         self._rope_takes_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
@@ -66,7 +69,8 @@ class SpeculationModule(nn.Module):
 
     @classmethod
     def from_target(cls, target: StagedTarget, num_layers: int = 1, draft_to_target: torch.Tensor | None = None,
-                    seed: int = 0, feature_norm: str = "none", fc_bias: bool = False) -> "SpeculationModule":
+                    seed: int = 0, feature_norm: str = "none", fc_bias: bool = False,
+                    method: str = "spd") -> "SpeculationModule":
         """Random layers and FCs; head and final norm copied from the target (head rows of the draft vocabulary)."""
         if num_layers > target.num_layers / target.n:
             warnings.warn(
@@ -76,7 +80,7 @@ class SpeculationModule(nn.Module):
             torch.manual_seed(seed)
             layer0 = target.layers[0]
             module = cls(target.config, target.bounds, num_layers, type(layer0), type(target.decoder.rotary_emb),
-                         type(target.decoder.norm), draft_to_target, feature_norm, fc_bias)
+                         type(target.decoder.norm), draft_to_target, feature_norm, fc_bias, method)
         head = target.model.lm_head.weight.detach()
         rows = head if draft_to_target is None else head[draft_to_target.long()]
         module.head.weight.data.copy_(rows)
@@ -87,13 +91,10 @@ class SpeculationModule(nn.Module):
     def init_selectors(self) -> None:
         """FC_0 = identity on H^0 and FC_k = picks H^{b_k} out of (H^0, H^{m_k}, H^{b_k}): g^k starts as the
         deepest available hidden state instead of noise."""
-        d = self.fc[0].weight.shape[0]
-        eye = torch.eye(d, dtype=self.fc[0].weight.dtype, device=self.fc[0].weight.device)
-        self.fc[0].weight.copy_(eye)
-        for fc in self.fc[1:]:
+        for fc in self.fc.values():
+            d = fc.weight.shape[0]
             fc.weight.zero_()
-            fc.weight[:, 2 * d:].copy_(eye)
-        for fc in self.fc:
+            fc.weight[:, -d:].copy_(torch.eye(d, dtype=fc.weight.dtype, device=fc.weight.device))
             if fc.bias is not None:
                 fc.bias.zero_()
 
@@ -124,7 +125,7 @@ class SpeculationModule(nn.Module):
     def feature(self, k: int, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """g^k from {layer: H^layer [..., d]}: FC_k over concat(H^0, H^{m_k}, H^{b_k}) (k=0: FC_0(H^0))."""
         parts = [self.feature_input(layer, hidden[layer]) for layer in self.feature_layers[k]]
-        return self.fc[k](parts[0] if k == 0 else torch.cat(parts, dim=-1))
+        return self.fc[str(k)](parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor):
         """cos, sin [B, S, hd] for positions [B, S]."""
@@ -142,36 +143,40 @@ class SpeculationModule(nn.Module):
     # ---------------------------------------------------------------- training layout
     def forward_layout(
         self,
-        feats: list[torch.Tensor],    # n+1 blocks [B, N, d]: feats[k] = g^k at every position
+        feats: dict[int, torch.Tensor],  # {depth k: g^k at every position [B, N, d]} for k in plan.depths(n)
         occupancy: torch.Tensor,      # [B] in 1..n, simulated per sequence
         valid: torch.Tensor | None = None,  # [B, N] bool, False on padding
     ) -> torch.Tensor:
-        """Logits [B, N, V_draft] of the g^0 query block; query t sees exactly the G_t of a decoding step."""
-        b, n_pos, _ = feats[0].shape
-        n = self.n
+        """Logits [B, N, V_draft] of the query block; query t sees exactly the G_t of a decoding step."""
+        plan, n = self.plan, self.n
+        query = feats[plan.query_depth()]
+        b, n_pos, _ = query.shape
         if valid is None:
-            valid = torch.ones(b, n_pos, dtype=torch.bool, device=feats[0].device)
-        grid = depth_grid(n_pos, occupancy.to(valid.device), n)          # [B, N, N]
-        shared_mask = (grid == n) & valid[:, None, :]                      # depth-n block
-        positions = torch.arange(n_pos, device=valid.device).expand(b, n_pos)
-        cos, sin = self.rope(positions, feats[0])
-        # Staircase: query t sees block j only at key t-j, iff the rule gives that key depth j.
-        lags = range(1, n)
+            valid = torch.ones(b, n_pos, dtype=torch.bool, device=query.device)
+        grid = plan.depth_grid(n_pos, occupancy.to(valid.device), n)    # [B, N, N]
         idx = torch.arange(n_pos, device=valid.device)
-        stair_mask = []
-        for j in lags:
-            key = (idx - j).clamp(min=0)
-            ok = (idx >= j).view(1, -1) & (grid[:, idx, key] == j) & valid[:, key]
-            stair_mask.append(ok)
-        stair_mask = torch.stack(stair_mask, dim=-1) if n > 1 else None   # [B, N, n-1]
-        hidden = feats[0]
+        earlier = idx.view(-1, 1) > idx.view(1, -1)                        # [N, N] key strictly before query
+        memory = plan.memory_depth(n)
+        shared_mask = (grid == memory) & earlier & valid[:, None, :]       # the memory-depth block
+        positions = idx.expand(b, n_pos)
+        cos, sin = self.rope(positions, query)
+        # Staircase: query t sees block k only at key t-j, iff the rule gives that key depth k (in flight).
+        stairs = plan.lag_depths(n)                                        # {lag j: depth k}
+        stair_mask = None
+        if stairs:
+            masks = []
+            for j, k in stairs.items():
+                key = (idx - j).clamp(min=0)
+                masks.append((idx >= j).view(1, -1) & (grid[:, idx, key] == k) & valid[:, key])
+            stair_mask = torch.stack(masks, dim=-1)                        # [B, N, len(stairs)]
+        hidden = query
         for layer in self.layers:
-            shared_k, shared_v = memory_kv(layer, feats[n], cos, sin)
+            shared_k, shared_v = memory_kv(layer, feats[memory], cos, sin)
             extra_k = extra_v = None
-            if n > 1:
+            if stairs:
                 ks, vs = [], []
-                for j in lags:
-                    k_j, v_j = memory_kv(layer, feats[j], cos, sin)     # [B, H_kv, N, hd]
+                for j, k in stairs.items():
+                    k_j, v_j = memory_kv(layer, feats[k], cos, sin)     # [B, H_kv, N, hd]
                     key = (idx - j).clamp(min=0)
                     ks.append(k_j[:, :, key])
                     vs.append(v_j[:, :, key])
@@ -180,12 +185,15 @@ class SpeculationModule(nn.Module):
                                    extra_k, extra_v, stair_mask)
         return self.head(self.norm(hidden))
 
+    def features(self, hidden: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Every feature block the plan reads, {k: g^k [B, N, d]}, from teacher states {l: H^l [B, N, d]}."""
+        return {k: self.feature(k, hidden) for k in self.plan.depths(self.n)}
+
     def forward(self, hidden: dict[int, torch.Tensor], occupancy: torch.Tensor,
                 valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Training entry (what DeepSpeed's engine calls): teacher hidden states {l: H^l [B, N, d]} -> all n+1
+        """Training entry (what DeepSpeed's engine calls): teacher hidden states {l: H^l [B, N, d]} -> the plan's
         feature blocks -> `forward_layout` logits [B, N, V_draft]."""
-        feats = [self.feature(k, hidden) for k in range(self.n + 1)]
-        return self.forward_layout(feats, occupancy, valid)
+        return self.forward_layout(self.features(hidden), occupancy, valid)
 
     # ---------------------------------------------------------------- decoding step
     def memory_kv_all_layers(self, rows: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -195,7 +203,7 @@ class SpeculationModule(nn.Module):
 
     def forward_step(
         self,
-        query: torch.Tensor,          # [1, 1, d] g_t^0
+        query: torch.Tensor,          # [1, 1, d] the newest row (g_t^0 for SPD)
         t: int,
         cached: list[tuple[torch.Tensor, torch.Tensor]] | None,  # per layer K/V [1, H_kv, S_c, hd] of cached rows
         rows: torch.Tensor,           # [1, S, d] memory rows not in the cache

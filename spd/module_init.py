@@ -33,12 +33,13 @@ def init_previous_token_head(module: SpeculationModule, offset: float = 6.0, sha
     sharpness: the score of lag 1 per RoPE pair used, in logits, before the neighbours' share is subtracted;
     pairs: how many of the highest RoPE frequencies carry the pattern (low ones cannot tell lag 1 from lag 2).
     """
-    if module.fc[0].bias is None:
+    first = next(iter(module.fc.values()))
+    if first.bias is None:
         raise ValueError("init_previous_token_head needs fc_bias=True (the position needs a constant component)")
-    u = quiet_direction(module.head.weight).to(module.fc[0].weight.dtype)      # [d]
+    u = quiet_direction(module.head.weight).to(first.weight.dtype)      # [d]
     d = u.numel()
     offset = min(offset, 0.5 * d ** 0.5)   # u's coordinate may not take over a narrow row (tiny test models)
-    for fc in module.fc:
+    for fc in module.fc.values():
         fc.weight.sub_(torch.outer(u, u @ fc.weight))           # the content part of every row is orthogonal to u
         content_rms = float(fc.weight.norm() / d ** 0.5)          # per coordinate, for inputs of unit variance
         # after the input norm u's coordinate is offset / rms(row) with rms(row)^2 = content^2 + bias^2 / d

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spd.checkpoint import check_target, load_checkpoint, read_checkpoint_config
+from spd.checkpoint import check_target, checkpoint_method, load_checkpoint, read_checkpoint_config
 from spd.decoding import eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
 from spd.errors import UserError
@@ -34,6 +34,7 @@ class Session:
     cache_dir: str | None = None       # runtime=distributed: the target cache the stage processes load from
     balance: dict | None = None        # stage_bounds=balanced: the measured stage times and predicted step
     checkpoint: str | None = None      # the module directory drafting (a shipped one by default); None = untrained
+    method: str = "spd"                # the drafter (spd, ppsd, spd_output_state) or ar
 
     def drafter(self, use_cache: bool = True) -> ModuleDrafter:
         return ModuleDrafter(self.module, use_cache)
@@ -63,8 +64,10 @@ def open_session(cfg) -> Session:
     """Everything a decoding command needs; `cfg` has passed its schema's checks (spd.config.load_config)."""
     check_device(cfg.device)
     params = sampling_params(cfg)
-    path = checkpoint_for(cfg.checkpoint, cfg.target, cfg.n, cfg.stage_bounds)
+    wanted = getattr(cfg, "method", None)
+    path = checkpoint_for(cfg.checkpoint, cfg.target, cfg.n, cfg.stage_bounds, None if wanted == "ar" else wanted)
     ckpt = read_checkpoint_config(path) if path else None
+    method = resolve_method(wanted, ckpt, path)
     n = cfg.n if cfg.n is not None else (ckpt["n"] if ckpt else DEFAULT_N)
     runtime = getattr(cfg, "runtime", "local")
     check_runtime(runtime)
@@ -86,7 +89,7 @@ def open_session(cfg) -> Session:
         staged = StagedTarget(loaded.model, n, bounds)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    if getattr(cfg, "method", "spd") == "ar":
+    if method == "ar":
         module = None  # plain decoding drafts nothing
     elif ckpt:
         module = load_checkpoint(path, staged, loaded)
@@ -95,9 +98,24 @@ def open_session(cfg) -> Session:
             raise UserError(f"module_layers={cfg.module_layers} must be >= 1")
         with warnings.catch_warnings():
             warnings.simplefilter("always")
-            module = SpeculationModule.from_target(staged, cfg.module_layers, seed=cfg.seed)
+            module = SpeculationModule.from_target(staged, cfg.module_layers, seed=cfg.seed, method=method)
     return Session(loaded, staged, module.eval() if module else None, params,
-                   eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None)
+                   eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
+                   method)
+
+
+def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> str:
+    """The drafter a run decodes with: the one asked for, else the checkpoint's; a checkpoint of another drafter
+    is refused (its weights mean something else)."""
+    if wanted == "ar":
+        return "ar"
+    if ckpt is None:
+        return wanted or "spd"
+    trained = checkpoint_method(path, ckpt)
+    if wanted is not None and wanted != trained:
+        raise UserError(f"checkpoint {path!r} is a {trained} module, not {wanted}; drop method= or pass a "
+                        f"{wanted} checkpoint")
+    return trained
 
 
 def resolve_bounds(cfg, n: int, ckpt: dict | None, path: str | None, loaded: LoadedTarget, cache_dir: str | None,

@@ -29,11 +29,13 @@ def shipped_modules() -> list[dict]:
     return out
 
 
-def checkpoint_for(checkpoint: str | None, target: str, n: int | None, stage_bounds) -> str | None:
+def checkpoint_for(checkpoint: str | None, target: str, n: int | None, stage_bounds,
+                   method: str | None = None) -> str | None:
     """The module directory a run drafts with, or None for an untrained module.
 
-    The default applies to the default target only, and only where a shipped module was trained for the
-    requested n (any, if n is not given) and stage bounds (the module's own, if none are given)."""
+    The default applies to the default target only, and only where a shipped module was trained as the requested
+    drafter (SPD if none is given), for the requested n (any, if n is not given) and stage bounds (the module's
+    own, if none are given)."""
     if checkpoint == RANDOM:
         return None
     if checkpoint is not None:
@@ -42,6 +44,8 @@ def checkpoint_for(checkpoint: str | None, target: str, n: int | None, stage_bou
         return None
     for module in shipped_modules():
         inner = module["stage_bounds"][1:-1]
+        if module.get("method", "spd") != (method or "spd"):
+            continue
         if n is not None and n != module["n"]:
             continue
         if stage_bounds is not None and (isinstance(stage_bounds, str) or list(stage_bounds) != inner):

@@ -22,9 +22,10 @@ def prompt(seed: int, length: int = 12, vocab: int = 128) -> list[int]:
 
 
 def spd_run(model, n, prompt_ids, max_new, module_layers=1, use_cache=True, draft_vocab=None, params=GREEDY,
-            eos=frozenset(), trace=False, seed=0, generator=None):
+            eos=frozenset(), trace=False, seed=0, generator=None, method="spd"):
     staged = StagedTarget(model, n)
-    module = SpeculationModule.from_target(staged, module_layers, draft_to_target=draft_vocab, seed=seed)
+    module = SpeculationModule.from_target(staged, module_layers, draft_to_target=draft_vocab, seed=seed,
+                                           method=method)
     decoder = PipelineDecoder(staged, ModuleDrafter(module, use_cache), params, eos, trace=trace)
     return decoder.generate(prompt_ids, max_new, generator), staged, module
 

@@ -43,19 +43,22 @@ def layout_logits(staged, module, tokens, occupancy):
     return module.target_logits(logits[0])
 
 
-@pytest.mark.parametrize("n,use_cache,layers,feature_norm,fc_bias", [
-    (2, True, 1, "none", False), (3, False, 2, "standard", True), (5, True, 2, "none", False),
-    (6, True, 1, "standard", True)])
-def test_runtime_logits_equal_training_layout(family_model, n, use_cache, layers, feature_norm, fc_bias):
+@pytest.mark.parametrize("n,use_cache,layers,feature_norm,fc_bias,method", [
+    (2, True, 1, "none", False, "spd"), (3, False, 2, "standard", True, "spd"), (5, True, 2, "none", False, "spd"),
+    (6, True, 1, "standard", True, "spd"),
+    (3, True, 1, "none", False, "spd_output_state"), (5, False, 2, "standard", True, "spd_output_state"),
+    (1, True, 1, "none", False, "spd_output_state"),
+    (3, True, 2, "standard", True, "ppsd"), (5, False, 1, "none", False, "ppsd")])
+def test_runtime_logits_equal_training_layout(family_model, n, use_cache, layers, feature_norm, fc_bias, method):
     family, model = family_model
     p = prompt(5)
     reference = p + ar_run(model, p, 60).token_ids
     staged = StagedTarget(model, n)
     draft_vocab = torch.arange(0, model.config.vocab_size, 3) if n == 5 else None
     module = SpeculationModule.from_target(staged, layers, draft_to_target=draft_vocab, seed=n,
-                                           feature_norm=feature_norm, fc_bias=fc_bias).eval()
+                                           feature_norm=feature_norm, fc_bias=fc_bias, method=method).eval()
     if fc_bias:  # large enough that a path which dropped the biases would differ
-        for fc in module.fc:
+        for fc in module.fc.values():
             torch.nn.init.normal_(fc.bias, std=0.5)
     if feature_norm == "standard":  # statistics far from the identity, so a path that skipped them would differ
         g = torch.Generator().manual_seed(n)
@@ -64,6 +67,7 @@ def test_runtime_logits_equal_training_layout(family_model, n, use_cache, layers
     drafter = RecordingDrafter(ModuleDrafter(module, use_cache), reference, wrong_every=9)
     out = PipelineDecoder(staged, drafter, GREEDY, frozenset()).generate(p, 40)
     assert out.stats.rollbacks > 0
+    assert drafter.after_step == (method != "spd")
     seen = {a for _, a, _, _ in drafter.records}
     assert seen == set(range(1, n + 1)), seen  # warm-up and steady state both visited
     # One layout pass per occupancy over the whole reference covers every step whose sequence is a prefix of it

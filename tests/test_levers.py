@@ -47,7 +47,7 @@ def test_feature_norm_standardises_each_read_state_and_survives_a_checkpoint(tmp
     staged = StagedTarget(loaded.model, 3)
     module = SpeculationModule.from_target(staged, 1, feature_norm="standard", fc_bias=True)
     module.init_selectors()
-    assert all(not fc.bias.detach().any() for fc in module.fc)   # a selector starts without offset
+    assert all(not fc.bias.detach().any() for fc in module.fc.values())   # a selector starts without offset
     d = loaded.model.config.hidden_size
     g = torch.Generator().manual_seed(1)
     # a massive dimension and a large offset, as in a real residual stream
@@ -61,7 +61,7 @@ def test_feature_norm_standardises_each_read_state_and_survives_a_checkpoint(tmp
         torch.testing.assert_close(z.std(0), torch.ones(d), atol=1e-4, rtol=0)
     hidden = {l: s[None, :4] for l, s in samples.items()}
     torch.testing.assert_close(module.feature(3, hidden), module.feature_input(staged.bounds[3], hidden[staged.bounds[3]]))
-    for fc in module.fc:   # the biases travel with the checkpoint
+    for fc in module.fc.values():   # the biases travel with the checkpoint
         torch.nn.init.normal_(fc.bias)
     save_checkpoint(module, loaded, str(tmp_path / "ckpt"))
     again = load_checkpoint(str(tmp_path / "ckpt"), staged, loaded)
@@ -106,5 +106,5 @@ def test_previous_token_init_points_head0_at_lag_one_and_leaves_content_alone():
         assert (probs.argmax(-1) == torch.arange(8, 40) - 1).all()
         assert float(probs[torch.arange(32), torch.arange(7, 39)].mean()) > 0.6
         # the bias direction carries no content: every FC output is orthogonal to it but for the bias itself
-        u = module.fc[0].bias / module.fc[0].bias.norm()
-        assert float((module.fc[3].weight.T @ u).abs().max()) < 1e-5
+        u = module.fc["0"].bias / module.fc["0"].bias.norm()
+        assert float((module.fc["3"].weight.T @ u).abs().max()) < 1e-5

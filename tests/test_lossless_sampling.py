@@ -60,9 +60,9 @@ def small_vocab_model():
     return tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
 
 
-def sample_spd(model, n, samples, seed):
+def sample_spd(model, n, samples, seed, method="spd"):
     staged = StagedTarget(model, n)
-    module = SpeculationModule.from_target(staged, 1, seed=1)  # random: its q is far from p, rejections are common
+    module = SpeculationModule.from_target(staged, 1, seed=1, method=method)  # random: its q is far from p, rejections are common
     decoder = PipelineDecoder(staged, ModuleDrafter(module), PARAMS, frozenset())
     g = torch.Generator().manual_seed(seed)
     counts, rollbacks = {}, 0
@@ -125,3 +125,11 @@ def test_rejection_rule_output_is_exactly_p():
     # and the implementation follows that rule: a draft with p(x) = 0 is never accepted
     p = torch.tensor([0.0, 1.0]); q = torch.tensor([1.0, 0.0])
     assert verify_sampled(0, p, q, g) == (False, 1)
+
+
+@pytest.mark.parametrize("method", ["ppsd", "spd_output_state"])
+def test_after_step_drafters_sample_the_target_distribution(small_vocab_model, method):
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    counts, rollbacks = sample_spd(small_vocab_model, n=2, samples=SAMPLES, seed=2, method=method)
+    assert rollbacks > SAMPLES * 0.2
+    assert chi2_pvalue(counts, dist, SAMPLES) > ALPHA

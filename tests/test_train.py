@@ -37,7 +37,8 @@ def weights(out):
     return load_file(os.path.join(out, "checkpoint", "model.safetensors"))
 
 
-def test_debug_training_learns(tmp_path):
+@pytest.mark.parametrize("method", ["spd", "ppsd", "spd_output_state"])
+def test_debug_training_learns(tmp_path, method):
     from spd.module import SpeculationModule
     from spd.target.loading import load_target
     from spd.target.stages import StagedTarget
@@ -45,9 +46,9 @@ def test_debug_training_learns(tmp_path):
     from spd.train.objective import collate, kd_loss, teacher_pass
 
     out = tmp_path / "run"
-    run_train(out, "wandb.mode=offline")
+    run_train(out, "wandb.mode=offline", f"method={method}")
     ckpt = json.loads((out / "checkpoint" / "config.json").read_text())
-    assert ckpt["n"] == 3 and ckpt["training"]["steps"] == 20
+    assert ckpt["n"] == 3 and ckpt["training"]["steps"] == 20 and ckpt["method"] == method
     # W&B offline run directory exists and the resolved config sits next to the outputs
     assert any(d.startswith("offline-run") for d in os.listdir(out / "wandb"))
     assert json.loads((out / "config.json").read_text())["model"]["n"] == 3
@@ -58,8 +59,8 @@ def test_debug_training_learns(tmp_path):
     batch = collate(tokenize_conversations(loaded.tokenizer, convs, 256, log=lambda m: None), 0)
     teacher = teacher_pass(staged, batch, None)
     occ = torch.tensor([1, 2, 3, 3, 1, 2, 3, 3])
-    untrained = SpeculationModule.from_target(staged, 1, seed=0)
-    trained = SpeculationModule.from_target(staged, 1, seed=0)
+    untrained = SpeculationModule.from_target(staged, 1, seed=0, method=method)
+    trained = SpeculationModule.from_target(staged, 1, seed=0, method=method)
     trained.load_state_dict(weights(out))
     with torch.no_grad():
         loss0, top0 = kd_loss(untrained(teacher.hidden, occ, batch["valid"]), teacher)

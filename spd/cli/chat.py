@@ -47,7 +47,7 @@ def chat(cfg) -> int:
     interactive = not stdin_is_piped()
     with open_decoding(cfg) as decoding:
         if interactive:
-            print(f"[chat] {decoding.session.loaded.name}, {cfg.method} n={decoding.session.staged.n}: type a message; "
+            print(f"[chat] {decoding.session.loaded.name}, {decoding.session.method} n={decoding.session.staged.n}: type a message; "
                   "/reset starts over, /exit or Ctrl-D leaves", file=sys.stderr)
         messages: list[dict] = []
         while (line := read_turn(interactive)) is not None:

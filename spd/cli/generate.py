@@ -40,9 +40,9 @@ class Decoding:
     def run(self, prompt_ids: list[int], on_token=None) -> dict:
         cfg, s = self.cfg, self.session
         generator = torch.Generator(device=s.staged.device).manual_seed(cfg.seed)
-        if cfg.method == "ar" and cfg.runtime == "local":
+        if s.method == "ar" and cfg.runtime == "local":
             result = ar_generate(s.staged, prompt_ids, cfg.max_new_tokens, s.params, s.eos_ids, generator, on_token)
-        elif cfg.method == "ar":  # plain pipeline-parallel AR over the same stage processes
+        elif s.method == "ar":  # plain pipeline-parallel AR over the same stage processes
             result = pipeline_ar_generate(self.stages, prompt_ids, cfg.max_new_tokens, s.params, s.eos_ids,
                                           generator, on_token)
         else:
@@ -51,7 +51,7 @@ class Decoding:
         stats = result.stats.as_dict() if result.stats else {"N": len(result.token_ids), "K": None, "alpha": None,
                                                               "eal": None, "rollbacks": None}
         return {"text": s.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
-                "token_ids": result.token_ids, "prompt_token_ids": prompt_ids, "method": cfg.method,
+                "token_ids": result.token_ids, "prompt_token_ids": prompt_ids, "method": s.method,
                 "runtime": cfg.runtime, "n": s.staged.n, "stage_bounds": s.staged.bounds, "balance": s.balance,
                 "checkpoint": s.checkpoint, **stats, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
 
@@ -61,7 +61,7 @@ def open_decoding(cfg):
     """The session and its stages (stage processes for runtime=distributed), closed on exit."""
     session = open_session(cfg)
     report_balance(session)
-    drafter = session.drafter(cfg.module_cache) if cfg.method == "spd" else None
+    drafter = session.drafter(cfg.module_cache) if session.method != "ar" else None
     capture = drafter.layers_needed(session.staged.bounds) if drafter else []
     with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
         yield Decoding(cfg, session, stages, drafter)

@@ -1,6 +1,7 @@
 """The interface every pipelined drafter implements. The decoding loop owns the target, its caches and the
-in-flight tokens; a drafter says which target layers it reads, sees the prompt's hidden states once, a read-only
-view of each step, each position as it leaves the last stage, and every rollback."""
+in-flight tokens; a drafter says which target layers it reads and whether it drafts during the step (SPD) or
+after it (PPSD, the output-state ablation), sees the prompt's hidden states once, a read-only view of each step,
+each position as it leaves the last stage, and every rollback."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from types import MappingProxyType
 from typing import Mapping
 
 import torch
+
+from spd.runtime.schedule import Step
 
 
 @dataclass(frozen=True)
@@ -24,22 +27,25 @@ class InFlight:
 
 @dataclass(frozen=True)
 class StepView:
-    """What a drafter may read at the start of a step (it must not change any of it)."""
+    """What a drafter may read of a step (it must not change any of it): at its start, or after it for a drafter
+    that runs after the step (then every token is one stage deeper and the oldest may just have left the last one)."""
 
-    t: int                               # position of the newest token (about to enter stage 1)
-    occupancy: int                       # tokens in flight, the newest included
+    t: int                               # position of the newest token (the one that entered stage 1)
+    occupancy: int                       # tokens in flight when the step began, the newest included
     n: int
-    in_flight: tuple[InFlight, ...]      # oldest first; in_flight[-1].pos == t, depth 0
+    in_flight: tuple[InFlight, ...]      # oldest first; in_flight[-1].pos == t (depth 0 before the step, 1 after)
 
 
-def step_view(t: int, occupancy: int, n: int, tokens: list[int], features: dict[int, dict[int, torch.Tensor]]) -> StepView:
-    """features: {pos: {layer: H^l [1, 1, d]}} of the in-flight positions t-occupancy+1..t."""
-    items = tuple(InFlight(tokens[pos], pos, t - pos, MappingProxyType(features[pos]))
-                  for pos in range(t - occupancy + 1, t + 1))
-    return StepView(t, occupancy, n, items)
+def step_view(step: Step, tokens: list[int], features: dict[int, dict[int, torch.Tensor]],
+              after: bool = False) -> StepView:
+    """features: {pos: {layer: H^l [1, 1, d]}} of the step's positions t-occupancy+1..t."""
+    items = tuple(InFlight(tokens[pos], pos, min(step.n, k + after), MappingProxyType(features[pos]))
+                  for pos, k in step.in_flight())
+    return StepView(step.t, step.occupancy, step.n, items)
 
 
 class Drafter(ABC):
+    after_step = False   # True: draft_logits reads the step's outputs, so it runs after the step, not beside it
     @abstractmethod
     def layers_needed(self, bounds: list[int]) -> list[int]:
         """Target layers l whose H^l this drafter reads (0 = the embedding), for a pipeline with these bounds."""
@@ -65,6 +71,7 @@ class WrappedDrafter(Drafter):
 
     def __init__(self, inner: Drafter):
         self.inner = inner
+        self.after_step = inner.after_step
 
     def layers_needed(self, bounds):
         return self.inner.layers_needed(bounds)

@@ -23,6 +23,7 @@ class ReferenceDrafter(Drafter):
         self.vocab_size = vocab_size
         self.wrong = wrong
         self.inner = inner
+        self.after_step = inner.after_step if inner else False
 
     def layers_needed(self, bounds):
         return self.inner.layers_needed(bounds) if self.inner else []

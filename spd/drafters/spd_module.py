@@ -1,11 +1,12 @@
-"""SPD's drafter: the speculation module on the pipeline's *input* states (design §1, paper Eq. 2/3)."""
+"""The pipelined drafters built on the speculation module: SPD (input states, drafting concurrently with the
+step; design §1, paper Eq. 2/3), its output-state ablation and PPSD (both drafting after the step). The module's
+`plan` (spd.layout) says which depth each row reads; this class only gathers the rows."""
 
 from __future__ import annotations
 
 import torch
 
 from spd.drafters.base import Drafter, StepView
-from spd.layout import depth, needed_layers
 from spd.module import SpeculationModule
 from spd.target.kv_cache import LayerKVCache
 
@@ -13,20 +14,22 @@ from spd.target.kv_cache import LayerKVCache
 class ModuleDrafter(Drafter):
     def __init__(self, module: SpeculationModule, use_cache: bool = True):
         self.module = module
+        self.plan = module.plan
         self.n = module.n
+        self.after_step = self.plan.after_step
         self.use_cache = use_cache
 
     def layers_needed(self, bounds):
-        return needed_layers(bounds)
+        return self.plan.needed_layers(bounds)
 
     def start(self, prompt_hidden, prompt_ids):
         self.kv = LayerKVCache(len(self.module.layers))
-        self.final_rows: list[torch.Tensor] = []  # g^n rows [1, S, d] when not caching K/V
+        self.final_rows: list[torch.Tensor] = []  # memory rows [1, S, d] when not caching K/V
         self.num_final = 0
         self._add_final(prompt_hidden, start=0)
 
     def _add_final(self, hidden: dict[int, torch.Tensor], start: int) -> None:
-        rows = self.module.feature(self.n, hidden)                       # [1, S, d] g^n
+        rows = self.module.feature(self.plan.memory_depth(self.n), hidden)   # [1, S, d]
         count = rows.shape[1]
         if self.use_cache:
             positions = torch.arange(start, start + count, device=rows.device).view(1, -1)
@@ -37,26 +40,29 @@ class ModuleDrafter(Drafter):
         self.num_final += count
 
     def finalize(self, pos, hidden):
-        assert pos == self.num_final, "positions must reach depth n in order"
+        assert pos == self.num_final, "positions must leave the pipeline in order"
         self._add_final(hidden, start=pos)
 
     def on_rollback(self, length):
-        # Depth-n rows are verified positions, all < length: nothing cached is ever discarded.
+        # Rows of positions that left the pipeline are verified, all < length: nothing cached is ever discarded.
         assert self.num_final <= length
+
+    def _row(self, t: int, occupancy: int, token) -> torch.Tensor:
+        """The feature row [1, 1, d] an in-flight token gives at the depth the plan assigns it."""
+        k = self.plan.depth(t, token.pos, occupancy, self.n)
+        # SPD reads each token at exactly the depth it has reached; PPSD reads H^{b_1} of any deeper token
+        assert k == token.depth if self.plan.single is None else k <= token.depth, \
+            "pipeline depth disagrees with the layout rule"
+        return self.module.feature(k, token.features)
 
     @torch.no_grad()
     def draft_logits(self, view: StepView) -> torch.Tensor:
         t, occupancy = view.t, view.occupancy
-        # Every position the rule gives depth n must already be final; the rest are the in-flight tokens.
+        # Every position before the in-flight ones has left the pipeline and is a memory row already.
         assert self.num_final == t - occupancy + 1, (self.num_final, t, occupancy)
-        rows, positions = [], []
-        for token in view.in_flight[:-1]:
-            k = depth(t, token.pos, occupancy, self.n)
-            assert k == token.depth, "pipeline depth disagrees with the layout rule"
-            rows.append(self.module.feature(k, token.features))
-            positions.append(token.pos)
-        newest = view.in_flight[-1]
-        query = self.module.feature(depth(t, newest.pos, occupancy, self.n), newest.features)  # k = 0
+        rows = [self._row(t, occupancy, token) for token in view.in_flight[:-1]]
+        positions = [token.pos for token in view.in_flight[:-1]]
+        query = self._row(t, occupancy, view.in_flight[-1])
         if not self.use_cache and self.final_rows:
             rows = self.final_rows + rows
             positions = list(range(self.num_final)) + positions

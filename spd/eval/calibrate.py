@@ -16,6 +16,8 @@ Cost model:
   verifies, and the module drafts concurrently with the step (paper §3), so
       T_step = max(max_{s<n} stage_s, stage_n + head + verify, module).
   Communication between devices (sending a [1, d] hidden row per stage per step) is not modelled.
+  PPSD and the output-state ablation draft from the step's outputs, after it:
+      T_step = max(max_{s<n} stage_s, stage_n + head + verify) + module.
 - A step settles α = N/K tokens on average, so speedup_measured = α · T_ar / T_step, while the layer-count
   formula gives n · α (they agree when the stages are equal and head, module and verification cost nothing).
 """
@@ -45,12 +47,16 @@ def ar_token_time(stage_s: list[float], head_s: float) -> float:
     return sum(stage_s) + head_s
 
 
-def step_time(stage_s: list[float], head_s: float, verify_s: float, module_s: float) -> tuple[float, str]:
-    """Seconds per SPD step with one device per stage, and which term sets it."""
+def step_time(stage_s: list[float], head_s: float, verify_s: float, module_s: float,
+              after_step: bool = False) -> tuple[float, str]:
+    """Seconds per pipelined step with one device per stage, and which term sets it."""
     terms = {f"stage {s + 1}": t for s, t in enumerate(stage_s[:-1])}
     terms[LAST] = stage_s[-1] + head_s + verify_s
-    terms["module"] = module_s
+    if not after_step:
+        terms["module"] = module_s
     bottleneck = max(terms, key=terms.get)  # ties: the earliest term in pipeline order
+    if after_step:
+        return terms[bottleneck] + module_s, f"{bottleneck}, then the module"
     return terms[bottleneck], bottleneck
 
 
@@ -59,9 +65,12 @@ def measured_cost_speedup(alpha: float, calibration: dict) -> float:
     return alpha * calibration["ar_token_s"] / calibration["step_s"]
 
 
-def formula_speedup(alpha: float, n: int) -> float:
-    """The paper's layer-count speedup L′acc = n·α."""
-    return n * alpha
+def formula_speedup(alpha: float, n: int, after_step: bool = False, num_layers: int = 1,
+                    module_layers: int = 0) -> float:
+    """The paper's layer-count speedup: L′acc = n·α for SPD; L′acc·L/(L_s·n + L) when the module drafts after
+    each step (PPSD, the output-state ablation), whose L_s layers then add to every step's L/n."""
+    eal = n * alpha
+    return eal * num_layers / (module_layers * n + num_layers) if after_step else eal
 
 
 # ---------------------------------------------------------------- timing
@@ -112,15 +121,18 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
     last_row = final[0, -1]                                                  # [d] H^L of the new token
     head_s = _median_seconds(lambda: staged.logits(last_row), repeats, device)
 
-    # Steady state: positions 0..context-n are final (depth n), the n newest are in flight at depths n-1..0.
+    # Steady state: positions 0..context-n are final (depth n), the n newest are in flight at depths n-1..0
+    # (one deeper each when the module drafts after the step).
     drafter = ModuleDrafter(module)
+    after = module.plan.after_step
     steady = spd_step(context, n, n)
     done = steady.in_flight()[0][0]
     drafter.start({layer: h[:, :done] for layer, h in hidden.items()}, ids[0, :done].tolist())
     # [1, 1, d] each: only the layers a token at depth k has already passed
-    features = {pos: {layer: h[:, pos: pos + 1] for layer, h in hidden.items() if layer <= staged.bounds[k]}
+    features = {pos: {layer: h[:, pos: pos + 1] for layer, h in hidden.items()
+                      if layer <= staged.bounds[min(n, k + after)]}
                 for pos, k in steady.in_flight()}
-    view = step_view(context, n, n, ids[0].tolist(), features)
+    view = step_view(steady, ids[0].tolist(), features, after=after)
 
     def draft() -> tuple[int, torch.Tensor | None]:
         logits = drafter.draft_logits(view)                                    # [V]
@@ -139,7 +151,7 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
         verify_s = _median_seconds(lambda: verify_sampled(token, warp(target_logits, params), q, generator),
                                    repeats, device)
 
-    step_s, bottleneck = step_time(stage_s, head_s, verify_s, module_s)
+    step_s, bottleneck = step_time(stage_s, head_s, verify_s, module_s, after)
     return {"stage_s": stage_s, "head_s": head_s, "module_s": module_s, "verify_s": verify_s,
             "ar_token_s": ar_token_time(stage_s, head_s), "step_s": step_s, "bottleneck": bottleneck,
             "context": context, "repeats": repeats, "device": str(device), "dtype": str(staged.dtype)}

@@ -32,6 +32,9 @@ from spd.session import Session, open_session
 
 
 def validate(cfg) -> None:
+    if cfg.method == "ar":
+        raise UserError("method=ar drafts nothing to evaluate; eval runs a drafter (spd, ppsd, spd_output_state) "
+                        "and plain AR beside it (ar_baseline=true)")
     unknown = [ds for ds in cfg.datasets if ds not in DATASETS]
     if unknown or not cfg.datasets:
         raise UserError(f"unknown dataset {', '.join(map(repr, unknown)) or '(none given)'}; choose from "
@@ -90,9 +93,12 @@ def machine(device: torch.device) -> str:
     return f"{platform.machine()} CPU, {torch.get_num_threads()} threads, {platform.node()}"
 
 
+METHOD_NAMES = {"spd": "SPD", "ppsd": "PPSD", "spd_output_state": "SPD output states"}
+
+
 def run_label(session: Session, cfg) -> str:
     suffix = "" if session.checkpoint else ", untrained"
-    return f"SPD (n={session.staged.n}, L_s={len(session.module.layers)}{suffix})"
+    return f"{METHOD_NAMES[session.method]} (n={session.staged.n}, L_s={len(session.module.layers)}{suffix})"
 
 
 def run_eval(cfg, log=print) -> dict:
@@ -123,7 +129,7 @@ def run_eval(cfg, log=print) -> dict:
                 rec = fast_sample(session, traces, ds, q["question_id"], ids) if fast else \
                     runtime_sample(session, cfg, seed, ids, stages)
             token_ids = rec.pop("token_ids")
-            out.append({"question_id": q["question_id"], "dataset": ds, "method": "spd", "L_s": L_s,
+            out.append({"question_id": q["question_id"], "dataset": ds, "method": session.method, "L_s": L_s,
                         "T": cfg.temperature, "top_k": session.params.top_k, "top_p": session.params.top_p,
                         "seed": seed, "runtime": cfg.runtime, **rec,
                         "text": tok.decode(token_ids, skip_special_tokens=True)})
@@ -133,8 +139,8 @@ def run_eval(cfg, log=print) -> dict:
     # Calibration times every stage in this process; under runtime=distributed it holds none (the clock is measured).
     calibration = calibrate(session.staged, session.module, session.params) \
         if cfg.calibrate and cfg.runtime == "local" else None
-    summary["speedup"] = speedups(summary, session.staged.n, calibration)
-    summary["run"] = {"method": "spd", "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
+    summary["speedup"] = speedups(summary, session.staged, session.module, calibration)
+    summary["run"] = {"method": session.method, "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
                       "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": 1,
                       "max_new_tokens": cfg.max_new_tokens, "checkpoint": session.checkpoint,
                       "target": session.loaded.name, "mode": "fast" if fast else "runtime",
@@ -150,9 +156,10 @@ def run_eval(cfg, log=print) -> dict:
     return summary
 
 
-def speedups(summary: dict, n: int, calibration: dict | None) -> dict:
+def speedups(summary: dict, staged, module, calibration: dict | None) -> dict:
     groups = {**summary["datasets"], "overall": summary["overall"]}
-    formula = {k: formula_speedup(v["alpha_pooled"], n) for k, v in groups.items() if v.get("alpha_pooled")}
+    cost = (staged.n, module.plan.after_step, staged.num_layers, len(module.layers))
+    formula = {k: formula_speedup(v["alpha_pooled"], *cost) for k, v in groups.items() if v.get("alpha_pooled")}
     measured = None
     if calibration:
         measured = {k: measured_cost_speedup(v["alpha_pooled"], calibration) for k, v in groups.items()

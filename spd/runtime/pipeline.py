@@ -1,8 +1,9 @@
 """The SPD decoding loop: an n-stage pipeline in which a drafter proposes one token per step.
 
-Each step: the stages start (`launch`), the drafter reads G_t (the pipeline's *input* states) while they run,
-then the token leaving the last stage yields the target's distribution for the next-oldest token, which is
-accepted or corrected (streaming verification). A correction crops every cache, flushes the pipeline and
+Each step: the stages start (`launch`), the drafter reads G_t (the pipeline's *input* states) while they run
+(or, for PPSD and the output-state ablation, the step's outputs once it is done), then the token leaving the last
+stage yields the target's distribution for the next-oldest token, which is accepted or corrected (streaming
+verification). A correction crops every cache, flushes the pipeline and
 reseeds it. Who advances, who exits and what a rejection flushes come from `spd.runtime.schedule`; where the
 stages run is the executor's business (`local.py`, `distributed/`), so this loop is the only copy.
 """
@@ -76,12 +77,15 @@ class PipelineDecoder:
         while not done:
             t = step.t
             ex.launch(step, features[t][0] if step.runs(0) else None)
-            draft_logits = self.drafter.draft_logits(step_view(t, step.occupancy, self.n, tokens, features))
-            if self.trace:
-                trace.append({"t": t, "a": step.occupancy, "tokens": tokens[: t + 1], "logits": draft_logits})
+            if not self.drafter.after_step:
+                draft_logits = self.drafter.draft_logits(step_view(step, tokens, features))
             out = ex.collect()
             for pos, captured in out.features.items():
                 features[pos].update(captured)
+            if self.drafter.after_step:
+                draft_logits = self.drafter.draft_logits(step_view(step, tokens, features, after=True))
+            if self.trace:
+                trace.append({"t": t, "a": step.occupancy, "tokens": tokens[: t + 1], "logits": draft_logits})
             stats.K += 1
             draft, drafts_q[t + 1] = propose(draft_logits, params, generator)
             tokens.append(draft)

@@ -8,6 +8,7 @@ from typing import List, Optional
 
 from spd.config import WandbSection, at_least, one_of
 from spd.errors import UserError
+from spd.layout import PIPELINED_METHODS
 
 
 @dataclass
@@ -95,6 +96,7 @@ class DeepSpeedSection:
 
 @dataclass
 class TrainConfig:
+    method: str = "spd"                 # spd | spd_output_state (paper Table 2) | ppsd: which drafter is trained
     output_dir: str = "outputs/train"
     seed: int = 0
     resume: bool = False
@@ -118,6 +120,7 @@ class TrainConfig:
 
     @staticmethod
     def check(cfg) -> None:
+        one_of(cfg, "method", PIPELINED_METHODS)
         for key, low in (("seed", 0), ("log_every", 1), ("eval_every", 0), ("eval_decodes", 0), ("eval_new_tokens", 1),
                          ("save_every", 0)):
             at_least(cfg, key, low)

@@ -202,7 +202,7 @@ def gradient_norms(module: SpeculationModule) -> dict[str, float]:
         grads = [p.grad for p in params if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
     out = {"grad_norm": norm(module.parameters())}
-    out.update({f"grad_norm/fc{k}": norm(fc.parameters()) for k, fc in enumerate(module.fc)})
+    out.update({f"grad_norm/fc{k}": norm(fc.parameters()) for k, fc in module.fc.items()})
     out.update({"grad_norm/layers": norm(module.layers.parameters()), "grad_norm/head": norm(module.head.parameters())})
     return out
 
@@ -228,7 +228,8 @@ def prepare(cfg, log):
     if cfg.model.draft_vocab:
         draft = build_draft_vocab(train, cfg.model.draft_vocab, loaded.model.config.vocab_size).to(staged.device)
     module = SpeculationModule.from_target(staged, cfg.model.module_layers, draft_to_target=draft, seed=cfg.seed,
-                                           feature_norm=cfg.model.feature_norm, fc_bias=cfg.model.fc_bias)
+                                           feature_norm=cfg.model.feature_norm, fc_bias=cfg.model.fc_bias,
+                                           method=cfg.method)
     if cfg.model.feature_norm == "standard" and not cfg.resume:  # on resume the statistics come with the state
         module.fit_feature_norm(feature_samples(staged, train[: cfg.model.feature_norm_examples]))
     if cfg.model.init_fc == "select":
