@@ -17,7 +17,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from spd.errors import UserError
+from spd.eagle3_module import Eagle3Module
 from spd.layout import PLANS
+
+TRAINED_METHODS = (*PLANS, "eagle3")
 from spd.module import SpeculationModule
 from spd.target.loading import LoadedTarget
 from spd.target.stages import StagedTarget
@@ -27,13 +30,21 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 REQUIRED = ("target", "n", "stage_bounds", "module_layers")
 
 
-def checkpoint_config(module: SpeculationModule, target: LoadedTarget, extra: dict | None = None) -> dict:
+def checkpoint_config(module: SpeculationModule | Eagle3Module, target: LoadedTarget, extra: dict | None = None) -> dict:
     cfg = target.model.config
-    return {
+    head = {
         "format": FORMAT,
         "format_version": 1,
         "target": {"name": target.name, "fingerprint": target.fingerprint, "model_type": cfg.model_type,
                    "num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
+    }
+    draft_vocab = None if module.draft_to_target is None else int(module.draft_to_target.numel())
+    if isinstance(module, Eagle3Module):   # no pipeline: the chain runs the target whole (n = 1)
+        return {**head, "method": "eagle3", "n": 1, "stage_bounds": [0, cfg.num_hidden_layers],
+                "fused_layers": list(module.fused), "module_layers": 1, "draft_vocab_size": draft_vocab,
+                **(extra or {})}
+    return {
+        **head,
         "n": module.n,
         "stage_bounds": module.bounds,
         "method": module.plan.method,
@@ -41,7 +52,7 @@ def checkpoint_config(module: SpeculationModule, target: LoadedTarget, extra: di
         "feature_layers": [list(module.feature_layers[k]) if k in module.feature_layers else None
                            for k in range(module.n + 1)],
         "module_layers": len(module.layers),
-        "draft_vocab_size": None if module.draft_to_target is None else int(module.draft_to_target.numel()),
+        "draft_vocab_size": draft_vocab,
         "feature_norm": module.feature_norm,
         "fc_bias": module.fc_bias,
         **(extra or {}),
@@ -94,9 +105,9 @@ def read_checkpoint_config(path: str) -> dict:
 def checkpoint_method(path: str, cfg: dict) -> str:
     """The pipelined drafter a checkpoint was trained as (files written before methods existed are SPD's)."""
     method = cfg.get("method", "spd")
-    if method not in PLANS:
+    if method not in TRAINED_METHODS:
         raise UserError(f"{os.path.join(path, CONFIG_FILE)} names method {method!r}, which this version cannot "
-                        f"decode ({', '.join(PLANS)}); upgrade spd or re-train the module")
+                        f"decode ({', '.join(TRAINED_METHODS)}); upgrade spd or re-train the module")
     return method
 
 
@@ -108,7 +119,7 @@ def check_target(path: str, cfg: dict, target: LoadedTarget) -> None:
                         f"{ident['fingerprint']}), not {target.name!r} ({target.fingerprint}); use the matching target=")
 
 
-def load_checkpoint(path: str, staged: StagedTarget, target: LoadedTarget) -> SpeculationModule:
+def load_checkpoint(path: str, staged: StagedTarget, target: LoadedTarget) -> SpeculationModule | Eagle3Module:
     """Build the module the checkpoint describes and load its weights, refusing a foreign target or n."""
     cfg = read_checkpoint_config(path)
     check_target(path, cfg, target)
@@ -123,9 +134,13 @@ def load_checkpoint(path: str, staged: StagedTarget, target: LoadedTarget) -> Sp
     except (SafetensorError, OSError) as exc:
         raise UserError(f"{weights} is corrupt ({str(exc).splitlines()[0]}); re-save or re-train the checkpoint") from None
     draft_map = state.get("draft_to_target")
-    module = SpeculationModule.from_target(staged, cfg["module_layers"], draft_to_target=draft_map,
-                                           feature_norm=cfg.get("feature_norm", "none"),
-                                           fc_bias=cfg.get("fc_bias", False), method=checkpoint_method(path, cfg))
+    method = checkpoint_method(path, cfg)
+    if method == "eagle3":
+        module = Eagle3Module.from_target(staged, draft_to_target=draft_map)
+    else:
+        module = SpeculationModule.from_target(staged, cfg["module_layers"], draft_to_target=draft_map,
+                                               feature_norm=cfg.get("feature_norm", "none"),
+                                               fc_bias=cfg.get("fc_bias", False), method=method)
     try:
         module.load_state_dict(state, strict=True)
     except RuntimeError as exc:

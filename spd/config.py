@@ -39,8 +39,9 @@ class GenerateConfig:
     prompt: Optional[str] = None         # taken verbatim; or prompt_file=, a positional argument, standard input
     prompt_file: Optional[str] = None    # a UTF-8 text file whose whole content is the prompt
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
-    method: Optional[str] = None         # spd | ppsd | spd_output_state | ar (plain autoregressive through the
-                                         # same stage runner); None = the checkpoint's drafter (spd without one)
+    method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | ar (plain autoregressive
+                                         # through the same stage runner); None = the checkpoint's (spd without one)
+    draft_length: int = 5                # method=eagle3: m drafts per target forward
     n: Optional[int] = None              # pipeline stages; None = the checkpoint's n, else 5
     stage_bounds: Any = None             # explicit inner boundaries b_1..b_{n-1}, or "balanced" (by measured cost)
     module_layers: int = 1               # L_s of a randomly initialised module
@@ -97,7 +98,7 @@ OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-DECODING_METHODS = ("spd", "ppsd", "spd_output_state", "ar")
+DECODING_METHODS = ("spd", "ppsd", "spd_output_state", "eagle3", "ar")
 RUNTIMES = ("local", "distributed")
 DEVICE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
 
@@ -130,6 +131,10 @@ def check_decoding(cfg) -> None:
     if not DEVICE.match(cfg.device):
         raise UserError(f"device={cfg.device!r} is not a device; use cpu, cuda, cuda:<index> or mps")
     at_least(cfg, "n", 1, " (pipeline stages)")
+    at_least(cfg, "draft_length", 1, " (EAGLE-3's draft tokens per cycle)")
+    if cfg.method == "eagle3" and cfg.runtime != "local":
+        raise UserError(f"method=eagle3 drafts and verifies in one process (no pipeline); use runtime=local, "
+                        f"not runtime={cfg.runtime}")
     at_least(cfg, "max_new_tokens", 1, " (tokens to generate)")
     at_least(cfg, "module_layers", 1)
     at_least(cfg, "temperature", 0, " (0 = greedy)")

@@ -53,3 +53,28 @@ def pooled_eal(stats: list[DecodeStats]) -> float | None:
     """Pool a data set as n * sum(N) / sum(K) (all samples share n)."""
     total_k = sum(s.K for s in stats)
     return stats[0].n * sum(s.N for s in stats) / total_k if total_k else None
+
+
+@dataclass
+class ChainStats:
+    """Draft-then-verify decoding (EAGLE-3's chain): each cycle drafts m tokens and runs the target once.
+
+    tau = tokens settled per cycle, the bonus or correction token included (N - 1 over cycles: the first token
+    comes from the prefill); S = tau * L / (L_s * m + L) counts the m draft passes as L_s layers each."""
+
+    m: int
+    N: int = 0
+    cycles: int = 0
+    accepted: int = 0
+    accepted_per_cycle: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float | None:
+        return (self.N - 1) / self.cycles if self.cycles else None
+
+    def speedup(self, num_layers: int, module_layers: int) -> float | None:
+        return None if self.tau is None else self.tau * num_layers / (module_layers * self.m + num_layers)
+
+    def as_dict(self) -> dict:
+        return {"m": self.m, "N": self.N, "cycles": self.cycles, "accepted": self.accepted, "tau": self.tau,
+                "accepted_histogram": dict(sorted(Counter(self.accepted_per_cycle).items()))}

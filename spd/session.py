@@ -9,7 +9,9 @@ import torch
 
 from spd.checkpoint import check_target, checkpoint_method, load_checkpoint, read_checkpoint_config
 from spd.decoding import eos_ids_of
+from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.spd_module import ModuleDrafter
+from spd.eagle3_module import Eagle3Module
 from spd.errors import UserError
 from spd.module import SpeculationModule
 from spd.prompts import conversation_ids
@@ -28,15 +30,17 @@ DEFAULT_N = 5
 class Session:
     loaded: LoadedTarget
     staged: StagedTarget               # runtime=distributed: the controller's parts only (embedding, head)
-    module: SpeculationModule | None   # None for method=ar
+    module: SpeculationModule | Eagle3Module | None   # None for method=ar
     params: SamplingParams
     eos_ids: frozenset[int]
     cache_dir: str | None = None       # runtime=distributed: the target cache the stage processes load from
     balance: dict | None = None        # stage_bounds=balanced: the measured stage times and predicted step
     checkpoint: str | None = None      # the module directory drafting (a shipped one by default); None = untrained
-    method: str = "spd"                # the drafter (spd, ppsd, spd_output_state) or ar
+    method: str = "spd"                # the drafter (spd, ppsd, spd_output_state, eagle3) or ar
 
-    def drafter(self, use_cache: bool = True) -> ModuleDrafter:
+    def drafter(self, use_cache: bool = True) -> ModuleDrafter | Eagle3Drafter:
+        if self.method == "eagle3":
+            return Eagle3Drafter(self.module, self.staged.embed)
         return ModuleDrafter(self.module, use_cache)
 
 
@@ -69,6 +73,11 @@ def open_session(cfg) -> Session:
     ckpt = read_checkpoint_config(path) if path else None
     method = resolve_method(wanted, ckpt, path)
     n = cfg.n if cfg.n is not None else (ckpt["n"] if ckpt else DEFAULT_N)
+    if method == "eagle3":   # draft-then-verify runs the target whole
+        if cfg.n not in (None, 1) or cfg.stage_bounds is not None:
+            raise UserError("method=eagle3 runs no pipeline (the target verifies m drafts in one forward); drop n= "
+                            "and stage_bounds=, set the draft length with draft_length=")
+        n = 1
     runtime = getattr(cfg, "runtime", "local")
     check_runtime(runtime)
     cache_dir = None
@@ -98,7 +107,8 @@ def open_session(cfg) -> Session:
             raise UserError(f"module_layers={cfg.module_layers} must be >= 1")
         with warnings.catch_warnings():
             warnings.simplefilter("always")
-            module = SpeculationModule.from_target(staged, cfg.module_layers, seed=cfg.seed, method=method)
+            module = Eagle3Module.from_target(staged, seed=cfg.seed) if method == "eagle3" else \
+                SpeculationModule.from_target(staged, cfg.module_layers, seed=cfg.seed, method=method)
     return Session(loaded, staged, module.eval() if module else None, params,
                    eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
                    method)

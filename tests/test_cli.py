@@ -71,6 +71,9 @@ BAD = [
     (["n=abc"], "n"),
     (["method=beam"], "method"),
     (["stage_bounds=[7,2]", "n=3"], "stage_bounds"),
+    (["method=eagle3", "n=5"], "runs no pipeline"),
+    (["method=eagle3", "runtime=distributed"], "runtime=local"),
+    (["method=eagle3", "draft_length=0"], "draft_length=0"),
 ]
 
 
@@ -113,6 +116,36 @@ def test_bad_checkpoints(capsys, tiny_target_dir, checkpoint, tmp_path):
         code, _, err = run(capsys, *base, *args)
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and needle in lines[0], (args, err)
+
+
+@pytest.mark.parametrize("method", ["ppsd", "spd_output_state", "eagle3"])
+def test_every_drafter_decodes_what_ar_decodes(capsys, tiny_target_dir, method):
+    common = [f"target={tiny_target_dir}", "prompt=What is 12*7?", "max_new_tokens=20", "json=true"]
+    code, out, _ = run(capsys, *common, "method=ar")
+    ar = json.loads(out)
+    code, out, err = run(capsys, *common, f"method={method}", "n=3" if method != "eagle3" else "draft_length=3")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["method"] == method and got["token_ids"] == ar["token_ids"]
+    assert ("tau" in got) == (method == "eagle3")
+    code, _, err = run(capsys, *common[:-1], f"method={method}")
+    assert code == 0 and (" τ=" in err if method == "eagle3" else " L′acc=" in err) and f"[{method} " in err
+
+
+def test_a_checkpoint_decodes_as_the_method_it_was_trained_as(capsys, tiny_target_dir, tmp_path):
+    from spd.eagle3_module import Eagle3Module
+
+    loaded = load_target(tiny_target_dir)
+    ppsd = str(tmp_path / "ppsd")
+    save_checkpoint(SpeculationModule.from_target(StagedTarget(loaded.model, 3), 1, method="ppsd"), loaded, ppsd)
+    eagle = str(tmp_path / "eagle")
+    save_checkpoint(Eagle3Module.from_target(StagedTarget(loaded.model, 1)), loaded, eagle)
+    base = [f"target={tiny_target_dir}", "prompt=Hi", "max_new_tokens=6", "json=true"]
+    for path, method in ((ppsd, "ppsd"), (eagle, "eagle3")):
+        code, out, err = run(capsys, *base, f"checkpoint={path}")
+        assert code == 0 and json.loads(out)["method"] == method, err
+        code, _, err = run(capsys, *base, f"checkpoint={path}", "method=spd")
+        assert code == 2 and f"is a {method} module, not spd" in err
 
 
 def test_deep_module_warns_but_runs(capsys, tiny_target_dir):

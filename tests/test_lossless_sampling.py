@@ -133,3 +133,24 @@ def test_after_step_drafters_sample_the_target_distribution(small_vocab_model, m
     counts, rollbacks = sample_spd(small_vocab_model, n=2, samples=SAMPLES, seed=2, method=method)
     assert rollbacks > SAMPLES * 0.2
     assert chi2_pvalue(counts, dist, SAMPLES) > ALPHA
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_eagle3_chain_samples_the_target_distribution(small_vocab_model, m):
+    from spd.drafters.eagle3 import Eagle3Drafter
+    from spd.eagle3_module import Eagle3Module
+    from spd.runtime.chain import ChainDecoder
+
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    staged = StagedTarget(small_vocab_model, 1)
+    module = Eagle3Module.from_target(staged, seed=1).eval()
+    decoder = ChainDecoder(staged, Eagle3Drafter(module, staged.embed), PARAMS, frozenset(), m)
+    g = torch.Generator().manual_seed(3)
+    counts, rejected_cycles = {}, 0
+    for _ in range(SAMPLES):
+        out = decoder.generate(PROMPT, LENGTH, g)
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        rejected_cycles += sum(a < m for a in out.stats.accepted_per_cycle)
+    assert rejected_cycles > SAMPLES * 0.2
+    assert chi2_pvalue(counts, dist, SAMPLES) > ALPHA

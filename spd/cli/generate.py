@@ -1,4 +1,5 @@
-"""`spd-infer generate`: one prompt, decoded with SPD (or method=ar); text streams out as tokens are verified."""
+"""`spd-infer generate`: one prompt, decoded with SPD (or PPSD, SPD's output-state ablation, EAGLE-3's chain, or
+method=ar); text streams out as tokens are verified."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from transformers import TextStreamer
 
 from spd.ar import ar_generate
+from spd.runtime.chain import ChainDecoder
 from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
 from spd.runtime.stages import open_stages
 from spd.session import Session, encode_prompt, open_session
@@ -45,6 +47,9 @@ class Decoding:
         elif s.method == "ar":  # plain pipeline-parallel AR over the same stage processes
             result = pipeline_ar_generate(self.stages, prompt_ids, cfg.max_new_tokens, s.params, s.eos_ids,
                                           generator, on_token)
+        elif s.method == "eagle3":
+            decoder = ChainDecoder(s.staged, self.drafter, s.params, s.eos_ids, cfg.draft_length)
+            result = decoder.generate(prompt_ids, cfg.max_new_tokens, generator, on_token)
         else:
             decoder = PipelineDecoder(self.stages, self.drafter, s.params, s.eos_ids)
             result = decoder.generate(prompt_ids, cfg.max_new_tokens, generator, on_token)
@@ -81,6 +86,9 @@ def _fmt(x, spec=".3f"):
 
 
 def stats_line(out: dict) -> str:
+    if "tau" in out:   # draft-then-verify: tokens per target forward, not pipeline steps
+        return (f"[{out['method']} m={out['m']}] N={out['N']} cycles={out['cycles']} τ={_fmt(out['tau'])} "
+                f"tokens/s={out['tokens_per_s']:.1f}")
     return (f"[{out['method']} n={out['n']}] N={out['N']} K={_fmt(out['K'], 'd')} α={_fmt(out['alpha'])} "
             f"L′acc={_fmt(out['eal'])} rollbacks={_fmt(out['rollbacks'], 'd')} tokens/s={out['tokens_per_s']:.1f}")
 

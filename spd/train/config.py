@@ -96,7 +96,7 @@ class DeepSpeedSection:
 
 @dataclass
 class TrainConfig:
-    method: str = "spd"                 # spd | spd_output_state (paper Table 2) | ppsd: which drafter is trained
+    method: str = "spd"                 # spd | spd_output_state (paper Table 2) | ppsd | eagle3: what is trained
     output_dir: str = "outputs/train"
     seed: int = 0
     resume: bool = False
@@ -120,7 +120,18 @@ class TrainConfig:
 
     @staticmethod
     def check(cfg) -> None:
-        one_of(cfg, "method", PIPELINED_METHODS)
+        one_of(cfg, "method", (*PIPELINED_METHODS, "eagle3"))
+        if cfg.method == "eagle3":
+            m = cfg.model
+            pipelined_only = {"model.module_layers": m.module_layers != 1, "model.init_fc": m.init_fc != "random",
+                              "model.init_layers": m.init_layers is not None, "model.fc_bias": m.fc_bias,
+                              "model.feature_norm": m.feature_norm != "none",
+                              "model.init_attention": m.init_attention != "random",
+                              "occupancy_weights": cfg.occupancy_weights is not None}
+            bad = [key for key, set_ in pipelined_only.items() if set_]
+            if bad:
+                raise UserError(f"{', '.join(bad)} shape SPD's module, not EAGLE-3's (one layer, fixed inputs); "
+                                "leave them at their defaults with method=eagle3")
         for key, low in (("seed", 0), ("log_every", 1), ("eval_every", 0), ("eval_decodes", 0), ("eval_new_tokens", 1),
                          ("save_every", 0)):
             at_least(cfg, key, low)

@@ -16,6 +16,19 @@ from spd.train.objective import collate, kd_loss, teacher_pass
 
 
 @torch.no_grad()
+def decode_heldout(make_decoder, staged, tokenizer, heldout_convs, cfg) -> list:
+    """Greedy decodes of the first user turns of `cfg.eval_decodes` held-out conversations; their stats."""
+    eos = eos_ids_of(staged.config, tokenizer)
+    decoder = make_decoder(eos)
+    stats = []
+    for messages in heldout_convs[: cfg.eval_decodes]:
+        first_user = next((m["content"] for m in messages if m["role"] == "user"), None)
+        if first_user:
+            stats.append(decoder.generate(chat_prompt_ids(tokenizer, first_user), cfg.eval_new_tokens).stats)
+    return stats
+
+
+@torch.no_grad()
 def evaluate(module, staged, tokenizer, heldout_examples, heldout_convs, draft_to_target, cfg) -> dict:
     module.eval()
     g = torch.Generator().manual_seed(cfg.seed)
@@ -28,15 +41,9 @@ def evaluate(module, staged, tokenizer, heldout_examples, heldout_convs, draft_t
         kl, top1 = kd_loss(logits, teacher)
         kls.append(float(kl))
         agree.append(top1)
-    stats: list[DecodeStats] = []
-    eos = eos_ids_of(staged.config, tokenizer)
-    for messages in heldout_convs[: cfg.eval_decodes]:
-        first_user = next((m["content"] for m in messages if m["role"] == "user"), None)
-        if not first_user:
-            continue
-        ids = chat_prompt_ids(tokenizer, first_user)
-        decoder = PipelineDecoder(staged, ModuleDrafter(module), SamplingParams(), eos)
-        stats.append(decoder.generate(ids, cfg.eval_new_tokens).stats)
+    stats: list[DecodeStats] = decode_heldout(
+        lambda eos: PipelineDecoder(staged, ModuleDrafter(module), SamplingParams(), eos), staged, tokenizer,
+        heldout_convs, cfg)
     module.train()
     top1 = torch.cat(agree).mean().item() if agree else float("nan")
     return {"eval/kl": sum(kls) / max(1, len(kls)), "eval/top1": top1,

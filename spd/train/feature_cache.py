@@ -24,8 +24,13 @@ from spd.target.stages import StagedTarget
 DTYPES = {"float16": np.float16, "float32": np.float32}
 
 
-def cache_key(fingerprint: str, bounds: list[int], dtype: str, examples: list[dict]) -> str:
-    digest = hashlib.sha256(json.dumps([fingerprint, bounds, dtype]).encode())
+def cache_key(fingerprint: str, bounds: list[int], dtype: str, examples: list[dict],
+              layers: list[int] | None = None) -> str:
+    """layers: stored layers when they are not the pipeline's own (EAGLE-3's); the default keeps older keys."""
+    identity = [fingerprint, bounds, dtype]
+    if layers is not None and list(layers) != needed_layers(bounds):
+        identity.append(sorted(layers))
+    digest = hashlib.sha256(json.dumps(identity).encode())
     for ex in examples:
         digest.update(np.asarray(ex["input_ids"], dtype=np.int64).tobytes())
         digest.update(b"|")
@@ -54,15 +59,16 @@ class FeatureCache:
 
 @torch.no_grad()
 def build_or_load(staged: StagedTarget, fingerprint: str, examples: list[dict], root: str, dtype: str,
-                  log=print) -> FeatureCache:
+                  log=print, layers: list[int] | None = None) -> FeatureCache:
+    """layers: which H^l to store (default: every layer the pipeline's features read, H^L included)."""
     if dtype not in DTYPES:
         raise ValueError(f"teacher cache dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    key = cache_key(fingerprint, staged.bounds, dtype, examples)
+    key = cache_key(fingerprint, staged.bounds, dtype, examples, layers)
     path = os.path.join(root, key)
     if os.path.isfile(os.path.join(path, "meta.json")):
         log(f"teacher-feature cache hit: {path}")
         return FeatureCache(path)
-    layers = needed_layers(staged.bounds)
+    layers = sorted(layers) if layers is not None else needed_layers(staged.bounds)
     lengths = [len(ex["input_ids"]) for ex in examples]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     d = staged.config.hidden_size

@@ -23,17 +23,15 @@ from tqdm import tqdm
 from spd.checkpoint import save_checkpoint
 from spd.errors import UserError
 from spd.paths import check_writable_dir, is_empty_dir, read_run_config
-from spd.layout import needed_layers, sample_occupancy
 from spd.module import SpeculationModule
-from spd.module_init import init_previous_token_head
 from spd.target.loading import load_target
 from spd.target.stages import StagedTarget
 from spd.train.data import load_conversations, tokenize_conversations
-from spd.train.evaluate import evaluate
 from spd.train.feature_cache import DTYPES as CACHE_DTYPES
 from spd.train.feature_cache import build_or_load
 from spd.train.regenerate import regenerate, regenerated_path
-from spd.train.objective import build_draft_vocab, collate, kd_loss, teacher_pass, teacher_targets
+from spd.train.methods import objective_for
+from spd.train.objective import build_draft_vocab, collate, teacher_pass, teacher_targets
 
 PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 METRICS_FILE = "metrics.jsonl"
@@ -177,9 +175,9 @@ def regenerated_conversations(cfg, loaded, convs, log):
 
 
 @torch.no_grad()
-def feature_samples(staged: StagedTarget, examples: list[dict]) -> dict[int, torch.Tensor]:
-    """{layer: [M, d]} the needed hidden states at every token of `examples` (one unpadded forward each)."""
-    capture = frozenset(needed_layers(staged.bounds))
+def feature_samples(staged: StagedTarget, examples: list[dict], layers: list[int]) -> dict[int, torch.Tensor]:
+    """{layer: [M, d]} the given layers' hidden states at every token of `examples` (one unpadded forward each)."""
+    capture = frozenset(layers)
     rows: dict[int, list[torch.Tensor]] = {layer: [] for layer in capture}
     for ex in examples:
         _, hidden = staged.forward_all(torch.tensor([ex["input_ids"]], device=staged.device), None, capture=capture)
@@ -202,8 +200,12 @@ def gradient_norms(module: SpeculationModule) -> dict[str, float]:
         grads = [p.grad for p in params if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
     out = {"grad_norm": norm(module.parameters())}
-    out.update({f"grad_norm/fc{k}": norm(fc.parameters()) for k, fc in module.fc.items()})
-    out.update({"grad_norm/layers": norm(module.layers.parameters()), "grad_norm/head": norm(module.head.parameters())})
+    if isinstance(module, SpeculationModule):
+        out.update({f"grad_norm/fc{k}": norm(fc.parameters()) for k, fc in module.fc.items()})
+        out["grad_norm/layers"] = norm(module.layers.parameters())
+    else:   # EAGLE-3: one FC, one layer
+        out.update({"grad_norm/fc": norm(module.fc.parameters()), "grad_norm/layers": norm(module.layer.parameters())})
+    out["grad_norm/head"] = norm(module.head.parameters())
     return out
 
 
@@ -227,21 +229,10 @@ def prepare(cfg, log):
     draft = None
     if cfg.model.draft_vocab:
         draft = build_draft_vocab(train, cfg.model.draft_vocab, loaded.model.config.vocab_size).to(staged.device)
-    module = SpeculationModule.from_target(staged, cfg.model.module_layers, draft_to_target=draft, seed=cfg.seed,
-                                           feature_norm=cfg.model.feature_norm, fc_bias=cfg.model.fc_bias,
-                                           method=cfg.method)
-    if cfg.model.feature_norm == "standard" and not cfg.resume:  # on resume the statistics come with the state
-        module.fit_feature_norm(feature_samples(staged, train[: cfg.model.feature_norm_examples]))
-    if cfg.model.init_fc == "select":
-        module.init_selectors()
-    if cfg.model.init_layers:
-        if len(cfg.model.init_layers) != cfg.model.module_layers or not all(0 <= i < L for i in cfg.model.init_layers):
-            raise UserError(f"model.init_layers={list(cfg.model.init_layers)} needs {cfg.model.module_layers} "
-                            f"target layer indices in 0..{L - 1}")
-        module.init_layers_from([staged.layers[i] for i in cfg.model.init_layers])
-    if cfg.model.init_attention == "previous":
-        init_previous_token_head(module)
-    return loaded, staged, train, held, held_convs, draft, module
+    objective = objective_for(cfg)
+    module = objective.build(staged, draft, lambda: feature_samples(staged, train[: cfg.model.feature_norm_examples],
+                                                                    objective.layers(staged)))
+    return loaded, staged, train, held, held_convs, draft, module, objective
 
 
 def train(cfg) -> dict:
@@ -258,17 +249,18 @@ def train(cfg) -> dict:
     ds_config = deepspeed_config(cfg, world)
     weights = list(cfg.occupancy_weights) if cfg.occupancy_weights else None
     torch.manual_seed(cfg.seed)
-    loaded, staged, train_set, held, held_convs, draft, module = prepare(cfg, log)
+    loaded, staged, train_set, held, held_convs, draft, module, objective = prepare(cfg, log)
+    layers = objective.layers(staged)
     features = None
     if cfg.teacher_cache:
         # rank 0 writes the cache; the others open it once it exists
         if rank == 0:
             features = build_or_load(staged, loaded.fingerprint, train_set, cfg.teacher_cache_dir,
-                                     cfg.teacher_cache_dtype, log)
+                                     cfg.teacher_cache_dtype, log, layers)
         torch.distributed.barrier()
         if features is None:
             features = build_or_load(staged, loaded.fingerprint, train_set, cfg.teacher_cache_dir,
-                                     cfg.teacher_cache_dtype, log=lambda m: None)
+                                     cfg.teacher_cache_dtype, log=lambda m: None, layers=layers)
     module.to(PRECISION[cfg.deepspeed.precision]).train()
     optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
@@ -301,7 +293,6 @@ def train(cfg) -> dict:
 
         run = wandb.init(mode=cfg.wandb.mode, project=cfg.wandb.project, name=cfg.wandb.name, dir=out_dir,
                          config=resolved, resume="allow")
-    n = cfg.model.n
     pad = loaded.tokenizer.pad_token_id or 0
     extra = {"training": {"command": shlex.join([os.path.basename(sys.executable), *sys.argv]),
                           "data_sha256": examples_sha256(train_set),
@@ -327,28 +318,26 @@ def train(cfg) -> dict:
     with stop:
         for step in bar:
             t0 = time.perf_counter()
-            losses, agree, per_a, tokens, excluded = [], [], {a: [] for a in range(1, n + 1)}, 0, 0
+            losses, agree, groups, tokens, excluded = [], [], {}, 0, 0
             occ_gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + rank)
             for idx in micro_batches(len(train_set), cfg.seed, step, rank, world, cfg.deepspeed.micro_batch,
                                      cfg.deepspeed.accumulation):
                 batch = collate([train_set[i] for i in idx], pad)
                 if features is None:
-                    teacher = teacher_pass(staged, batch, draft)
+                    teacher = teacher_pass(staged, batch, draft, layers)
                 else:
                     cached = features.hidden(idx, batch["input_ids"].shape[1], staged.device)
                     teacher = teacher_targets(staged, cached, batch, draft)
                 hidden = {k: v.to(PRECISION[cfg.deepspeed.precision]) for k, v in teacher.hidden.items()}
-                occ = sample_occupancy(len(idx), n, occ_gen, cfg.p_full, weights).to(staged.device)
-                logits = engine(hidden, occ, batch["valid"].to(staged.device))
-                loss, top1 = kd_loss(logits, teacher)
+                loss, top1, hits = objective.step(engine, hidden, teacher, batch["valid"].to(staged.device), occ_gen)
                 engine.backward(loss)
                 if engine.is_gradient_accumulation_boundary():
                     grad_norms = gradient_norms(module)
                 engine.step()
                 losses.append(float(loss.detach()))
                 agree.append(top1)
-                for a, hit in zip(occ[teacher.positions[:, 0]].tolist(), top1.tolist()):
-                    per_a[a].append(hit)
+                for key, values in hits.items():
+                    groups.setdefault(key, []).extend(values)
                 tokens += int(batch["valid"].sum())
                 tokens_seen += int(batch["valid"].sum()) * world
                 excluded += teacher.excluded
@@ -357,10 +346,10 @@ def train(cfg) -> dict:
                        "lr": scheduler.get_last_lr()[0], **grad_norms,
                        "tokens_per_s": tokens * world / seconds, "train/excluded_positions": excluded,
                        "train/tokens_seen": tokens_seen}
-            metrics.update({f"train/top1_a{a}": sum(v) / len(v) for a, v in per_a.items() if v})
+            metrics.update({key: sum(v) / len(v) for key, v in sorted(groups.items()) if v})
             last = step + 1 == cfg.optim.steps
             if rank == 0 and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last):
-                metrics.update(evaluate(module, staged, loaded.tokenizer, held, held_convs, draft, cfg))
+                metrics.update(objective.evaluate(module, staged, loaded.tokenizer, held, held_convs, draft))
             if rank == 0:
                 with open(os.path.join(out_dir, METRICS_FILE), "a") as f:  # plain-text twin of the W&B history
                     f.write(json.dumps({"step": step + 1, **metrics}) + "\n")

@@ -49,10 +49,12 @@ class TeacherBatch:
 
 
 @torch.no_grad()
-def teacher_pass(staged: StagedTarget, batch: dict, draft_to_target: torch.Tensor | None) -> TeacherBatch:
-    """One frozen forward keeping only the needed layers; teacher probabilities only at loss positions."""
+def teacher_pass(staged: StagedTarget, batch: dict, draft_to_target: torch.Tensor | None,
+                 layers: list[int] | None = None) -> TeacherBatch:
+    """One frozen forward keeping only the needed layers (default: the pipeline features'; H^L always);
+    teacher probabilities only at loss positions."""
     ids = batch["input_ids"].to(staged.device)
-    capture = frozenset(needed_layers(staged.bounds))
+    capture = frozenset(layers if layers is not None else needed_layers(staged.bounds)) | {staged.num_layers}
     _, hidden = staged.forward_all(ids, cache=None, capture=capture)
     return teacher_targets(staged, hidden, batch, draft_to_target)
 
@@ -82,3 +84,20 @@ def kd_loss(student_logits: torch.Tensor, teacher: TeacherBatch) -> tuple[torch.
     kl = (p * (torch.log(p.clamp(min=1e-30)) - log_q)).sum(-1)
     agree = (rows.argmax(-1) == p.argmax(-1)).float()
     return kl.mean() if kl.numel() else rows.sum() * 0, agree
+
+
+def ttt_loss(step_logits: list[torch.Tensor], teacher: TeacherBatch, decay: float = 0.8
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """EAGLE-3's training-time-test loss: sum_j decay^j * forward KL of unrolled step j, and each step's top-1
+    agreement. step_logits[j] [B, N, V_draft]: row i predicts x_{i+2+j}, which the teacher's distribution at
+    position i+1+j gives, so a kept loss position p is scored by row p-1-j of step j (where that row exists)."""
+    total, agreement = None, []
+    for j, logits in enumerate(step_logits):
+        rows = teacher.positions[:, 1] - 1 - j
+        keep = rows >= 0
+        scored = TeacherBatch(teacher.hidden, teacher.probs[keep],
+                              torch.stack([teacher.positions[keep, 0], rows[keep]], dim=1), 0)
+        kl, agree = kd_loss(logits, scored)
+        total = decay ** j * kl if total is None else total + decay ** j * kl
+        agreement.append(agree)
+    return total, agreement

@@ -1,0 +1,79 @@
+"""Draft-then-verify decoding (EAGLE-3's chain, design §2): the drafter proposes m tokens one after another,
+the whole target checks them in one forward, the longest verified prefix is kept, and the target's own token at
+the first miss (or after the m-th draft) comes free. No pipeline: the target runs unsplit.
+
+Greedy keeps a draft iff it is the target's argmax; sampling accepts draft x ~ q with probability
+min(1, p(x)/q(x)) and otherwise draws from norm(max(0, p - q)) and stops the cycle (the rules of
+`spd.sampling`, applied in order along the chain), so the output is the target's own distribution.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from spd.decoding import GenerationResult, is_final, prefill
+from spd.drafters.eagle3 import Eagle3Drafter
+from spd.metrics import ChainStats
+from spd.runtime.pipeline import propose, settle
+from spd.sampling import SamplingParams, next_token
+from spd.target.stages import StagedTarget
+
+
+class ChainDecoder:
+    def __init__(self, target: StagedTarget, drafter: Eagle3Drafter, params: SamplingParams,
+                 eos_ids: frozenset[int], m: int):
+        if m < 1:
+            raise ValueError(f"m={m} draft tokens per cycle must be >= 1")
+        self.target, self.drafter, self.params, self.eos_ids, self.m = target, drafter, params, eos_ids, m
+        self.capture = frozenset(drafter.layers_needed())
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, generator: torch.Generator | None = None,
+                 on_token=None) -> GenerationResult:
+        target, params = self.target, self.params
+        start = time.perf_counter()
+        stats = ChainStats(m=self.m)
+        cache, hidden, captured = prefill(target, prompt_ids, self.capture)
+        tokens = list(prompt_ids) + [next_token(target.logits(hidden[0, -1]), params, generator)]
+        stats.N = 1
+        if on_token:
+            on_token(tokens[-1])
+        self.drafter.start(captured, tokens)
+        done = is_final(tokens[-1], stats.N, max_new_tokens, self.eos_ids)
+        while not done:
+            fed = len(tokens) - 1                 # position of the newest token: settled, not yet through the target
+            qs: list[torch.Tensor | None] = []
+
+            def choose(logits: torch.Tensor) -> int:
+                token, q = propose(logits, params, generator)
+                qs.append(q)
+                return token
+
+            drafts = self.drafter.draft(self.m, choose)
+            ids = torch.tensor([[tokens[-1], *drafts]], device=target.device)
+            out, captured = target.forward_all(ids, cache, fed, self.capture)
+            logits = target.logits(out[0])        # [m + 1, V]: row j is the target's p for position fed + 1 + j
+            stats.cycles += 1
+            accepted = 0
+            for j in range(self.m + 1):
+                if j < self.m:
+                    ok, token = settle(logits[j], drafts[j], qs[j], params, generator)
+                else:                             # every draft held: the target's next token comes free
+                    ok, token = False, next_token(logits[j], params, generator)
+                tokens.append(token)
+                stats.N += 1
+                accepted += ok
+                if on_token:
+                    on_token(token)
+                done = is_final(token, stats.N, max_new_tokens, self.eos_ids)
+                if done or not ok:
+                    break
+            stats.accepted += accepted
+            stats.accepted_per_cycle.append(accepted)
+            cache.crop(len(tokens) - 1)           # keep the fed positions that were verified
+            if not done:
+                self.drafter.verified({layer: h[:, : accepted + 1] for layer, h in captured.items()}, tokens)
+        generated = tokens[len(prompt_ids):]
+        return GenerationResult(token_ids=generated, seconds=time.perf_counter() - start, stats=stats)
