@@ -161,3 +161,29 @@ def test_bad_output_dirs_and_foreign_checkpoint(capsys, tiny_target_dir, tmp_pat
     code, err = run_eval(capsys, tiny_target_dir, str(foreign), "limit=1")
     assert code == 2 and "not written by `spd-infer eval`" in err
     assert os.listdir(foreign) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("method", ["ppsd", "spd_output_state", "eagle3"])
+def test_every_method_evaluates_losslessly_with_its_own_figures(capsys, tiny_target_dir, tmp_path, method):
+    out = str(tmp_path / method)
+    shape = ["draft_length=3"] if method == "eagle3" else ["n=3"]
+    code, err = run_eval(capsys, tiny_target_dir, out, f"method={method}", "limit=1", "exact_trace=true", *shape)
+    assert code == 0, err
+    rows = samples(out)
+    assert len(rows) == 3 and all(r["method"] == method and r["ar_match"] for r in rows)
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    table = open(os.path.join(out, "table.md")).read()
+    overall = summary["overall"]
+    L = load_target(tiny_target_dir).model.config.num_hidden_layers
+    if method == "eagle3":
+        tau = sum(r["N"] - 1 for r in rows) / sum(r["cycles"] for r in rows)
+        assert overall["tau_pooled"] == pytest.approx(tau)
+        assert summary["speedup"]["formula"]["overall"] == pytest.approx(tau * L / (3 + L))
+        assert summary["speedup"]["wall_clock"]["overall"] > 0
+        assert "EAGLE-3 (m=3, untrained)" in table
+    else:
+        assert overall["eal_pooled"] == pytest.approx(3 * overall["N"] / overall["K"])
+        # drafting after the step: S = L'acc * L / (L_s * n + L)
+        assert summary["speedup"]["formula"]["overall"] == pytest.approx(overall["eal_pooled"] * L / (3 + L))
+        assert summary["speedup"]["measured_cost"]["overall"] > 0
+        assert {"ppsd": "PPSD", "spd_output_state": "SPD output states"}[method] + " (n=3" in table

@@ -13,11 +13,16 @@ def cmd_eval(args) -> int:
     from spd.eval.harness import run_eval  # after the config is checked: bad input is refused before torch loads
 
     summary = run_eval(cfg, log=lambda msg: print(f"[eval] {msg}", file=sys.stderr))
-    overall = summary["overall"]
-    print(f"[eval] {summary['run']['label']} T={cfg.temperature:g}: L′acc (pooled) {overall['eal_pooled']:.3f}, "
-          f"mean of per-sample ratios {overall['eal_mean_of_ratios']:.3f}, {overall['samples']} samples -> "
-          f"{cfg.output_dir}", file=sys.stderr)
+    print(f"[eval] {summary['run']['label']} T={cfg.temperature:g}: {headline(summary['overall'])}, "
+          f"{summary['overall']['samples']} samples -> {cfg.output_dir}", file=sys.stderr)
     return 0
+
+
+def headline(overall: dict) -> str:
+    """L′acc for the pipelined drafters, τ for EAGLE-3's chain; pooled, then the mean of per-sample ratios."""
+    name, key = ("τ", "tau") if "tau_pooled" in overall else ("L′acc", "eal")
+    return (f"{name} (pooled) {overall[f'{key}_pooled']:.3f}, mean of per-sample ratios "
+            f"{overall[f'{key}_mean_of_ratios']:.3f}")
 
 
 def cmd_report(args) -> int:
@@ -27,5 +32,5 @@ def cmd_report(args) -> int:
         print(path)
     for directory in args.dirs:
         run = load_run(directory)
-        print(f"{directory}: {run['run']['label']} L′acc {run['overall']['eal_pooled']:.3f}", file=sys.stderr)
+        print(f"{directory}: {run['run']['label']} {headline(run['overall'])}", file=sys.stderr)
     return 0

@@ -25,6 +25,7 @@ from spd.eval.output import EvalOutput, check_output_dir, write_json
 from spd.eval.summary import summarise
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
+from spd.runtime.chain import ChainDecoder
 from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
 from spd.runtime.stages import open_stages
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
@@ -60,7 +61,10 @@ def fast_sample(session: Session, traces: TraceCache, dataset: str, question_id,
 
 def runtime_sample(session: Session, cfg, seed: int, prompt_ids, stages) -> dict:
     device = session.staged.device
-    decoder = PipelineDecoder(stages, session.drafter(cfg.module_cache), session.params, session.eos_ids)
+    if session.method == "eagle3":
+        decoder = ChainDecoder(session.staged, session.drafter(), session.params, session.eos_ids, cfg.draft_length)
+    else:
+        decoder = PipelineDecoder(stages, session.drafter(cfg.module_cache), session.params, session.eos_ids)
     spd = decoder.generate(prompt_ids, cfg.max_new_tokens, torch.Generator(device=device).manual_seed(seed))
     record = {"mode": "runtime", "token_ids": spd.token_ids, **spd.stats.as_dict(), "ar_match": None,
               "wall_s": spd.seconds, "tokens_per_s": spd.tokens_per_s, "ar_tokens_per_s": None}
@@ -96,9 +100,15 @@ def machine(device: torch.device) -> str:
 METHOD_NAMES = {"spd": "SPD", "ppsd": "PPSD", "spd_output_state": "SPD output states"}
 
 
+def module_layers(module) -> int:
+    return len(module.layers) if hasattr(module, "layers") else 1   # EAGLE-3: one layer
+
+
 def run_label(session: Session, cfg) -> str:
     suffix = "" if session.checkpoint else ", untrained"
-    return f"{METHOD_NAMES[session.method]} (n={session.staged.n}, L_s={len(session.module.layers)}{suffix})"
+    if session.method == "eagle3":
+        return f"EAGLE-3 (m={cfg.draft_length}{suffix})"
+    return f"{METHOD_NAMES[session.method]} (n={session.staged.n}, L_s={module_layers(session.module)}{suffix})"
 
 
 def run_eval(cfg, log=print) -> dict:
@@ -115,9 +125,9 @@ def run_eval(cfg, log=print) -> dict:
     work = [(ds, q) for ds in cfg.datasets for q in load_questions(ds)[: cfg.limit]]
     done = out.done()
     todo = [(ds, q) for ds, q in work if (ds, str(q["question_id"])) not in done]
-    fast = session.params.greedy and not cfg.exact_trace and cfg.runtime == "local"
+    fast = session.params.greedy and not cfg.exact_trace and cfg.runtime == "local" and session.method != "eagle3"
     traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens) if fast else None
-    L_s = len(session.module.layers)
+    L_s = module_layers(session.module)
     log(f"{len(work)} prompts, {len(work) - len(todo)} already done; "
         f"{'fast evaluator (greedy)' if fast else 'step-by-step runtime'}")
     capture = session.drafter().layers_needed(session.staged.bounds)
@@ -137,11 +147,14 @@ def run_eval(cfg, log=print) -> dict:
     samples = [s for s in out.samples if (s["dataset"], str(s["question_id"])) in selected]
     summary = summarise(samples, list(cfg.datasets))
     # Calibration times every stage in this process; under runtime=distributed it holds none (the clock is measured).
+    # (EAGLE-3 needs no pipeline: the clock judges it directly, tokens/s against AR in the same run)
     calibration = calibrate(session.staged, session.module, session.params) \
-        if cfg.calibrate and cfg.runtime == "local" else None
-    summary["speedup"] = speedups(summary, session.staged, session.module, calibration)
+        if cfg.calibrate and cfg.runtime == "local" and session.method != "eagle3" else None
+    summary["speedup"] = speedups(summary, session.staged, session.module, calibration) \
+        if session.method != "eagle3" else chain_speedups(summary, session.staged.num_layers, cfg.draft_length)
     summary["run"] = {"method": session.method, "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
                       "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": 1,
+                      "draft_length": cfg.draft_length if session.method == "eagle3" else None,
                       "max_new_tokens": cfg.max_new_tokens, "checkpoint": session.checkpoint,
                       "target": session.loaded.name, "mode": "fast" if fast else "runtime",
                       "runtime": cfg.runtime, "stage_bounds": session.staged.bounds}
@@ -167,6 +180,15 @@ def speedups(summary: dict, staged, module, calibration: dict | None) -> dict:
     return {"formula": formula, "measured_cost": measured, "calibration": calibration}
 
 
+def chain_speedups(summary: dict, num_layers: int, m: int) -> dict:
+    """EAGLE-3: S = tau * L / (L_s * m + L) (design §3), and the clock: tokens/s against AR in the same run."""
+    groups = {**summary["datasets"], "overall": summary["overall"]}
+    formula = {k: v["tau_pooled"] * num_layers / (m + num_layers) for k, v in groups.items() if v.get("tau_pooled")}
+    clock = {k: v["tokens_per_s"] / v["ar_tokens_per_s"] for k, v in groups.items()
+             if v.get("tokens_per_s") and v.get("ar_tokens_per_s")}
+    return {"formula": formula, "measured_cost": None, "wall_clock": clock or None, "calibration": None}
+
+
 def log_wandb(cfg, resolved: dict, summary: dict) -> None:
     """One W&B run per eval (offline by default): L'acc per dataset as metrics and summary, plus the table."""
     if cfg.wandb.mode == "disabled":
@@ -179,16 +201,16 @@ def log_wandb(cfg, resolved: dict, summary: dict) -> None:
                      tags=[f"n={summary['run']['n']}", f"T={cfg.temperature:g}"])
     metrics = {}
     for ds, figures in {**summary["datasets"], "overall": summary["overall"]}.items():
-        for key in ("eal_pooled", "eal_mean_of_ratios", "alpha_pooled", "rollbacks", "N", "K"):
+        for key in ("eal_pooled", "eal_mean_of_ratios", "alpha_pooled", "rollbacks", "N", "K", "tau_pooled", "cycles"):
             metrics[f"eval/{ds}/{key}"] = figures.get(key)
-    for kind in ("formula", "measured_cost"):
-        for ds, value in (summary["speedup"][kind] or {}).items():
+    for kind in ("formula", "measured_cost", "wall_clock"):
+        for ds, value in (summary["speedup"].get(kind) or {}).items():
             metrics[f"speedup/{kind}/{ds}"] = value
     metrics = {k: v for k, v in metrics.items() if v is not None}
     run.log(metrics)
-    rows = [[ds, f["samples"], f["eal_pooled"], f["eal_mean_of_ratios"], f["alpha_pooled"],
+    rows = [[ds, f["samples"], f.get("eal_pooled"), f.get("tau_pooled"), f.get("alpha_pooled"),
              (summary["speedup"]["measured_cost"] or {}).get(ds)] for ds, f in summary["datasets"].items()]
-    run.log({"eval/table": wandb.Table(columns=["dataset", "samples", "eal_pooled", "eal_mean_of_ratios",
+    run.log({"eval/table": wandb.Table(columns=["dataset", "samples", "eal_pooled", "tau_pooled",
                                                 "alpha_pooled", "measured_cost_speedup"], data=rows)})
     run.summary.update(metrics)
     run.finish()

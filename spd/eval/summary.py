@@ -12,10 +12,30 @@ def _mean(values):
     return mean(values) if values else None
 
 
+def pool_chain(samples: list[dict]) -> dict:
+    """Draft-then-verify samples (EAGLE-3): tau = settled tokens per target forward, bonus token included."""
+    total_n, cycles = sum(s["N"] for s in samples), sum(s["cycles"] for s in samples)
+    histogram: Counter = Counter()
+    for s in samples:
+        histogram.update({int(k): v for k, v in s["accepted_histogram"].items()})
+    checked = [s for s in samples if s.get("ar_match") is not None]
+    return {
+        "samples": len(samples), "N": total_n, "cycles": cycles, "m": samples[0]["m"],
+        "tau_pooled": (total_n - len(samples)) / cycles if cycles else None,
+        "tau_mean_of_ratios": _mean(s["tau"] for s in samples),
+        "accepted_histogram": {str(k): histogram[k] for k in sorted(histogram)},
+        "ar_checked": len(checked), "ar_match": sum(bool(s["ar_match"]) for s in checked),
+        "tokens_per_s": _mean(s.get("tokens_per_s") for s in samples),
+        "ar_tokens_per_s": _mean(s.get("ar_tokens_per_s") for s in samples),
+    }
+
+
 def pool(samples: list[dict]) -> dict:
-    """Figures for one group of samples that share n."""
+    """Figures for one group of samples that share n (or, for EAGLE-3's chain, m)."""
     if not samples:
         return {}
+    if "tau" in samples[0]:
+        return pool_chain(samples)
     n = samples[0]["n"]
     total_n, total_k = sum(s["N"] for s in samples), sum(s["K"] for s in samples)
     histogram: Counter = Counter()
