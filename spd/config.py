@@ -189,12 +189,25 @@ def load_config(schema: type, path: str | None, overrides: list[str], text: dict
         if "not in struct" in first or "Key '" in first and "not" in first:
             raise UserError(f"unknown config key {key!r}; valid keys: {', '.join(base.keys())}") from None
         raise UserError(f"bad value for config key {key!r}: {first}") from None
+    except TypeError:  # omegaconf: a mapping given to a list key (or the reverse) is a TypeError, not its own error
+        raise UserError(f"{_mistyped(base, overrides)}: the value's shape does not fit the key (a list key needs "
+                        "[a, b], a section needs its own keys)") from None
     except yaml.YAMLError as exc:  # a value YAML cannot read, e.g. n=[1,
         raise UserError(f"an override is not valid YAML ({_yaml_problem(exc)}); quote or fix it") from None
     check_numbers(cfg)
     run_checks(schema, cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _mistyped(base, overrides: list[str]) -> str:
+    """Which `key=value` cannot be merged into the schema (a config file's value, when none of them)."""
+    for item in overrides:
+        try:
+            OmegaConf.merge(base, OmegaConf.from_dotlist([item]))
+        except (TypeError, OmegaConfBaseException, yaml.YAMLError):
+            return f"bad value for config key {split_override(item)[0]!r}"
+    return "a value in the config file has the wrong shape"
 
 
 def run_checks(schema: type, cfg) -> None:
