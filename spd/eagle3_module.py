@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from spd.attention import _heads, attend, rotate
+from spd.draft_head import DraftHead
 from spd.target.stages import StagedTarget
 
 TTT_STEPS = 7        # unrolled steps of the training-time test
@@ -29,7 +30,7 @@ def fused_layers(num_layers: int) -> tuple[int, int, int]:
     return tuple(min(max(layer, 0), num_layers) for layer in (2, num_layers // 2, num_layers - 3))
 
 
-class Eagle3Module(nn.Module):
+class Eagle3Module(DraftHead, nn.Module):
     def __init__(self, target_config, layer_cls, rotary_cls, norm_cls, draft_to_target: torch.Tensor | None = None):
         super().__init__()
         d = target_config.hidden_size
@@ -50,13 +51,7 @@ class Eagle3Module(nn.Module):
         self.layer = layer
         self.rotary = rotary_cls(cfg)
         self.norm = norm_cls(d, eps=cfg.rms_norm_eps)
-        vocab = target_config.vocab_size if draft_to_target is None else int(draft_to_target.numel())
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.target_vocab_size = target_config.vocab_size
-        if draft_to_target is not None:
-            self.register_buffer("draft_to_target", draft_to_target.long().clone())
-        else:
-            self.draft_to_target = None
+        self.build_head(d, target_config, draft_to_target)
 
     @classmethod
     def from_target(cls, target: StagedTarget, draft_to_target: torch.Tensor | None = None,
@@ -66,9 +61,7 @@ class Eagle3Module(nn.Module):
             torch.manual_seed(seed)
             module = cls(target.config, type(target.layers[0]), type(target.decoder.rotary_emb),
                          type(target.decoder.norm), draft_to_target)
-        head = target.model.lm_head.weight.detach()
-        module.head.weight.data.copy_(head if draft_to_target is None else head[draft_to_target.long()])
-        module.norm.load_state_dict(target.decoder.norm.state_dict())
+        module.copy_target_output(target)
         return module.to(device=target.device, dtype=target.dtype)
 
     def layers_needed(self) -> list[int]:
@@ -108,13 +101,6 @@ class Eagle3Module(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., V_draft] from pre-norm outputs h [..., d]."""
         return self.head(self.norm(h))
-
-    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Head logits [..., V_draft] -> [..., V_target] (-inf outside the draft vocabulary)."""
-        if self.draft_to_target is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.target_vocab_size), float("-inf"))
-        return full.index_copy(-1, self.draft_to_target, logits)
 
     # ---------------------------------------------------------------- training-time test
     def forward_ttt(

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from spd.attention import layer_forward, memory_kv
+from spd.draft_head import DraftHead
 from spd.layout import plan_for
 from spd.target.stages import StagedTarget
 
@@ -22,7 +23,7 @@ from spd.target.stages import StagedTarget
 FEATURE_NORMS = ("none", "standard")
 
 
-class SpeculationModule(nn.Module):
+class SpeculationModule(DraftHead, nn.Module):
     def __init__(self, target_config, bounds: list[int], num_layers: int, layer_cls, rotary_cls, norm_cls,
                  draft_to_target: torch.Tensor | None = None, feature_norm: str = "none", fc_bias: bool = False,
                  method: str = "spd"):
@@ -59,13 +60,7 @@ class SpeculationModule(nn.Module):
         self.rotary = rotary_cls(cfg)
         self._rope_takes_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.norm = norm_cls(d, eps=cfg.rms_norm_eps)
-        vocab = target_config.vocab_size if draft_to_target is None else int(draft_to_target.numel())
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.target_vocab_size = target_config.vocab_size
-        if draft_to_target is not None:
-            self.register_buffer("draft_to_target", draft_to_target.long().clone())
-        else:
-            self.draft_to_target = None
+        self.build_head(d, target_config, draft_to_target)
 
     @classmethod
     def from_target(cls, target: StagedTarget, num_layers: int = 1, draft_to_target: torch.Tensor | None = None,
@@ -81,10 +76,7 @@ class SpeculationModule(nn.Module):
             layer0 = target.layers[0]
             module = cls(target.config, target.bounds, num_layers, type(layer0), type(target.decoder.rotary_emb),
                          type(target.decoder.norm), draft_to_target, feature_norm, fc_bias, method)
-        head = target.model.lm_head.weight.detach()
-        rows = head if draft_to_target is None else head[draft_to_target.long()]
-        module.head.weight.data.copy_(rows)
-        module.norm.load_state_dict(target.decoder.norm.state_dict())
+        module.copy_target_output(target)
         return module.to(device=target.device, dtype=target.dtype)
 
     @torch.no_grad()
@@ -132,13 +124,6 @@ class SpeculationModule(nn.Module):
         if self._rope_takes_type:
             return self.rotary(like, positions, "full_attention")
         return self.rotary(like, positions)
-
-    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Head logits [..., V_draft] -> [..., V_target] (-inf outside the draft vocabulary)."""
-        if self.draft_to_target is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.target_vocab_size), float("-inf"))
-        return full.index_copy(-1, self.draft_to_target, logits)
 
     # ---------------------------------------------------------------- training layout
     def forward_layout(
