@@ -239,6 +239,9 @@ def read_config_file(path: str):
         raise UserError(f"config file {path!r} is not text (not UTF-8); give a YAML file") from None
     except yaml.YAMLError as exc:
         raise UserError(f"config file {path!r} is not valid YAML ({_yaml_problem(exc)}); fix it") from None
+    except AssertionError:  # omegaconf asserts on a document that is a single value (e.g. `0`)
+        raise UserError(f"config file {path!r} holds a single value, not a mapping of keys to values "
+                        "(key: value lines)") from None
     if not OmegaConf.is_dict(data):
         raise UserError(f"config file {path!r} holds a YAML list, not a mapping of keys to values (key: value lines)")
     return data
