@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from spd.attention import memory_kv, rotate
+from spd.eval.output import write_json
 from spd.checkpoint import load_checkpoint, read_checkpoint_config
 from spd.fast_eval import GreedyTrace, fast_greedy_stats
 from spd.layout import needed_layers
@@ -229,9 +230,7 @@ def main() -> int:
         result["modules"][label] = row
         print(json.dumps({label: {k: v for k, v in row.items() if k != "training"}}))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(args.out + ".tmp", args.out)
+    write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

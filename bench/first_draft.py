@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from spd.eval.output import write_json
 from spd.checkpoint import load_checkpoint, read_checkpoint_config
 from spd.fast_eval import GreedyTrace
 from spd.target.loading import load_target
@@ -85,9 +86,7 @@ def main() -> int:
                                    "acceptance_by_step": eagle_step_acceptance(module, whole, traces, 7)}
         print(json.dumps({label: result["eagle3"][label]}))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(args.out + ".tmp", args.out)
+    write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

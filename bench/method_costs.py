@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from spd.eval.output import write_json
 from spd.checkpoint import load_checkpoint
 from spd.eval.calibrate import calibrate, measured_cost_speedup
 from spd.sampling import SamplingParams
@@ -48,9 +49,8 @@ def main() -> int:
             "measured_cost": {k: measured_cost_speedup(v["alpha_pooled"], cal) for k, v in groups.items()},
             "calibration": cal}
         print(json.dumps({label: {k: v for k, v in result["runs"][label].items() if k != "calibration"}}))
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(args.out + ".tmp", args.out)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
 
