@@ -128,9 +128,15 @@ def layer_forward(
         own_k = torch.cat([own_k, extra_k], dim=3)
         own_v = torch.cat([own_v, extra_v], dim=3)
         own_mask = torch.cat([torch.ones_like(extra_mask[..., :1]), extra_mask], dim=-1)
-    out = attend(q, shared_k, shared_v, shared_mask, own_k, own_v, own_mask, attn.scaling)
-    b, _, nq, _ = out.shape
-    out = attn.o_proj(out.transpose(1, 2).reshape(b, nq, -1))
+    return layer_output(layer, hidden, attend(q, shared_k, shared_v, shared_mask, own_k, own_v, own_mask,
+                                              attn.scaling))
+
+
+def layer_output(layer: nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The rest of a decoder layer after attention: output projection, residual, MLP (Gemma's sandwich norms too).
+    hidden [B, Q, d] is the layer's residual input, attended [B, H, Q, hd]. Returns [B, Q, d]."""
+    b, _, nq, _ = attended.shape
+    out = layer.self_attn.o_proj(attended.transpose(1, 2).reshape(b, nq, -1))
     if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: sandwich norms around attention and MLP
         hidden = hidden + layer.post_attention_layernorm(out)
         return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))

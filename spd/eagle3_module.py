@@ -17,7 +17,7 @@ import inspect
 import torch
 from torch import nn
 
-from spd.attention import _heads, attend, rotate
+from spd.attention import _heads, attend, layer_output, rotate
 from spd.draft_head import DraftHead
 from spd.target.stages import StagedTarget
 
@@ -50,6 +50,7 @@ class Eagle3Module(DraftHead, nn.Module):
             setattr(attn, name, nn.Linear(2 * d, old.out_features, bias=old.bias is not None))
         self.layer = layer
         self.rotary = rotary_cls(cfg)
+        self._rope_takes_type = "layer_type" in inspect.signature(self.rotary.forward).parameters   # once, not per draft
         self.norm = norm_cls(d, eps=cfg.rms_norm_eps)
         self.build_head(d, target_config, draft_to_target)
 
@@ -74,7 +75,7 @@ class Eagle3Module(DraftHead, nn.Module):
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor):
         """cos, sin [B, S, hd] for positions [B, S]."""
-        if "layer_type" in inspect.signature(self.rotary.forward).parameters:
+        if self._rope_takes_type:
             return self.rotary(like, positions, "full_attention")
         return self.rotary(like, positions)
 
@@ -88,15 +89,9 @@ class Eagle3Module(DraftHead, nn.Module):
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def finish(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """The layer's output (pre-norm) [B, S, d] from its residual input h and attention output [B, H, S, hd]."""
-        layer = self.layer
-        b, _, s, _ = attended.shape
-        out = layer.self_attn.o_proj(attended.transpose(1, 2).reshape(b, s, -1))
-        if hasattr(layer, "pre_feedforward_layernorm"):   # Gemma: sandwich norms around attention and MLP
-            h = h + layer.post_attention_layernorm(out)
-            return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
-        h = h + out
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        """The layer's output (pre-norm) [B, S, d] from its residual input h and attention output [B, H, S, hd]:
+        the rest of the target family's decoder layer, exactly as the speculation module runs it."""
+        return layer_output(self.layer, h, attended)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., V_draft] from pre-norm outputs h [..., d]."""
