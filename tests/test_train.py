@@ -186,3 +186,26 @@ def test_teacher_feature_cache_is_reused_invalidated_and_faithful(tmp_path):
     a, b = weights(tmp_path / "a"), weights(plain)
     for key in a:  # float32 cache: the same function of the same teacher states as the uncached run
         torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=1e-4)
+
+
+def test_one_teacher_cache_entry_serves_other_layouts_and_methods(tmp_path):
+    """An entry written with teacher_cache_layers (the union of n = 2, 3 and EAGLE-3's layers) is reused by runs at
+    another n and of another method on the same data, and they train exactly as on an entry of their own."""
+    shared, own = tmp_path / "shared", tmp_path / "own"
+    opts = ["teacher_cache=true", "teacher_cache_dtype=float32"]
+    first = run_train(tmp_path / "a", *opts, f"teacher_cache_dir={shared}", "teacher_cache_layers=[3,5,7]")
+    assert "writing teacher-feature cache" in first.stderr + first.stdout
+    (entry,) = os.listdir(shared)
+    assert json.loads((shared / entry / "meta.json").read_text())["layers"] == [0, 2, 3, 4, 5, 7, 10]
+    for name, extra in (("n2", ["model.n=2"]), ("eagle", ["method=eagle3"])):
+        reused = run_train(tmp_path / name, *opts, *extra, f"teacher_cache_dir={shared}")
+        assert "teacher-feature cache hit" in reused.stderr + reused.stdout
+        assert os.listdir(shared) == [entry]
+        run_train(tmp_path / f"{name}_own", *opts, *extra, f"teacher_cache_dir={own}")
+        a, b = weights(tmp_path / name), weights(tmp_path / f"{name}_own")
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], atol=0, rtol=0)
+    assert len(os.listdir(own)) == 2  # neither of them had a superset entry to share there
+    proc = run_train(tmp_path / "bad", *opts, f"teacher_cache_dir={shared}", "teacher_cache_layers=[11]", check=False)
+    assert proc.returncode == 2 and "teacher_cache_layers" in proc.stderr.strip().splitlines()[-1]

@@ -111,6 +111,9 @@ class TrainConfig:
     teacher_cache: bool = False         # compute the teacher's needed hidden states once, reuse them every epoch
     teacher_cache_dir: str = "outputs/cache/teacher"
     teacher_cache_dtype: str = "float16"  # float16 halves the disk; float32 keeps the teacher's exact values
+    # H^l to store beside the run's own when the cache entry is written, so runs at other n or of other methods on
+    # the same data reuse that one entry (e.g. the union of what n = 3, n = 8 and EAGLE-3 read)
+    teacher_cache_layers: List[int] = field(default_factory=list)
     overwrite: bool = False             # start afresh in a non-empty output_dir (its old run is deleted)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)

@@ -251,16 +251,21 @@ def train(cfg) -> dict:
     torch.manual_seed(cfg.seed)
     loaded, staged, train_set, held, held_convs, draft, module, objective = prepare(cfg, log)
     layers = objective.layers(staged)
+    outside = [l for l in cfg.teacher_cache_layers if not 0 <= l <= staged.num_layers]
+    if outside:
+        raise UserError(f"teacher_cache_layers has {outside}, outside this target's hidden states 0..{staged.num_layers}; "
+                        "drop them")
     features = None
     if cfg.teacher_cache:
         # rank 0 writes the cache; the others open it once it exists
         if rank == 0:
             features = build_or_load(staged, loaded.fingerprint, train_set, cfg.teacher_cache_dir,
-                                     cfg.teacher_cache_dtype, log, layers)
+                                     cfg.teacher_cache_dtype, log, layers, list(cfg.teacher_cache_layers))
         torch.distributed.barrier()
         if features is None:
             features = build_or_load(staged, loaded.fingerprint, train_set, cfg.teacher_cache_dir,
-                                     cfg.teacher_cache_dtype, log=lambda m: None, layers=layers)
+                                     cfg.teacher_cache_dtype, log=lambda m: None, layers=layers,
+                                     extra_layers=list(cfg.teacher_cache_layers))
     module.to(PRECISION[cfg.deepspeed.precision]).train()
     optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
