@@ -40,9 +40,10 @@ def _margin(logits: torch.Tensor) -> float:
 
 @torch.no_grad()
 def record_greedy_trace(staged: StagedTarget, prompt_ids: list[int], max_new_tokens: int,
-                        eos_ids: frozenset[int]) -> GreedyTrace:
-    """Incremental greedy AR decoding (bitwise the pipeline's path) that keeps the needed layers of every position."""
-    capture = frozenset(needed_layers(staged.bounds))
+                        eos_ids: frozenset[int], layers: list[int] | None = None) -> GreedyTrace:
+    """Incremental greedy AR decoding (bitwise the pipeline's path) that keeps `layers` (default: what the layout's
+    features read) of every position."""
+    capture = frozenset(needed_layers(staged.bounds) if layers is None else layers)
     cache, hidden, captured = prefill(staged, prompt_ids, capture)
     parts = {layer: [h] for layer, h in captured.items()}
     logits = staged.logits(hidden[0, -1])

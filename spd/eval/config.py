@@ -33,6 +33,9 @@ class EvalConfig:
     output_dir: str = "outputs/eval/run"
     resume: bool = True                 # skip samples already in output_dir/samples.jsonl (same config only)
     trace_cache_dir: str = "outputs/cache/traces"
+    # H^l to record beside the run's own when a trace directory is made, so evals at other n and EAGLE-3's reuse
+    # the same greedy decodes (a trace directory that stores a run's layers serves it, whatever its layout)
+    trace_layers: List[int] = field(default_factory=list)
     runtime: str = "local"              # local | distributed (one process per stage; always the step-by-step runtime)
     threads_per_stage: Optional[int] = None
     master_addr: str = "127.0.0.1"

@@ -2,7 +2,8 @@
 T=1/top-k 50/top-p 1.0, a fixed seed per prompt), per-sample JSONL, pooled summaries, report, W&B.
 
 Greedy runs use the exact fast evaluator by default: the target's greedy trace (cached) plus batched module passes
-give every N and K the step-by-step runtime would (bench/fast_eval_check.py proves it on the eval prompts);
+give every N and K the step-by-step runtime would (bench/fast_eval_check.py proves it on the eval prompts; EAGLE-3's
+chain has its own, `spd.fast_eval_chain`, checked the same way);
 `exact_trace=true` runs the runtime itself, and then plain AR as well, checking every sample token for token.
 """
 
@@ -25,6 +26,7 @@ from spd.eval.output import EvalOutput, check_output_dir, write_json
 from spd.eval.summary import summarise
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
+from spd.fast_eval_chain import fast_chain_stats
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
 from spd.runtime.stages import open_stages
@@ -47,10 +49,13 @@ def prompt_seed(seed: int, dataset: str, question_id) -> int:
     return zlib.crc32(f"{seed}/{dataset}/{question_id}".encode())
 
 
-def fast_sample(session: Session, traces: TraceCache, dataset: str, question_id, prompt_ids) -> dict:
+def fast_sample(session: Session, cfg, traces: TraceCache, dataset: str, question_id, prompt_ids) -> dict:
     trace, info = traces.get(dataset, question_id, prompt_ids)
     start = time.perf_counter()
-    result = fast_greedy_stats(session.module, trace)
+    if session.method == "eagle3":
+        result = fast_chain_stats(session.module, trace, cfg.draft_length)
+    else:
+        result = fast_greedy_stats(session.module, trace)
     seconds = time.perf_counter() - start
     stats = result["stats"]
     return {"mode": "fast", "token_ids": trace.tokens, **stats.as_dict(), "ar_match": None,
@@ -125,18 +130,25 @@ def run_eval(cfg, log=print) -> dict:
     work = [(ds, q) for ds in cfg.datasets for q in load_questions(ds)[: cfg.limit]]
     done = out.done()
     todo = [(ds, q) for ds, q in work if (ds, str(q["question_id"])) not in done]
-    fast = session.params.greedy and not cfg.exact_trace and cfg.runtime == "local" and session.method != "eagle3"
-    traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens) if fast else None
+    fast = session.params.greedy and not cfg.exact_trace and cfg.runtime == "local"
+    capture = session.drafter().layers_needed(session.staged.bounds)
+    outside = [l for l in cfg.trace_layers if not 0 <= l <= session.staged.num_layers]
+    if outside:
+        raise UserError(f"trace_layers has {outside}, outside this target's hidden states "
+                        f"0..{session.staged.num_layers}; drop them")
+    # a pipelined layout's traces hold every layer its features read (one directory per layout serves all plans)
+    read = capture if session.method == "eagle3" else None
+    traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens, read,
+                        list(cfg.trace_layers)) if fast else None
     L_s = module_layers(session.module)
     log(f"{len(work)} prompts, {len(work) - len(todo)} already done; "
         f"{'fast evaluator (greedy)' if fast else 'step-by-step runtime'}")
-    capture = session.drafter().layers_needed(session.staged.bounds)
     with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
         for ds, q in tqdm(todo, desc="eval", unit="prompt", disable=False):  # explicit: the CLI mutes other bars
             ids = chat_prompt_ids(tok, q["turns"][0])
             seed = prompt_seed(cfg.seed, ds, q["question_id"])
             with torch.no_grad():
-                rec = fast_sample(session, traces, ds, q["question_id"], ids) if fast else \
+                rec = fast_sample(session, cfg, traces, ds, q["question_id"], ids) if fast else \
                     runtime_sample(session, cfg, seed, ids, stages)
             token_ids = rec.pop("token_ids")
             out.append({"question_id": q["question_id"], "dataset": ds, "method": session.method, "L_s": L_s,

@@ -1,7 +1,8 @@
 """The target's own greedy decodes, cached: what the exact fast evaluator replays and what greedy SPD must equal.
 
-One directory per (target weights, stage bounds, dtype, device type, max_new_tokens); one file per prompt inside
-it, written atomically and holding the prompt's token ids. An interrupted recording resumes where it stopped, a
+One directory per (target weights, stored layers, dtype, device type, max_new_tokens); one file per prompt inside
+it, written atomically and holding the prompt's token ids. A layout's own directory stores the layers its features
+read; `extra_layers` makes one that several layouts and EAGLE-3 share (found by its layers). An interrupted recording resumes where it stopped, a
 subset (`limit=`) reuses the full set's files, a changed prompt is re-recorded, and a change to the target or the
 settings lands in a new directory (the old one is never reused by mistake).
 """
@@ -17,32 +18,74 @@ import torch
 
 from spd.decoding import eos_ids_of
 from spd.fast_eval import GreedyTrace, record_greedy_trace
+from spd.layout import needed_layers
 from spd.target.loading import LoadedTarget
 from spd.target.stages import StagedTarget
 
 
 def trace_key(fingerprint: str, bounds: list[int], dtype: torch.dtype, device: torch.device,
-              max_new_tokens: int) -> str:
+              max_new_tokens: int, layers: list[int] | None = None) -> str:
+    """layers: the stored H^l when they are not the layout's own (a set shared by several layouts or methods)."""
     payload = {"target": fingerprint, "bounds": list(bounds), "dtype": str(dtype), "device": torch.device(device).type,
                "max_new_tokens": max_new_tokens}
+    if layers is not None and sorted(layers) != needed_layers(bounds):
+        payload["bounds"] = None
+        payload["layers"] = sorted(layers)
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 
-class TraceCache:
-    """Greedy traces per (dataset, question_id), recorded on first use."""
+def find_shared(root: str, fingerprint: str, dtype: torch.dtype, device: torch.device, max_new_tokens: int,
+                layers: list[int]) -> str | None:
+    """A directory of traces of the same target and settings that stores every layer in `layers`. The target's
+    greedy decode and its hidden states do not depend on how it is split, so one recording serves any layout (and
+    EAGLE-3) whose layers it holds."""
+    if not os.path.isdir(root):
+        return None
+    for name in sorted(os.listdir(root)):
+        try:
+            with open(os.path.join(root, name, "meta.json")) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if (meta.get("layers") is not None and meta.get("device") == torch.device(device).type
+                and meta["fingerprint"] == fingerprint and meta["dtype"] == str(dtype)
+                and meta["max_new_tokens"] == max_new_tokens and set(layers) <= set(meta["layers"])):
+            return os.path.join(root, name)
+    return None
 
-    def __init__(self, root: str, loaded: LoadedTarget, staged: StagedTarget, max_new_tokens: int):
+
+class TraceCache:
+    """Greedy traces per (dataset, question_id), recorded on first use.
+
+    layers: the H^l a run reads (default: what the layout's features read); extra_layers: stored as well when a new
+    directory is made, so that runs at other n, or EAGLE-3, reuse the same recordings."""
+
+    def __init__(self, root: str, loaded: LoadedTarget, staged: StagedTarget, max_new_tokens: int,
+                 layers: list[int] | None = None, extra_layers: list[int] = ()):
         self.staged, self.max_new_tokens = staged, max_new_tokens
         self.eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
-        self.key = trace_key(loaded.fingerprint, staged.bounds, staged.dtype, staged.device, max_new_tokens)
+        self.layers = sorted(layers) if layers is not None else needed_layers(staged.bounds)
+        outside = [l for l in [*self.layers, *extra_layers] if not 0 <= l <= staged.num_layers]
+        if outside:
+            raise ValueError(f"trace layers {outside} are outside 0..{staged.num_layers}")
+        stored = sorted({*self.layers, *extra_layers})
+        self.key = trace_key(loaded.fingerprint, staged.bounds, staged.dtype, staged.device, max_new_tokens, stored)
         self.directory = os.path.join(root, f"greedy-{self.key}")
+        if not os.path.exists(os.path.join(self.directory, "meta.json")):
+            self.directory = find_shared(root, loaded.fingerprint, staged.dtype, staged.device, max_new_tokens,
+                                         self.layers) or self.directory
         os.makedirs(self.directory, exist_ok=True)
         meta = os.path.join(self.directory, "meta.json")
         if not os.path.exists(meta):
             with open(meta + ".tmp", "w") as f:
                 json.dump({"target": loaded.name, "fingerprint": loaded.fingerprint, "bounds": staged.bounds,
-                           "dtype": str(staged.dtype), "max_new_tokens": max_new_tokens}, f)
+                           "layers": stored, "device": staged.device.type, "dtype": str(staged.dtype),
+                           "max_new_tokens": max_new_tokens}, f)
             os.replace(meta + ".tmp", meta)
+        with open(meta) as f:
+            saved = json.load(f)
+        # recordings go in with every layer of the directory they join (older ones: their layout's)
+        self.stored = saved.get("layers") or needed_layers(saved["bounds"])
 
     def _path(self, dataset: str, question_id) -> str:
         return os.path.join(self.directory, f"{dataset}-{question_id}.pt")
@@ -56,12 +99,16 @@ class TraceCache:
         if os.path.exists(path):
             raw = torch.load(path, map_location=self.staged.device)
             if raw["prompt_ids"] == list(prompt_ids):
-                trace = GreedyTrace(raw["prompt_ids"], raw["tokens"], raw["hidden"], raw["margins"])
+                trace = GreedyTrace(raw["prompt_ids"], raw["tokens"], self._read(raw["hidden"]), raw["margins"])
                 return trace, {"seconds": raw["seconds"], "recorded_now": False}
         start = time.perf_counter()
-        trace = record_greedy_trace(self.staged, list(prompt_ids), self.max_new_tokens, self.eos)
+        trace = record_greedy_trace(self.staged, list(prompt_ids), self.max_new_tokens, self.eos, self.stored)
         seconds = time.perf_counter() - start
         torch.save({"prompt_ids": trace.prompt_ids, "tokens": trace.tokens, "hidden": trace.hidden,
                     "margins": trace.margins, "seconds": seconds}, path + ".tmp")
         os.replace(path + ".tmp", path)
+        trace.hidden = self._read(trace.hidden)
         return trace, {"seconds": seconds, "recorded_now": True}
+
+    def _read(self, hidden: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return {layer: hidden[layer] for layer in self.layers}

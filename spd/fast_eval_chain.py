@@ -1,0 +1,61 @@
+"""Fast evaluator for greedy EAGLE-3 chain decoding, the chain's counterpart of `spd.fast_eval`.
+
+In greedy decoding a draft only matters while every draft before it in the cycle was right, and then the tokens
+it was fed are the target's own. So the training-time test's pass over a recorded greedy trace (step-0 rows from
+the target's states, step j at row i = the j-th draft of a cycle that starts after verified position i) gives
+every draft any cycle could make, in m batched steps; the cycles themselves are replayed from the target's tokens.
+What differs from the step-by-step chain is arithmetic only: the runtime's features come from the batched verify
+pass and its drafts from incremental module steps, so a draft can change only at a near-tie
+(bench/fast_eval_check.py --method eagle3 compares the two and lists every difference with its margins).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spd.eagle3_module import Eagle3Module
+from spd.fast_eval import GreedyTrace
+from spd.metrics import ChainStats
+
+
+@torch.no_grad()
+def chain_drafts(module: Eagle3Module, trace: GreedyTrace, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft ids [m, T] (target vocabulary) and the module's top-2 margins [m, T]: entry (j, i) is the j-th draft
+    of a cycle whose newest verified position is i + 1 (it predicts x_{i+2+j})."""
+    hidden = {layer: trace.hidden[layer] for layer in module.layers_needed()}
+    logits = torch.stack([step[0] for step in module.forward_ttt(hidden, steps=m)]).float()  # [m, T, V']
+    top2 = torch.topk(logits, 2, dim=-1)
+    drafts = top2.indices[..., 0]
+    if module.draft_to_target is not None:
+        drafts = module.draft_to_target[drafts]
+    return drafts, top2.values[..., 0] - top2.values[..., 1]
+
+
+def replay_chain(m: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor) -> ChainStats:
+    """Replay greedy chain decoding over the target's N tokens: each cycle keeps the drafts that match, up to the
+    first miss, plus the target's token there (or after the m-th draft); the last cycle stops at the end."""
+    stats = ChainStats(m=m, N=1)
+    seq = [None] * prompt_len + tokens
+    drafts = drafts.tolist()
+    total = len(tokens)
+    while stats.N < total:
+        newest = prompt_len + stats.N - 1            # position of the newest settled token
+        matched = 0
+        while matched < m and newest + 1 + matched < len(seq) and \
+                drafts[matched][newest - 1] == seq[newest + 1 + matched]:
+            matched += 1
+        left = total - stats.N
+        accepted = min(matched, left)
+        stats.cycles += 1
+        stats.accepted += accepted
+        stats.accepted_per_cycle.append(accepted)
+        stats.N += min(matched + 1, left)
+    return stats
+
+
+def fast_chain_stats(module: Eagle3Module, trace: GreedyTrace, m: int) -> dict:
+    """N, cycles, tau of greedy chain decoding with m drafts, plus the smallest margins that decided anything."""
+    drafts, margins = chain_drafts(module, trace, m)
+    stats = replay_chain(m, len(trace.prompt_ids), trace.tokens, drafts)
+    return {"stats": stats, "min_module_margin": float(margins.min()) if margins.numel() else None,
+            "min_target_margin": min(trace.margins)}
