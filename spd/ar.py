@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from spd.decoding import GenerationResult, is_final, prefill
+from spd.decoding import GenerationResult, context_length, is_final, prefill
 from spd.sampling import SamplingParams, next_token
 from spd.target.stages import StagedTarget
 
@@ -16,7 +16,7 @@ def ar_generate(target: StagedTarget, prompt_ids: list[int], max_new_tokens: int
                 eos_ids: frozenset[int], generator: torch.Generator | None = None, on_token=None) -> GenerationResult:
     """on_token(token_id): called for every token as it is sampled (streaming output)."""
     start = time.perf_counter()
-    cache, hidden, _ = prefill(target, prompt_ids)
+    cache, hidden, _ = prefill(target, prompt_ids, max_length=context_length(len(prompt_ids), max_new_tokens, 0))
     token = next_token(target.logits(hidden[0, -1]), params, generator)
     out = [token]
     if on_token:

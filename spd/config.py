@@ -54,7 +54,9 @@ class GenerateConfig:
     dtype: str = "float32"
     device: str = "cpu"
     json: bool = False                   # print one JSON object instead of text + a stats line
-    runtime: str = "local"               # local (stages one after another, the reference) | distributed
+    runtime: str = "local"               # local (stages one after another, the reference) | distributed |
+                                         # streams (one CUDA stream per stage, launched together; CUDA only)
+    cuda_graphs: bool = False            # each stage's one-token step replayed as a CUDA graph (CUDA only)
     threads_per_stage: Optional[int] = None  # distributed: intra-op threads per process (None: cores // (n + 1))
     master_addr: str = "127.0.0.1"       # distributed: where the controller hosts the rendezvous
     master_port: int = 0                 # distributed: 0 = any free port
@@ -99,7 +101,7 @@ OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DECODING_METHODS = ("spd", "ppsd", "spd_output_state", "eagle3", "ar")
-RUNTIMES = ("local", "distributed")
+RUNTIMES = ("local", "distributed", "streams")
 DEVICE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
 
 
@@ -132,6 +134,19 @@ def check_decoding(cfg) -> None:
         raise UserError(f"device={cfg.device!r} is not a device; use cpu, cuda, cuda:<index> or mps")
     at_least(cfg, "n", 1, " (pipeline stages)")
     at_least(cfg, "draft_length", 1, " (EAGLE-3's draft tokens per cycle)")
+    on_cuda = cfg.device.startswith("cuda")
+    if cfg.runtime == "streams" and not on_cuda:
+        raise UserError(f"runtime=streams runs each stage on a CUDA stream; device={cfg.device} has none: use "
+                        "device=cuda, or runtime=local / runtime=distributed")
+    if cfg.cuda_graphs and not on_cuda:
+        raise UserError(f"cuda_graphs=true replays CUDA graphs; device={cfg.device} has none: use device=cuda or "
+                        "drop cuda_graphs")
+    if cfg.cuda_graphs and cfg.runtime == "distributed":
+        raise UserError("cuda_graphs=true is for runtime=local or runtime=streams (one process); the stage processes "
+                        "of runtime=distributed run eagerly")
+    if cfg.cuda_graphs and cfg.method == "eagle3":
+        raise UserError("cuda_graphs=true covers the pipeline's stage steps and AR; EAGLE-3's chain verifies m + 1 "
+                        "tokens at once and runs eagerly: drop cuda_graphs")
     if cfg.method == "eagle3" and cfg.runtime != "local":
         raise UserError(f"method=eagle3 drafts and verifies in one process (no pipeline); use runtime=local, "
                         f"not runtime={cfg.runtime}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spd.decoding import is_final, prefill
+from spd.decoding import context_length, is_final, prefill
 from spd.layout import needed_layers
 from spd.metrics import DecodeStats
 from spd.module import SpeculationModule
@@ -44,7 +44,7 @@ def record_greedy_trace(staged: StagedTarget, prompt_ids: list[int], max_new_tok
     """Incremental greedy AR decoding (bitwise the pipeline's path) that keeps `layers` (default: what the layout's
     features read) of every position."""
     capture = frozenset(needed_layers(staged.bounds) if layers is None else layers)
-    cache, hidden, captured = prefill(staged, prompt_ids, capture)
+    cache, hidden, captured = prefill(staged, prompt_ids, capture, context_length(len(prompt_ids), max_new_tokens, 0))
     parts = {layer: [h] for layer, h in captured.items()}
     logits = staged.logits(hidden[0, -1])
     tokens, margins = [greedy_token(logits)], [_margin(logits)]

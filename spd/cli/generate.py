@@ -42,9 +42,9 @@ class Decoding:
     def run(self, prompt_ids: list[int], on_token=None) -> dict:
         cfg, s = self.cfg, self.session
         generator = torch.Generator(device=s.staged.device).manual_seed(cfg.seed)
-        if s.method == "ar" and cfg.runtime == "local":
+        if s.method == "ar" and cfg.runtime == "local" and not cfg.cuda_graphs:
             result = ar_generate(s.staged, prompt_ids, cfg.max_new_tokens, s.params, s.eos_ids, generator, on_token)
-        elif s.method == "ar":  # plain pipeline-parallel AR over the same stage processes
+        elif s.method == "ar":  # AR relayed through the same stage processes / fixed-shape steps
             result = pipeline_ar_generate(self.stages, prompt_ids, cfg.max_new_tokens, s.params, s.eos_ids,
                                           generator, on_token)
         elif s.method == "eagle3":

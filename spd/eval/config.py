@@ -37,6 +37,8 @@ class EvalConfig:
     # the same greedy decodes (a trace directory that stores a run's layers serves it, whatever its layout)
     trace_layers: List[int] = field(default_factory=list)
     runtime: str = "local"              # local | distributed (one process per stage; always the step-by-step runtime)
+                                        # | streams (one CUDA stream per stage; CUDA only)
+    cuda_graphs: bool = False           # stage steps (and the AR baseline) as CUDA graphs (CUDA only)
     threads_per_stage: Optional[int] = None
     master_addr: str = "127.0.0.1"
     master_port: int = 0

@@ -75,7 +75,8 @@ def runtime_sample(session: Session, cfg, seed: int, prompt_ids, stages) -> dict
               "wall_s": spd.seconds, "tokens_per_s": spd.tokens_per_s, "ar_tokens_per_s": None}
     if cfg.ar_baseline:
         generator = torch.Generator(device=device).manual_seed(seed)
-        if cfg.runtime == "distributed":  # this process holds no decoder layer: AR relays through the same stages
+        # distributed: this process holds no decoder layer; graphs / streams: AR through the same fixed-shape steps
+        if cfg.runtime != "local" or cfg.cuda_graphs:
             ar = pipeline_ar_generate(stages, prompt_ids, cfg.max_new_tokens, session.params, session.eos_ids,
                                       generator)
         else:
@@ -120,7 +121,7 @@ def run_eval(cfg, log=print) -> dict:
     validate(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     check_output_dir(cfg.output_dir, resolved, cfg.resume)
-    if cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local":
+    if cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local" and not cfg.cuda_graphs:
         check_writable_dir(cfg.trace_cache_dir, "trace_cache_dir")
     session = open_session(cfg)
     out = EvalOutput(cfg.output_dir, resolved)
@@ -130,7 +131,7 @@ def run_eval(cfg, log=print) -> dict:
     work = [(ds, q) for ds in cfg.datasets for q in load_questions(ds)[: cfg.limit]]
     done = out.done()
     todo = [(ds, q) for ds, q in work if (ds, str(q["question_id"])) not in done]
-    fast = session.params.greedy and not cfg.exact_trace and cfg.runtime == "local"
+    fast = session.params.greedy and not cfg.exact_trace and cfg.runtime == "local" and not cfg.cuda_graphs
     capture = session.drafter().layers_needed(session.staged.bounds)
     outside = [l for l in cfg.trace_layers if not 0 <= l <= session.staged.num_layers]
     if outside:

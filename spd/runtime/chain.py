@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from spd.decoding import GenerationResult, is_final, prefill
+from spd.decoding import GenerationResult, context_length, is_final, prefill
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.metrics import ChainStats
 from spd.runtime.pipeline import propose, settle
@@ -35,7 +35,8 @@ class ChainDecoder:
         target, params = self.target, self.params
         start = time.perf_counter()
         stats = ChainStats(m=self.m)
-        cache, hidden, captured = prefill(target, prompt_ids, self.capture)
+        length = context_length(len(prompt_ids), max_new_tokens, self.m)   # the last cycle feeds m drafts past it
+        cache, hidden, captured = prefill(target, prompt_ids, self.capture, length)
         tokens = list(prompt_ids) + [next_token(target.logits(hidden[0, -1]), params, generator)]
         stats.N = 1
         if on_token:

@@ -32,9 +32,11 @@ class StageExecutor(ABC):
         """H^0 [1, 1, d] of one token."""
 
     @abstractmethod
-    def prefill(self, prompt_ids: list[int], capture: frozenset[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """All stages over the prompt (fresh caches). Returns (logits [V] of the last position, {l: H^l [1, P, d]})
-        for l in `capture`; later steps capture the same layers."""
+    def prefill(self, prompt_ids: list[int], capture: frozenset[int],
+                max_length: int | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """All stages over the prompt (fresh caches, static ones of max_length positions where the executor keeps
+        them). Returns (logits [V] of the last position, {l: H^l [1, P, d]}) for l in `capture`; later steps
+        capture the same layers."""
 
     @abstractmethod
     def launch(self, step: Step, entering: torch.Tensor | None) -> None:

@@ -24,9 +24,9 @@ class LocalStages(StageExecutor):
     def embed(self, token: int) -> torch.Tensor:
         return self.target.embed(torch.tensor([[token]], device=self.device))
 
-    def prefill(self, prompt_ids, capture):
+    def prefill(self, prompt_ids, capture, max_length=None):
         self.capture = frozenset(capture)
-        self.cache, hidden, captured = prefill(self.target, prompt_ids, self.capture)
+        self.cache, hidden, captured = prefill(self.target, prompt_ids, self.capture, max_length)
         self.hidden: dict[int, torch.Tensor] = {}     # pos -> residual stream [1, 1, d] entering its next stage
         return self.target.logits(hidden[0, -1]), captured
 

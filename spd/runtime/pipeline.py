@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from spd.decoding import GenerationResult, is_final
+from spd.decoding import GenerationResult, context_length, is_final
 from spd.drafters.base import Drafter, step_view
 from spd.metrics import DecodeStats
 from spd.runtime.executor import StageExecutor
@@ -62,7 +62,9 @@ class PipelineDecoder:
         ex, params = self.executor, self.params
         start = time.perf_counter()
         stats = DecodeStats(n=self.n)
-        logits, captured = ex.prefill(prompt_ids, self.capture)
+        # drafts run at most n positions past the last settled token before a verification can stop the run
+        logits, captured = ex.prefill(prompt_ids, self.capture,
+                                      context_length(len(prompt_ids), max_new_tokens, self.n + 1))
         self.drafter.start(captured, prompt_ids)
         first = next_token(logits, params, generator)
         tokens = list(prompt_ids) + [first]
@@ -123,7 +125,7 @@ def pipeline_ar_generate(stages: StagedTarget | StageExecutor, prompt_ids: list[
     """Plain pipeline-parallel AR: each token relays through the n stages, one stage busy per step."""
     ex = as_executor(stages)
     start = time.perf_counter()
-    logits, _ = ex.prefill(prompt_ids, frozenset())
+    logits, _ = ex.prefill(prompt_ids, frozenset(), context_length(len(prompt_ids), max_new_tokens, 0))
     token = next_token(logits, params, generator)
     out = [token]
     if on_token:

@@ -1,4 +1,5 @@
-"""Which executor runs the stages of a decoding run: `runtime=local` (this process) or `runtime=distributed`
+"""Which executor runs the stages of a decoding run: `runtime=local` (this process; with `cuda_graphs=true` each
+stage step a CUDA graph), `runtime=streams` (this process, one CUDA stream per stage) or `runtime=distributed`
 (one process per stage, spawned here or started by torchrun), as a context manager that always tidies up."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from spd.runtime.executor import StageExecutor
 from spd.runtime.local import LocalStages
 from spd.target.stages import StagedTarget
 
-RUNTIMES = ("local", "distributed")
+from spd.config import RUNTIMES
 
 
 def check_runtime(runtime: str) -> None:
@@ -34,8 +35,18 @@ def threads_for(n: int, threads_per_stage: int | None) -> int:
 def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | None = None):
     """Yield a StageExecutor for `staged` (in-process) or for stage processes loading `cache_dir`'s target."""
     check_runtime(cfg.runtime)
+    if cfg.runtime == "streams":
+        from spd.runtime.streams import StreamStages
+
+        yield StreamStages(staged, cfg.cuda_graphs)
+        return
     if cfg.runtime == "local":
-        yield LocalStages(staged)
+        if getattr(cfg, "cuda_graphs", False):
+            from spd.runtime.streams import GraphStages
+
+            yield GraphStages(staged)
+        else:
+            yield LocalStages(staged)
         return
     import torch.distributed as dist
 

@@ -2,6 +2,12 @@
 
 The HF attention modules only call `update(k, v, layer_idx)` on whatever `past_key_values` they get, so this
 class plugs into the target's own decoder layers without forking any modelling code.
+
+With `max_length` (what decoding passes: prompt + new tokens + the tokens a pipeline or chain holds in flight) the
+cache is static: each layer's buffers are allocated once, zeroed, at that length the first time the layer is
+written (so a stage allocates only its own layers), never grow, and a crop only changes a length. A fixed-shape
+step (`spd.target.fixed_step`, what a CUDA graph captures) sets `write_at`, a position tensor: writes then land at
+those positions and every read returns the whole buffer, whose rows past a query's position its mask hides.
 """
 
 from __future__ import annotations
@@ -12,14 +18,23 @@ import torch
 class LayerKVCache:
     """Preallocated K/V buffers, one pair per target layer, each with its own length (stages fill at different times)."""
 
-    def __init__(self, num_layers: int, initial_capacity: int = 256):
+    def __init__(self, num_layers: int, initial_capacity: int = 256, max_length: int | None = None):
         self.num_layers = num_layers
-        self._capacity = initial_capacity
+        self.max_length = max_length
+        self._capacity = max_length or initial_capacity
         self._keys: list[torch.Tensor | None] = [None] * num_layers  # each [B, H_kv, capacity, head_dim]
         self._values: list[torch.Tensor | None] = [None] * num_layers
         self.lengths = [0] * num_layers
+        self.write_at: torch.Tensor | None = None   # [T] positions of a fixed-shape step's rows
+
+    @property
+    def static(self) -> bool:
+        return self.max_length is not None
 
     def _grow(self, layer: int, needed: int) -> None:
+        if self.static:
+            raise ValueError(f"{needed} positions exceed the static KV cache's max_length={self.max_length}; "
+                             "decode fewer tokens or allocate a longer cache")
         old_k, old_v = self._keys[layer], self._values[layer]
         cap = max(needed, 2 * old_k.shape[2])
         new_k = old_k.new_empty(*old_k.shape[:2], cap, old_k.shape[3])
@@ -33,8 +48,13 @@ class LayerKVCache:
         """Append key/value [B, H_kv, T, head_dim] and return all cached K/V of the layer (views, no copy)."""
         if self._keys[layer_idx] is None:
             b, h, _, d = key.shape
-            self._keys[layer_idx] = key.new_empty(b, h, max(self._capacity, key.shape[2]), d)
-            self._values[layer_idx] = value.new_empty(b, h, max(self._capacity, key.shape[2]), value.shape[3])
+            # zeroed: a fixed-shape step's mask hides unwritten rows, but NaN garbage would survive a mask
+            self._keys[layer_idx] = key.new_zeros(b, h, max(self._capacity, key.shape[2]), d)
+            self._values[layer_idx] = value.new_zeros(b, h, max(self._capacity, key.shape[2]), value.shape[3])
+        if self.write_at is not None:
+            self._keys[layer_idx].index_copy_(2, self.write_at, key)
+            self._values[layer_idx].index_copy_(2, self.write_at, value)
+            return self._keys[layer_idx], self._values[layer_idx]
         start = self.lengths[layer_idx]
         end = start + key.shape[2]
         if end > self._keys[layer_idx].shape[2]:

@@ -50,8 +50,9 @@ class StagedTarget:
     def dtype(self) -> torch.dtype:
         return self._materialised().dtype
 
-    def new_cache(self) -> LayerKVCache:
-        return LayerKVCache(self.num_layers)
+    def new_cache(self, max_length: int | None = None) -> LayerKVCache:
+        """max_length: a static cache of that many positions (None: one that grows, for unknown lengths)."""
+        return LayerKVCache(self.num_layers, max_length=max_length)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T] -> H^0 [B, T, d]."""
@@ -84,6 +85,15 @@ class StagedTarget:
             visible = visible & (keys > q - self.sliding_window)
         return visible.view(1, 1, *visible.shape)
 
+    def fixed_mask(self, positions: torch.Tensor, keys: torch.Tensor, layer_type: str) -> torch.Tensor:
+        """Boolean [1, 1, T, S] over a whole static cache (keys = arange(S) [1, S]), from position tensors only:
+        no value leaves the device, so a CUDA graph can capture it."""
+        q = positions.view(-1, 1)
+        visible = keys <= q
+        if layer_type == "sliding_attention" and self.sliding_window:
+            visible = visible & (keys > q - self.sliding_window)
+        return visible.view(1, 1, *visible.shape)
+
     def run_layers(
         self,
         hidden: torch.Tensor,             # [1, T, d] residual stream entering layer `start`
@@ -92,18 +102,22 @@ class StagedTarget:
         end: int,
         cache: LayerKVCache | None,
         capture: frozenset[int] | set[int] = frozenset(),
+        mask_keys: torch.Tensor | None = None,  # [1, S] arange(S): fixed shapes over a static cache of S positions
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run layers start..end-1; return H^end and {l: H^l} for captured l in (start, end]."""
         captured: dict[int, torch.Tensor] = {}
         rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        key_len = int(positions[-1]) + 1
+        masks: dict[str, torch.Tensor | None] = {}
+        key_len = int(positions[-1]) + 1 if mask_keys is None else None
         for index in range(start, end):
             layer_type = self.layer_types[index]
             if layer_type not in rope:
                 rope[layer_type] = self._position_embeddings(hidden, positions, layer_type)
+                masks[layer_type] = self._mask(positions, key_len, layer_type) if mask_keys is None else \
+                    self.fixed_mask(positions, mask_keys, layer_type)
             hidden = self.layers[index](
                 hidden,
-                attention_mask=self._mask(positions, key_len, layer_type),
+                attention_mask=masks[layer_type],
                 position_ids=positions.view(1, -1),
                 past_key_values=cache,
                 position_embeddings=rope[layer_type],

@@ -88,7 +88,7 @@ class DistributedStages(StageExecutor):
     def embed(self, token: int) -> torch.Tensor:
         return self.target.embed(torch.tensor([[token]], device=self.device))
 
-    def prefill(self, prompt_ids, capture):
+    def prefill(self, prompt_ids, capture, max_length=None):   # stage processes keep growing caches
         self.finish()
         self.capture_on = bool(capture)
         if self.capture_on and not set(capture) - {0} <= set(self.setup.capture):

@@ -1,0 +1,196 @@
+"""Decoding speed against the hardware limit (issue 12): tokens/s of HF `generate` (dynamic cache; static cache +
+`torch.compile`), this suite's AR (eager; fixed-shape steps as CUDA graphs) and greedy SPD (runtime=local eager,
+local with graphs, runtime=streams with graphs off and on), every figure from one run, beside the bandwidth
+roofline: weight bytes read per token over the copy bandwidth measured here. Every SPD row is checked token for
+token against the suite's AR in the same dtype and the same step kind (eager or fixed-shape).
+Then each stage's step timed alone and all stages launched together on their streams: whether they overlap.
+
+    python bench/gpu.py --device cuda --dtypes bfloat16,float32 --limit 20 --max-new-tokens 128
+    python bench/gpu.py --device cpu --dtypes float32 --limit 1 --max-new-tokens 8 --no-compile   # a smoke run
+On CPU there are no graphs and no streams: the graph rows run the same fixed-shape steps eagerly.
+Writes bench/results/gpu_<device>_<dtypes>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from spd.ar import ar_generate
+from spd.config import GenerateConfig, load_config
+from spd.eval.harness import machine
+from spd.eval.output import write_json
+from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.runtime.local import LocalStages
+from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
+from spd.runtime.streams import GraphStages, StreamStages
+from spd.sampling import SamplingParams
+from spd.session import open_session
+from spd.target.stages import StagedTarget
+
+GREEDY = SamplingParams()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, mib: int = 512, repeats: int = 10) -> float:
+    """Bytes/s of a large on-device copy (one read + one write per byte): the bandwidth a decode step can use."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    sync(device)
+    return 2 * src.numel() * repeats / (time.perf_counter() - start)
+
+
+def timed(device, fn) -> tuple[list[int], float]:
+    sync(device)
+    start = time.perf_counter()
+    tokens = fn()
+    sync(device)
+    return tokens, time.perf_counter() - start
+
+
+def hf_rows(model, prompts, max_new, device, compile_static: bool, eos) -> dict:
+    rows = {}
+    kinds = [("hf_dynamic", {})]
+    if compile_static:
+        kinds.append(("hf_static_compile", {"cache_implementation": "static"}))
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    for name, extra in kinds:
+        def run(ids):
+            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new, do_sample=False,
+                                 eos_token_id=list(eos) or None, pad_token_id=0, **extra)
+            return out[0, len(ids):].tolist()
+        run(prompts[0])                                    # warm-up (and compilation)
+        tokens, seconds = 0, 0.0
+        for ids in prompts:
+            out, s = timed(device, lambda: run(ids))
+            tokens, seconds = tokens + len(out), seconds + s
+        rows[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return rows
+
+
+def suite_rows(session, prompts, max_new, device) -> tuple[dict, dict]:
+    staged, eos = session.staged, session.eos_ids
+    whole = StagedTarget(session.loaded.model, 1)
+    graph_ar = GraphStages(whole)
+    runs = {
+        "suite_ar_eager": lambda ids: ar_generate(whole, ids, max_new, GREEDY, eos).token_ids,
+        "suite_ar_graphs": lambda ids: pipeline_ar_generate(graph_ar, ids, max_new, GREEDY, eos).token_ids,
+    }
+    executors = {"spd_local_eager": LocalStages(staged), "spd_local_graphs": GraphStages(staged),
+                 "spd_streams_eager": StreamStages(staged, cuda_graphs=False),
+                 "spd_streams_graphs": StreamStages(staged, cuda_graphs=True)}
+    stats = {}
+    for name, ex in executors.items():
+        decoder = PipelineDecoder(ex, session.drafter(True), GREEDY, eos)
+        stats[name] = []
+
+        def run(ids, decoder=decoder, name=name):
+            out = decoder.generate(ids, max_new)
+            stats[name].append(out.stats)
+            return out.token_ids
+        runs[name] = run
+    rows, outputs = {}, {}
+    for name, run in runs.items():
+        run(prompts[0])                                    # warm-up (graph capture)
+        stats.get(name, []).clear()
+        tokens, seconds, outputs[name] = 0, 0.0, []
+        for ids in prompts:
+            out, s = timed(device, lambda: run(ids))
+            tokens, seconds = tokens + len(out), seconds + s
+            outputs[name].append(out)
+        rows[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        if name in stats:
+            N = sum(s.N for s in stats[name])
+            K = sum(s.K for s in stats[name])
+            rows[name]["eal"] = N / K * staged.n if K else None
+    for name in executors:   # lossless: each SPD row against the suite's AR with the same kind of step
+        reference = outputs["suite_ar_eager" if name.endswith("eager") else "suite_ar_graphs"]
+        rows[name]["ar_match"] = sum(a == b for a, b in zip(outputs[name], reference))
+        rows[name]["prompts"] = len(prompts)
+    return rows, executors
+
+
+def stage_overlap(executor: StreamStages, staged: StagedTarget, prompt_ids: list[int], device, repeats: int = 50):
+    """Seconds per step of each stage alone, and of all stages launched together on their streams."""
+    executor.prefill(prompt_ids, frozenset(), len(prompt_ids) + 8)
+    pos = len(prompt_ids)
+    entering = [torch.zeros(1, 1, staged.config.hidden_size, device=device, dtype=staged.dtype)] * staged.n
+
+    def one(stage):
+        with executor._stream(stage):
+            executor.steps[stage](entering[stage], pos)
+
+    alone = []
+    for stage in range(staged.n):
+        one(stage)
+        _, s = timed(device, lambda: [one(stage) for _ in range(repeats)])
+        alone.append(s / repeats)
+
+    def together():
+        for _ in range(repeats):
+            for stage in range(staged.n):
+                one(stage)
+            if executor.streams is not None:
+                for stream in executor.streams:
+                    torch.cuda.current_stream().wait_stream(stream)
+    together()
+    _, s = timed(device, together)
+    return {"stage_alone_s": alone, "sum_alone_s": sum(alone), "together_s": s / repeats,
+            "overlap": sum(alone) / (s / repeats)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--limit", type=int, default=20, help="prompts per dataset")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--checkpoint", default=None, help="default: the shipped module for n = 5")
+    ap.add_argument("--no-compile", action="store_true", help="skip HF static cache + torch.compile")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    result = {"device": machine(device), "max_new_tokens": args.max_new_tokens, "limit_per_dataset": args.limit,
+              "copy_bandwidth_bytes_per_s": copy_bandwidth(device), "runs": {}}
+    for dtype in args.dtypes.split(","):
+        overrides = [f"device={args.device}", f"dtype={dtype}"] + ([f"checkpoint={args.checkpoint}"]
+                                                                   if args.checkpoint else [])
+        session = open_session(load_config(GenerateConfig, None, overrides))
+        tok = session.loaded.tokenizer
+        prompts = [chat_prompt_ids(tok, q["turns"][0]) for ds in DATASETS for q in load_questions(ds)[: args.limit]]
+        weight_bytes = sum(p.numel() * p.element_size() for p in session.loaded.model.parameters())
+        rows, executors = suite_rows(session, prompts, args.max_new_tokens, device)
+        rows.update(hf_rows(session.loaded.model, prompts, args.max_new_tokens, device, not args.no_compile,
+                            session.eos_ids))
+        roofline = result["copy_bandwidth_bytes_per_s"] / weight_bytes
+        for row in rows.values():
+            row["fraction_of_roofline"] = row["tokens_per_s"] / roofline
+        result["runs"][dtype] = {"weight_bytes": weight_bytes, "roofline_tokens_per_s": roofline, "rows": rows,
+                                 "n": session.staged.n, "stage_bounds": session.staged.bounds,
+                                 "checkpoint": session.checkpoint,
+                                 "stage_overlap": stage_overlap(executors["spd_streams_graphs"], session.staged,
+                                                                prompts[0], device)}
+        print(f"[gpu] {dtype}: roofline {roofline:.0f} tok/s; " +
+              ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in rows.items()), flush=True)
+    out = args.out or f"bench/results/gpu_{device.type}_{args.dtypes.replace(',', '_')}.json"
+    write_json(out, result)
+    print(json.dumps({d: {k: round(v["tokens_per_s"], 1) for k, v in r["rows"].items()}
+                      for d, r in result["runs"].items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Executors whose stage steps have fixed shapes: `GraphStages` (CUDA graphs, stages one after another) and
+`StreamStages` (`runtime=streams`: every stage on its own CUDA stream, launched together, one wait per step).
+
+Both keep one static cache across generations (a prefill empties it; a rollback changes lengths only), so the
+graphs captured on its buffers stay valid. In a step every stage works on a different position and reads only what
+the previous step produced, so the stages are independent and may overlap on one GPU; the drafter runs meanwhile on
+the caller's stream. The schedule, verification and rollback are the decoding loop's (`spd.runtime.pipeline`);
+these classes only say where and how a stage runs. Off CUDA there are no graphs and no streams and the same code
+runs eagerly, one stage after another: what the CPU tests check against `LocalStages`.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from spd.decoding import prefill
+from spd.runtime.local import LocalStages
+from spd.runtime.schedule import Step
+from spd.runtime.executor import StepOutput
+from spd.target.fixed_step import FixedStep
+from spd.target.stages import StagedTarget
+
+
+class GraphStages(LocalStages):
+    def __init__(self, target: StagedTarget, cuda_graphs: bool = True):
+        super().__init__(target)
+        self.cuda_graphs = cuda_graphs
+        self.cache = None
+        self.steps: list[FixedStep] = []
+
+    def prefill(self, prompt_ids, capture, max_length=None):
+        if max_length is None:
+            raise ValueError("fixed-shape stages need the context length (a static cache)")
+        self.capture = frozenset(capture)
+        cache, hidden, captured = prefill(self.target, prompt_ids, self.capture, max_length, self.cache)
+        if cache is not self.cache:        # a longer context than before: new buffers, new graphs
+            self.cache = cache
+            b = self.bounds
+            self.steps = [FixedStep(self.target, b[s], b[s + 1], cache, self.capture, logits=s == self.n - 1,
+                                    cuda_graph=self.cuda_graphs) for s in range(self.n)]
+        self.hidden = {}
+        return self.target.logits(hidden[0, -1]), captured
+
+    def _stream(self, stage: int):
+        return nullcontext()
+
+    def launch(self, step: Step, entering):
+        out = StepOutput()
+        for stage, pos in enumerate(step.work):
+            if not step.runs(stage):
+                continue
+            hidden = entering if stage == 0 else self.hidden.pop(pos)
+            with self._stream(stage):
+                self.hidden[pos], out.features[pos], logits = self.steps[stage](hidden, pos)
+            if stage == self.n - 1:
+                del self.hidden[pos]            # it leaves the pipeline: its logits are all that is left of it
+                out.exit_logits = logits
+        self._out = out
+
+
+class StreamStages(GraphStages):
+    """Each stage's step on its own CUDA stream; the caller's stream (the drafter's) waits for all of them once,
+    in `collect`."""
+
+    def __init__(self, target: StagedTarget, cuda_graphs: bool = True):
+        super().__init__(target, cuda_graphs)
+        on_cuda = target.device.type == "cuda"
+        self.streams = [torch.cuda.Stream(device=target.device) for _ in range(self.n)] if on_cuda else None
+
+    def _stream(self, stage: int):
+        return nullcontext() if self.streams is None else torch.cuda.stream(self.streams[stage])
+
+    def launch(self, step: Step, entering):
+        if self.streams is None:
+            return super().launch(step, entering)
+        caller = torch.cuda.current_stream()
+        for stream in self.streams:              # the entering embedding, the drafter's reads, a rollback's crop
+            stream.wait_stream(caller)
+        if entering is not None:
+            entering.record_stream(self.streams[0])
+        super().launch(step, entering)
+        # a tensor made on one stream and used on another must not be reused by the allocator before that use
+        for stage, pos in enumerate(step.work):
+            if not step.runs(stage):
+                continue
+            for h in self._out.features.get(pos, {}).values():
+                h.record_stream(caller)
+            if pos in self.hidden and stage + 1 < self.n:
+                self.hidden[pos].record_stream(self.streams[stage + 1])
+        if self._out.exit_logits is not None:
+            self._out.exit_logits.record_stream(caller)
+
+    def collect(self) -> StepOutput:
+        if self.streams is not None:
+            caller = torch.cuda.current_stream()
+            for stream in self.streams:
+                caller.wait_stream(stream)
+        return super().collect()
