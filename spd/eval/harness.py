@@ -124,19 +124,19 @@ def run_eval(cfg, log=print) -> dict:
     if cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local" and not cfg.cuda_graphs:
         check_writable_dir(cfg.trace_cache_dir, "trace_cache_dir")
     session = open_session(cfg)
-    out = EvalOutput(cfg.output_dir, resolved)
     tok = session.loaded.tokenizer
     if tok is None:
         raise UserError(f"target {session.loaded.name!r} has no tokenizer; eval needs its chat template")
+    outside = [l for l in cfg.trace_layers if not 0 <= l <= session.staged.num_layers]
+    if outside:
+        raise UserError(f"trace_layers has {outside}, outside this target's hidden states "
+                        f"0..{session.staged.num_layers}; drop them")
+    out = EvalOutput(cfg.output_dir, resolved)
     work = [(ds, q) for ds in cfg.datasets for q in load_questions(ds)[: cfg.limit]]
     done = out.done()
     todo = [(ds, q) for ds, q in work if (ds, str(q["question_id"])) not in done]
     fast = session.params.greedy and not cfg.exact_trace and cfg.runtime == "local" and not cfg.cuda_graphs
     capture = session.drafter().layers_needed(session.staged.bounds)
-    outside = [l for l in cfg.trace_layers if not 0 <= l <= session.staged.num_layers]
-    if outside:
-        raise UserError(f"trace_layers has {outside}, outside this target's hidden states "
-                        f"0..{session.staged.num_layers}; drop them")
     # a pipelined layout's traces hold every layer its features read (one directory per layout serves all plans)
     read = capture if session.method == "eagle3" else None
     traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens, read,
