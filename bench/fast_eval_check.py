@@ -36,6 +36,29 @@ from spd.target.stages import StagedTarget
 MARGIN = 1e-4
 
 
+def finished_rows(rows_path: str, size: str) -> dict:
+    """Rows of an interrupted run, by (size, dataset, question_id); `size` is the row's n or m."""
+    done = {}
+    if os.path.exists(rows_path):
+        with open(rows_path) as f:
+            for line in f:
+                row = json.loads(line)
+                done[(row[size], row["dataset"], str(row["question_id"]))] = row
+    return done
+
+
+def eval_prompts(tokenizer, limit: int) -> list:
+    """(dataset, question_id, prompt ids) of the first `limit` prompts of each eval set, interleaved."""
+    return [(ds, q["question_id"], chat_prompt_ids(tokenizer, q["turns"][0]))
+            for i in range(limit) for ds in DATASETS for q in load_questions(ds)[i: i + 1]]
+
+
+def unexplained(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(every row where fast and runtime differ, those of them no near-tie explains)."""
+    differences = [r for r in rows if not (r["equal"] and r["runtime_equals_target"])]
+    return differences, [r for r in differences if min(r["min_module_margin"], r["min_target_margin"]) >= MARGIN]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", default="3,5,10")
@@ -48,14 +71,8 @@ def main() -> int:
     checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
     loaded = load_target("smollm2")
     rows_path = args.out + "l"
-    done = {}
-    if os.path.exists(rows_path):
-        with open(rows_path) as f:
-            for line in f:
-                row = json.loads(line)
-                done[(row["n"], row["dataset"], str(row["question_id"]))] = row
-    prompts = [(ds, q["question_id"], chat_prompt_ids(loaded.tokenizer, q["turns"][0]))
-               for i in range(args.limit) for ds in DATASETS for q in load_questions(ds)[i: i + 1]]
+    done = finished_rows(rows_path, "n")
+    prompts = eval_prompts(loaded.tokenizer, args.limit)
     with open(rows_path, "a") as sink:
         for n in [int(x) for x in args.ns.split(",")]:
             staged = StagedTarget(loaded.model, n)
@@ -87,8 +104,7 @@ def main() -> int:
                 sink.flush()
                 done[(n, ds, str(qid))] = row
     rows = list(done.values())
-    differences = [r for r in rows if not (r["equal"] and r["runtime_equals_target"])]
-    unexplained = [r for r in differences if min(r["min_module_margin"], r["min_target_margin"]) >= MARGIN]
+    differences, unexplained_rows = unexplained(rows)
     per_n = {}
     for r in rows:
         entry = per_n.setdefault(str(r["n"]), {"prompts": 0, "equal": 0, "runtime_equals_target": 0,
@@ -99,12 +115,12 @@ def main() -> int:
         entry["equal"] += r["equal"]
         entry["runtime_equals_target"] += r["runtime_equals_target"]
     result = {"max_new_tokens": args.max_new_tokens, "limit_per_dataset": args.limit, "per_n": per_n,
-              "differences": differences, "unexplained_differences": len(unexplained)}
+              "differences": differences, "unexplained_differences": len(unexplained_rows)}
     with open(args.out + ".tmp", "w") as fh:
         json.dump(result, fh, indent=2)
     os.replace(args.out + ".tmp", args.out)
     print(json.dumps(result, indent=1))
-    return 0 if not unexplained else 1
+    return 0 if not unexplained_rows else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 prompt and every draft length m, greedy chain decoding's N, cycles and accepted drafts per cycle from the fast
 evaluator (cached target trace + one training-time-test pass) must equal the chain runtime's, and the runtime's
 tokens must equal the target's greedy trace. A difference is acceptable only where a top-2 logit margin below 1e-4
-(module or target) explains it; every difference is listed with its margins.
+(module or target) explains it (the same rule and helpers as bench/fast_eval_check.py); every difference is listed with its margins.
 
     python bench/fast_eval_check_chain.py --checkpoint outputs/eagle3_679k/checkpoint --ms 3,5,7 \
         --limit 10 --max-new-tokens 64
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
@@ -24,13 +23,12 @@ from spd.drafters.eagle3 import Eagle3Drafter
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
 from spd.fast_eval_chain import fast_chain_stats
-from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.runtime.chain import ChainDecoder
 from spd.sampling import SamplingParams
 from spd.target.loading import load_target
 from spd.target.stages import StagedTarget
 
-MARGIN = 1e-4
+from fast_eval_check import eval_prompts, finished_rows, unexplained   # this folder: the SPD check's helpers
 
 
 def summary(stats) -> list:
@@ -50,14 +48,8 @@ def main() -> int:
     staged = StagedTarget(loaded.model, 1)
     module = load_checkpoint(args.checkpoint, staged, loaded).eval()
     rows_path = args.out + "l"
-    done = {}
-    if os.path.exists(rows_path):
-        with open(rows_path) as f:
-            for line in f:
-                row = json.loads(line)
-                done[(row["m"], row["dataset"], str(row["question_id"]))] = row
-    prompts = [(ds, q["question_id"], chat_prompt_ids(loaded.tokenizer, q["turns"][0]))
-               for i in range(args.limit) for ds in DATASETS for q in load_questions(ds)[i: i + 1]]
+    done = finished_rows(rows_path, "m")
+    prompts = eval_prompts(loaded.tokenizer, args.limit)
     traces = TraceCache(args.cache_dir, loaded, staged, args.max_new_tokens, module.layers_needed())
     with open(rows_path, "a") as sink:
         for m in [int(x) for x in args.ms.split(",")]:
@@ -78,8 +70,7 @@ def main() -> int:
                 sink.flush()
                 done[(m, ds, str(qid))] = row
     rows = list(done.values())
-    differences = [r for r in rows if not (r["equal"] and r["runtime_equals_target"])]
-    unexplained = [r for r in differences if min(r["min_module_margin"], r["min_target_margin"]) >= MARGIN]
+    differences, unexplained_rows = unexplained(rows)
     per_m = {}
     for r in rows:
         entry = per_m.setdefault(str(r["m"]), {"prompts": 0, "equal": 0, "runtime_equals_target": 0, "cycles": 0,
@@ -90,10 +81,10 @@ def main() -> int:
         entry["equal"] += r["equal"]
         entry["runtime_equals_target"] += r["runtime_equals_target"]
     result = {"max_new_tokens": args.max_new_tokens, "limit_per_dataset": args.limit, "per_m": per_m,
-              "differences": differences, "unexplained_differences": len(unexplained)}
+              "differences": differences, "unexplained_differences": len(unexplained_rows)}
     write_json(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "differences"}, indent=1))
-    return 0 if not unexplained else 1
+    return 0 if not unexplained_rows else 1
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import os
 import shutil
 import tempfile
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 

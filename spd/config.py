@@ -8,7 +8,7 @@ import os
 import re
 import typing
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import yaml
 from omegaconf import OmegaConf

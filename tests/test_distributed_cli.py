@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from spd.checkpoint import save_checkpoint
 from spd.module import SpeculationModule

@@ -9,7 +9,7 @@ from spd.drafters.eagle3 import Eagle3Drafter
 from spd.eagle3_module import Eagle3Module, fused_layers
 from spd.runtime.chain import ChainDecoder
 from spd.target.stages import StagedTarget
-from spd.train.objective import TeacherBatch, collate, kd_loss, teacher_pass, ttt_loss
+from spd.train.objective import TeacherBatch, collate, ttt_loss
 
 
 def eagle(model, seed=0, draft_vocab=None, scale=None):

@@ -1,7 +1,6 @@
 """The fast greedy evaluator reproduces the step-by-step runtime's N, K and rollbacks exactly."""
 
 import pytest
-import torch
 
 from helpers import GREEDY, prompt
 from spd.drafters.spd_module import ModuleDrafter

@@ -6,7 +6,6 @@ in the direction hardest to see (proportional to p) at least 18 times out of 20;
 so for a 3.5% shift — both checked below, so the tests can fail.
 """
 
-import itertools
 
 import numpy as np
 import pytest

@@ -11,9 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spd.config import load_config
 from spd.errors import UserError
-from spd.train.config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(ROOT, "configs", "train", "debug.yaml")

@@ -6,6 +6,8 @@ but no concurrency, so wall-clock numbers from it are not SPD's.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from spd.decoding import prefill
@@ -30,17 +32,28 @@ class LocalStages(StageExecutor):
         self.hidden: dict[int, torch.Tensor] = {}     # pos -> residual stream [1, 1, d] entering its next stage
         return self.target.logits(hidden[0, -1]), captured
 
+    def _run(self, stage: int, hidden: torch.Tensor, pos: int):
+        """One stage on one position -> (its output [1, 1, d], {l: H^l}, the target's logits [V] if it was the last
+        stage, else None)."""
+        out, captured = self.target.run_stage(stage, hidden, torch.tensor([pos], device=self.device), self.cache,
+                                              self.capture)
+        return out, captured, self.target.logits(out[0, -1]) if stage == self.n - 1 else None
+
+    def _stream(self, stage: int):
+        return nullcontext()
+
     def launch(self, step: Step, entering):
         out = StepOutput()
         for stage, pos in enumerate(step.work):
             if not step.runs(stage):
                 continue
             hidden = entering if stage == 0 else self.hidden.pop(pos)
-            positions = torch.tensor([pos], device=self.device)
-            self.hidden[pos], captured = self.target.run_stage(stage, hidden, positions, self.cache, self.capture)
-            out.features[pos] = captured
-        if step.exiting is not None:
-            out.exit_logits = self.target.logits(self.hidden.pop(step.exiting)[0, -1])
+            with self._stream(stage):
+                hidden, out.features[pos], logits = self._run(stage, hidden, pos)
+            if logits is None:
+                self.hidden[pos] = hidden
+            else:                                   # step.exiting: it leaves the pipeline with its logits
+                out.exit_logits = logits
         self._out = out
 
     def collect(self) -> StepOutput:

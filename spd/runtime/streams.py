@@ -35,29 +35,16 @@ class GraphStages(LocalStages):
             raise ValueError("fixed-shape stages need the context length (a static cache)")
         self.capture = frozenset(capture)
         cache, hidden, captured = prefill(self.target, prompt_ids, self.capture, max_length, self.cache)
-        if cache is not self.cache:        # a longer context than before: new buffers, new graphs
-            self.cache = cache
+        if cache is not self.cache or any(step.capture != self.capture for step in self.steps):
+            self.cache = cache             # a longer context or other layers to capture: new steps, new graphs
             b = self.bounds
             self.steps = [FixedStep(self.target, b[s], b[s + 1], cache, self.capture, logits=s == self.n - 1,
                                     cuda_graph=self.cuda_graphs) for s in range(self.n)]
         self.hidden = {}
         return self.target.logits(hidden[0, -1]), captured
 
-    def _stream(self, stage: int):
-        return nullcontext()
-
-    def launch(self, step: Step, entering):
-        out = StepOutput()
-        for stage, pos in enumerate(step.work):
-            if not step.runs(stage):
-                continue
-            hidden = entering if stage == 0 else self.hidden.pop(pos)
-            with self._stream(stage):
-                self.hidden[pos], out.features[pos], logits = self.steps[stage](hidden, pos)
-            if stage == self.n - 1:
-                del self.hidden[pos]            # it leaves the pipeline: its logits are all that is left of it
-                out.exit_logits = logits
-        self._out = out
+    def _run(self, stage: int, hidden: torch.Tensor, pos: int):
+        return self.steps[stage](hidden, pos)
 
 
 class StreamStages(GraphStages):

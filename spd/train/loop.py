@@ -27,7 +27,6 @@ from spd.module import SpeculationModule
 from spd.target.loading import load_target
 from spd.target.stages import StagedTarget
 from spd.train.data import load_conversations, tokenize_conversations
-from spd.train.feature_cache import DTYPES as CACHE_DTYPES
 from spd.train.feature_cache import build_or_load
 from spd.train.regenerate import regenerate, regenerated_path
 from spd.train.methods import objective_for
