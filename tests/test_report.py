@@ -62,7 +62,7 @@ def test_report_three_runs(tmp_path):
     out = tmp_path / "report"
     written = report_command(dirs, str(out))
 
-    names = ["table.md", "eal_per_dataset.png", "accepted_runs.png", "eal_vs_n.png"]
+    names = ["table.md", "eal_per_dataset.png", "accepted_runs.png", "eal_vs_n.png", "speedup_vs_n.png"]
     assert written == [str(out / name) for name in names]
     for path in written[1:]:
         assert _is_png(path)
@@ -109,3 +109,31 @@ def test_load_run_errors(tmp_path):
         load_run(str(tmp_path))
     with pytest.raises(UserError):
         report_command([], None)
+
+
+def _eagle(m: int, tau: float) -> dict:
+    summary = _summary(1, 0.0, (100, 100, 100))
+    summary["run"].update(method="eagle3", label=f"EAGLE-3 (m={m})", draft_length=m)
+    for entry in [*summary["datasets"].values(), summary["overall"]]:
+        entry.pop("eal_pooled")
+        entry["tau_pooled"] = tau
+    s = tau * 30 / (m + 30)
+    summary["speedup"]["formula"] = {k: s for k in [*DATASETS, "overall"]}
+    return summary
+
+
+def test_speedup_against_m_for_eagle3_and_against_n_for_the_pipelined_methods(tmp_path):
+    from spd.eval.report import plot_eal_vs_n, plot_speedup_vs_m, plot_speedup_vs_n
+
+    spd = [_summary(3, 0.0, (150, 200, 250)), _summary(5, 0.0, (200, 250, 400))]
+    ppsd = [dict(s, run={**s["run"], "method": "ppsd", "label": s["run"]["label"].replace("SPD", "PPSD")})
+            for s in spd]
+    eagle = [_eagle(3, 1.4), _eagle(5, 1.5), _eagle(7, 1.52)]
+    runs = spd + ppsd + eagle
+    dirs = [_write(tmp_path, f"r{i}", s) for i, s in enumerate(runs)]
+    written = [os.path.basename(p) for p in report_command(dirs, str(tmp_path / "out"))]
+    assert written[-3:] == ["eal_vs_n.png", "speedup_vs_n.png", "speedup_vs_m.png"]
+    # EAGLE-3 alone: a curve against m, none against n (its n = 1 is no pipeline); one m: no curve
+    assert plot_speedup_vs_m(eagle, str(tmp_path / "m.png")) and _is_png(str(tmp_path / "m.png"))
+    assert not plot_speedup_vs_n(eagle, str(tmp_path / "n.png")) and not plot_eal_vs_n(eagle, str(tmp_path / "e.png"))
+    assert not plot_speedup_vs_m(eagle[:1] + spd, str(tmp_path / "m1.png"))

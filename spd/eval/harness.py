@@ -23,7 +23,7 @@ from spd.errors import UserError
 from spd.paths import check_writable_dir
 from spd.eval.calibrate import calibrate, formula_speedup, measured_cost_speedup
 from spd.eval.output import EvalOutput, check_output_dir, write_json
-from spd.eval.summary import summarise
+from spd.eval.summary import METHOD_NAMES, summarise
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
 from spd.fast_eval_chain import fast_chain_stats
@@ -103,7 +103,6 @@ def machine(device: torch.device) -> str:
     return f"{platform.machine()} CPU, {torch.get_num_threads()} threads, {platform.node()}"
 
 
-METHOD_NAMES = {"spd": "SPD", "ppsd": "PPSD", "spd_output_state": "SPD output states"}
 
 
 def module_layers(module) -> int:

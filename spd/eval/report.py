@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from spd.errors import UserError  # noqa: E402
+from spd.eval.summary import METHOD_NAMES  # noqa: E402
 from spd.paths import check_writable_dir  # noqa: E402
 
 DATASETS = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval"}
@@ -210,27 +211,55 @@ def plot_run_histogram(runs: list[dict], path: str) -> None:
     _save(fig, path)
 
 
-def plot_eal_vs_n(runs: list[dict], path: str) -> bool:
-    """L′acc (mean over datasets) against n, one line per (module layers, setting).
+def _method(run: dict) -> str:
+    return run["run"].get("method") or "spd"
 
-    Only meaningful with at least two distinct n: returns False without writing otherwise, True when written.
-    """
-    runs = [run for run in _unique(runs) if mean_eal(run) is not None]
-    if len({run["run"]["n"] for run in runs}) < 2:
+
+def _plot_lines(runs: list[dict], x_of, y_of, line_of, path: str, title: str, xlabel: str, ylabel: str) -> bool:
+    """One line per line_of(run) through (x_of(run), y_of(run)); written (True) only with >= 2 distinct x."""
+    points = [(line_of(run), x_of(run), y_of(run)) for run in sorted(_unique(runs), key=_setting_key)]
+    points = [p for p in points if p[2] is not None]
+    if len({x for _, x, _ in points}) < 2:
         return False
-    lines: dict[tuple, list[tuple[int, float]]] = {}
-    for run in sorted(runs, key=_setting_key):
-        lines.setdefault((run["run"]["module_layers"], setting(run)), []).append((run["run"]["n"], mean_eal(run)))
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for line, x, y in points:
+        lines.setdefault(line, []).append((x, y))
     fig, ax = plt.subplots(figsize=(6, 4))
-    for (layers, s), points in lines.items():
-        ns, eals = zip(*sorted(points))
-        ax.plot(ns, eals, "o-", label=f"L_s={layers}, {s}")
-    ax.set_xticks(sorted({run["run"]["n"] for run in runs}))
-    ax.set(title="L′acc against pipeline stages n", xlabel="n (pipeline stages)",
-           ylabel="L′acc, mean over datasets")
+    for line, xy in lines.items():
+        xs, ys = zip(*sorted(xy))
+        ax.plot(xs, ys, "o-", label=line)
+    ax.set_xticks(sorted({x for _, x, _ in points}))
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.legend(fontsize="small")
     _save(fig, path)
     return True
+
+
+def plot_eal_vs_n(runs: list[dict], path: str) -> bool:
+    """L′acc (mean over datasets) against n, one line per (method, module layers, setting); pipelined runs only."""
+    return _plot_lines([r for r in runs if _method(r) != "eagle3"], lambda r: r["run"]["n"], mean_eal,
+                       lambda r: f"{METHOD_NAMES.get(_method(r), _method(r))}, L_s={r['run']['module_layers']}, "
+                                 f"{setting(r)}",
+                       path, "L′acc against pipeline stages n", "n (pipeline stages)", "L′acc, mean over datasets")
+
+
+def _overall_speedup(run: dict) -> float | None:
+    return _speedup(run, "formula", "overall")
+
+
+def plot_speedup_vs_n(runs: list[dict], path: str) -> bool:
+    """The formula speedup (pooled over datasets) against n, one line per (method, setting); pipelined runs."""
+    return _plot_lines([r for r in runs if _method(r) != "eagle3"], lambda r: r["run"]["n"], _overall_speedup,
+                       lambda r: f"{METHOD_NAMES.get(_method(r), _method(r))}, {setting(r)}",
+                       path, "Speedup against pipeline stages n", "n (pipeline stages)", "formula speedup (overall)")
+
+
+def plot_speedup_vs_m(runs: list[dict], path: str) -> bool:
+    """EAGLE-3's S = τ·L/(L_s·m + L) (pooled over datasets) against its draft length m, one line per setting."""
+    return _plot_lines([r for r in runs if _method(r) == "eagle3"], lambda r: r["run"]["draft_length"],
+                       _overall_speedup, lambda r: f"EAGLE-3, {setting(r)}",
+                       path, "EAGLE-3: speedup against draft length m", "m (drafts per target forward)",
+                       "S, overall")
 
 
 # ---------------------------------------------------------------- report
@@ -247,15 +276,18 @@ def _write_text(path: str, text: str) -> None:
 
 
 def write_report(runs: list[dict], out_dir: str) -> list[str]:
-    """Write table.md, eal_per_dataset.png, accepted_runs.png (and eal_vs_n.png with ≥ 2 distinct n)."""
+    """Write table.md, eal_per_dataset.png, accepted_runs.png, and the curves that have >= 2 points on their axis:
+    eal_vs_n.png and speedup_vs_n.png (pipelined methods), speedup_vs_m.png (EAGLE-3)."""
     os.makedirs(out_dir, exist_ok=True)
     path = lambda name: os.path.join(out_dir, name)  # noqa: E731
     _write_text(path("table.md"), markdown_table(runs))
     plot_eal_per_dataset(runs, path("eal_per_dataset.png"))
     plot_run_histogram(runs, path("accepted_runs.png"))
     written = [path("table.md"), path("eal_per_dataset.png"), path("accepted_runs.png")]
-    if plot_eal_vs_n(runs, path("eal_vs_n.png")):
-        written.append(path("eal_vs_n.png"))
+    for name, plot in (("eal_vs_n.png", plot_eal_vs_n), ("speedup_vs_n.png", plot_speedup_vs_n),
+                       ("speedup_vs_m.png", plot_speedup_vs_m)):
+        if plot(runs, path(name)):
+            written.append(path(name))
     return written
 
 

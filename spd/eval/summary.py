@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from statistics import mean
 
+METHOD_NAMES = {"spd": "SPD", "ppsd": "PPSD", "spd_output_state": "SPD output states", "eagle3": "EAGLE-3"}
+
 
 def _mean(values):
     values = [v for v in values if v is not None]
