@@ -88,13 +88,13 @@ class DistributedStages(StageExecutor):
     def embed(self, token: int) -> torch.Tensor:
         return self.target.embed(torch.tensor([[token]], device=self.device))
 
-    def prefill(self, prompt_ids, capture, max_length=None):   # stage processes keep growing caches
+    def prefill(self, prompt_ids, capture, max_length=None):
         self.finish()
         self.capture_on = bool(capture)
         if self.capture_on and not set(capture) - {0} <= set(self.setup.capture):
             raise ValueError(f"capture {sorted(capture)} was not announced at setup ({self.setup.capture})")
         length = len(prompt_ids)
-        self._command(control(PREFILL, self.n, length=length, capture=self.capture_on))
+        self._command(control(PREFILL, self.n, length=length, capture=self.capture_on, context=max_length or 0))
         h0 = self.target.embed(torch.tensor([prompt_ids], device=self.device))   # [1, P, d]
         self.sends.append(comm.send(h0.float(), 1, TAG_PREFILL))
         self.active = True

@@ -3,8 +3,9 @@
 Ranks: 0 is the controller (embedding, speculation module, verification); rank s + 1 runs stage s (0-indexed)
 and only that stage's layers; the last stage also holds the final norm and the LM head.
 
-Per step the controller sends every stage one control tensor (int64 [4 + n]: command, crop length, prompt
-length, capture flag, then the schedule's work row: the position each stage advances, IDLE if none) and stage 0
+Per step the controller sends every stage one control tensor (int64 [5 + n]: command, crop length, prompt
+length, capture flag, context length (PREFILL: the positions of the static caches the stages allocate), then the
+schedule's work row: the position each stage advances, IDLE if none) and stage 0
 the H^0 of the entering token. Stage s sends its output state to stage s + 1 (used next step, or dropped when
 the next control crops past it) and the controller its payload: the captured feature rows the drafter reads,
 and for the last stage the logits of the exiting token. Tags keep the kinds of message apart.
@@ -18,7 +19,7 @@ import torch
 
 PREFILL, STEP, END, STOP, ABORT, PROBE = 1, 2, 3, 4, 5, 6  # PROBE: a STEP's messages, no compute
 TAG_CONTROL, TAG_HIDDEN, TAG_PREFILL, TAG_PAYLOAD, TAG_READY = 1, 2, 3, 4, 5
-HEADER = 4
+HEADER = 5
 
 
 @dataclass
@@ -48,11 +49,12 @@ def stage_capture(capture: list[int], bounds: list[int], stage: int) -> list[int
 
 
 def control(cmd: int, n: int, crop: int = -1, length: int = 0, capture: bool = True,
-            work: tuple[int, ...] | None = None) -> torch.Tensor:
-    row = [cmd, crop, length, int(capture)] + list(work if work is not None else (-1,) * n)
+            work: tuple[int, ...] | None = None, context: int = 0) -> torch.Tensor:
+    row = [cmd, crop, length, int(capture), context] + list(work if work is not None else (-1,) * n)
     return torch.tensor(row, dtype=torch.long)
 
 
-def parse(row: torch.Tensor) -> tuple[int, int, int, bool, tuple[int, ...]]:
+def parse(row: torch.Tensor) -> tuple[int, int, int, bool, int, tuple[int, ...]]:
+    """(command, crop, prompt length, capture flag, context length (0: a growing cache), work row)."""
     values = row.tolist()
-    return values[0], values[1], values[2], bool(values[3]), tuple(values[HEADER:])
+    return values[0], values[1], values[2], bool(values[3]), values[4], tuple(values[HEADER:])

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from spd.runtime.distributed import comm
-from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, PROBE, STEP, STOP, TAG_CONTROL, TAG_HIDDEN, TAG_PAYLOAD,
-                                              TAG_PREFILL, TAG_READY, Setup, parse, stage_capture, stage_layers)
+from spd.runtime.distributed.protocol import (ABORT, END, HEADER, PREFILL, PROBE, STEP, STOP, TAG_CONTROL, TAG_HIDDEN,
+                                              TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Setup, parse, stage_capture,
+                                              stage_layers)
 from spd.runtime.schedule import IDLE
 from spd.session import DTYPES
 from spd.target.weight_cache import load_parts
@@ -70,9 +71,9 @@ class StageServer:
         active = False
         self.sends.append(comm.send(torch.zeros(1), 0, TAG_READY))
         while True:
-            row = comm.recv(4 + self.n, torch.long, 0, TAG_CONTROL,
+            row = comm.recv(HEADER + self.n, torch.long, 0, TAG_CONTROL,
                             s.step_timeout_s if active else s.idle_timeout_s, self.what("waiting for the controller"))
-            cmd, crop, length, capture_on, work = parse(row)
+            cmd, crop, length, capture_on, context, work = parse(row)
             if cmd == ABORT:
                 raise comm.PipelineFailure(self.what("was stopped by the controller after a failure elsewhere"))
             for work_item in self.sends:
@@ -90,7 +91,7 @@ class StageServer:
                 continue
             if cmd == PREFILL:
                 active = True
-                self.cache = self.target.new_cache()
+                self.cache = self.target.new_cache(context or None)   # static: this stage's layers only
                 hidden = comm.recv((1, length, self.d), torch.float32, self.rank - 1, TAG_PREFILL, s.step_timeout_s,
                                    self.what("waiting for the prompt's states"))
                 self._run(hidden, torch.arange(length), capture)
