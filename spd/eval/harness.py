@@ -44,6 +44,11 @@ def validate(cfg) -> None:
                         f"{', '.join(DATASETS)}")
 
 
+def uses_fast_evaluator(cfg) -> bool:
+    """Greedy, in-process, eager runs are scored from cached traces; the others run the step-by-step runtime."""
+    return cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local" and not cfg.cuda_graphs
+
+
 def prompt_seed(seed: int, dataset: str, question_id) -> int:
     """A fixed seed per prompt, independent of which other prompts run or in what order."""
     return zlib.crc32(f"{seed}/{dataset}/{question_id}".encode())
@@ -120,7 +125,7 @@ def run_eval(cfg, log=print) -> dict:
     validate(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     check_output_dir(cfg.output_dir, resolved, cfg.resume)
-    if cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local" and not cfg.cuda_graphs:
+    if uses_fast_evaluator(cfg):
         check_writable_dir(cfg.trace_cache_dir, "trace_cache_dir")
     session = open_session(cfg)
     tok = session.loaded.tokenizer
@@ -134,7 +139,7 @@ def run_eval(cfg, log=print) -> dict:
     work = [(ds, q) for ds in cfg.datasets for q in load_questions(ds)[: cfg.limit]]
     done = out.done()
     todo = [(ds, q) for ds, q in work if (ds, str(q["question_id"])) not in done]
-    fast = session.params.greedy and not cfg.exact_trace and cfg.runtime == "local" and not cfg.cuda_graphs
+    fast = uses_fast_evaluator(cfg)
     capture = session.drafter().layers_needed(session.staged.bounds)
     # a pipelined layout's traces hold every layer its features read (one directory per layout serves all plans)
     read = capture if session.method == "eagle3" else None

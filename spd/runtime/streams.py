@@ -74,7 +74,7 @@ class StreamStages(GraphStages):
                 continue
             for h in self._out.features.get(pos, {}).values():
                 h.record_stream(caller)
-            if pos in self.hidden and stage + 1 < self.n:
+            if pos in self.hidden:                 # not the last stage's: it is read by the next stage
                 self.hidden[pos].record_stream(self.streams[stage + 1])
         if self._out.exit_logits is not None:
             self._out.exit_logits.record_stream(caller)
