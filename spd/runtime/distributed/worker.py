@@ -32,9 +32,16 @@ def run_stage_process(rank: int) -> int:
             dist.destroy_process_group()
 
 
+def _say(line: str) -> None:
+    """One write of the whole line: sibling stages share the stderr, and print's separate newline write let two
+    stages' lines run together."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (line + "\n").encode())
+
+
 def _die(line: str) -> None:
     """One line, then exit at once: tearing down a broken group can block on peers that are gone."""
-    print(line, file=sys.stderr, flush=True)
+    _say(line)
     os._exit(1)
 
 
@@ -56,8 +63,8 @@ def main() -> int:
         dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
                                 timeout=datetime.timedelta(seconds=float(os.environ.get("SPD_CONNECT_TIMEOUT_S", 60))))
     except RuntimeError as exc:
-        print(f"spd-infer: error: stage process rank {rank} could not join the pipeline "
-              f"({(str(exc).splitlines() or ['?'])[0]})", file=sys.stderr)
+        _say(f"spd-infer: error: stage process rank {rank} could not join the pipeline "
+             f"({(str(exc).splitlines() or ['?'])[0]})")
         return 1
     return run_stage_process(rank)
 
