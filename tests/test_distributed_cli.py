@@ -129,19 +129,53 @@ def test_eval_through_the_distributed_runtime(tmp_path):
         assert mine["runtime"] == "distributed" and mine["ar_match"] is True
 
 
+def start_generation(*args):
+    """spd-infer generate in a new session (as a terminal's foreground group) once its stage processes exist.
+    Returns (the process, the stage pids that were there before it)."""
+    before = stage_workers()
+    proc = subprocess.Popen([sys.executable, "-m", "spd.cli", "generate", *args, "runtime=distributed",
+                             "threads_per_stage=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while len(stage_workers() - before) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc, before
+
+
+def test_ctrl_c_while_the_stages_load_stops_every_process():
+    """Ctrl-C before the stage processes have joined the group (they are still importing torch): the controller
+    must not wait in the group's rendezvous (its timeout is a day) but exit at once."""
+    import signal
+
+    proc, before = start_generation("target=tiny-llama", "prompt=Hi", "n=2", "max_new_tokens=8")
+    time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and err.strip().splitlines() == ["spd-infer: interrupted"], err
+    time.sleep(1)
+    assert stage_workers() <= before
+
+
+def test_a_stage_killed_before_joining_is_named():
+    import signal
+
+    proc, before = start_generation("target=tiny-llama", "prompt=Hi", "n=2", "max_new_tokens=8")
+    victim = max(stage_workers() - before)
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, err
+    assert lines[0].startswith("spd-infer: error: stage ") and "was killed by SIGKILL" in lines[0], err
+    time.sleep(1)
+    assert stage_workers() <= before
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_every_process():
     """SIGINT to the whole foreground group (a terminal's Ctrl-C) mid-generation: one line, exit 130, no process left."""
     import signal
 
-    before = stage_workers()
-    proc = subprocess.Popen([sys.executable, "-m", "spd.cli", "generate", "prompt=Write a long story about a dragon.",
-                             "n=2", "max_new_tokens=400", "runtime=distributed", "threads_per_stage=1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True)
-    deadline = time.monotonic() + 180
-    while len(stage_workers() - before) < 2 and time.monotonic() < deadline:
-        time.sleep(0.5)
+    proc, before = start_generation("prompt=Write a long story about a dragon.", "n=2", "max_new_tokens=400")
     time.sleep(8)  # loaded and decoding (400 tokens take far longer than this)
     assert proc.poll() is None, proc.communicate()
     os.killpg(proc.pid, signal.SIGINT)

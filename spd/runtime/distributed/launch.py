@@ -105,8 +105,7 @@ def start_local_pipeline(target: StagedTarget, setup: Setup, addr: str = "127.0.
     port = check_port(addr, port)
     processes = StageProcesses(setup.n, addr, port, setup.threads)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=0, world_size=setup.n + 1,
-                                timeout=datetime.timedelta(seconds=setup.idle_timeout_s))
+        _form_group(processes, addr, port, setup.n + 1, setup.idle_timeout_s)
         return DistributedStages(target, setup, processes)
     except PipelineFailure as exc:
         dead = processes.describe_failure()
@@ -117,6 +116,32 @@ def start_local_pipeline(target: StagedTarget, setup: Setup, addr: str = "127.0.
         processes.kill()
         _leave_group()
         raise
+
+
+def _form_group(processes: StageProcesses, addr: str, port: int, world: int, timeout_s: float) -> None:
+    """init_process_group blocks in C++ until every rank has joined, where neither Ctrl-C nor a stage that died
+    while importing torch can reach it: the controller would wait out the timeout (a day). So the group is formed
+    in a helper thread while this one watches the stage processes and stays interruptible."""
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=0, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except BaseException as exc:  # handed to the main thread
+            failed.append(exc)
+
+    helper = threading.Thread(target=join, name="spd-form-group", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(0.1)
+        if processes.interrupted(grace_s=0):
+            raise KeyboardInterrupt
+        dead = processes.describe_failure(grace_s=0)
+        if dead and helper.is_alive():
+            raise PipelineFailure(dead.replace("; the pipeline was stopped", " before joining the process group"))
+    if failed:
+        raise failed[0]
 
 
 _setup_sent = False
