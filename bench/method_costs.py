@@ -3,7 +3,8 @@
 Each `spd-infer eval` times its own stages, head, module and verification at its end; runs made at different times
 on a shared machine see different loads. This script re-times every run's module on one target in one process
 (the same `spd.eval.calibrate.calibrate`, so SPD drafts beside the step and PPSD / the output-state ablation
-after it) and recomputes each run's measured-cost speedup from its pooled α per dataset.
+after it; `calibrate_chain` for EAGLE-3's cycle at the run's m) and recomputes each run's measured-cost speedup
+from its pooled α (EAGLE-3: τ) per dataset.
 
     python bench/method_costs.py --run spd=bench/results/eval/greedy_n5_best \
         --run ppsd=bench/results/eval/greedy_n5_ppsd --out bench/results/method_costs_n5.json
@@ -20,7 +21,8 @@ import torch
 
 from spd.eval.output import write_json
 from spd.checkpoint import load_checkpoint
-from spd.eval.calibrate import calibrate, measured_cost_speedup
+from spd.drafters.eagle3 import Eagle3Drafter
+from spd.eval.calibrate import calibrate, calibrate_chain, chain_measured_cost_speedup, measured_cost_speedup
 from spd.sampling import SamplingParams
 from spd.target.loading import load_target
 from spd.target.stages import StagedTarget
@@ -41,13 +43,19 @@ def main() -> int:
         staged = StagedTarget(loaded.model, run["n"], run["stage_bounds"])
         module = load_checkpoint(run["checkpoint"], staged, loaded).eval()
         params = SamplingParams(run["temperature"], run["top_k"] if run["temperature"] else 0, run["top_p"])
-        cal = calibrate(staged, module, params, repeats=args.repeats)
         groups = {**summary["datasets"], "overall": summary["overall"]}
-        result["runs"][label] = {
-            "eval_dir": directory, "label": run["label"], "method": run["method"], "T": run["temperature"],
-            "eal_pooled": {k: v["eal_pooled"] for k, v in groups.items()},
-            "measured_cost": {k: measured_cost_speedup(v["alpha_pooled"], cal) for k, v in groups.items()},
-            "calibration": cal}
+        if run["method"] == "eagle3":   # a chain cycle: m drafts, one verify forward, the drafter's update
+            cal = calibrate_chain(staged, Eagle3Drafter(module, staged.embed), params, run["draft_length"],
+                                  repeats=args.repeats)
+            figures = {"tau_pooled": {k: v["tau_pooled"] for k, v in groups.items()},
+                       "measured_cost": {k: chain_measured_cost_speedup(v["tau_pooled"], cal)
+                                         for k, v in groups.items()}}
+        else:
+            cal = calibrate(staged, module, params, repeats=args.repeats)
+            figures = {"eal_pooled": {k: v["eal_pooled"] for k, v in groups.items()},
+                       "measured_cost": {k: measured_cost_speedup(v["alpha_pooled"], cal) for k, v in groups.items()}}
+        result["runs"][label] = {"eval_dir": directory, "label": run["label"], "method": run["method"],
+                                 "T": run["temperature"], **figures, "calibration": cal}
         print(json.dumps({label: {k: v for k, v in result["runs"][label].items() if k != "calibration"}}))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     write_json(args.out, result)

@@ -5,10 +5,14 @@ import pytest
 from spd.eval.calibrate import (
     ar_token_time,
     calibrate,
+    calibrate_chain,
+    chain_measured_cost_speedup,
     formula_speedup,
     measured_cost_speedup,
     step_time,
 )
+from spd.drafters.eagle3 import Eagle3Drafter
+from spd.eagle3_module import Eagle3Module
 from spd.module import SpeculationModule
 from spd.sampling import SamplingParams
 from spd.target.loading import load_target
@@ -66,3 +70,22 @@ def test_bottleneck_names_the_slowest_term():
 def test_free_extras_and_equal_stages_give_the_formula(n, alpha):
     cal = hand_calibration([0.01] * n, head=0.0, verify=0.0, module=0.0)
     assert measured_cost_speedup(alpha, cal) == pytest.approx(formula_speedup(alpha, n))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, top_k=20, top_p=0.9)])
+def test_calibrate_chain_is_consistent_with_its_model(params):
+    staged = StagedTarget(load_target("tiny-llama").model, 1)
+    drafter = Eagle3Drafter(Eagle3Module.from_target(staged).eval(), staged.embed)
+    cal = calibrate_chain(staged, drafter, params, m=3, context=16, repeats=3)
+    parts = [cal["drafts_s"], cal["verify_s"], cal["update_s"]]
+    assert cal["ar_token_s"] > 0 and all(t > 0 for t in parts)
+    assert math.isclose(cal["cycle_s"], sum(parts))
+    assert (cal["m"], cal["context"], cal["repeats"]) == (3, 16, 3)
+    # the drafter is left where calibration put it: every context position has its row, nothing of the timed drafts
+    assert drafter.rows == 16 and drafter.kv.get_seq_length(0) == 16
+
+
+def test_chain_measured_cost_speedup_by_hand():
+    # τ = 1.5 tokens per cycle of 3 drafts at 0.1 s, a 0.5 s verify and a 0.1 s update, against 0.6 s per AR token
+    cal = {"ar_token_s": 0.6, "cycle_s": 3 * 0.1 + 0.5 + 0.1}
+    assert math.isclose(chain_measured_cost_speedup(1.5, cal), 1.5 * 0.6 / 0.9)

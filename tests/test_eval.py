@@ -180,6 +180,9 @@ def test_every_method_evaluates_losslessly_with_its_own_figures(capsys, tiny_tar
         assert overall["tau_pooled"] == pytest.approx(tau)
         assert summary["speedup"]["formula"]["overall"] == pytest.approx(tau * L / (3 + L))
         assert summary["speedup"]["wall_clock"]["overall"] > 0
+        cal = summary["speedup"]["calibration"]      # a cycle timed part by part: m drafts, verify, update
+        assert cal["m"] == 3 and cal["cycle_s"] == pytest.approx(cal["drafts_s"] + cal["verify_s"] + cal["update_s"])
+        assert summary["speedup"]["measured_cost"]["overall"] == pytest.approx(tau * cal["ar_token_s"] / cal["cycle_s"])
         assert "EAGLE-3 (m=3, untrained)" in table
     else:
         assert overall["eal_pooled"] == pytest.approx(3 * overall["N"] / overall["K"])

@@ -137,3 +137,16 @@ def test_speedup_against_m_for_eagle3_and_against_n_for_the_pipelined_methods(tm
     assert plot_speedup_vs_m(eagle, str(tmp_path / "m.png")) and _is_png(str(tmp_path / "m.png"))
     assert not plot_speedup_vs_n(eagle, str(tmp_path / "n.png")) and not plot_eal_vs_n(eagle, str(tmp_path / "e.png"))
     assert not plot_speedup_vs_m(eagle[:1] + spd, str(tmp_path / "m1.png"))
+
+
+def test_eagle3_rows_show_the_wall_clock_beside_formula_and_measured_cost():
+    greedy, sampled = _eagle(3, 1.4), _eagle(3, 1.3)
+    sampled["run"]["temperature"] = 1.0
+    sampled["speedup"]["measured_cost"] = {k: 0.5 for k in [*DATASETS, "overall"]}
+    sampled["speedup"]["wall_clock"] = {k: 0.4 for k in [*DATASETS, "overall"]}
+    table = markdown_table([greedy, _summary(3, 0.0, (150, 200, 250)), sampled])
+    s = 1.4 * 30 / 33
+    assert f"| EAGLE-3 (m=3) | T=0, W=1 | {s:.2f} / – | {s:.2f} / – | {s:.2f} / – | {s:.2f} / – |" in table
+    s = 1.3 * 30 / 33
+    assert f"| EAGLE-3 (m=3) | T=1, W=1 | {s:.2f} / 0.50 / 0.40 | {s:.2f} / 0.50 / 0.40 |" in table
+    assert "| SPD (n=3, L_s=1) | T=0, W=1 | 2.00 / – |" in table   # pipelined rows: no clock column

@@ -59,6 +59,11 @@ class Eagle3Drafter:
         self.rows += count
         self.last_h = out[:, -1:]
 
+    def rewind(self, rows: int) -> None:
+        """Forget every verified position from `rows` on (cost calibration re-times one update)."""
+        self.kv.crop(rows)
+        self.rows = rows
+
     @torch.no_grad()
     def draft(self, m: int, choose) -> list[int]:
         """m draft tokens for the positions after the verified sequence; choose(logits [V_target]) -> token

@@ -20,6 +20,10 @@ Cost model:
       T_step = max(max_{s<n} stage_s, stage_n + head + verify) + module.
 - A step settles α = N/K tokens on average, so speedup_measured = α · T_ar / T_step, while the layer-count
   formula gives n · α (they agree when the stages are equal and head, module and verification cost nothing).
+- EAGLE-3's chain (no pipeline, `calibrate_chain`): a cycle is m draft passes (`Eagle3Drafter.draft`, head and
+  choice included), one target forward over the newest token and the m drafts with the head on all m + 1 rows and
+  each row verified, then the drafter's update over the verified rows (timed for one row: at τ ≈ 1-2 a pass
+  over two rows costs what one does). A cycle settles τ tokens, so speedup_measured = τ · T_ar / T_cycle.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from spd.drafters.base import step_view
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import needed_layers
 from spd.module import SpeculationModule
+from spd.runtime.pipeline import propose, settle
 from spd.runtime.schedule import spd_step
 from spd.sampling import SamplingParams, greedy_token, sample, verify_greedy, verify_sampled, warp
 from spd.target.stages import StagedTarget
@@ -63,6 +68,11 @@ def step_time(stage_s: list[float], head_s: float, verify_s: float, module_s: fl
 def measured_cost_speedup(alpha: float, calibration: dict) -> float:
     """α tokens per step, each step costing step_s instead of ar_token_s per token."""
     return alpha * calibration["ar_token_s"] / calibration["step_s"]
+
+
+def chain_measured_cost_speedup(tau: float, calibration: dict) -> float:
+    """τ tokens per chain cycle, each cycle costing cycle_s instead of ar_token_s per token."""
+    return tau * calibration["ar_token_s"] / calibration["cycle_s"]
 
 
 def formula_speedup(alpha: float, n: int, after_step: bool = False, num_layers: int = 1,
@@ -155,3 +165,53 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
     return {"stage_s": stage_s, "head_s": head_s, "module_s": module_s, "verify_s": verify_s,
             "ar_token_s": ar_token_time(stage_s, head_s), "step_s": step_s, "bottleneck": bottleneck,
             "context": context, "repeats": repeats, "device": str(device), "dtype": str(staged.dtype)}
+
+
+@torch.no_grad()
+def calibrate_chain(staged: StagedTarget, drafter, params: SamplingParams, m: int, context: int = 128,
+                    repeats: int = 20) -> dict:
+    """Time each term of EAGLE-3's cycle (see the module docstring) with `drafter` (an Eagle3Drafter) on the
+    unsplit target, against a cache of `context` tokens."""
+    device = staged.device
+    generator = torch.Generator(device=device).manual_seed(0)
+    capture = frozenset(drafter.layers_needed())
+    ids = torch.randint(staged.config.vocab_size, (1, context + m + 1), generator=generator, device=device)
+    cache = staged.new_cache()
+    _, captured = staged.forward_all(ids[:, :context], cache, 0, capture)
+    drafter.start(captured, ids[0, : context + 1].tolist())
+    rewind = lambda: cache.crop(context)  # noqa: E731  (keep the context length fixed between repeats)
+
+    def ar_token() -> int:
+        out, _ = staged.forward_all(ids[:, context: context + 1], cache, context)
+        return propose(staged.logits(out[0, -1]), params, generator)[0]
+
+    ar_token_s = _median_seconds(ar_token, repeats, device, reset=rewind)
+    qs: list[torch.Tensor | None] = []
+
+    def choose(logits: torch.Tensor) -> int:
+        token, q = propose(logits, params, generator)
+        qs.append(q)
+        return token
+
+    drafts_s = _median_seconds(lambda: drafter.draft(m, choose), repeats, device)
+    drafts, q = ids[0, context + 1:].tolist(), qs[-1]
+    block = ids[:, context:]                                                 # [1, m + 1] newest token + drafts
+
+    def verify() -> dict:
+        out, hidden = staged.forward_all(block, cache, context, capture)
+        logits = staged.logits(out[0])                                       # [m + 1, V]
+        for j in range(m):
+            settle(logits[j], drafts[j], q, params, generator)
+        propose(logits[m], params, generator)                                # the token after the last draft
+        return hidden
+
+    verify_s = _median_seconds(verify, repeats, device, reset=rewind)
+    hidden = verify()
+    rewind()
+    update_s = _median_seconds(
+        lambda: drafter.verified({layer: h[:, :1] for layer, h in hidden.items()}, ids[0, : context + 2].tolist()),
+        repeats, device, reset=lambda: drafter.rewind(context))
+    cycle_s = drafts_s + verify_s + update_s
+    return {"ar_token_s": ar_token_s, "drafts_s": drafts_s, "verify_s": verify_s, "update_s": update_s,
+            "cycle_s": cycle_s, "m": m, "context": context, "repeats": repeats, "device": str(device),
+            "dtype": str(staged.dtype)}

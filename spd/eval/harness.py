@@ -21,7 +21,8 @@ from tqdm import tqdm
 from spd.ar import ar_generate
 from spd.errors import UserError
 from spd.paths import check_writable_dir
-from spd.eval.calibrate import calibrate, formula_speedup, measured_cost_speedup
+from spd.eval.calibrate import (calibrate, calibrate_chain, chain_measured_cost_speedup, formula_speedup,
+                                measured_cost_speedup)
 from spd.eval.output import EvalOutput, check_output_dir, write_json
 from spd.eval.summary import METHOD_NAMES, summarise
 from spd.eval.traces import TraceCache
@@ -163,12 +164,15 @@ def run_eval(cfg, log=print) -> dict:
     selected = {(ds, str(q["question_id"])) for ds, q in work}
     samples = [s for s in out.samples if (s["dataset"], str(s["question_id"])) in selected]
     summary = summarise(samples, list(cfg.datasets))
-    # Calibration times every stage in this process; under runtime=distributed it holds none (the clock is measured).
-    # (EAGLE-3 needs no pipeline: the clock judges it directly, tokens/s against AR in the same run)
-    calibration = calibrate(session.staged, session.module, session.params) \
-        if cfg.calibrate and cfg.runtime == "local" and session.method != "eagle3" else None
+    # Calibration times every stage (EAGLE-3: every part of a cycle) in this process; under runtime=distributed it
+    # holds none (the clock is measured). EAGLE-3 needs no pipeline, so the clock also judges it directly.
+    calibration = None
+    if cfg.calibrate and cfg.runtime == "local":
+        calibration = calibrate_chain(session.staged, session.drafter(), session.params, cfg.draft_length) \
+            if session.method == "eagle3" else calibrate(session.staged, session.module, session.params)
     summary["speedup"] = speedups(summary, session.staged, session.module, calibration) \
-        if session.method != "eagle3" else chain_speedups(summary, session.staged.num_layers, cfg.draft_length)
+        if session.method != "eagle3" else \
+        chain_speedups(summary, session.staged.num_layers, cfg.draft_length, calibration)
     summary["run"] = {"method": session.method, "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
                       "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": 1,
                       "draft_length": cfg.draft_length if session.method == "eagle3" else None,
@@ -197,13 +201,16 @@ def speedups(summary: dict, staged, module, calibration: dict | None) -> dict:
     return {"formula": formula, "measured_cost": measured, "calibration": calibration}
 
 
-def chain_speedups(summary: dict, num_layers: int, m: int) -> dict:
-    """EAGLE-3: S = tau * L / (L_s * m + L) (design §3), and the clock: tokens/s against AR in the same run."""
+def chain_speedups(summary: dict, num_layers: int, m: int, calibration: dict | None = None) -> dict:
+    """EAGLE-3: S = tau * L / (L_s * m + L) (design §3), tau by the measured cycle cost, and the clock: tokens/s
+    against AR in the same run."""
     groups = {**summary["datasets"], "overall": summary["overall"]}
     formula = {k: v["tau_pooled"] * num_layers / (m + num_layers) for k, v in groups.items() if v.get("tau_pooled")}
+    measured = {k: chain_measured_cost_speedup(v["tau_pooled"], calibration) for k, v in groups.items()
+                if v.get("tau_pooled")} if calibration else None
     clock = {k: v["tokens_per_s"] / v["ar_tokens_per_s"] for k, v in groups.items()
              if v.get("tokens_per_s") and v.get("ar_tokens_per_s")}
-    return {"formula": formula, "measured_cost": None, "wall_clock": clock or None, "calibration": None}
+    return {"formula": formula, "measured_cost": measured, "wall_clock": clock or None, "calibration": calibration}
 
 
 def log_wandb(cfg, resolved: dict, summary: dict) -> None:
