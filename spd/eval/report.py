@@ -220,21 +220,32 @@ def _method(run: dict) -> str:
 
 
 def _plot_lines(runs: list[dict], x_of, y_of, line_of, path: str, title: str, xlabel: str, ylabel: str) -> bool:
-    """One line per line_of(run) through (x_of(run), y_of(run)); written (True) only with >= 2 distinct x."""
-    points = [(line_of(run), x_of(run), y_of(run)) for run in sorted(_unique(runs), key=_setting_key)]
-    points = [p for p in points if p[2] is not None]
-    if len({x for _, x, _ in points}) < 2:
+    """One line per line_of(run) through (x_of(run), y_of(run)); written (True) only with >= 2 distinct x.
+    y_of may be a dict {name: y_of}: one line per (run line, name), solid for the first, dashed for the others."""
+    curves = y_of if isinstance(y_of, dict) else {"": y_of}
+    points = [(line_of(run) + (f", {name}" if name else ""), name, x_of(run), y(run))
+              for run in sorted(_unique(runs), key=_setting_key) for name, y in curves.items()]
+    points = [p for p in points if p[3] is not None]
+    if len({x for _, _, x, _ in points}) < 2:
         return False
-    lines: dict[str, list[tuple[int, float]]] = {}
-    for line, x, y in points:
-        lines.setdefault(line, []).append((x, y))
+    lines: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for line, name, x, y in points:
+        lines.setdefault((line, name), []).append((x, y))
     fig, ax = plt.subplots(figsize=(6, 4))
-    for line, xy in lines.items():
+    first = next(iter(curves))
+    colours: dict[str, str] = {}   # one colour per run line, shared by its curves
+    for (line, name), xy in lines.items():
         xs, ys = zip(*sorted(xy))
-        ax.plot(xs, ys, "o-", label=line)
-    ax.set_xticks(sorted({x for _, x, _ in points}))
+        base = line[: len(line) - len(f", {name}")] if name else line
+        colour = colours.setdefault(base, f"C{len(colours) % 10}")
+        ax.plot(xs, ys, "o-" if name == first else "s--", color=colour, label=line)
+    ax.set_xticks(sorted({x for _, _, x, _ in points}))
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    ax.legend(fontsize="small")
+    if len(curves) > 1:
+        ax.axhline(1.0, color="grey", linewidth=0.8)   # plain decoding
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    else:
+        ax.legend(fontsize="small")
     _save(fig, path)
     return True
 
@@ -251,17 +262,23 @@ def _overall_speedup(run: dict) -> float | None:
     return _speedup(run, "formula", "overall")
 
 
+# the layer-count formula and, where the run was timed, the speedup from the measured costs
+SPEEDUPS = {"formula": _overall_speedup, "measured cost": lambda run: _speedup(run, "measured_cost", "overall")}
+
+
 def plot_speedup_vs_n(runs: list[dict], path: str) -> bool:
-    """The formula speedup (pooled over datasets) against n, one line per (method, setting); pipelined runs."""
-    return _plot_lines([r for r in runs if _method(r) != "eagle3"], lambda r: r["run"]["n"], _overall_speedup,
+    """The formula speedup and the measured-cost one (pooled over datasets) against n, one line each per (method,
+    setting); pipelined runs."""
+    return _plot_lines([r for r in runs if _method(r) != "eagle3"], lambda r: r["run"]["n"], SPEEDUPS,
                        lambda r: f"{METHOD_NAMES.get(_method(r), _method(r))}, {setting(r)}",
-                       path, "Speedup against pipeline stages n", "n (pipeline stages)", "formula speedup (overall)")
+                       path, "Speedup against pipeline stages n", "n (pipeline stages)", "speedup (overall)")
 
 
 def plot_speedup_vs_m(runs: list[dict], path: str) -> bool:
-    """EAGLE-3's S = τ·L/(L_s·m + L) (pooled over datasets) against its draft length m, one line per setting."""
+    """EAGLE-3's S = τ·L/(L_s·m + L) and its measured-cost S (pooled over datasets) against its draft length m, one
+    line each per setting."""
     return _plot_lines([r for r in runs if _method(r) == "eagle3"], lambda r: r["run"]["draft_length"],
-                       _overall_speedup, lambda r: f"EAGLE-3, {setting(r)}",
+                       SPEEDUPS, lambda r: f"EAGLE-3, {setting(r)}",
                        path, "EAGLE-3: speedup against draft length m", "m (drafts per target forward)",
                        "S, overall")
 
