@@ -40,7 +40,7 @@ from spd.layout import needed_layers
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import propose, settle
 from spd.runtime.schedule import spd_step
-from spd.sampling import SamplingParams, greedy_token, sample, verify_greedy, verify_sampled, warp
+from spd.sampling import SamplingParams
 from spd.target.stages import StagedTarget
 
 LAST = "last stage + head + verify"
@@ -145,21 +145,13 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
     view = step_view(steady, ids[0].tolist(), features, after=after)
 
     def draft() -> tuple[int, torch.Tensor | None]:
-        logits = drafter.draft_logits(view)                                    # [V]
-        if params.greedy:
-            return greedy_token(logits), None
-        q = warp(logits, params)
-        return sample(q, generator), q
+        return propose(drafter.draft_logits(view), params, generator)        # the runtime's own choice of draft
 
     module_s = _median_seconds(draft, repeats, device)
 
     target_logits = staged.logits(last_row)                                  # [V]
     token, q = draft()
-    if params.greedy:
-        verify_s = _median_seconds(lambda: verify_greedy(token, target_logits), repeats, device)
-    else:
-        verify_s = _median_seconds(lambda: verify_sampled(token, warp(target_logits, params), q, generator),
-                                   repeats, device)
+    verify_s = _median_seconds(lambda: settle(target_logits, token, q, params, generator), repeats, device)
 
     step_s, bottleneck = step_time(stage_s, head_s, verify_s, module_s, after)
     return {"stage_s": stage_s, "head_s": head_s, "module_s": module_s, "verify_s": verify_s,

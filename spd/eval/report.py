@@ -223,7 +223,7 @@ def _plot_lines(runs: list[dict], x_of, y_of, line_of, path: str, title: str, xl
     """One line per line_of(run) through (x_of(run), y_of(run)); written (True) only with >= 2 distinct x.
     y_of may be a dict {name: y_of}: one line per (run line, name), solid for the first, dashed for the others."""
     curves = y_of if isinstance(y_of, dict) else {"": y_of}
-    points = [(line_of(run) + (f", {name}" if name else ""), name, x_of(run), y(run))
+    points = [(line_of(run), name, x_of(run), y(run))
               for run in sorted(_unique(runs), key=_setting_key) for name, y in curves.items()]
     points = [p for p in points if p[3] is not None]
     if len({x for _, _, x, _ in points}) < 2:
@@ -236,9 +236,8 @@ def _plot_lines(runs: list[dict], x_of, y_of, line_of, path: str, title: str, xl
     colours: dict[str, str] = {}   # one colour per run line, shared by its curves
     for (line, name), xy in lines.items():
         xs, ys = zip(*sorted(xy))
-        base = line[: len(line) - len(f", {name}")] if name else line
-        colour = colours.setdefault(base, f"C{len(colours) % 10}")
-        ax.plot(xs, ys, "o-" if name == first else "s--", color=colour, label=line)
+        colour = colours.setdefault(line, f"C{len(colours) % 10}")
+        ax.plot(xs, ys, "o-" if name == first else "s--", color=colour, label=f"{line}, {name}" if name else line)
     ax.set_xticks(sorted({x for _, _, x, _ in points}))
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     if len(curves) > 1:
