@@ -9,11 +9,11 @@ FAMILIES = ("llama", "qwen3", "gemma3")
 
 
 def tiny_config(family: str, num_layers: int = 10, vocab_size: int = 128, hidden_size: int = 32,
-                max_position_embeddings: int = 512):
+                max_position_embeddings: int = 512, tied: bool = True):
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                   max_position_embeddings=max_position_embeddings, eos_token_id=vocab_size - 1, bos_token_id=0, pad_token_id=0,
-                  tie_word_embeddings=True)
+                  tie_word_embeddings=tied)
     if family == "llama":
         return LlamaConfig(**common)
     if family == "qwen3":
@@ -30,8 +30,11 @@ def tiny_model(family: str, seed: int = 0, **kwargs):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=torch.float32)
     # Random init gives near-uniform next-token distributions; sharpen them so greedy decoding is decisive.
+    # Tied (the default) the model mostly repeats its last token; untied, its answers depend on the whole context.
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(8.0)
+        if not model.config.tie_word_embeddings:
+            model.get_output_embeddings().weight.mul_(8.0)
     return model.eval().requires_grad_(False)
 
 

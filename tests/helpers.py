@@ -16,6 +16,24 @@ from spd.target.stages import StagedTarget
 GREEDY = SamplingParams()
 
 
+def distributed_cfg(**overrides):
+    """The keys `open_stages` reads for runtime=distributed: one thread per stage process, on this machine."""
+    from types import SimpleNamespace
+
+    base = dict(runtime="distributed", threads_per_stage=1, dtype="float32", device="cpu", timeout_s=20.0,
+                master_addr="127.0.0.1", master_port=0)
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def controller_parts(spec: str, n: int):
+    """What the controller process holds: the embedding and head, no decoder layer; and the cache it loads from."""
+    from spd.target.weight_cache import load_parts, materialize
+
+    cache = materialize(spec)
+    parts = load_parts(cache, range(0), embed=True, head=True, dtype=torch.float32)
+    return StagedTarget(parts.model, n), cache
+
+
 def prompt(seed: int, length: int = 12, vocab: int = 128) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab - 1, (length,), generator=g).tolist()

@@ -7,12 +7,11 @@ pipeline-parallel AR equals AR; a killed stage stops everything within 30 s with
 import os
 import signal
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import GREEDY, ScriptedDrafter, ar_run, prompt
+from helpers import GREEDY, ScriptedDrafter, ar_run, controller_parts, distributed_cfg, prompt
 from spd.ar import ar_generate
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
@@ -21,23 +20,10 @@ from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
 from spd.runtime.stages import open_stages
 from spd.sampling import SamplingParams
 from spd.target.loading import load_target
-from spd.target.weight_cache import load_parts, materialize
+from spd.target.weight_cache import load_parts
 from spd.target.stages import StagedTarget
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
-
-
-def distributed_cfg(**overrides):
-    base = dict(runtime="distributed", threads_per_stage=1, dtype="float32", device="cpu", timeout_s=20.0,
-                master_addr="127.0.0.1", master_port=0)
-    return SimpleNamespace(**{**base, **overrides})
-
-
-def controller_parts(spec: str, n: int):
-    """What the controller process holds: the embedding and head, no decoder layer."""
-    cache = materialize(spec)
-    parts = load_parts(cache, range(0), embed=True, head=True, dtype=torch.float32)
-    return StagedTarget(parts.model, n), cache
 
 
 @pytest.fixture(scope="module")

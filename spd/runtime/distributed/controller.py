@@ -89,7 +89,7 @@ class DistributedStages(StageExecutor):
         return self.target.embed(torch.tensor([[token]], device=self.device))
 
     def prefill(self, prompt_ids, capture, max_length=None):
-        self.finish()
+        self.finish()   # also drops a crop left by a generation that ended on a rejection: it was for old caches
         self.capture_on = bool(capture)
         if self.capture_on and not set(capture) - {0} <= set(self.setup.capture):
             raise ValueError(f"capture {sorted(capture)} was not announced at setup ({self.setup.capture})")
@@ -160,6 +160,9 @@ class DistributedStages(StageExecutor):
         self.crop = length  # travels with the next command, before any stage runs again
 
     def finish(self) -> None:
+        # A crop still pending belongs to the generation that just ended: sent with the next generation's first
+        # step it would cut that generation's fresh caches back to the old length (issue 21).
+        self.crop = -1
         if self.active:
             self._command(control(END, self.n))
             self.active = False
