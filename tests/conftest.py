@@ -30,3 +30,14 @@ def tiny_target_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_target")
     save_tiny_target(str(path), "llama", seed=0)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def untied_target_dir(tmp_path_factory):
+    """A tiny Llama whose greedy answers depend on the whole context (untied head), as an HF directory: a cache
+    that lost part of the prompt shows in the tokens (the tied tiny targets mostly repeat their last token)."""
+    from spd.testing import save_tiny_target
+
+    path = tmp_path_factory.mktemp("untied_target")
+    save_tiny_target(str(path), "llama", seed=0, tied=False)
+    return str(path)

@@ -109,24 +109,43 @@ def test_bad_input_is_one_line_and_starts_no_process(tmp_path):
     assert stage_workers() <= before
 
 
-def test_eval_through_the_distributed_runtime(tmp_path):
-    """`spd-infer eval runtime=distributed`: the same samples as runtime=local's step-by-step runtime, and greedy
-    SPD equal to pipeline-parallel AR over the same stage processes on every sample."""
-    common = ["eval", "target=tiny-llama", "n=2", "limit=1", "max_new_tokens=12", "wandb.mode=disabled",
-              "calibrate=false", f"trace_cache_dir={tmp_path / 'traces'}"]
+def test_eval_through_the_distributed_runtime(tmp_path, untied_target_dir):
+    """`spd-infer eval runtime=distributed`: one set of stage processes decodes every sample, each the same as
+    runtime=local's step-by-step runtime (itself checked against AR on every sample). No AR runs between the samples
+    (ar_baseline=false): an AR decode over the same prompt used to hide a crop left over from the previous sample."""
+    common = ["eval", f"target={untied_target_dir}", "n=2", "limit=2", "max_new_tokens=12", "wandb.mode=disabled",
+              "calibrate=false", f"trace_cache_dir={tmp_path / 'traces'}", "checkpoint=random"]
     rows = {}
     for runtime in ("local", "distributed"):
         out = tmp_path / runtime
-        extra = ["exact_trace=true"] if runtime == "local" else ["threads_per_stage=1"]
+        extra = ["exact_trace=true"] if runtime == "local" else ["threads_per_stage=1", "ar_baseline=false"]
         done = subprocess.run([sys.executable, "-m", "spd.cli", *common, f"runtime={runtime}", f"output_dir={out}",
                                *extra], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         with open(out / "samples.jsonl") as f:
             rows[runtime] = [json.loads(line) for line in f]
-    assert len(rows["distributed"]) == 3
+    assert len(rows["distributed"]) == 6
     for mine, theirs in zip(rows["distributed"], rows["local"]):
-        assert (mine["text"], mine["K"], mine["rollbacks"]) == (theirs["text"], theirs["K"], theirs["rollbacks"])
-        assert mine["runtime"] == "distributed" and mine["ar_match"] is True
+        assert (mine["text"], mine["K"], mine["rollbacks"]) == (theirs["text"], theirs["K"],
+                                                                     theirs["rollbacks"])
+        assert mine["runtime"] == "distributed" and theirs["ar_match"] is True
+    assert sum(row["rollbacks"] for row in rows["local"]) > 0
+
+
+def test_chat_turns_through_the_distributed_runtime_equal_local(untied_target_dir):
+    """Issue 21's report: a chat's second turn (a longer prompt) after a first answer that ended on a correction."""
+    turns = "Hi.\nPlease write a long detailed paragraph about foxes, then list five of them.\nAnd dogs?\n"
+    answers = {}
+    for runtime in ("local", "distributed"):
+        proc = subprocess.run([sys.executable, "-m", "spd.cli", "chat", f"target={untied_target_dir}", "n=2",
+                               "checkpoint=random", "max_new_tokens=16", "json=true", f"runtime={runtime}",
+                               "threads_per_stage=1"], input=turns, capture_output=True, text=True, timeout=300,
+                              cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        answers[runtime] = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert len(answers["local"]) == 3
+    assert [a["token_ids"] for a in answers["distributed"]] == [a["token_ids"] for a in answers["local"]]
+    assert [a["K"] for a in answers["distributed"]] == [a["K"] for a in answers["local"]]
 
 
 def start_generation(*args):

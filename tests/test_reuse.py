@@ -30,7 +30,6 @@ from spd.runtime.streams import GraphStages, StreamStages
 from spd.sampling import SamplingParams
 from spd.target.loading import load_target
 from spd.target.stages import StagedTarget
-from spd.testing import save_tiny_target
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
 WRONG_EVERY = 5
@@ -55,17 +54,8 @@ PLAN = (Gen(1, 6, 5), Gen(2, 60, 20), Gen(3, 8, 1), Gen(4, 20, 30, "rejected"), 
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    """A tiny Llama whose greedy answers depend on the whole context (untied head): a cache that lost part of the
-    prompt shows in the tokens (the tied tiny targets mostly repeat their last token, whatever the cache holds)."""
-    path = tmp_path_factory.mktemp("untied")
-    save_tiny_target(str(path), "llama", seed=0, tied=False)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def tiny(target_dir):
-    return load_target(target_dir)
+def tiny(untied_target_dir):
+    return load_target(untied_target_dir)
 
 
 @pytest.fixture(scope="module")
@@ -158,12 +148,12 @@ def test_a_reused_in_process_executor_decodes_like_a_fresh_one(tiny, plan, execu
 
 
 @pytest.fixture(scope="module")
-def distributed(tiny, target_dir):
+def distributed(tiny, untied_target_dir):
     """One set of stage processes for every method of the test below, announced every method's layers."""
     staged = StagedTarget(tiny.model, N_STAGES)
     mods = modules(staged)
     capture = sorted({layer for m in mods.values() for layer in ModuleDrafter(m).layers_needed(staged.bounds)})
-    controller, cache = controller_parts(target_dir, N_STAGES)
+    controller, cache = controller_parts(untied_target_dir, N_STAGES)
     with open_stages(controller, distributed_cfg(), capture, cache) as stages:
         yield stages, staged, mods
 
@@ -228,3 +218,39 @@ def test_a_reused_chain_decoder_and_ar_decode_like_fresh_ones(tiny, plan, params
     ar_fresh = decode_plan(plan, params, lambda ids, max_new, eos, g: ar_generate(StagedTarget(tiny.model, 1), ids,
                                                                                   max_new, params, eos, g))
     check_reuse_equals_fresh(plan, params, ar, ar_fresh, drafting=False)
+
+
+@pytest.mark.slow
+def test_smollm2_reused_stage_processes_decode_like_ar():
+    """Issue 21's two-turn chat on the real target: n = 2 stage processes, an untrained module (rejections nearly
+    every step), a short prompt and then a much longer one, greedy and seeded T = 1, each generation as a fresh
+    in-process decoder gives it (greedy: the target's own decode)."""
+    from spd.target.weight_cache import load_parts
+
+    n = 2
+    controller, cache = controller_parts("smollm2", n)
+    smollm2 = load_parts(cache, range(30), embed=True, head=True, dtype=torch.float32)
+    staged = StagedTarget(smollm2.model, n)
+    module = SpeculationModule.from_target(staged, 1).eval()
+    long = "Please write a long detailed paragraph about the history of the Roman empire, then list five emperors."
+    chats = [[{"role": "user", "content": "Hi."}],
+             [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello! How can I help?"},
+              {"role": "user", "content": long}],
+             [{"role": "user", "content": "Thanks."}]]
+    prompts = [list(smollm2.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=True)["input_ids"]) for c in chats]
+    runs = [(p, params, seed) for params, seed in ((GREEDY, 0), (SAMPLED, 1)) for p in prompts]
+
+    def decode(stages, drafter, p, params, seed):
+        return PipelineDecoder(stages, drafter, params, frozenset()).generate(p, 24, torch.Generator().manual_seed(seed))
+
+    with open_stages(controller, distributed_cfg(), ModuleDrafter(module).layers_needed(staged.bounds), cache) as stages:
+        drafter = ModuleDrafter(module)
+        reused = [decode(stages, drafter, *run) for run in runs]
+    fresh = [decode(LocalStages(staged), ModuleDrafter(module), *run) for run in runs]
+    whole = StagedTarget(smollm2.model, 1)
+    for (p, params, _), mine, theirs in zip(runs, reused, fresh):
+        assert mine.token_ids == theirs.token_ids and mine.stats.as_dict() == theirs.stats.as_dict()
+        if params.greedy:
+            assert mine.token_ids == ar_generate(whole, p, 24, GREEDY, frozenset()).token_ids
+    assert ended_on_rejection(reused[0]) and len(prompts[1]) > len(prompts[0]) + 24
