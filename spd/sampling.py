@@ -65,3 +65,19 @@ def verify_sampled(draft: int, p: torch.Tensor, q: torch.Tensor, generator: torc
     if total <= 0:  # p == q up to rounding: rejection had probability ~0, fall back to p itself
         residual, total = p, p.sum()
     return False, sample(residual / total, generator)
+
+
+def propose(draft_logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
+    """A drafter's token from its logits [V] and, when sampling, the warped q it was drawn from."""
+    if params.greedy:
+        return greedy_token(draft_logits), None
+    q = warp(draft_logits, params)
+    return sample(q, generator), q
+
+
+def settle(target_logits: torch.Tensor, draft: int, q: torch.Tensor | None, params: SamplingParams,
+           generator) -> tuple[bool, int]:
+    """Verify a draft against the target's logits [V] for its position; return (accepted, settled token)."""
+    if params.greedy:
+        return verify_greedy(draft, target_logits)
+    return verify_sampled(draft, warp(target_logits, params), q, generator)

@@ -38,9 +38,8 @@ from spd.drafters.base import step_view
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import needed_layers
 from spd.module import SpeculationModule
-from spd.runtime.pipeline import propose, settle
 from spd.runtime.schedule import spd_step
-from spd.sampling import SamplingParams
+from spd.sampling import SamplingParams, propose, settle
 from spd.target.stages import StagedTarget
 
 LAST = "last stage + head + verify"

@@ -16,8 +16,7 @@ import torch
 from spd.decoding import GenerationResult, context_length, is_final, prefill
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.metrics import ChainStats
-from spd.runtime.pipeline import propose, settle
-from spd.sampling import SamplingParams, next_token
+from spd.sampling import SamplingParams, next_token, propose, settle
 from spd.target.stages import StagedTarget
 
 

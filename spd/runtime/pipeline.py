@@ -20,28 +20,12 @@ from spd.metrics import DecodeStats
 from spd.runtime.executor import StageExecutor
 from spd.runtime.local import LocalStages
 from spd.runtime.schedule import first_step, flushed_from, next_step, relay_step
-from spd.sampling import SamplingParams, greedy_token, next_token, sample, verify_greedy, verify_sampled, warp
+from spd.sampling import SamplingParams, next_token, propose, settle
 from spd.target.stages import StagedTarget
 
 
 def as_executor(stages: StagedTarget | StageExecutor) -> StageExecutor:
     return LocalStages(stages) if isinstance(stages, StagedTarget) else stages
-
-
-def propose(draft_logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
-    """The draft token and, when sampling, the warped q it was drawn from."""
-    if params.greedy:
-        return greedy_token(draft_logits), None
-    q = warp(draft_logits, params)
-    return sample(q, generator), q
-
-
-def settle(target_logits: torch.Tensor, draft: int, q: torch.Tensor | None, params: SamplingParams,
-           generator) -> tuple[bool, int]:
-    """Verify a draft against the target's logits [V] for its position; return (accepted, settled token)."""
-    if params.greedy:
-        return verify_greedy(draft, target_logits)
-    return verify_sampled(draft, warp(target_logits, params), q, generator)
 
 
 class PipelineDecoder:
