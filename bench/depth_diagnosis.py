@@ -12,7 +12,7 @@ squared norm in its 3 largest dimensions), each input's share of g^k = FC_k(...)
 greedy cross-entropy on the traces. Greedy L'acc from the exact fast evaluator goes beside each module.
 
     python bench/depth_diagnosis.py --checkpoint base=outputs/diag/e0/checkpoint --checkpoint std=... \
-        --out bench/results/depth_diagnosis.json
+        --out docs/results/depth_diagnosis.json
 """
 
 from __future__ import annotations

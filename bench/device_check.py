@@ -3,7 +3,7 @@ project's plain AR decoding token for token; sampled SPD must run. The CPU path 
 this script is for CUDA machines.
 
     python bench/device_check.py --device cuda [--dtype float32|bfloat16] [--target smollm2] [--limit 4]
-Writes bench/results/device_check_<device>_<dtype>.json.
+Writes docs/results/device_check_<device>_<dtype>.json.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> int:
               "target": loaded.name, "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
               "identical": sum(r["identical"] for r in rows), "runs": len(rows), "rows": rows,
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    out = args.out or f"bench/results/device_check_{args.device.split(':')[0]}_{args.dtype}.json"
+    out = args.out or f"docs/results/device_check_{args.device.split(':')[0]}_{args.dtype}.json"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".tmp", "w") as f:
         json.dump(result, f, indent=1)

@@ -9,7 +9,7 @@ Without a checkpoint for an n, the module starts as in `model.init_fc=select mod
 selector of H^{b_k}, the layer a copy of the target's last one, the head the target's). Untrained modules are
 almost always wrong, which checks the rollback timing only; give trained checkpoints where possible, so that
 accepted runs occur too (`accepted_drafts` per n in the output says how many).
-Resumable: finished (n, prompt) rows are kept in <out>l and skipped. Writes bench/results/fast_eval_check.json.
+Resumable: finished (n, prompt) rows are kept in <out>l and skipped. Writes docs/results/fast_eval_check.json.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=80, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--cache-dir", default="outputs/cache/traces")
-    ap.add_argument("--out", default="bench/results/fast_eval_check.json")
+    ap.add_argument("--out", default="docs/results/fast_eval_check.json")
     args = ap.parse_args()
     checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
     loaded = load_target("smollm2")

@@ -6,7 +6,7 @@ tokens must equal the target's greedy trace. A difference is acceptable only whe
 
     python bench/fast_eval_check_chain.py --checkpoint outputs/eagle3_679k/checkpoint --ms 3,5,7 \
         --limit 10 --max-new-tokens 64
-Resumable: finished (m, prompt) rows are kept in <out>l and skipped. Writes bench/results/fast_eval_check_chain.json.
+Resumable: finished (m, prompt) rows are kept in <out>l and skipped. Writes docs/results/fast_eval_check_chain.json.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--cache-dir", default="outputs/cache/traces")
-    ap.add_argument("--out", default="bench/results/fast_eval_check_chain.json")
+    ap.add_argument("--out", default="docs/results/fast_eval_check_chain.json")
     args = ap.parse_args()
     loaded = load_target("smollm2")
     staged = StagedTarget(loaded.model, 1)

@@ -8,7 +8,7 @@ EAGLE-3's first draft? Also EAGLE-3's unrolled steps j = 1..6 (teacher-forced to
 each pipelined module's acceptance at every occupancy.
 
     python bench/first_draft.py --spd e5=outputs/diag/e5/checkpoint --eagle3 eagle3=outputs/diag/eagle3/checkpoint \
-        --out bench/results/first_draft_214k.json
+        --out docs/results/first_draft_214k.json
 """
 
 from __future__ import annotations

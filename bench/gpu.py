@@ -8,7 +8,7 @@ Then each stage's step timed alone and all stages launched together on their str
     python bench/gpu.py --device cuda --dtypes bfloat16,float32 --limit 20 --max-new-tokens 128
     python bench/gpu.py --device cpu --dtypes float32 --limit 1 --max-new-tokens 8 --no-compile   # a smoke run
 On CPU there are no graphs and no streams: the graph rows run the same fixed-shape steps eagerly.
-Writes bench/results/gpu_<device>_<dtypes>.json.
+Writes docs/results/gpu_<device>_<dtypes>.json.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def main() -> int:
                                                                 prompts[0], device)}
         print(f"[gpu] {dtype}: roofline {roofline:.0f} tok/s; " +
               ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in rows.items()), flush=True)
-    out = args.out or f"bench/results/gpu_{device.type}_{args.dtypes.replace(',', '_')}.json"
+    out = args.out or f"docs/results/gpu_{device.type}_{args.dtypes.replace(',', '_')}.json"
     write_json(out, result)
     print(json.dumps({d: {k: round(v["tokens_per_s"], 1) for k, v in r["rows"].items()}
                       for d, r in result["runs"].items()}, indent=1))

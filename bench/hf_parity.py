@@ -5,7 +5,7 @@ differences between the two code paths may legitimately flip the argmax). Every 
 its margin. The drafter proposes HF's own tokens — drafts never change a lossless decoder's output, they
 only make the run faster — so any divergence is the target pipeline's own verdict.
 
-    python bench/hf_parity.py [--n 5] [--max-new-tokens 128] [--limit 80] [--out bench/results/hf_parity.json]
+    python bench/hf_parity.py [--n 5] [--max-new-tokens 128] [--limit 80] [--out docs/results/hf_parity.json]
 Resumable: finished prompts are kept in <out>.jsonl and skipped.
 """
 
@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=80, help="prompts per dataset")
-    ap.add_argument("--out", default="bench/results/hf_parity.json")
+    ap.add_argument("--out", default="docs/results/hf_parity.json")
     args = ap.parse_args()
     loaded = load_target("smollm2")
     model, tok = loaded.model, loaded.tokenizer

@@ -4,7 +4,7 @@
    same number of tokens); target ratio >= 0.9.
 2. SPD seconds per pipeline step vs one full-token target forward + one module forward; target ratio <= 1.2.
 
-    python bench/speed.py [--tokens 128] [--repeats 3] [--n 5] [--out bench/results/speed.json]
+    python bench/speed.py [--tokens 128] [--repeats 3] [--n 5] [--out docs/results/speed.json]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--n", type=int, default=5)
-    ap.add_argument("--out", default="bench/results/speed.json")
+    ap.add_argument("--out", default="docs/results/speed.json")
     args = ap.parse_args()
     torch.manual_seed(0)
     loaded = load_target("smollm2")

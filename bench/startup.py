@@ -9,7 +9,7 @@
 
 Each figure: min / median / max over --runs runs (after one warm-up), interleaved so drift hits all alike.
 
-    python bench/startup.py --runs 7 --out bench/results/startup.json
+    python bench/startup.py --runs 7 --out docs/results/startup.json
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def timed(cmd: list[str], env: dict) -> tuple[float, subprocess.CompletedProcess
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--out", default="bench/results/startup.json")
+    parser.add_argument("--out", default="docs/results/startup.json")
     args = parser.parse_args()
     cache = tempfile.mkdtemp(prefix="spd-startup-cache-")
     env = {**os.environ, "SPD_CACHE_DIR": cache}

@@ -4,7 +4,7 @@ For each sequence length (a fresh process each, so peak RSS is clean): tokens/s 
 (the frozen target keeping the needed layers, plus its head at the loss positions) and of a whole training step
 (teacher + module forward/backward + AdamW), and the step's peak memory above the loaded models.
 
-    python bench/train_speed.py [--lengths 512 1024 2048] [--repeats 3] [--out bench/results/train_speed.json]
+    python bench/train_speed.py [--lengths 512 1024 2048] [--repeats 3] [--out docs/results/train_speed.json]
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="bench/results/train_speed.json")
+    ap.add_argument("--out", default="docs/results/train_speed.json")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

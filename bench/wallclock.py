@@ -63,15 +63,18 @@ def seed_of(key: str) -> int:
 
 
 def decode_all(prompts, run) -> dict:
-    """run(key, ids) -> GenerationResult; pooled tokens/s over every prompt, and L′acc where there are steps."""
+    """run(key, ids) -> GenerationResult; pooled tokens/s over every prompt, and L′acc where there are steps.
+    `outputs` ({prompt key: token ids}) lets main() check every greedy row against the suite's AR."""
     tokens = seconds = N = K = 0
+    outputs = {}
     for key, ids in prompts:
         result = run(key, ids)
+        outputs[key] = result.token_ids
         tokens += len(result.token_ids)
         seconds += result.seconds
         if result.stats is not None:
             N, K = N + result.stats.N, K + result.stats.K
-    out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs}
     if K:
         out.update(N=N, K=K, alpha=N / K)
     return out
@@ -178,7 +181,7 @@ def main() -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--cores", type=int, default=os.cpu_count())
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--out", default="bench/results/wallclock.json")
+    ap.add_argument("--out", default="docs/results/wallclock.json")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     loaded = load_target(args.target)
@@ -191,8 +194,13 @@ def main() -> int:
             rows += distributed_rows(args, prompts, n, kind, args.cores, loaded.model)
     fastest_ar = {t: max(r["tokens_per_s"] for r in rows if r["runtime"] == "single process" and r["temperature"] == t)
                   for t in args.temperatures}
+    reference = next((r["outputs"] for r in rows if r["method"] == "ar" and r["runtime"] == "single process"
+                      and r["temperature"] == 0), None)
     for row in rows:
         row["speedup_vs_fastest_single_process"] = row["tokens_per_s"] / fastest_ar[row["temperature"]]
+        outputs = row.pop("outputs")
+        if row["temperature"] == 0 and reference is not None:  # lossless: every greedy row decodes AR's tokens
+            row["greedy_equals_ar"] = sum(outputs[key] == ids for key, ids in reference.items())
     report = {"rows": rows, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "cores": args.cores,
               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
               "command": " ".join(["python", *sys.argv])}
@@ -207,8 +215,8 @@ def main() -> int:
 
 def markdown(report: dict) -> str:
     lines = ["| n | bounds | module | T | method | processes × threads | tokens/s | vs fastest AR | L′acc | "
-             "s/step | module s/step | messages µs/step | calibrated tokens/s |",
-             "|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "s/step | module s/step | messages µs/step | calibrated tokens/s | greedy = AR |",
+             "|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         def f(key, spec=".3f", scale=1.0):
             return format(r[key] * scale, spec) if r.get(key) is not None else "—"
@@ -217,7 +225,8 @@ def markdown(report: dict) -> str:
                      f"{r['processes']} × {r['threads_per_process']} | {f('tokens_per_s', '.1f')} | "
                      f"{f('speedup_vs_fastest_single_process')} | {f('eal')} | {f('s_per_step', '.4f')} | "
                      f"{f('module_s_per_step', '.4f')} | {f('message_us_per_step_median', '.0f')} | "
-                     f"{f('calibrated_tokens_per_s', '.1f')} |")
+                     f"{f('calibrated_tokens_per_s', '.1f')} | "
+                     f"{str(r['greedy_equals_ar']) + '/' + str(report['prompts']) if 'greedy_equals_ar' in r else '—'} |")
     return "\n".join(lines)
 
 

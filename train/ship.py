@@ -1,6 +1,6 @@
 """Copy a trained checkpoint into the package as a shipped module (float16 weights, provenance in config.json).
 
-    python train/ship.py outputs/smollm2_n5_best/checkpoint smollm2-n5 --measured bench/results/acceptance_best.json
+    python train/ship.py outputs/smollm2_n5_best/checkpoint smollm2-n5 --measured docs/results/acceptance_best.json
 
 Weight matrices are stored in float16 (half the bytes; load_checkpoint widens them to the run's dtype); the
 draft-vocabulary map stays int64 and the feature standardisation float32. config.json gains "provenance": the
