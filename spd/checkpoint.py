@@ -17,9 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from spd.errors import UserError
 from spd.eagle3_module import Eagle3Module
-from spd.layout import PLANS
-
-TRAINED_METHODS = (*PLANS, "eagle3")
+from spd.methods import TRAINED_METHODS
 from spd.module import SpeculationModule
 from spd.target.loading import LoadedTarget
 from spd.target.stages import StagedTarget

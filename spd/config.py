@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spd.errors import UserError
+from spd.methods import DECODING_METHODS, METHODS
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -39,9 +40,11 @@ class GenerateConfig:
     prompt: Optional[str] = None         # taken verbatim; or prompt_file=, a positional argument, standard input
     prompt_file: Optional[str] = None    # a UTF-8 text file whose whole content is the prompt
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
-    method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | ar (plain autoregressive
+    method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | ar (plain autoregressive
                                          # through the same stage runner); None = the checkpoint's (spd without one)
-    draft_length: int = 5                # method=eagle3: m drafts per target forward
+    draft_length: int = 5                # method=eagle3 | lookup: at most m drafts per target forward
+    lookup_min_ngram: int = 2            # method=lookup: shortest suffix of the context that may match earlier
+    lookup_max_ngram: int = 8            # method=lookup: longest suffix compared (the longest match wins)
     n: Optional[int] = None              # pipeline stages; None = the checkpoint's n, else 5
     stage_bounds: Any = None             # explicit inner boundaries b_1..b_{n-1}, or "balanced" (by measured cost)
     module_layers: int = 1               # L_s of a randomly initialised module
@@ -100,7 +103,6 @@ OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-DECODING_METHODS = ("spd", "ppsd", "spd_output_state", "eagle3", "ar")
 RUNTIMES = ("local", "distributed", "streams")
 DEVICE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
 
@@ -133,7 +135,11 @@ def check_decoding(cfg) -> None:
     if not DEVICE.match(cfg.device):
         raise UserError(f"device={cfg.device!r} is not a device; use cpu, cuda, cuda:<index> or mps")
     at_least(cfg, "n", 1, " (pipeline stages)")
-    at_least(cfg, "draft_length", 1, " (EAGLE-3's draft tokens per cycle)")
+    at_least(cfg, "draft_length", 1, " (a chain's draft tokens per cycle)")
+    at_least(cfg, "lookup_min_ngram", 1, " (tokens a context match needs)")
+    if cfg.lookup_max_ngram < cfg.lookup_min_ngram:
+        raise UserError(f"lookup_max_ngram={cfg.lookup_max_ngram} is below lookup_min_ngram={cfg.lookup_min_ngram}; "
+                        "raise it")
     on_cuda = cfg.device.startswith("cuda")
     if cfg.runtime == "streams" and not on_cuda:
         raise UserError(f"runtime=streams runs each stage on a CUDA stream; device={cfg.device} has none: use "
@@ -144,11 +150,12 @@ def check_decoding(cfg) -> None:
     if cfg.cuda_graphs and cfg.runtime == "distributed":
         raise UserError("cuda_graphs=true is for runtime=local or runtime=streams (one process); the stage processes "
                         "of runtime=distributed run eagerly")
-    if cfg.cuda_graphs and cfg.method == "eagle3":
-        raise UserError("cuda_graphs=true covers the pipeline's stage steps and AR; EAGLE-3's chain verifies m + 1 "
-                        "tokens at once and runs eagerly: drop cuda_graphs")
-    if cfg.method == "eagle3" and cfg.runtime != "local":
-        raise UserError(f"method=eagle3 drafts and verifies in one process (no pipeline); use runtime=local, "
+    chain = cfg.method is not None and METHODS[cfg.method].chain
+    if cfg.cuda_graphs and chain:
+        raise UserError(f"cuda_graphs=true covers the pipeline's stage steps and AR; method={cfg.method}'s chain "
+                        "verifies m + 1 tokens at once and runs eagerly: drop cuda_graphs")
+    if chain and cfg.runtime != "local":
+        raise UserError(f"method={cfg.method} drafts and verifies in one process (no pipeline); use runtime=local, "
                         f"not runtime={cfg.runtime}")
     at_least(cfg, "max_new_tokens", 1, " (tokens to generate)")
     at_least(cfg, "module_layers", 1)

@@ -4,6 +4,7 @@ rejection sampling preserves the target's (warped) distribution exactly."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -67,12 +68,34 @@ def verify_sampled(draft: int, p: torch.Tensor, q: torch.Tensor, generator: torc
     return False, sample(residual / total, generator)
 
 
-def propose(draft_logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
+def verify_point_mass(draft: int, p: torch.Tensor, generator: torch.Generator | None) -> tuple[bool, int]:
+    """A deterministic draft (q = the point mass at x, e.g. a context lookup): accept with probability p(x), else
+    draw from the residual norm(max(0, p - q)), which is p without x. Same rule as `verify_sampled` with that q."""
+    u = torch.rand((), generator=generator, device=p.device)
+    if u < p[draft]:
+        return True, draft
+    residual = p.clone()
+    residual[draft] = 0
+    total = residual.sum()
+    if total <= 0:  # p is the point mass at x up to rounding: acceptance had probability ~1
+        return True, draft
+    return False, sample(residual / total, generator)
+
+
+class Proposal(NamedTuple):
+    """A drafted token and the warped q it was sampled from; q None for a deterministic draft (greedy argmax, a
+    context lookup), which sampled verification treats as a point mass."""
+
+    token: int
+    q: torch.Tensor | None = None
+
+
+def propose(draft_logits: torch.Tensor, params: SamplingParams, generator) -> Proposal:
     """A drafter's token from its logits [V] and, when sampling, the warped q it was drawn from."""
     if params.greedy:
-        return greedy_token(draft_logits), None
+        return Proposal(greedy_token(draft_logits))
     q = warp(draft_logits, params)
-    return sample(q, generator), q
+    return Proposal(sample(q, generator), q)
 
 
 def settle(target_logits: torch.Tensor, draft: int, q: torch.Tensor | None, params: SamplingParams,
@@ -80,4 +103,5 @@ def settle(target_logits: torch.Tensor, draft: int, q: torch.Tensor | None, para
     """Verify a draft against the target's logits [V] for its position; return (accepted, settled token)."""
     if params.greedy:
         return verify_greedy(draft, target_logits)
-    return verify_sampled(draft, warp(target_logits, params), q, generator)
+    p = warp(target_logits, params)
+    return verify_point_mass(draft, p, generator) if q is None else verify_sampled(draft, p, q, generator)

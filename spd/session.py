@@ -10,9 +10,11 @@ import torch
 from spd.checkpoint import check_target, checkpoint_method, load_checkpoint, read_checkpoint_config
 from spd.decoding import eos_ids_of
 from spd.drafters.eagle3 import Eagle3Drafter
+from spd.drafters.lookup import LookupDrafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.eagle3_module import Eagle3Module
 from spd.errors import UserError
+from spd.methods import METHODS
 from spd.module import SpeculationModule
 from spd.prompts import conversation_ids
 from spd.sampling import SamplingParams
@@ -36,9 +38,12 @@ class Session:
     cache_dir: str | None = None       # runtime=distributed: the target cache the stage processes load from
     balance: dict | None = None        # stage_bounds=balanced: the measured stage times and predicted step
     checkpoint: str | None = None      # the module directory drafting (a shipped one by default); None = untrained
-    method: str = "spd"                # the drafter (spd, ppsd, spd_output_state, eagle3) or ar
+    method: str = "spd"                # a name in spd.methods.METHODS
+    lookup_ngrams: tuple[int, int] = (2, 8)   # method=lookup: shortest and longest suffix matched
 
-    def drafter(self, use_cache: bool = True) -> ModuleDrafter | Eagle3Drafter:
+    def drafter(self, use_cache: bool = True) -> ModuleDrafter | Eagle3Drafter | LookupDrafter:
+        if self.method == "lookup":
+            return LookupDrafter(*self.lookup_ngrams)
         if self.method == "eagle3":
             return Eagle3Drafter(self.module, self.staged.embed)
         return ModuleDrafter(self.module, use_cache)
@@ -69,14 +74,17 @@ def open_session(cfg) -> Session:
     check_device(cfg.device)
     params = sampling_params(cfg)
     wanted = getattr(cfg, "method", None)
-    path = checkpoint_for(cfg.checkpoint, cfg.target, cfg.n, cfg.stage_bounds, None if wanted == "ar" else wanted)
+    if wanted == "lookup" and cfg.checkpoint not in (None, "random"):
+        raise UserError("method=lookup drafts from the context and loads no module; drop checkpoint=")
+    path = None if wanted == "lookup" else \
+        checkpoint_for(cfg.checkpoint, cfg.target, cfg.n, cfg.stage_bounds, None if wanted == "ar" else wanted)
     ckpt = read_checkpoint_config(path) if path else None
     method = resolve_method(wanted, ckpt, path)
     n = cfg.n if cfg.n is not None else (ckpt["n"] if ckpt else DEFAULT_N)
-    if method == "eagle3":   # draft-then-verify runs the target whole
+    if METHODS[method].chain:   # draft-then-verify runs the target whole
         if cfg.n not in (None, 1) or cfg.stage_bounds is not None:
-            raise UserError("method=eagle3 runs no pipeline (the target verifies m drafts in one forward); drop n= "
-                            "and stage_bounds=, set the draft length with draft_length=")
+            raise UserError(f"method={method} runs no pipeline (the target verifies m drafts in one forward); drop "
+                            "n= and stage_bounds=, set the draft length with draft_length=")
         n = 1
     runtime = getattr(cfg, "runtime", "local")
     check_runtime(runtime)
@@ -98,8 +106,8 @@ def open_session(cfg) -> Session:
         staged = StagedTarget(loaded.model, n, bounds)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    if method == "ar":
-        module = None  # plain decoding drafts nothing
+    if not METHODS[method].trained:
+        module = None  # plain decoding and the context lookup load no module
     elif ckpt:
         module = load_checkpoint(path, staged, loaded)
     else:
@@ -107,18 +115,18 @@ def open_session(cfg) -> Session:
             raise UserError(f"module_layers={cfg.module_layers} must be >= 1")
         with warnings.catch_warnings():
             warnings.simplefilter("always")
-            module = Eagle3Module.from_target(staged, seed=cfg.seed) if method == "eagle3" else \
+            module = Eagle3Module.from_target(staged, seed=cfg.seed) if METHODS[method].module == "eagle3" else \
                 SpeculationModule.from_target(staged, cfg.module_layers, seed=cfg.seed, method=method)
     return Session(loaded, staged, module.eval() if module else None, params,
                    eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
-                   method)
+                   method, (getattr(cfg, "lookup_min_ngram", 2), getattr(cfg, "lookup_max_ngram", 8)))
 
 
 def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> str:
     """The drafter a run decodes with: the one asked for, else the checkpoint's; a checkpoint of another drafter
     is refused (its weights mean something else)."""
-    if wanted == "ar":
-        return "ar"
+    if wanted is not None and not METHODS[wanted].trained:
+        return wanted   # ar, lookup: nothing of the checkpoint's is read but its n (pipeline AR)
     if ckpt is None:
         return wanted or "spd"
     trained = checkpoint_method(path, ckpt)

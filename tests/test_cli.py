@@ -74,6 +74,11 @@ BAD = [
     (["method=eagle3", "n=5"], "runs no pipeline"),
     (["method=eagle3", "runtime=distributed"], "runtime=local"),
     (["method=eagle3", "draft_length=0"], "draft_length=0"),
+    (["method=lookup", "n=3"], "runs no pipeline"),
+    (["method=lookup", "runtime=distributed"], "runtime=local"),
+    (["method=lookup", "lookup_min_ngram=0"], "lookup_min_ngram=0"),
+    (["method=lookup", "lookup_min_ngram=4", "lookup_max_ngram=3"], "lookup_max_ngram=3"),
+    (["method=lookup", "checkpoint=some/module"], "drop checkpoint="),
 ]
 
 
@@ -118,18 +123,19 @@ def test_bad_checkpoints(capsys, tiny_target_dir, checkpoint, tmp_path):
         assert code == 2 and len(lines) == 1 and needle in lines[0], (args, err)
 
 
-@pytest.mark.parametrize("method", ["ppsd", "spd_output_state", "eagle3"])
+@pytest.mark.parametrize("method", ["ppsd", "spd_output_state", "eagle3", "lookup"])
 def test_every_drafter_decodes_what_ar_decodes(capsys, tiny_target_dir, method):
+    chain = method in ("eagle3", "lookup")
     common = [f"target={tiny_target_dir}", "prompt=What is 12*7?", "max_new_tokens=20", "json=true"]
     code, out, _ = run(capsys, *common, "method=ar")
     ar = json.loads(out)
-    code, out, err = run(capsys, *common, f"method={method}", "n=3" if method != "eagle3" else "draft_length=3")
+    code, out, err = run(capsys, *common, f"method={method}", "draft_length=3" if chain else "n=3")
     assert code == 0, err
     got = json.loads(out)
     assert got["method"] == method and got["token_ids"] == ar["token_ids"]
-    assert ("tau" in got) == (method == "eagle3")
+    assert ("tau" in got) == chain
     code, _, err = run(capsys, *common[:-1], f"method={method}")
-    assert code == 0 and (" τ=" in err if method == "eagle3" else " L′acc=" in err) and f"[{method} " in err
+    assert code == 0 and (" τ=" in err if chain else " L′acc=" in err) and f"[{method} " in err
 
 
 def test_a_checkpoint_decodes_as_the_method_it_was_trained_as(capsys, tiny_target_dir, tmp_path):

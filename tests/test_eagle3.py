@@ -10,6 +10,7 @@ from spd.eagle3_module import Eagle3Module, fused_layers
 from spd.runtime.chain import ChainDecoder
 from spd.target.stages import StagedTarget
 from spd.train.objective import TeacherBatch, collate, ttt_loss
+from spd.sampling import Proposal
 
 
 def eagle(model, seed=0, draft_vocab=None, scale=None):
@@ -129,7 +130,7 @@ def test_chain_with_an_oracle_drafter_settles_m_plus_one_per_cycle(family_model)
         def draft(self, m, choose):
             super().draft(m, choose)                # the module's own work still runs (greedy: no q)
             start = self.rows + 1                  # the first position after the verified sequence
-            return [reference[start + j] for j in range(m)]
+            return [Proposal(reference[start + j]) for j in range(m)]
 
     out = ChainDecoder(staged, Oracle(module, staged.embed), GREEDY, frozenset(), 4).generate(p, 40)
     assert out.token_ids == reference[len(p):]

@@ -163,10 +163,10 @@ def test_bad_output_dirs_and_foreign_checkpoint(capsys, tiny_target_dir, tmp_pat
     assert os.listdir(foreign) == ["notes.txt"]
 
 
-@pytest.mark.parametrize("method", ["ppsd", "spd_output_state", "eagle3"])
+@pytest.mark.parametrize("method", ["ppsd", "spd_output_state", "eagle3", "lookup"])
 def test_every_method_evaluates_losslessly_with_its_own_figures(capsys, tiny_target_dir, tmp_path, method):
     out = str(tmp_path / method)
-    shape = ["draft_length=3"] if method == "eagle3" else ["n=3"]
+    shape = ["draft_length=3"] if method in ("eagle3", "lookup") else ["n=3"]
     code, err = run_eval(capsys, tiny_target_dir, out, f"method={method}", "limit=1", "exact_trace=true", *shape)
     assert code == 0, err
     rows = samples(out)
@@ -184,6 +184,12 @@ def test_every_method_evaluates_losslessly_with_its_own_figures(capsys, tiny_tar
         assert cal["m"] == 3 and cal["cycle_s"] == pytest.approx(cal["drafts_s"] + cal["verify_s"] + cal["update_s"])
         assert summary["speedup"]["measured_cost"]["overall"] == pytest.approx(tau * cal["ar_token_s"] / cal["cycle_s"])
         assert "EAGLE-3 (m=3, untrained)" in table
+    elif method == "lookup":                          # no model drafts: S = tau, no module to calibrate
+        tau = sum(r["N"] - 1 for r in rows) / sum(r["cycles"] for r in rows)
+        assert overall["tau_pooled"] == pytest.approx(tau)
+        assert summary["speedup"]["formula"]["overall"] == pytest.approx(tau)
+        assert summary["speedup"]["measured_cost"] is None and summary["speedup"]["wall_clock"]["overall"] > 0
+        assert "Context lookup (m=3)" in table and summary["run"]["module_layers"] == 0
     else:
         assert overall["eal_pooled"] == pytest.approx(3 * overall["N"] / overall["K"])
         # drafting after the step: S = L'acc * L / (L_s * n + L)

@@ -14,6 +14,7 @@ from spd.layout import needed_layers
 from spd.runtime.chain import ChainDecoder
 from spd.target.loading import load_target
 from spd.target.stages import StagedTarget
+from spd.sampling import Proposal
 
 
 def chain_summary(stats):
@@ -30,7 +31,7 @@ class TableDrafter(Eagle3Drafter):
 
     def draft(self, m, choose):
         super().draft(m, choose)
-        return [int(self.table[j, self.rows - 1]) for j in range(m)]
+        return [Proposal(int(self.table[j, self.rows - 1])) for j in range(m)]
 
 
 @pytest.mark.parametrize("m,max_new", [(1, 30), (3, 30), (5, 23)])

@@ -1,7 +1,7 @@
 """Reuse equals fresh (issue 21): several generations on one executor / one set of stage processes / one drafter
 give, each of them, what a fresh decoder gives on the same prompt — for every executor (in-process, the
 fixed-shape graph and stream executors in their eager CPU form, one process per stage), every method (SPD, PPSD,
-output states, pipeline AR, EAGLE-3's chain, AR), greedy and seeded T = 1.
+output states, pipeline AR, EAGLE-3's chain, the lookup chain, AR), greedy and seeded T = 1.
 
 The plan of generations is what hid the bug before: prompts that grow and shrink between generations,
 generations that end on an accepted draft and on a rejected one, on the length limit and on EOS, and one that
@@ -19,6 +19,7 @@ import torch
 from helpers import GREEDY, ScriptedDrafter, ar_run, controller_parts, distributed_cfg, prompt
 from spd.ar import ar_generate
 from spd.drafters.eagle3 import Eagle3Drafter
+from spd.drafters.lookup import LookupDrafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.eagle3_module import Eagle3Module
 from spd.module import SpeculationModule
@@ -27,7 +28,7 @@ from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
 from spd.runtime.stages import open_stages
 from spd.runtime.streams import GraphStages, StreamStages
-from spd.sampling import SamplingParams
+from spd.sampling import Proposal, SamplingParams
 from spd.target.loading import load_target
 from spd.target.stages import StagedTarget
 
@@ -188,32 +189,41 @@ class ScriptedChainDrafter(Eagle3Drafter):
 
     @torch.no_grad()
     def draft(self, m, choose):
-        super().draft(m, lambda logits: int(logits.argmax()))
-        seq = list(self.seq)
+        super().draft(m, lambda logits: Proposal(int(logits.argmax())))
+        seq, drafts = list(self.seq), []
         for _ in range(m):
             logits = self.model(torch.tensor([seq])).logits[0, -1]
-            seq.append(choose(-logits if len(seq) % WRONG_EVERY == 0 else logits))
-        return seq[len(self.seq):]
+            drafts.append(choose(-logits if len(seq) % WRONG_EVERY == 0 else logits))
+            seq.append(drafts[-1].token)
+        return drafts
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "T1"])
-def test_a_reused_chain_decoder_and_ar_decode_like_fresh_ones(tiny, plan, params):
+@pytest.mark.parametrize("drafter", ["eagle3", "lookup"])
+def test_a_reused_chain_drafter_decodes_like_a_fresh_one(tiny, plan, params, drafter):
     staged = StagedTarget(tiny.model, 1)
     module = Eagle3Module.from_target(staged, seed=0).eval()
 
-    one = ScriptedChainDrafter(module, staged.embed, tiny.model)   # reused, as `spd-infer chat` reuses its drafter
+    def make():
+        return ScriptedChainDrafter(module, staged.embed, tiny.model) if drafter == "eagle3" else LookupDrafter(1, 4)
+
+    one = make()   # reused, as `spd-infer chat` reuses its drafter
 
     def reuse(ids, max_new, eos, g):
         return ChainDecoder(staged, one, params, eos, 3).generate(ids, max_new, g)
 
     def fresh(ids, max_new, eos, g):
-        return ChainDecoder(staged, ScriptedChainDrafter(module, staged.embed, tiny.model), params, eos,
-                            3).generate(ids, max_new, g)
+        return ChainDecoder(staged, make(), params, eos, 3).generate(ids, max_new, g)
 
     reused, fresh_runs = decode_plan(plan, params, reuse), decode_plan(plan, params, fresh)
     check_reuse_equals_fresh(plan, params, reused, fresh_runs, drafting=False)
     assert sum(r.stats.accepted for r in reused) > 0
     assert any(count < 3 for r in reused for count in r.stats.accepted_per_cycle)   # misses too
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "T1"])
+def test_ar_decodes_like_a_fresh_ar(tiny, plan, params):
+    staged = StagedTarget(tiny.model, 1)
     ar = decode_plan(plan, params, lambda ids, max_new, eos, g: ar_generate(staged, ids, max_new, params, eos, g))
     ar_fresh = decode_plan(plan, params, lambda ids, max_new, eos, g: ar_generate(StagedTarget(tiny.model, 1), ids,
                                                                                   max_new, params, eos, g))

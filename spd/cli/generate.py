@@ -11,6 +11,7 @@ import torch
 from transformers import TextStreamer
 
 from spd.ar import ar_generate
+from spd.methods import AR, METHODS
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
 from spd.runtime.stages import open_stages
@@ -42,12 +43,13 @@ class Decoding:
     def run(self, prompt_ids: list[int], on_token=None) -> dict:
         cfg, s = self.cfg, self.session
         generator = torch.Generator(device=s.staged.device).manual_seed(cfg.seed)
-        if s.method == "ar" and cfg.runtime == "local" and not cfg.cuda_graphs:
+        method = METHODS[s.method]
+        if method.decoder == AR and cfg.runtime == "local" and not cfg.cuda_graphs:
             result = ar_generate(s.staged, prompt_ids, cfg.max_new_tokens, s.params, s.eos_ids, generator, on_token)
-        elif s.method == "ar":  # AR relayed through the same stage processes / fixed-shape steps
+        elif method.decoder == AR:  # AR relayed through the same stage processes / fixed-shape steps
             result = pipeline_ar_generate(self.stages, prompt_ids, cfg.max_new_tokens, s.params, s.eos_ids,
                                           generator, on_token)
-        elif s.method == "eagle3":
+        elif method.chain:
             decoder = ChainDecoder(s.staged, self.drafter, s.params, s.eos_ids, cfg.draft_length)
             result = decoder.generate(prompt_ids, cfg.max_new_tokens, generator, on_token)
         else:
@@ -66,7 +68,7 @@ def open_decoding(cfg):
     """The session and its stages (stage processes for runtime=distributed), closed on exit."""
     session = open_session(cfg)
     report_balance(session)
-    drafter = session.drafter(cfg.module_cache) if session.method != "ar" else None
+    drafter = session.drafter(cfg.module_cache) if METHODS[session.method].decoder != AR else None
     capture = drafter.layers_needed(session.staged.bounds) if drafter else []
     with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
         yield Decoding(cfg, session, stages, drafter)

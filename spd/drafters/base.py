@@ -1,7 +1,9 @@
-"""The interface every pipelined drafter implements. The decoding loop owns the target, its caches and the
-in-flight tokens; a drafter says which target layers it reads and whether it drafts during the step (SPD) or
-after it (PPSD, the output-state ablation), sees the prompt's hidden states once, a read-only view of each step,
-each position as it leaves the last stage, and every rollback."""
+"""The interfaces drafters implement. `Drafter`: a pipelined drafter (spd.runtime.pipeline) — the decoding loop
+owns the target, its caches and the in-flight tokens; a drafter says which target layers it reads and whether it
+drafts during the step (SPD) or after it (PPSD, the output-state ablation), sees the prompt's hidden states once, a
+read-only view of each step, each position as it leaves the last stage, and every rollback. `ChainDrafter`: a
+draft-then-verify drafter (spd.runtime.chain: EAGLE-3, the context lookup) — up to m proposals per cycle, then
+the verified sequence and the target's states for it."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Mapping
 import torch
 
 from spd.runtime.schedule import Step
+from spd.sampling import Proposal
 
 
 @dataclass(frozen=True)
@@ -87,3 +90,24 @@ class WrappedDrafter(Drafter):
 
     def on_rollback(self, length):
         self.inner.on_rollback(length)
+
+
+class ChainDrafter(ABC):
+    @abstractmethod
+    def layers_needed(self, bounds: list[int] | None = None) -> list[int]:
+        """Target layers l whose H^l this drafter reads (bounds: unused; the chain runs no pipeline)."""
+
+    @abstractmethod
+    def start(self, prompt_hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:
+        """prompt_hidden: {layer: H^layer [1, P, d]}; tokens: the prompt and the first generated token (P + 1)."""
+
+    @abstractmethod
+    def draft(self, m: int, propose) -> list[Proposal]:
+        """At most m proposals for the positions after the verified sequence (none: the cycle is a plain AR step).
+        propose(logits [V_target]) -> Proposal turns a drafter's logits into the run's choice (argmax, or a sample
+        with its q); a drafter without logits returns Proposal(token) (deterministic, q = None)."""
+
+    @abstractmethod
+    def verified(self, hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:
+        """The cycle settled: `tokens` is the whole verified sequence; hidden {layer: [1, S, d]} holds the target's
+        states of the positions verified since the last call (S of them), for the layers asked for."""

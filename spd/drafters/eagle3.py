@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 
 from spd.attention import attend_block
+from spd.drafters.base import ChainDrafter
 from spd.eagle3_module import Eagle3Module
+from spd.sampling import Proposal
 from spd.target.kv_cache import LayerKVCache
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(ChainDrafter):
     def __init__(self, module: Eagle3Module, embed):
         self.module = module
         self.embed = embed    # token ids [1, S] -> H^0 [1, S, d] (the target's own embedding)
@@ -65,14 +67,14 @@ class Eagle3Drafter:
         self.rows = rows
 
     @torch.no_grad()
-    def draft(self, m: int, choose) -> list[int]:
-        """m draft tokens for the positions after the verified sequence; choose(logits [V_target]) -> token
-        (argmax, or a sample whose q the caller keeps)."""
+    def draft(self, m: int, propose) -> list[Proposal]:
+        """m drafts for the positions after the verified sequence; propose(logits [V_target]) -> Proposal (the
+        argmax, or a sample with the q it was drawn from)."""
         drafts, h = [], self.last_h
         for j in range(m):
             if j:
-                ids = torch.tensor([[drafts[-1]]], device=h.device)
+                ids = torch.tensor([[drafts[-1].token]], device=h.device)
                 h = self._run(self.embed(ids), h, self.rows - 1 + j)
-            drafts.append(choose(self.module.target_logits(self.module.logits(h)[0, -1])))
+            drafts.append(propose(self.module.target_logits(self.module.logits(h)[0, -1])))
         self.kv.crop(self.rows)
         return drafts

@@ -174,18 +174,17 @@ def calibrate_chain(staged: StagedTarget, drafter, params: SamplingParams, m: in
 
     def ar_token() -> int:
         out, _ = staged.forward_all(ids[:, context: context + 1], cache, context)
-        return propose(staged.logits(out[0, -1]), params, generator)[0]
+        return propose(staged.logits(out[0, -1]), params, generator).token
 
     ar_token_s = _median_seconds(ar_token, repeats, device, reset=rewind)
-    qs: list[torch.Tensor | None] = []
+    proposals = []
 
-    def choose(logits: torch.Tensor) -> int:
-        token, q = propose(logits, params, generator)
-        qs.append(q)
-        return token
+    def choose(logits: torch.Tensor):
+        proposals.append(propose(logits, params, generator))
+        return proposals[-1]
 
     drafts_s = _median_seconds(lambda: drafter.draft(m, choose), repeats, device)
-    drafts, q = ids[0, context + 1:].tolist(), qs[-1]
+    drafts, q = ids[0, context + 1:].tolist(), proposals[-1].q
     block = ids[:, context:]                                                 # [1, m + 1] newest token + drafts
 
     def verify() -> dict:

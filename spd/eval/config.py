@@ -12,8 +12,11 @@ from spd.config import WandbSection, at_least, check_decoding
 class EvalConfig:
     target: str = "smollm2"             # "smollm2", an HF model directory, a .gguf file, or tiny-<family>
     checkpoint: Optional[str] = None    # module directory; None = the shipped one for the run's n, random = untrained
-    method: Optional[str] = None        # spd | ppsd | spd_output_state | eagle3; None = the checkpoint's (spd without one)
-    draft_length: int = 5               # method=eagle3: m drafts per target forward
+    method: Optional[str] = None        # spd | ppsd | spd_output_state | eagle3 | lookup; None = the checkpoint's
+                                        # (spd without one)
+    draft_length: int = 5               # method=eagle3 | lookup: at most m drafts per target forward
+    lookup_min_ngram: int = 2           # method=lookup: shortest suffix of the context that may match earlier
+    lookup_max_ngram: int = 8           # method=lookup: longest suffix compared
     datasets: List[str] = field(default_factory=lambda: ["mt_bench", "gsm8k", "humaneval"])
     limit: Optional[int] = None         # the first `limit` prompts of each dataset; None = all 80
     n: Optional[int] = None             # None = the checkpoint's n, else 5

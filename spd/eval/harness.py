@@ -28,6 +28,7 @@ from spd.eval.summary import METHOD_NAMES, summarise
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
 from spd.fast_eval_chain import fast_chain_stats
+from spd.methods import METHODS
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
 from spd.runtime.stages import open_stages
@@ -37,8 +38,8 @@ from spd.session import Session, open_session
 
 def validate(cfg) -> None:
     if cfg.method == "ar":
-        raise UserError("method=ar drafts nothing to evaluate; eval runs a drafter (spd, ppsd, spd_output_state) "
-                        "and plain AR beside it (ar_baseline=true)")
+        raise UserError("method=ar drafts nothing to evaluate; eval runs a drafter (spd, ppsd, spd_output_state, "
+                        "eagle3, lookup) and plain AR beside it (ar_baseline=true)")
     unknown = [ds for ds in cfg.datasets if ds not in DATASETS]
     if unknown or not cfg.datasets:
         raise UserError(f"unknown dataset {', '.join(map(repr, unknown)) or '(none given)'}; choose from "
@@ -47,7 +48,8 @@ def validate(cfg) -> None:
 
 def uses_fast_evaluator(cfg) -> bool:
     """Greedy, in-process, eager runs are scored from cached traces; the others run the step-by-step runtime."""
-    return cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local" and not cfg.cuda_graphs
+    evaluable = cfg.method is None or METHODS[cfg.method].fast_eval   # None: a checkpoint's module
+    return evaluable and cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local" and not cfg.cuda_graphs
 
 
 def prompt_seed(seed: int, dataset: str, question_id) -> int:
@@ -72,7 +74,7 @@ def fast_sample(session: Session, cfg, traces: TraceCache, dataset: str, questio
 
 def runtime_sample(session: Session, cfg, seed: int, prompt_ids, stages) -> dict:
     device = session.staged.device
-    if session.method == "eagle3":
+    if METHODS[session.method].chain:
         decoder = ChainDecoder(session.staged, session.drafter(), session.params, session.eos_ids, cfg.draft_length)
     else:
         decoder = PipelineDecoder(stages, session.drafter(cfg.module_cache), session.params, session.eos_ids)
@@ -112,13 +114,15 @@ def machine(device: torch.device) -> str:
 
 
 def module_layers(module) -> int:
+    if module is None:
+        return 0                                                     # the context lookup: no model drafts
     return len(module.layers) if hasattr(module, "layers") else 1   # EAGLE-3: one layer
 
 
 def run_label(session: Session, cfg) -> str:
-    suffix = "" if session.checkpoint else ", untrained"
-    if session.method == "eagle3":
-        return f"EAGLE-3 (m={cfg.draft_length}{suffix})"
+    suffix = "" if session.checkpoint or session.module is None else ", untrained"
+    if METHODS[session.method].chain:
+        return f"{METHOD_NAMES[session.method]} (m={cfg.draft_length}{suffix})"
     return f"{METHOD_NAMES[session.method]} (n={session.staged.n}, L_s={module_layers(session.module)}{suffix})"
 
 
@@ -143,7 +147,7 @@ def run_eval(cfg, log=print) -> dict:
     fast = uses_fast_evaluator(cfg)
     capture = session.drafter().layers_needed(session.staged.bounds)
     # a pipelined layout's traces hold every layer its features read (one directory per layout serves all plans)
-    read = capture if session.method == "eagle3" else None
+    read = capture if METHODS[session.method].chain else None
     traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens, read,
                         list(cfg.trace_layers)) if fast else None
     L_s = module_layers(session.module)
@@ -167,15 +171,15 @@ def run_eval(cfg, log=print) -> dict:
     # Calibration times every stage (EAGLE-3: every part of a cycle) in this process; under runtime=distributed it
     # holds none (the clock is measured). EAGLE-3 needs no pipeline, so the clock also judges it directly.
     calibration = None
-    if cfg.calibrate and cfg.runtime == "local":
+    chain = METHODS[session.method].chain
+    if cfg.calibrate and cfg.runtime == "local" and session.module is not None:   # the lookup has no module to time
         calibration = calibrate_chain(session.staged, session.drafter(), session.params, cfg.draft_length) \
-            if session.method == "eagle3" else calibrate(session.staged, session.module, session.params)
-    summary["speedup"] = speedups(summary, session.staged, session.module, calibration) \
-        if session.method != "eagle3" else \
-        chain_speedups(summary, session.staged.num_layers, cfg.draft_length, calibration)
+            if chain else calibrate(session.staged, session.module, session.params)
+    summary["speedup"] = speedups(summary, session.staged, session.module, calibration) if not chain else \
+        chain_speedups(summary, session.staged.num_layers, cfg.draft_length, calibration, L_s)
     summary["run"] = {"method": session.method, "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
                       "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": 1,
-                      "draft_length": cfg.draft_length if session.method == "eagle3" else None,
+                      "draft_length": cfg.draft_length if chain else None,
                       "max_new_tokens": cfg.max_new_tokens, "checkpoint": session.checkpoint,
                       "target": session.loaded.name, "mode": "fast" if fast else "runtime",
                       "runtime": cfg.runtime, "stage_bounds": session.staged.bounds}
@@ -201,11 +205,13 @@ def speedups(summary: dict, staged, module, calibration: dict | None) -> dict:
     return {"formula": formula, "measured_cost": measured, "calibration": calibration}
 
 
-def chain_speedups(summary: dict, num_layers: int, m: int, calibration: dict | None = None) -> dict:
-    """EAGLE-3: S = tau * L / (L_s * m + L) (design §3), tau by the measured cycle cost, and the clock: tokens/s
-    against AR in the same run."""
+def chain_speedups(summary: dict, num_layers: int, m: int, calibration: dict | None = None,
+                   module_layers: int = 1) -> dict:
+    """A chain: S = tau * L / (L_s * m + L) (design §3; the lookup's L_s is 0), tau by the measured cycle cost, and
+    the clock: tokens/s against AR in the same run."""
     groups = {**summary["datasets"], "overall": summary["overall"]}
-    formula = {k: v["tau_pooled"] * num_layers / (m + num_layers) for k, v in groups.items() if v.get("tau_pooled")}
+    formula = {k: v["tau_pooled"] * num_layers / (module_layers * m + num_layers) for k, v in groups.items()
+               if v.get("tau_pooled")}
     measured = {k: chain_measured_cost_speedup(v["tau_pooled"], calibration) for k, v in groups.items()
                 if v.get("tau_pooled")} if calibration else None
     clock = {k: v["tokens_per_s"] / v["ar_tokens_per_s"] for k, v in groups.items()

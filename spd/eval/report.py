@@ -19,6 +19,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from spd.errors import UserError  # noqa: E402
 from spd.eval.summary import METHOD_NAMES  # noqa: E402
+from spd.methods import METHODS  # noqa: E402
 from spd.paths import check_writable_dir  # noqa: E402
 
 DATASETS = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval"}
@@ -219,6 +220,11 @@ def _method(run: dict) -> str:
     return run["run"].get("method") or "spd"
 
 
+def _pipelined(run: dict) -> bool:
+    """Plotted against n; the draft-then-verify chains (EAGLE-3, the lookup) against their draft length m."""
+    return METHODS[_method(run)].pipelined if _method(run) in METHODS else True
+
+
 def _plot_lines(runs: list[dict], x_of, y_of, line_of, path: str, title: str, xlabel: str, ylabel: str) -> bool:
     """One line per line_of(run) through (x_of(run), y_of(run)); written (True) only with >= 2 distinct x.
     y_of may be a dict {name: y_of}: one line per (run line, name), solid for the first, dashed for the others."""
@@ -251,7 +257,7 @@ def _plot_lines(runs: list[dict], x_of, y_of, line_of, path: str, title: str, xl
 
 def plot_eal_vs_n(runs: list[dict], path: str) -> bool:
     """L′acc (mean over datasets) against n, one line per (method, module layers, setting); pipelined runs only."""
-    return _plot_lines([r for r in runs if _method(r) != "eagle3"], lambda r: r["run"]["n"], mean_eal,
+    return _plot_lines([r for r in runs if _pipelined(r)], lambda r: r["run"]["n"], mean_eal,
                        lambda r: f"{METHOD_NAMES.get(_method(r), _method(r))}, L_s={r['run']['module_layers']}, "
                                  f"{setting(r)}",
                        path, "L′acc against pipeline stages n", "n (pipeline stages)", "L′acc, mean over datasets")
@@ -268,7 +274,7 @@ SPEEDUPS = {"formula": _overall_speedup, "measured cost": lambda run: _speedup(r
 def plot_speedup_vs_n(runs: list[dict], path: str) -> bool:
     """The formula speedup and the measured-cost one (pooled over datasets) against n, one line each per (method,
     setting); pipelined runs."""
-    return _plot_lines([r for r in runs if _method(r) != "eagle3"], lambda r: r["run"]["n"], SPEEDUPS,
+    return _plot_lines([r for r in runs if _pipelined(r)], lambda r: r["run"]["n"], SPEEDUPS,
                        lambda r: f"{METHOD_NAMES.get(_method(r), _method(r))}, {setting(r)}",
                        path, "Speedup against pipeline stages n", "n (pipeline stages)", "speedup (overall)")
 
@@ -276,7 +282,7 @@ def plot_speedup_vs_n(runs: list[dict], path: str) -> bool:
 def plot_speedup_vs_m(runs: list[dict], path: str) -> bool:
     """EAGLE-3's S = τ·L/(L_s·m + L) and its measured-cost S (pooled over datasets) against its draft length m, one
     line each per setting."""
-    return _plot_lines([r for r in runs if _method(r) == "eagle3"], lambda r: r["run"]["draft_length"],
+    return _plot_lines([r for r in runs if not _pipelined(r)], lambda r: r["run"]["draft_length"],
                        SPEEDUPS, lambda r: f"EAGLE-3, {setting(r)}",
                        path, "EAGLE-3: speedup against draft length m", "m (drafts per target forward)",
                        "S, overall")

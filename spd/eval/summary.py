@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections import Counter
 from statistics import mean
 
-METHOD_NAMES = {"spd": "SPD", "ppsd": "PPSD", "spd_output_state": "SPD output states", "eagle3": "EAGLE-3"}
+from spd.methods import METHODS
+
+METHOD_NAMES = {name: m.label for name, m in METHODS.items()}
 
 
 def _mean(values):
@@ -15,7 +17,7 @@ def _mean(values):
 
 
 def pool_chain(samples: list[dict]) -> dict:
-    """Draft-then-verify samples (EAGLE-3): tau = settled tokens per target forward, bonus token included."""
+    """Draft-then-verify samples (EAGLE-3, the context lookup): tau = settled tokens per target forward, bonus token included."""
     total_n, cycles = sum(s["N"] for s in samples), sum(s["cycles"] for s in samples)
     histogram: Counter = Counter()
     for s in samples:

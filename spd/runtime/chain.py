@@ -1,10 +1,11 @@
-"""Draft-then-verify decoding (EAGLE-3's chain, design §2): the drafter proposes m tokens one after another,
-the whole target checks them in one forward, the longest verified prefix is kept, and the target's own token at
-the first miss (or after the m-th draft) comes free. No pipeline: the target runs unsplit.
+"""Draft-then-verify decoding (EAGLE-3's chain, design §2; the context lookup): the drafter proposes up to m
+tokens, the whole target checks them in one forward, the longest verified prefix is kept, and the target's own
+token at the first miss (or after the last draft) comes free. No pipeline: the target runs unsplit. A drafter
+with nothing to propose makes the cycle a plain AR step.
 
 Greedy keeps a draft iff it is the target's argmax; sampling accepts draft x ~ q with probability
-min(1, p(x)/q(x)) and otherwise draws from norm(max(0, p - q)) and stops the cycle (the rules of
-`spd.sampling`, applied in order along the chain), so the output is the target's own distribution.
+min(1, p(x)/q(x)) (a deterministic draft: p(x)) and otherwise draws from norm(max(0, p - q)) and stops the cycle
+(the rules of `spd.sampling`, applied in order along the chain), so the output is the target's own distribution.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import time
 import torch
 
 from spd.decoding import GenerationResult, context_length, is_final, prefill
-from spd.drafters.eagle3 import Eagle3Drafter
+from spd.drafters.base import ChainDrafter
 from spd.metrics import ChainStats
 from spd.sampling import SamplingParams, next_token, propose, settle
 from spd.target.stages import StagedTarget
 
 
 class ChainDecoder:
-    def __init__(self, target: StagedTarget, drafter: Eagle3Drafter, params: SamplingParams,
+    def __init__(self, target: StagedTarget, drafter: ChainDrafter, params: SamplingParams,
                  eos_ids: frozenset[int], m: int):
         if m < 1:
             raise ValueError(f"m={m} draft tokens per cycle must be >= 1")
@@ -44,22 +45,15 @@ class ChainDecoder:
         done = is_final(tokens[-1], stats.N, max_new_tokens, self.eos_ids)
         while not done:
             fed = len(tokens) - 1                 # position of the newest token: settled, not yet through the target
-            qs: list[torch.Tensor | None] = []
-
-            def choose(logits: torch.Tensor) -> int:
-                token, q = propose(logits, params, generator)
-                qs.append(q)
-                return token
-
-            drafts = self.drafter.draft(self.m, choose)
-            ids = torch.tensor([[tokens[-1], *drafts]], device=target.device)
+            drafts = self.drafter.draft(self.m, lambda logits: propose(logits, params, generator))   # <= m
+            ids = torch.tensor([[tokens[-1], *(d.token for d in drafts)]], device=target.device)
             out, captured = target.forward_all(ids, cache, fed, self.capture)
-            logits = target.logits(out[0])        # [m + 1, V]: row j is the target's p for position fed + 1 + j
+            logits = target.logits(out[0])        # [len(drafts) + 1, V]: row j is the target's p for position fed + 1 + j
             stats.cycles += 1
             accepted = 0
-            for j in range(self.m + 1):
-                if j < self.m:
-                    ok, token = settle(logits[j], drafts[j], qs[j], params, generator)
+            for j in range(len(drafts) + 1):
+                if j < len(drafts):
+                    ok, token = settle(logits[j], drafts[j].token, drafts[j].q, params, generator)
                 else:                             # every draft held: the target's next token comes free
                     ok, token = False, next_token(logits[j], params, generator)
                 tokens.append(token)

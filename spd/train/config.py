@@ -8,7 +8,7 @@ from typing import List, Optional
 
 from spd.config import WandbSection, at_least, one_of
 from spd.errors import UserError
-from spd.layout import PIPELINED_METHODS
+from spd.methods import TRAINED_METHODS
 
 
 @dataclass
@@ -123,7 +123,7 @@ class TrainConfig:
 
     @staticmethod
     def check(cfg) -> None:
-        one_of(cfg, "method", (*PIPELINED_METHODS, "eagle3"))
+        one_of(cfg, "method", TRAINED_METHODS)
         if cfg.method == "eagle3":
             m = cfg.model
             pipelined_only = {"model.module_layers": m.module_layers != 1, "model.init_fc": m.init_fc != "random",

@@ -1,0 +1,80 @@
+"""Context-lookup drafts (prompt-lookup decoding; the n-gram half of Multi-Branch Self-Drafting): the next tokens
+are what followed, earlier in the context (prompt + verified tokens), the longest suffix of the context that
+occurred before. No model and no logits: each draft is a deterministic proposal (q = None), which sampled
+verification accepts with probability p(x) (spd.sampling.verify_point_mass), so the output stays the target's.
+
+The index is a pool of n-grams kept incrementally: appending a token adds the n-grams that end just before it, each
+mapped to where its continuation starts (the newest occurrence wins), so a lookup is one dictionary probe per
+n-gram size and nothing is rescanned per step.
+"""
+
+from __future__ import annotations
+
+from spd.drafters.base import ChainDrafter
+from spd.sampling import Proposal
+
+
+class NgramIndex:
+    """tokens, and for each n in min_n..max_n: {n-gram: index after its newest earlier occurrence}."""
+
+    def __init__(self, min_n: int, max_n: int):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes {min_n}..{max_n}: need 1 <= min <= max")
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            # n-grams ending at the current last token now have a continuation: the token being appended
+            end = len(self.tokens)
+            for n, table in self.tables.items():
+                if end >= n:
+                    table[tuple(self.tokens[end - n: end])] = end
+            self.tokens.append(token)
+
+    def match(self) -> tuple[int, int]:
+        """(n, start) for the longest suffix of the tokens that occurred earlier, with `start` the index of the
+        token that followed that occurrence; (0, -1) when no suffix of at least min_n tokens did."""
+        length = len(self.tokens)
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            start = self.tables[n].get(tuple(self.tokens[length - n:]))
+            if start is not None:
+                return n, start
+        return 0, -1
+
+    def continuation(self, start: int, count: int) -> list[int]:
+        """`count` tokens copied from `start` on; past the end the copy reads its own output (a loop repeats)."""
+        out = []
+        length = len(self.tokens)
+        for k in range(count):
+            i = start + k
+            out.append(self.tokens[i] if i < length else out[i - length])
+        return out
+
+
+class LookupDrafter(ChainDrafter):
+    """Up to m drafts per cycle: the continuation of the longest earlier match of the context's suffix (at least
+    min_n tokens long, at most max_n are compared); no match, no drafts (the cycle is a plain AR step)."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 8):
+        self.min_n, self.max_n = min_n, max_n
+        self.last_match = 0       # length of the suffix match behind the newest drafts (0: none)
+
+    def layers_needed(self, bounds=None) -> list[int]:
+        return []
+
+    def start(self, prompt_hidden, tokens) -> None:
+        self.index = NgramIndex(self.min_n, self.max_n)
+        self.index.extend(tokens)
+
+    def verified(self, hidden, tokens) -> None:
+        self.index.extend(tokens[len(self.index):])
+
+    def draft(self, m: int, propose=None) -> list[Proposal]:
+        n, start = self.index.match()
+        self.last_match = n
+        return [Proposal(token) for token in self.index.continuation(start, m)] if n else []

@@ -1,0 +1,51 @@
+"""Every decoding method, once: its name, the label tables and plots use, how it decodes (a drafter beside the
+pipeline, a draft-then-verify chain, or plain AR) and which module, if any, it drafts with. Config checks, the
+session, the CLI, eval, reports, checkpoints and the trainer read it here, so a method is added in one place.
+Torch-free: config checks read it before any model loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PIPELINE, CHAIN, AR = "pipeline", "chain", "ar"
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    label: str               # in tables, plots and run labels
+    decoder: str             # PIPELINE (spd.runtime.pipeline), CHAIN (spd.runtime.chain) or AR
+    module: str | None       # "speculation" (spd.module), "eagle3" (spd.eagle3_module), None: drafts without one
+    fast_eval: bool          # greedy eval can score it from the target's cached traces (spd.fast_eval*)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.decoder == PIPELINE
+
+    @property
+    def chain(self) -> bool:
+        return self.decoder == CHAIN
+
+    @property
+    def trained(self) -> bool:
+        """Drafts with a trained module: has checkpoints, a shipped default, training and calibration."""
+        return self.module is not None
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("spd", "SPD", PIPELINE, "speculation", fast_eval=True),
+    Method("ppsd", "PPSD", PIPELINE, "speculation", fast_eval=True),
+    Method("spd_output_state", "SPD output states", PIPELINE, "speculation", fast_eval=True),
+    Method("eagle3", "EAGLE-3", CHAIN, "eagle3", fast_eval=True),
+    Method("lookup", "Context lookup", CHAIN, None, fast_eval=False),
+    Method("ar", "AR", AR, None, fast_eval=False),
+)}
+
+DECODING_METHODS = tuple(METHODS)
+TRAINED_METHODS = tuple(name for name, m in METHODS.items() if m.trained)
+DRAFTING_METHODS = tuple(name for name, m in METHODS.items() if m.decoder != AR)
+
+
+def method(name: str) -> Method:
+    """The registry entry; callers pass names that passed the config's check."""
+    return METHODS[name]

@@ -1,0 +1,96 @@
+"""The context-lookup drafter: its incremental n-gram pool finds what a rescan finds, its drafts copy (and loop)
+the context, and the chain decodes with it exactly like AR, greedy, on every tiny target family."""
+
+import random
+
+import pytest
+import torch
+
+from helpers import GREEDY, ar_run, prompt
+from spd.drafters.lookup import LookupDrafter, NgramIndex
+from spd.runtime.chain import ChainDecoder
+from spd.sampling import verify_point_mass, warp, SamplingParams
+from spd.target.stages import StagedTarget
+
+
+def rescan(tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:
+    """The longest suffix (min_n..max_n tokens) that occurred earlier, and where its newest such occurrence ended."""
+    length = len(tokens)
+    for n in range(min(max_n, length), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        for end in range(length - 1, n - 1, -1):      # occurrences ending before the last token, newest first
+            if tokens[end - n: end] == suffix:
+                return n, end
+    return 0, -1
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 1), (1, 4), (2, 8), (3, 3)])
+def test_the_incremental_pool_finds_what_a_rescan_finds(min_n, max_n):
+    rng = random.Random(min_n * 10 + max_n)
+    for _ in range(30):
+        index, tokens = NgramIndex(min_n, max_n), []
+        while len(tokens) < 60:
+            chunk = [rng.randrange(4) for _ in range(rng.randint(1, 5))]   # 4 symbols: many repeats
+            index.extend(chunk)
+            tokens += chunk
+            assert index.match() == rescan(tokens, min_n, max_n), tokens
+
+
+def test_the_continuation_copies_and_loops():
+    index = NgramIndex(1, 4)
+    index.extend([7, 1, 2, 3, 1, 2])
+    n, start = index.match()
+    assert (n, start) == (2, 3)                                   # "1 2" occurred at 1..2, followed by 3
+    assert index.continuation(start, 6) == [3, 1, 2, 3, 1, 2]     # reads its own output past the end
+    assert NgramIndex(2, 4).match() == (0, -1)
+    with pytest.raises(ValueError):
+        NgramIndex(3, 2)
+
+
+def test_no_match_no_drafts():
+    drafter = LookupDrafter(min_n=2, max_n=4)
+    drafter.start({}, [1, 2, 3, 4])
+    assert drafter.draft(5) == [] and drafter.last_match == 0
+    drafter.verified({}, [1, 2, 3, 4, 1, 2])
+    assert [p.token for p in drafter.draft(3)] == [3, 4, 1] and drafter.last_match == 2
+    assert all(p.q is None for p in drafter.draft(3))             # deterministic: a point mass when sampling
+
+
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_lookup_chain_greedy_equals_ar(family_model, untied_target_dir, m):
+    """Tied tiny targets loop (the lookup is right most of the time), the untied one does not (mostly wrong): both
+    paths, on every family."""
+    from spd.target.loading import load_target
+
+    family, model = family_model
+    for target in (model, load_target(untied_target_dir).model):
+        staged = StagedTarget(target, 1)
+        for seed in range(2):
+            p = prompt(seed + 50, vocab=target.config.vocab_size)
+            ar = ar_run(target, p, 40).token_ids
+            out = ChainDecoder(staged, LookupDrafter(min_n=1, max_n=4), GREEDY, frozenset(), m).generate(p, 40)
+            assert out.token_ids == ar, (family, m, seed)
+    assert out.stats.N == 40
+
+
+def test_lookup_on_a_loop_settles_m_plus_one_per_cycle(family_model):
+    _, model = family_model
+    p = [5, 6, 7] * 4
+    ar = ar_run(model, p, 40).token_ids
+    out = ChainDecoder(StagedTarget(model, 1), LookupDrafter(1, 4), GREEDY, frozenset(), 4).generate(p, 40)
+    assert out.token_ids == ar
+    if len(set(ar[1:])) == 1:                  # the tied targets repeat one token: every lookup draft holds
+        assert out.stats.tau == pytest.approx(39 / out.stats.cycles) and out.stats.cycles <= 8
+
+
+def test_point_mass_rule_output_is_exactly_p():
+    """P(out = y) = [y = x] p(x) + (1 - p(x)) p(y) [y != x] / (1 - p(x)) = p(y): verified by counting draws."""
+    g = torch.Generator().manual_seed(0)
+    p = warp(torch.tensor([2.0, 1.0, 0.5, -1.0]), SamplingParams(temperature=1.0))
+    counts = torch.zeros(4)
+    draws = 40000
+    for _ in range(draws):
+        counts[verify_point_mass(0, p, g)[1]] += 1
+    torch.testing.assert_close(counts / draws, p, atol=0.01, rtol=0)
+    assert verify_point_mass(1, torch.tensor([0.0, 1.0]), g) == (True, 1)    # p(x) = 1: always accepted
+    assert verify_point_mass(0, torch.tensor([0.0, 1.0]), g) == (False, 1)   # p(x) = 0: never
