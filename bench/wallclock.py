@@ -5,8 +5,10 @@ balanced): distributed SPD (the trained module whose n and bounds match, else an
 distributed pipeline-parallel AR over the same processes, with L′acc, seconds per step, the module's time per
 step, the messages' time per step (a probe step: every message of a full step, no compute) and the calibrated
 prediction (spd/eval/calibrate.py's cost model at the stage processes' thread count). Beside them: the
-single-process AR of this suite and HF `generate`, both on all cores. Prompts: the first --limit of each eval set
-(chat template, first turn), --max-new-tokens each, stopping at EOS; greedy and T=1 (top-k 50, top-p 1.0).
+single-process AR of this suite and HF `generate`, both on all cores, and with --lookup transformers' prompt lookup
+(`prompt_lookup_num_tokens`) and this suite's lookup chain (spd.drafters.lookup; τ = tokens per target forward).
+Prompts: the first --limit of each eval set (chat template, first turn), --max-new-tokens each, stopping at EOS;
+greedy and T=1 (top-k 50, top-p 1.0). Every greedy row is checked token for token against the suite's AR.
 
     python bench/wallclock.py --checkpoint outputs/smollm2_n2_balanced/checkpoint --ns 1,2 --limit 20
 """
@@ -30,7 +32,9 @@ from spd.config import GenerateConfig, load_config
 from spd.decoding import eos_ids_of
 from spd.drafters.base import Drafter, WrappedDrafter
 from spd.eval.calibrate import calibrate, measured_cost_speedup
+from spd.drafters.lookup import LookupDrafter
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.runtime.chain import ChainDecoder
 from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
 from spd.runtime.stages import open_stages, threads_for
 from spd.sampling import SamplingParams
@@ -65,18 +69,22 @@ def seed_of(key: str) -> int:
 def decode_all(prompts, run) -> dict:
     """run(key, ids) -> GenerationResult; pooled tokens/s over every prompt, and L′acc where there are steps.
     `outputs` ({prompt key: token ids}) lets main() check every greedy row against the suite's AR."""
-    tokens = seconds = N = K = 0
+    tokens = seconds = N = K = cycles = 0
     outputs = {}
     for key, ids in prompts:
         result = run(key, ids)
         outputs[key] = result.token_ids
         tokens += len(result.token_ids)
         seconds += result.seconds
-        if result.stats is not None:
+        if hasattr(result.stats, "cycles"):    # a chain: tau = tokens after the first per target forward
+            N, cycles = N + result.stats.N - 1, cycles + result.stats.cycles
+        elif result.stats is not None:
             N, K = N + result.stats.N, K + result.stats.K
     out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs}
     if K:
         out.update(N=N, K=K, alpha=N / K)
+    if cycles:
+        out.update(cycles=cycles, tau=N / cycles)
     return out
 
 
@@ -92,6 +100,8 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model) -
     overrides = [f"target={args.target}", f"n={n}", "runtime=distributed", f"threads_per_stage={max(1, cores // (n + 1))}"]
     if kind == "balanced":
         overrides.append("stage_bounds=balanced")
+    elif kind != "even":     # explicit inner bounds, e.g. 19 or 10/20 (a trained module's own)
+        overrides.append(f"stage_bounds=[{kind.replace('/', ',')}]")
     probe = open_session(load_config(GenerateConfig, None, overrides))  # resolves the bounds
     checkpoint = matching_checkpoint(args.checkpoint, n, probe.staged.bounds)
     bounds_override = [f"stage_bounds={probe.staged.bounds[1:-1]}"] if n > 1 else []
@@ -143,30 +153,41 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
     torch.set_num_threads(cores)
     eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
     staged = StagedTarget(loaded.model, 1)
+    base = {"runtime": "single process", "threads_per_process": cores, "processes": 1}
     rows = []
     for temperature in args.temperatures:
         params = params_for(temperature)
-        result = decode_all(prompts, lambda key, ids: ar_generate(staged, ids, args.max_new_tokens, params, eos,
-                                                                  torch.Generator().manual_seed(seed_of(key))))
-        rows.append({"method": "ar", "runtime": "single process", "threads_per_process": cores, "processes": 1,
-                     "temperature": temperature, **result})
-        if args.skip_hf:
-            continue
 
-        def hf(key, ids, temperature=temperature):
+        def hf(key, ids, lookup=None):
             from spd.decoding import GenerationResult
 
             torch.manual_seed(seed_of(key))
             sample = dict(do_sample=True, temperature=temperature, top_k=50, top_p=1.0) if temperature else \
                 dict(do_sample=False)
+            if lookup:   # transformers' prompt-lookup decoding: what a user has with one argument
+                sample["prompt_lookup_num_tokens"] = lookup
             start = time.perf_counter()
             out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
                                         pad_token_id=loaded.tokenizer.pad_token_id or 0, **sample)
             return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
 
-        result = decode_all(prompts, hf)
-        rows.append({"method": "hf_generate", "runtime": "single process", "threads_per_process": cores,
-                     "processes": 1, "temperature": temperature, **result})
+        result = decode_all(prompts, lambda key, ids: ar_generate(staged, ids, args.max_new_tokens, params, eos,
+                                                                  torch.Generator().manual_seed(seed_of(key))))
+        rows.append({"method": "ar", **base, "temperature": temperature, **result})
+        if not args.skip_hf:
+            rows.append({"method": "hf_generate", **base, "temperature": temperature, **decode_all(prompts, hf)})
+        if not args.lookup:
+            continue
+        if not args.skip_hf:
+            result = decode_all(prompts, lambda key, ids: hf(key, ids, lookup=args.draft_length))
+            rows.append({"method": "hf_prompt_lookup", **base, "temperature": temperature,
+                         "draft_length": args.draft_length, **result})
+        lo, hi = args.lookup_ngrams
+        decoder = ChainDecoder(staged, LookupDrafter(lo, hi), params, eos, args.draft_length)
+        result = decode_all(prompts, lambda key, ids: decoder.generate(ids, args.max_new_tokens,
+                                                                       torch.Generator().manual_seed(seed_of(key))))
+        rows.append({"method": "lookup", **base, "temperature": temperature, "draft_length": args.draft_length,
+                     "ngrams": [lo, hi], **result})
     return rows
 
 
@@ -175,20 +196,25 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--checkpoint", action="append", default=[], help="trained module(s); used where n and bounds match")
     ap.add_argument("--ns", default="1,2")
-    ap.add_argument("--bounds", default="even,balanced")
+    ap.add_argument("--bounds", default="even,balanced",
+                    help="even, balanced, or explicit inner bounds (19, 10/20), comma-separated")
     ap.add_argument("--limit", type=int, default=20, help="first prompts of each eval set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--cores", type=int, default=os.cpu_count())
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--lookup", action="store_true", help="also transformers' prompt lookup and the lookup chain")
+    ap.add_argument("--draft-length", type=int, default=8, help="lookup drafts per cycle (both)")
+    ap.add_argument("--lookup-ngrams", default="2,8", help="the lookup chain's shortest,longest suffix match")
     ap.add_argument("--out", default="docs/results/wallclock.json")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.lookup_ngrams = tuple(int(x) for x in args.lookup_ngrams.split(","))
     loaded = load_target(args.target)
     prompts = [(f"{ds}/{q['question_id']}", chat_prompt_ids(loaded.tokenizer, q["turns"][0]))
                for ds in DATASETS for q in load_questions(ds)[: args.limit]]
     rows = single_process_rows(args, prompts, args.cores, loaded)
-    for n in [int(x) for x in args.ns.split(",")]:
+    for n in [int(x) for x in args.ns.split(",") if x]:          # --ns "": single-process rows only
         kinds = args.bounds.split(",") if n > 1 else ["even"]  # one stage: nothing to balance
         for kind in kinds:
             rows += distributed_rows(args, prompts, n, kind, args.cores, loaded.model)
@@ -214,7 +240,7 @@ def main() -> int:
 
 
 def markdown(report: dict) -> str:
-    lines = ["| n | bounds | module | T | method | processes × threads | tokens/s | vs fastest AR | L′acc | "
+    lines = ["| n | bounds | module | T | method | processes × threads | tokens/s | vs fastest AR | L′acc or τ | "
              "s/step | module s/step | messages µs/step | calibrated tokens/s | greedy = AR |",
              "|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
@@ -223,7 +249,8 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r.get('n', '—')} | {r.get('bounds', '—')} {r.get('stage_bounds', '')} | "
                      f"{r.get('module', '—')} | {r['temperature']:g} | {r['method']} ({r['runtime']}) | "
                      f"{r['processes']} × {r['threads_per_process']} | {f('tokens_per_s', '.1f')} | "
-                     f"{f('speedup_vs_fastest_single_process')} | {f('eal')} | {f('s_per_step', '.4f')} | "
+                     f"{f('speedup_vs_fastest_single_process')} | {f('eal' if 'eal' in r else 'tau')} | "
+                     f"{f('s_per_step', '.4f')} | "
                      f"{f('module_s_per_step', '.4f')} | {f('message_us_per_step_median', '.0f')} | "
                      f"{f('calibrated_tokens_per_s', '.1f')} | "
                      f"{str(r['greedy_equals_ar']) + '/' + str(report['prompts']) if 'greedy_equals_ar' in r else '—'} |")

@@ -9,17 +9,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results")
 
 
+def mentions(text: str) -> set[str]:
+    """Every path under docs/results/ the text names (as docs/results/... or a relative link), folders without '/'."""
+    return {m.rstrip("/.") for m in re.findall(r"(?:docs/|\()results/([\w./-]+)", text)}
+
+
 def cited(relpath: str, text: str) -> bool:
-    """relpath (under docs/results/) or one of its folders appears as docs/results/... or as a relative link; the
-    benches write per-prompt rows (X.jsonl) beside their summary (X.json), so citing X.json cites both."""
-    if relpath.endswith(".jsonl") and cited(relpath[:-1], text):
-        return True
+    """relpath (under docs/results/) or a folder holding it is named whole; the benches write per-prompt rows
+    (X.jsonl) beside their summary (X.json), so naming X.json cites both."""
+    named = mentions(text)
     parts = relpath.split("/")
-    for i in range(len(parts), 0, -1):
-        name = "/".join(parts[:i])
-        if re.search(r"(docs/|\()results/" + re.escape(name) + r"(?![\w.-])", text):
-            return True
-    return False
+    if any("/".join(parts[:i]) in named for i in range(1, len(parts) + 1)):
+        return True
+    return relpath.endswith(".jsonl") and relpath[:-1] in named
 
 
 def results_files() -> list[str]:
