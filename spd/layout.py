@@ -149,7 +149,6 @@ PLANS = {
     "spd_output_state": FeaturePlan("spd_output_state", shift=1, single=None, after_step=True),
     "ppsd": FeaturePlan("ppsd", shift=0, single=1, after_step=True),
 }
-PIPELINED_METHODS = tuple(PLANS)
 
 
 def plan_for(method: str) -> FeaturePlan:
