@@ -74,9 +74,10 @@ def open_session(cfg) -> Session:
     check_device(cfg.device)
     params = sampling_params(cfg)
     wanted = getattr(cfg, "method", None)
-    if wanted == "lookup" and cfg.checkpoint not in (None, "random"):
-        raise UserError("method=lookup drafts from the context and loads no module; drop checkpoint=")
-    path = None if wanted == "lookup" else \
+    moduleless_chain = wanted is not None and METHODS[wanted].chain and not METHODS[wanted].trained   # the lookup
+    if moduleless_chain and cfg.checkpoint not in (None, "random"):
+        raise UserError(f"method={wanted} drafts from the context and loads no module; drop checkpoint=")
+    path = None if moduleless_chain else \
         checkpoint_for(cfg.checkpoint, cfg.target, cfg.n, cfg.stage_bounds, None if wanted == "ar" else wanted)
     ckpt = read_checkpoint_config(path) if path else None
     method = resolve_method(wanted, ckpt, path)
