@@ -50,9 +50,9 @@ class TimedDrafter(WrappedDrafter):
         super().__init__(inner)
         self.seconds, self.calls = 0.0, 0
 
-    def draft_logits(self, view):
+    def draft(self, view, propose):
         start = time.perf_counter()
-        out = self.inner.draft_logits(view)
+        out = self.inner.draft(view, propose)
         self.seconds += time.perf_counter() - start
         self.calls += 1
         return out

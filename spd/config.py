@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spd.errors import UserError
-from spd.methods import DECODING_METHODS, METHODS
+from spd.methods import DECODING_METHODS, DRAFT_SOURCES, METHODS, MODULE
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -43,8 +43,10 @@ class GenerateConfig:
     method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | ar (plain autoregressive
                                          # through the same stage runner); None = the checkpoint's (spd without one)
     draft_length: int = 5                # method=eagle3 | lookup: at most m drafts per target forward
-    lookup_min_ngram: int = 2            # method=lookup: shortest suffix of the context that may match earlier
-    lookup_max_ngram: int = 8            # method=lookup: longest suffix compared (the longest match wins)
+    draft_source: str = "module"         # pipelined methods: module | lookup+module (the context lookup's token
+                                         # where the context's suffix matched earlier, else the module's draft)
+    lookup_min_ngram: int = 2            # lookup, lookup+module: shortest suffix of the context that may match earlier
+    lookup_max_ngram: int = 8            # lookup, lookup+module: longest suffix compared (the longest match wins)
     n: Optional[int] = None              # pipeline stages; None = the checkpoint's n, else 5
     stage_bounds: Any = None             # explicit inner boundaries b_1..b_{n-1}, or "balanced" (by measured cost)
     module_layers: int = 1               # L_s of a randomly initialised module
@@ -137,6 +139,10 @@ def check_decoding(cfg) -> None:
     at_least(cfg, "n", 1, " (pipeline stages)")
     at_least(cfg, "draft_length", 1, " (a chain's draft tokens per cycle)")
     at_least(cfg, "lookup_min_ngram", 1, " (tokens a context match needs)")
+    one_of(cfg, "draft_source", DRAFT_SOURCES)
+    if cfg.draft_source != MODULE and cfg.method is not None and not METHODS[cfg.method].pipelined:
+        raise UserError(f"draft_source={cfg.draft_source} chooses a pipelined drafter's source; method={cfg.method} "
+                        "has none: drop draft_source= (method=lookup is the lookup on its own)")
     if cfg.lookup_max_ngram < cfg.lookup_min_ngram:
         raise UserError(f"lookup_max_ngram={cfg.lookup_max_ngram} is below lookup_min_ngram={cfg.lookup_min_ngram}; "
                         "raise it")

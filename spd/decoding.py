@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -16,7 +16,6 @@ class GenerationResult:
     token_ids: list[int]               # the N generated tokens
     seconds: float                     # prefill + decode wall time
     stats: DecodeStats | None = None   # None for plain autoregressive decoding
-    trace: list[dict] = field(default_factory=list)  # per-step records when tracing is on (tests, analysis)
 
     @property
     def tokens_per_s(self) -> float:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from spd.decoding import context_length, is_final, prefill
+from spd.drafters.lookup import NgramIndex
 from spd.layout import needed_layers
 from spd.metrics import DecodeStats
 from spd.module import SpeculationModule
@@ -73,9 +74,26 @@ def module_drafts(module: SpeculationModule, trace: GreedyTrace) -> tuple[torch.
     return drafts, top2.values[..., 0] - top2.values[..., 1]
 
 
-def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor) -> tuple[DecodeStats, Counter]:
+def lookup_drafts(trace: GreedyTrace, min_n: int, max_n: int) -> dict[int, int]:
+    """{t: the context lookup's draft for position t + 1} wherever the target's own sequence up to t ends with a
+    suffix that occurred earlier. In a decisive step every token in flight is the target's own, so this is what
+    the runtime's lookup (spd.drafters.hybrid) sees there, whatever the occupancy."""
+    seq = trace.prompt_ids + trace.tokens
+    index = NgramIndex(min_n, max_n)
+    out = {}
+    for t in range(len(seq) - 1):
+        index.extend([seq[t]])
+        n, start = index.match()
+        if n:
+            out[t] = index.continuation(start, 1)[0]
+    return out
+
+
+def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor,
+           sources: dict[int, str] | None = None) -> tuple[DecodeStats, Counter]:
     """Replay the pipeline's schedule: K, rollbacks, accepted runs, and the occupancy of every *decisive* step
-    (one whose draft matters because no wrong token is in flight; the others are flushed unseen)."""
+    (one whose draft matters because no wrong token is in flight; the others are flushed unseen).
+    sources: {t: draft source of the drafts for t + 1} where not the module's."""
     stats = DecodeStats(n=n, N=1)
     decisive: Counter = Counter()
     total = len(tokens)
@@ -97,7 +115,7 @@ def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor) -> 
             step = next_step(step, None)
             continue
         accepted = own[step.candidate]
-        stats.settle(accepted)
+        stats.settle(accepted, (sources or {}).get(step.candidate - 1, "module"))
         if not accepted:
             own = {flushed_from(step): True}  # the correction is the target's own token
         if stats.N == total:
@@ -107,10 +125,18 @@ def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor) -> 
     return stats, decisive
 
 
-def fast_greedy_stats(module: SpeculationModule, trace: GreedyTrace) -> dict:
-    """N, K, L'acc, rollbacks of greedy SPD with `module`, plus the smallest module margin that decided a draft."""
+def fast_greedy_stats(module: SpeculationModule, trace: GreedyTrace,
+                      lookup: tuple[int, int] | None = None) -> dict:
+    """N, K, L'acc, rollbacks of greedy SPD with `module`, plus the smallest module margin that decided a draft.
+    lookup: (shortest, longest n-gram) for draft_source=lookup+module — the lookup's draft wherever it has one."""
     drafts, margins = module_drafts(module, trace)
-    stats, decisive = replay(module.n, len(trace.prompt_ids), trace.tokens, drafts)
+    sources = None
+    if lookup is not None:
+        found = lookup_drafts(trace, *lookup)
+        for t, token in found.items():
+            drafts[:, t] = token
+        sources = dict.fromkeys(found, "lookup")
+    stats, decisive = replay(module.n, len(trace.prompt_ids), trace.tokens, drafts, sources)
     return {"stats": stats, "decisive_occupancy": dict(sorted(decisive.items())),
             "min_module_margin": float(margins.min()) if margins.numel() else None,
             "min_target_margin": min(trace.margins)}

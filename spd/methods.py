@@ -46,6 +46,12 @@ TRAINED_METHODS = tuple(name for name, m in METHODS.items() if m.trained)
 DRAFTING_METHODS = tuple(name for name, m in METHODS.items() if m.decoder != AR)
 
 
+# Where a pipelined method's drafts come from: its module alone, or the context lookup where the context's suffix
+# matched earlier and the module otherwise (spd.drafters.hybrid).
+MODULE, LOOKUP_MODULE = "module", "lookup+module"
+DRAFT_SOURCES = (MODULE, LOOKUP_MODULE)
+
+
 def method(name: str) -> Method:
     """The registry entry; callers pass names that passed the config's check."""
     return METHODS[name]

@@ -10,6 +10,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
+def count_source(sources: dict[str, list[int]], source: str, accepted: bool) -> None:
+    counts = sources.setdefault(source, [0, 0])
+    counts[0] += 1
+    counts[1] += accepted
+
+
 @dataclass
 class DecodeStats:
     n: int
@@ -17,11 +23,14 @@ class DecodeStats:
     K: int = 0
     rollbacks: int = 0
     accepted_runs: list[int] = field(default_factory=list)  # consecutive accepted drafts between rollbacks
+    # draft source -> [drafts verified, accepted] (only drafts that reached verification; flushed ones are not)
+    sources: dict[str, list[int]] = field(default_factory=dict)
     _run: int = 0
 
-    def settle(self, accepted: bool) -> None:
+    def settle(self, accepted: bool, source: str = "module") -> None:
         """Record the verification of one drafted position (accepted, or corrected with a rollback)."""
         self.N += 1
+        count_source(self.sources, source, accepted)
         if accepted:
             self._run += 1
         else:
@@ -46,7 +55,8 @@ class DecodeStats:
 
     def as_dict(self) -> dict:
         return {"n": self.n, "N": self.N, "K": self.K, "alpha": self.alpha, "eal": self.eal,
-                "rollbacks": self.rollbacks, "accepted_run_histogram": self.run_histogram()}
+                "rollbacks": self.rollbacks, "accepted_run_histogram": self.run_histogram(),
+                "sources": {source: list(counts) for source, counts in sorted(self.sources.items())}}
 
 
 def pooled_eal(stats: list[DecodeStats]) -> float | None:
@@ -67,6 +77,10 @@ class ChainStats:
     cycles: int = 0
     accepted: int = 0
     accepted_per_cycle: list[int] = field(default_factory=list)
+    sources: dict[str, list[int]] = field(default_factory=dict)   # draft source -> [drafts verified, accepted]
+
+    def verified(self, source: str, accepted: bool) -> None:
+        count_source(self.sources, source, accepted)
 
     @property
     def tau(self) -> float | None:
@@ -77,4 +91,5 @@ class ChainStats:
 
     def as_dict(self) -> dict:
         return {"m": self.m, "N": self.N, "cycles": self.cycles, "accepted": self.accepted, "tau": self.tau,
-                "accepted_histogram": dict(sorted(Counter(self.accepted_per_cycle).items()))}
+                "accepted_histogram": dict(sorted(Counter(self.accepted_per_cycle).items())),
+                "sources": {source: list(counts) for source, counts in sorted(self.sources.items())}}

@@ -84,10 +84,12 @@ def verify_point_mass(draft: int, p: torch.Tensor, generator: torch.Generator | 
 
 class Proposal(NamedTuple):
     """A drafted token and the warped q it was sampled from; q None for a deterministic draft (greedy argmax, a
-    context lookup), which sampled verification treats as a point mass."""
+    context lookup), which sampled verification treats as a point mass. `source` names where it came from
+    ("module", "lookup", ...) so acceptance can be counted per draft source."""
 
     token: int
     q: torch.Tensor | None = None
+    source: str = "module"
 
 
 def propose(draft_logits: torch.Tensor, params: SamplingParams, generator) -> Proposal:

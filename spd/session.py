@@ -9,12 +9,14 @@ import torch
 
 from spd.checkpoint import check_target, checkpoint_method, load_checkpoint, read_checkpoint_config
 from spd.decoding import eos_ids_of
+from spd.drafters.base import ChainDrafter, Drafter
 from spd.drafters.eagle3 import Eagle3Drafter
+from spd.drafters.hybrid import with_draft_source
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.eagle3_module import Eagle3Module
 from spd.errors import UserError
-from spd.methods import METHODS
+from spd.methods import METHODS, MODULE
 from spd.module import SpeculationModule
 from spd.prompts import conversation_ids
 from spd.sampling import SamplingParams
@@ -39,14 +41,20 @@ class Session:
     balance: dict | None = None        # stage_bounds=balanced: the measured stage times and predicted step
     checkpoint: str | None = None      # the module directory drafting (a shipped one by default); None = untrained
     method: str = "spd"                # a name in spd.methods.METHODS
-    lookup_ngrams: tuple[int, int] = (2, 8)   # method=lookup: shortest and longest suffix matched
+    lookup_ngrams: tuple[int, int] = (2, 8)   # lookup, lookup+module: shortest and longest suffix matched
+    draft_source: str = MODULE         # pipelined methods: module | lookup+module
 
-    def drafter(self, use_cache: bool = True) -> ModuleDrafter | Eagle3Drafter | LookupDrafter:
+    def drafter(self, use_cache: bool = True) -> Drafter | ChainDrafter:
         if self.method == "lookup":
             return LookupDrafter(*self.lookup_ngrams)
         if self.method == "eagle3":
             return Eagle3Drafter(self.module, self.staged.embed)
-        return ModuleDrafter(self.module, use_cache)
+        return with_draft_source(ModuleDrafter(self.module, use_cache), self.draft_source, *self.lookup_ngrams)
+
+    @property
+    def drafts_with(self) -> str:
+        """What drafts, for stats lines and run labels: the method, and for a pipelined one its draft source."""
+        return f"{self.method}, {self.draft_source}" if METHODS[self.method].pipelined else self.method
 
 
 def sampling_params(cfg) -> SamplingParams:
@@ -120,7 +128,8 @@ def open_session(cfg) -> Session:
                 SpeculationModule.from_target(staged, cfg.module_layers, seed=cfg.seed, method=method)
     return Session(loaded, staged, module.eval() if module else None, params,
                    eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
-                   method, (getattr(cfg, "lookup_min_ngram", 2), getattr(cfg, "lookup_max_ngram", 8)))
+                   method, (getattr(cfg, "lookup_min_ngram", 2), getattr(cfg, "lookup_max_ngram", 8)),
+                   getattr(cfg, "draft_source", MODULE))
 
 
 def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> str:

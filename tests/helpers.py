@@ -46,11 +46,11 @@ def prompt(seed: int, length: int = 12, vocab: int = 128) -> list[int]:
 
 
 def spd_run(model, n, prompt_ids, max_new, module_layers=1, use_cache=True, draft_vocab=None, params=GREEDY,
-            eos=frozenset(), trace=False, seed=0, generator=None, method="spd"):
+            eos=frozenset(), seed=0, generator=None, method="spd"):
     staged = StagedTarget(model, n)
     module = SpeculationModule.from_target(staged, module_layers, draft_to_target=draft_vocab, seed=seed,
                                            method=method)
-    decoder = PipelineDecoder(staged, ModuleDrafter(module, use_cache), params, eos, trace=trace)
+    decoder = PipelineDecoder(staged, ModuleDrafter(module, use_cache), params, eos)
     return decoder.generate(prompt_ids, max_new, generator), staged, module
 
 
@@ -73,16 +73,16 @@ class ScriptedDrafter(WrappedDrafter):
         self.inner.start(prompt_hidden, prompt_ids)
 
     @torch.no_grad()
-    def draft_logits(self, view):
+    def draft(self, view, propose):
         self.steps += 1
         if self.on_step:
             self.on_step(self.steps)
-        self.inner.draft_logits(view)
+        self.inner.draft(view, propose)
         for item in view.in_flight:
             self.seq[item.pos] = item.token
         tokens = [self.seq[pos] for pos in range(view.t + 1)]
         logits = self.model(torch.tensor([tokens])).logits[0, -1]
-        return -logits if (view.t + 1) % self.wrong_every == 0 else logits
+        return propose(-logits if (view.t + 1) % self.wrong_every == 0 else logits)
 
 
 def read_wandb_offline(run_dir: str, wait_for=None, timeout: float = 30.0) -> dict:

@@ -48,7 +48,7 @@ def test_generate_with_checkpoint_and_text_output(capsys, tiny_target_dir, check
     code, out, err = run(capsys, f"target={tiny_target_dir}", f"checkpoint={checkpoint}", "prompt=Hello",
                          "max_new_tokens=8")
     assert code == 0
-    assert "L′acc=" in err and "rollbacks=" in err and "tokens/s=" in err and "[spd n=5]" in err
+    assert "L′acc=" in err and "rollbacks=" in err and "tokens/s=" in err and "[spd n=5 local, module]" in err
 
 
 def test_yaml_config_file(capsys, tiny_target_dir, tmp_path):

@@ -9,6 +9,7 @@ from spd.drafters.base import WrappedDrafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
+from spd.sampling import Proposal
 from spd.target.stages import StagedTarget
 from spd.train.objective import collate, teacher_pass
 
@@ -22,16 +23,14 @@ class RecordingDrafter(WrappedDrafter):
         self.reference, self.wrong_every = reference, wrong_every
         self.records = []
 
-    def draft_logits(self, view):
+    def draft(self, view, propose):
         t = view.t
         logits = self.inner.draft_logits(view)
         self.records.append((t, view.occupancy, [s.token for s in view.in_flight], logits))
         token = self.reference[t + 1]
         if (t + 1) % self.wrong_every == 0:
             token = (token + 1) % logits.numel()
-        out = torch.full_like(logits, -1e4)
-        out[token] = 0
-        return out
+        return Proposal(token)
 
 
 def layout_logits(staged, module, tokens, occupancy):

@@ -24,14 +24,14 @@ def test_text_streams_before_decoding_ends(capsys, tiny_target_dir, tmp_path):
         proc = subprocess.Popen([*CLI, "generate", *args], stdout=subprocess.PIPE, stderr=err)
         first = os.read(proc.stdout.fileno(), 1)  # blocks until the first verified text is printed
         still_running = proc.poll() is None
-        stats_yet = "[spd n=3]" in err_path.read_text()
+        stats_yet = "[spd n=3 local, module]" in err_path.read_text()
         rest = proc.stdout.read()
         proc.wait(timeout=300)
     assert first and still_running and not stats_yet
     assert proc.returncode == 0
     assert (first + rest).decode() == expected["text"] + "\n"
     lines = err_path.read_text().strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("[spd n=3] N=400")
+    assert len(lines) == 1 and lines[0].startswith("[spd n=3 local, module] N=400")
 
 
 def chat(target, text, *args):
@@ -58,7 +58,7 @@ def test_chat_keeps_the_conversation(tiny_target_dir):
 
 def test_chat_streams_text_with_a_stats_line_per_answer(tiny_target_dir):
     proc = chat(tiny_target_dir, "Hi there\n\nWhat is 2+2?\n")  # an empty line is skipped; end of input leaves
-    stats = [line for line in proc.stderr.splitlines() if line.startswith("[spd n=3]")]
+    stats = [line for line in proc.stderr.splitlines() if line.startswith("[spd n=3 local, module]")]
     assert len(stats) == 2 and len(proc.stderr.strip().splitlines()) == 2
     assert proc.stdout.count("\n") >= 2
 
@@ -88,7 +88,7 @@ def test_chat_refuses_a_prompt_and_leaves_on_ctrl_c(tiny_target_dir):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     proc.stdin.write("Hi\n")
     proc.stdin.flush()
-    assert proc.stderr.readline().startswith("[spd n=5]")  # the first answer is done: it waits for the next line
+    assert proc.stderr.readline().startswith("[spd n=5 local, module]")  # the first answer is done: it waits for the next line
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

@@ -59,7 +59,7 @@ class Decoding:
                                                               "eal": None, "rollbacks": None}
         return {"text": s.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
                 "token_ids": result.token_ids, "prompt_token_ids": prompt_ids, "method": s.method,
-                "runtime": cfg.runtime, "n": s.staged.n, "stage_bounds": s.staged.bounds, "balance": s.balance,
+                "draft_source": s.draft_source if method.pipelined else None, "runtime": cfg.runtime, "n": s.staged.n, "stage_bounds": s.staged.bounds, "balance": s.balance,
                 "checkpoint": s.checkpoint, **stats, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
 
 
@@ -87,12 +87,23 @@ def _fmt(x, spec=".3f"):
     return "-" if x is None else format(x, spec)
 
 
+def acceptance_by_source(sources: dict) -> str:
+    """ "lookup 0.85 (41/48), module 0.27 (9/33)": per draft source, accepted / verified drafts."""
+    return ", ".join(f"{source} {accepted / verified:.2f} ({accepted}/{verified})"
+                     for source, (verified, accepted) in sorted(sources.items()))
+
+
 def stats_line(out: dict) -> str:
+    speed = f"tokens/s={out['tokens_per_s']:.1f}"
     if "tau" in out:   # draft-then-verify: tokens per target forward, not pipeline steps
         return (f"[{out['method']} m={out['m']}] N={out['N']} cycles={out['cycles']} τ={_fmt(out['tau'])} "
-                f"tokens/s={out['tokens_per_s']:.1f}")
-    return (f"[{out['method']} n={out['n']}] N={out['N']} K={_fmt(out['K'], 'd')} α={_fmt(out['alpha'])} "
-            f"L′acc={_fmt(out['eal'])} rollbacks={_fmt(out['rollbacks'], 'd')} tokens/s={out['tokens_per_s']:.1f}")
+                f"accepted: {acceptance_by_source(out.get('sources', {})) or '-'} {speed}")
+    if out["K"] is None:   # plain AR: in one process it has no stages; relayed through stage processes it has n
+        where = "local" if out["runtime"] == "local" else f"n={out['n']} {out['runtime']}"
+        return f"[ar {where}] N={out['N']} {speed}"
+    return (f"[{out['method']} n={out['n']} {out['runtime']}, {out['draft_source']}] N={out['N']} K={out['K']} "
+            f"α={_fmt(out['alpha'])} L′acc={_fmt(out['eal'])} rollbacks={out['rollbacks']} "
+            f"accepted: {acceptance_by_source(out['sources']) or '-'} {speed}")
 
 
 def generate(cfg, prompt: str) -> int:

@@ -1,7 +1,8 @@
 """The interfaces drafters implement. `Drafter`: a pipelined drafter (spd.runtime.pipeline) — the decoding loop
 owns the target, its caches and the in-flight tokens; a drafter says which target layers it reads and whether it
 drafts during the step (SPD) or after it (PPSD, the output-state ablation), sees the prompt's hidden states once, a
-read-only view of each step, each position as it leaves the last stage, and every rollback. `ChainDrafter`: a
+read-only view of each step (from which it proposes the next position's token), each position as it leaves the
+last stage, and every rollback. `ChainDrafter`: a
 draft-then-verify drafter (spd.runtime.chain: EAGLE-3, the context lookup) — up to m proposals per cycle, then
 the verified sequence and the target's states for it."""
 
@@ -48,7 +49,7 @@ def step_view(step: Step, tokens: list[int], features: dict[int, dict[int, torch
 
 
 class Drafter(ABC):
-    after_step = False   # True: draft_logits reads the step's outputs, so it runs after the step, not beside it
+    after_step = False   # True: draft reads the step's outputs, so it runs after the step, not beside it
     @abstractmethod
     def layers_needed(self, bounds: list[int]) -> list[int]:
         """Target layers l whose H^l this drafter reads (0 = the embedding), for a pipeline with these bounds."""
@@ -58,8 +59,10 @@ class Drafter(ABC):
         """prompt_hidden: {layer: H^layer [1, P, d]} for the layers the drafter asked for."""
 
     @abstractmethod
-    def draft_logits(self, view: StepView) -> torch.Tensor:
-        """Logits [V_target] for position view.t + 1, computed while the step's stages run."""
+    def draft(self, view: StepView, propose) -> Proposal:
+        """The proposal for position view.t + 1, made while the step's stages run. propose(logits [V_target]) ->
+        Proposal is the run's choice from a drafter's logits (argmax, or a sample with its q); a drafter without
+        logits returns Proposal(token, source=...) (deterministic, q = None)."""
 
     @abstractmethod
     def finalize(self, pos: int, hidden: dict[int, torch.Tensor]) -> None:
@@ -82,8 +85,8 @@ class WrappedDrafter(Drafter):
     def start(self, prompt_hidden, prompt_ids):
         self.inner.start(prompt_hidden, prompt_ids)
 
-    def draft_logits(self, view):
-        return self.inner.draft_logits(view)
+    def draft(self, view, propose):
+        return self.inner.draft(view, propose)
 
     def finalize(self, pos, hidden):
         self.inner.finalize(pos, hidden)

@@ -23,6 +23,8 @@ class NgramIndex:
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
         self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        # per token: the (n, n-gram, previous entry) its append overwrote, so drafts can be taken back
+        self.undo: list[list[tuple[int, tuple[int, ...], int | None]]] = []
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -31,10 +33,24 @@ class NgramIndex:
         for token in tokens:
             # n-grams ending at the current last token now have a continuation: the token being appended
             end = len(self.tokens)
+            changes = []
             for n, table in self.tables.items():
                 if end >= n:
-                    table[tuple(self.tokens[end - n: end])] = end
+                    gram = tuple(self.tokens[end - n: end])
+                    changes.append((n, gram, table.get(gram)))
+                    table[gram] = end
             self.tokens.append(token)
+            self.undo.append(changes)
+
+    def truncate(self, length: int) -> None:
+        """Forget every token from `length` on (drafts a rejection flushed), restoring the pool as it was."""
+        while len(self.tokens) > length:
+            self.tokens.pop()
+            for n, gram, previous in reversed(self.undo.pop()):
+                if previous is None:
+                    del self.tables[n][gram]
+                else:
+                    self.tables[n][gram] = previous
 
     def match(self) -> tuple[int, int]:
         """(n, start) for the longest suffix of the tokens that occurred earlier, with `start` the index of the
@@ -77,4 +93,4 @@ class LookupDrafter(ChainDrafter):
     def draft(self, m: int, propose=None) -> list[Proposal]:
         n, start = self.index.match()
         self.last_match = n
-        return [Proposal(token) for token in self.index.continuation(start, m)] if n else []
+        return [Proposal(token, source="lookup") for token in self.index.continuation(start, m)] if n else []

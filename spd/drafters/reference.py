@@ -6,9 +6,8 @@ drafter whose compute they keep, let benchmarks hold the pipeline full to time s
 
 from __future__ import annotations
 
-import torch
-
 from spd.drafters.base import Drafter, StepView
+from spd.sampling import Proposal
 
 
 class ReferenceDrafter(Drafter):
@@ -40,12 +39,9 @@ class ReferenceDrafter(Drafter):
         if self.inner:
             self.inner.on_rollback(length)
 
-    def draft_logits(self, view: StepView) -> torch.Tensor:
+    def draft(self, view: StepView, propose) -> Proposal:
         if self.inner:
-            self.inner.draft_logits(view)
+            self.inner.draft(view, propose)
         pos = view.t + 1
         right = self.reference[pos] if pos < len(self.reference) else 0
-        token = (right + 1) % self.vocab_size if self.wrong else right
-        logits = torch.full((self.vocab_size,), -1e4, device=view.in_flight[-1].features[0].device)
-        logits[token] = 0.0
-        return logits
+        return Proposal((right + 1) % self.vocab_size if self.wrong else right, source="reference")

@@ -8,6 +8,7 @@ import torch
 
 from spd.drafters.base import Drafter, StepView
 from spd.module import SpeculationModule
+from spd.sampling import Proposal
 from spd.target.kv_cache import LayerKVCache
 
 
@@ -57,6 +58,7 @@ class ModuleDrafter(Drafter):
 
     @torch.no_grad()
     def draft_logits(self, view: StepView) -> torch.Tensor:
+        """The module's logits [V_target] for position view.t + 1."""
         t, occupancy = view.t, view.occupancy
         # Every position before the in-flight ones has left the pipeline and is a memory row already.
         assert self.num_final == t - occupancy + 1, (self.num_final, t, occupancy)
@@ -72,3 +74,6 @@ class ModuleDrafter(Drafter):
         cached = [self.kv.view(i) for i in range(len(self.module.layers))] if self.use_cache else None
         logits = self.module.forward_step(query, t, cached, rows_t, pos_t)
         return self.module.target_logits(logits)
+
+    def draft(self, view: StepView, propose) -> Proposal:
+        return propose(self.draft_logits(view))

@@ -4,7 +4,7 @@ On the machine at hand we time, each after warm-up as the median of `repeats` ru
 the timers on CUDA):
 - stage_s[s]: pipeline stage s decoding one token against a KV cache that holds `context` tokens;
 - head_s:     the target head (final norm + full-vocabulary LM head) on one hidden row;
-- module_s:   one steady-state draft: `ModuleDrafter.draft_logits` on the schedule's full step (n tokens in
+- module_s:   one steady-state draft: `ModuleDrafter.draft` on the schedule's full step (n tokens in
               flight), exactly the call `PipelineDecoder.generate` makes, plus choosing the draft token from it
               (argmax, or warp + sample when T > 0), since that token must exist before the next step;
 - verify_s:   `verify_greedy` (T = 0), or warping the target's logits + `verify_sampled` (T > 0).
@@ -39,7 +39,7 @@ from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import needed_layers
 from spd.module import SpeculationModule
 from spd.runtime.schedule import spd_step
-from spd.sampling import SamplingParams, propose, settle
+from spd.sampling import Proposal, SamplingParams, propose, settle
 from spd.target.stages import StagedTarget
 
 LAST = "last stage + head + verify"
@@ -143,13 +143,13 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
                 for pos, k in steady.in_flight()}
     view = step_view(steady, ids[0].tolist(), features, after=after)
 
-    def draft() -> tuple[int, torch.Tensor | None]:
-        return propose(drafter.draft_logits(view), params, generator)        # the runtime's own choice of draft
+    def draft() -> Proposal:
+        return drafter.draft(view, lambda logits: propose(logits, params, generator))   # the runtime's own draft
 
     module_s = _median_seconds(draft, repeats, device)
 
     target_logits = staged.logits(last_row)                                  # [V]
-    token, q = draft()
+    token, q, _ = draft()
     verify_s = _median_seconds(lambda: settle(target_logits, token, q, params, generator), repeats, device)
 
     step_s, bottleneck = step_time(stage_s, head_s, verify_s, module_s, after)

@@ -15,8 +15,9 @@ class EvalConfig:
     method: Optional[str] = None        # spd | ppsd | spd_output_state | eagle3 | lookup; None = the checkpoint's
                                         # (spd without one)
     draft_length: int = 5               # method=eagle3 | lookup: at most m drafts per target forward
-    lookup_min_ngram: int = 2           # method=lookup: shortest suffix of the context that may match earlier
-    lookup_max_ngram: int = 8           # method=lookup: longest suffix compared
+    draft_source: str = "module"        # pipelined methods: module | lookup+module (spd.drafters.hybrid)
+    lookup_min_ngram: int = 2           # lookup, lookup+module: shortest suffix of the context that may match earlier
+    lookup_max_ngram: int = 8           # lookup, lookup+module: longest suffix compared
     datasets: List[str] = field(default_factory=lambda: ["mt_bench", "gsm8k", "humaneval"])
     limit: Optional[int] = None         # the first `limit` prompts of each dataset; None = all 80
     n: Optional[int] = None             # None = the checkpoint's n, else 5

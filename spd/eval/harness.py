@@ -28,7 +28,7 @@ from spd.eval.summary import METHOD_NAMES, summarise
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
 from spd.fast_eval_chain import fast_chain_stats
-from spd.methods import METHODS
+from spd.methods import LOOKUP_MODULE, METHODS
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
 from spd.runtime.stages import open_stages
@@ -63,7 +63,8 @@ def fast_sample(session: Session, cfg, traces: TraceCache, dataset: str, questio
     if session.method == "eagle3":
         result = fast_chain_stats(session.module, trace, cfg.draft_length)
     else:
-        result = fast_greedy_stats(session.module, trace)
+        lookup = session.lookup_ngrams if session.draft_source == LOOKUP_MODULE else None
+        result = fast_greedy_stats(session.module, trace, lookup)
     seconds = time.perf_counter() - start
     stats = result["stats"]
     return {"mode": "fast", "token_ids": trace.tokens, **stats.as_dict(), "ar_match": None,
@@ -123,7 +124,8 @@ def run_label(session: Session, cfg) -> str:
     suffix = "" if session.checkpoint or session.module is None else ", untrained"
     if METHODS[session.method].chain:
         return f"{METHOD_NAMES[session.method]} (m={cfg.draft_length}{suffix})"
-    return f"{METHOD_NAMES[session.method]} (n={session.staged.n}, L_s={module_layers(session.module)}{suffix})"
+    lookup = ", lookup+module" if session.draft_source == LOOKUP_MODULE else ""
+    return f"{METHOD_NAMES[session.method]} (n={session.staged.n}, L_s={module_layers(session.module)}{suffix}{lookup})"
 
 
 def run_eval(cfg, log=print) -> dict:
@@ -233,6 +235,8 @@ def log_wandb(cfg, resolved: dict, summary: dict) -> None:
     for ds, figures in {**summary["datasets"], "overall": summary["overall"]}.items():
         for key in ("eal_pooled", "eal_mean_of_ratios", "alpha_pooled", "rollbacks", "N", "K", "tau_pooled", "cycles"):
             metrics[f"eval/{ds}/{key}"] = figures.get(key)
+        for source, counts in figures.get("sources", {}).items():
+            metrics[f"eval/{ds}/acceptance/{source}"] = counts["acceptance"]
     for kind in ("formula", "measured_cost", "wall_clock"):
         for ds, value in (summary["speedup"].get(kind) or {}).items():
             metrics[f"speedup/{kind}/{ds}"] = value

@@ -16,6 +16,18 @@ def _mean(values):
     return mean(values) if values else None
 
 
+def pool_sources(samples: list[dict]) -> dict:
+    """Per draft source (module, lookup): drafts verified, accepted, and the acceptance rate, pooled."""
+    totals: dict[str, list[int]] = {}
+    for s in samples:
+        for source, (verified, accepted) in s.get("sources", {}).items():
+            counts = totals.setdefault(source, [0, 0])
+            counts[0] += verified
+            counts[1] += accepted
+    return {source: {"verified": v, "accepted": a, "acceptance": a / v if v else None}
+            for source, (v, a) in sorted(totals.items())}
+
+
 def pool_chain(samples: list[dict]) -> dict:
     """Draft-then-verify samples (EAGLE-3, the context lookup): tau = settled tokens per target forward, bonus token included."""
     total_n, cycles = sum(s["N"] for s in samples), sum(s["cycles"] for s in samples)
@@ -28,6 +40,7 @@ def pool_chain(samples: list[dict]) -> dict:
         "tau_pooled": (total_n - len(samples)) / cycles if cycles else None,
         "tau_mean_of_ratios": _mean(s["tau"] for s in samples),
         "accepted_histogram": {str(k): histogram[k] for k in sorted(histogram)},
+        "sources": pool_sources(samples),
         "ar_checked": len(checked), "ar_match": sum(bool(s["ar_match"]) for s in checked),
         "tokens_per_s": _mean(s.get("tokens_per_s") for s in samples),
         "ar_tokens_per_s": _mean(s.get("ar_tokens_per_s") for s in samples),
@@ -54,6 +67,7 @@ def pool(samples: list[dict]) -> dict:
         "eal_mean_of_ratios": _mean(s["eal"] for s in samples),
         "rollbacks": sum(s["rollbacks"] for s in samples),
         "accepted_run_histogram": {str(k): histogram[k] for k in sorted(histogram)},
+        "sources": pool_sources(samples),
         "ar_checked": len(checked), "ar_match": sum(bool(s["ar_match"]) for s in checked),
         # wall-clock means over the samples that were really decoded (None for fast-evaluated ones)
         "tokens_per_s": _mean(s.get("tokens_per_s") for s in samples),

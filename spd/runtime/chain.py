@@ -54,6 +54,7 @@ class ChainDecoder:
             for j in range(len(drafts) + 1):
                 if j < len(drafts):
                     ok, token = settle(logits[j], drafts[j].token, drafts[j].q, params, generator)
+                    stats.verified(drafts[j].source, ok)
                 else:                             # every draft held: the target's next token comes free
                     ok, token = False, next_token(logits[j], params, generator)
                 tokens.append(token)

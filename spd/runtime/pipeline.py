@@ -20,7 +20,7 @@ from spd.metrics import DecodeStats
 from spd.runtime.executor import StageExecutor
 from spd.runtime.local import LocalStages
 from spd.runtime.schedule import first_step, flushed_from, next_step, relay_step
-from spd.sampling import SamplingParams, next_token, propose, settle
+from spd.sampling import Proposal, SamplingParams, next_token, propose, settle
 from spd.target.stages import StagedTarget
 
 
@@ -30,14 +30,13 @@ def as_executor(stages: StagedTarget | StageExecutor) -> StageExecutor:
 
 class PipelineDecoder:
     def __init__(self, stages: StagedTarget | StageExecutor, drafter: Drafter, params: SamplingParams,
-                 eos_ids: frozenset[int], trace: bool = False):
+                 eos_ids: frozenset[int]):
         self.executor = as_executor(stages)
         self.drafter = drafter
         self.params = params
         self.eos_ids = eos_ids
         self.n = self.executor.n
         self.capture = frozenset(drafter.layers_needed(self.executor.bounds))
-        self.trace = trace
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
@@ -55,25 +54,27 @@ class PipelineDecoder:
         stats.N = 1
         if on_token:
             on_token(first)
-        trace: list[dict] = []
         done = is_final(first, stats.N, max_new_tokens, self.eos_ids)
         step = first_step(len(prompt_ids), self.n)
         features = {step.t: {0: ex.embed(first)}}     # pos -> {layer: H^l [1, 1, d]} of in-flight tokens
-        drafts_q: dict[int, torch.Tensor | None] = {}  # pos -> q the in-flight draft was sampled from
+        drafts: dict[int, Proposal] = {}              # pos -> the proposal in flight there (its q, its source)
+
+        def choose(logits):                           # a drafter's logits [V] -> the run's proposal
+            return propose(logits, params, generator)
+
         while not done:
             t = step.t
             ex.launch(step, features[t][0] if step.runs(0) else None)
             if not self.drafter.after_step:
-                draft_logits = self.drafter.draft_logits(step_view(step, tokens, features))
+                proposal = self.drafter.draft(step_view(step, tokens, features), choose)
             out = ex.collect()
             for pos, captured in out.features.items():
                 features[pos].update(captured)
             if self.drafter.after_step:
-                draft_logits = self.drafter.draft_logits(step_view(step, tokens, features, after=True))
-            if self.trace:
-                trace.append({"t": t, "a": step.occupancy, "tokens": tokens[: t + 1], "logits": draft_logits})
+                proposal = self.drafter.draft(step_view(step, tokens, features, after=True), choose)
             stats.K += 1
-            draft, drafts_q[t + 1] = propose(draft_logits, params, generator)
+            draft = proposal.token
+            drafts[t + 1] = proposal
             tokens.append(draft)
             features[t + 1] = {0: ex.embed(draft)}
             if step.exiting is None:
@@ -82,8 +83,9 @@ class PipelineDecoder:
             exited = step.exiting
             self.drafter.finalize(exited, features.pop(exited))
             candidate = step.candidate
-            accepted, token = settle(out.exit_logits, tokens[candidate], drafts_q.pop(candidate), params, generator)
-            stats.settle(accepted)
+            proposal = drafts.pop(candidate)
+            accepted, token = settle(out.exit_logits, proposal.token, proposal.q, params, generator)
+            stats.settle(accepted, proposal.source)
             if not accepted:
                 length = flushed_from(step)
                 ex.rollback(length)
@@ -91,7 +93,7 @@ class PipelineDecoder:
                 del tokens[length:]
                 tokens.append(token)
                 features = {length: {0: ex.embed(token)}}
-                drafts_q = {}
+                drafts = {}
             if on_token:
                 on_token(token)
             step = next_step(step, accepted)
@@ -99,7 +101,7 @@ class PipelineDecoder:
         ex.finish()
         stats.finish()
         generated = tokens[len(prompt_ids): len(prompt_ids) + stats.N]
-        return GenerationResult(token_ids=generated, seconds=time.perf_counter() - start, stats=stats, trace=trace)
+        return GenerationResult(token_ids=generated, seconds=time.perf_counter() - start, stats=stats)
 
 
 @torch.no_grad()
