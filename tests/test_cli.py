@@ -79,6 +79,8 @@ BAD = [
     (["method=lookup", "lookup_min_ngram=0"], "lookup_min_ngram=0"),
     (["method=lookup", "lookup_min_ngram=4", "lookup_max_ngram=3"], "lookup_max_ngram=3"),
     (["method=lookup", "checkpoint=some/module"], "drop checkpoint="),
+    (["draft_source=ngram"], "draft_source='ngram' is not one of: module, lookup+module"),
+    (["method=eagle3", "draft_source=lookup+module"], "drop draft_source="),
 ]
 
 
@@ -136,6 +138,20 @@ def test_every_drafter_decodes_what_ar_decodes(capsys, tiny_target_dir, method):
     assert ("tau" in got) == chain
     code, _, err = run(capsys, *common[:-1], f"method={method}")
     assert code == 0 and (" τ=" in err if chain else " L′acc=" in err) and f"[{method} " in err
+
+
+def test_lookup_inside_the_pipeline_decodes_what_ar_decodes(capsys, tiny_target_dir):
+    common = [f"target={tiny_target_dir}", "prompt=What is 12*7?", "max_new_tokens=30", "json=true"]
+    ar = json.loads(run(capsys, *common, "method=ar")[1])
+    code, out, err = run(capsys, *common, "n=3", "draft_source=lookup+module")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["token_ids"] == ar["token_ids"] and got["draft_source"] == "lookup+module"
+    assert got["sources"]["lookup"][1] > 0                 # [verified, accepted]: the lookup drafted and was kept
+    code, _, err = run(capsys, *common[:-1], "n=3", "draft_source=lookup+module")
+    assert code == 0 and "[spd n=3 local, lookup+module]" in err and "accepted: lookup " in err
+    code, _, err = run(capsys, *common[:-1], "method=ar")
+    assert code == 0 and "[ar local] N=30 " in err          # plain AR in one process has no n
 
 
 def test_a_checkpoint_decodes_as_the_method_it_was_trained_as(capsys, tiny_target_dir, tmp_path):

@@ -113,8 +113,9 @@ def test_eval_through_the_distributed_runtime(tmp_path, untied_target_dir):
     """`spd-infer eval runtime=distributed`: one set of stage processes decodes every sample, each the same as
     runtime=local's step-by-step runtime (itself checked against AR on every sample). No AR runs between the samples
     (ar_baseline=false): an AR decode over the same prompt used to hide a crop left over from the previous sample."""
-    common = ["eval", f"target={untied_target_dir}", "n=2", "limit=2", "max_new_tokens=12", "wandb.mode=disabled",
-              "calibrate=false", f"trace_cache_dir={tmp_path / 'traces'}", "checkpoint=random"]
+    common = ["eval", f"target={untied_target_dir}", "n=2", "limit=2", "max_new_tokens=40", "wandb.mode=disabled",
+              "calibrate=false", f"trace_cache_dir={tmp_path / 'traces'}", "checkpoint=random",
+              "draft_source=lookup+module"]     # both draft sources: the lookup's where the context repeats
     rows = {}
     for runtime in ("local", "distributed"):
         out = tmp_path / runtime
@@ -126,10 +127,11 @@ def test_eval_through_the_distributed_runtime(tmp_path, untied_target_dir):
             rows[runtime] = [json.loads(line) for line in f]
     assert len(rows["distributed"]) == 6
     for mine, theirs in zip(rows["distributed"], rows["local"]):
-        assert (mine["text"], mine["K"], mine["rollbacks"]) == (theirs["text"], theirs["K"],
-                                                                     theirs["rollbacks"])
+        assert (mine["text"], mine["K"], mine["rollbacks"], mine["sources"]) == (theirs["text"], theirs["K"],
+                                                                                 theirs["rollbacks"], theirs["sources"])
         assert mine["runtime"] == "distributed" and theirs["ar_match"] is True
     assert sum(row["rollbacks"] for row in rows["local"]) > 0
+    assert sum(row["sources"].get("lookup", [0])[0] for row in rows["local"]) > 0
 
 
 def test_chat_turns_through_the_distributed_runtime_equal_local(untied_target_dir):

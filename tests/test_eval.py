@@ -64,15 +64,22 @@ def test_greedy_eval_outputs_pooling_wandb_and_resume(capsys, tiny_target_dir, t
     assert code == 2 and "different config" in err
 
 
-@pytest.mark.parametrize("n", [2, 3, 5])
-def test_fast_evaluator_equals_runtime_and_runtime_equals_ar(capsys, tiny_target_dir, tmp_path, n):
+@pytest.mark.parametrize("n,source", [(2, "module"), (3, "module"), (5, "module"), (3, "lookup+module")])
+def test_fast_evaluator_equals_runtime_and_runtime_equals_ar(capsys, tiny_target_dir, tmp_path, n, source):
     fast, exact = str(tmp_path / "fast"), str(tmp_path / "exact")
-    assert run_eval(capsys, tiny_target_dir, fast, f"n={n}", "limit=3", "calibrate=false")[0] == 0
-    assert run_eval(capsys, tiny_target_dir, exact, f"n={n}", "limit=3", "calibrate=false", "exact_trace=true")[0] == 0
+    common = [f"n={n}", "limit=3", "calibrate=false", f"draft_source={source}"]
+    assert run_eval(capsys, tiny_target_dir, fast, *common)[0] == 0
+    assert run_eval(capsys, tiny_target_dir, exact, *common, "exact_trace=true")[0] == 0
     a, b = samples(fast), samples(exact)
     assert [r["mode"] for r in a] == ["fast"] * 9 and [r["mode"] for r in b] == ["runtime"] * 9
-    assert [(r["N"], r["K"], r["rollbacks"], r["text"]) for r in a] == [(r["N"], r["K"], r["rollbacks"], r["text"]) for r in b]
+    figures = ("N", "K", "rollbacks", "text", "sources")
+    assert [[r[k] for k in figures] for r in a] == [[r[k] for k in figures] for r in b]
     assert all(r["ar_match"] is True and r["ar_tokens_per_s"] > 0 for r in b)
+    overall = json.load(open(os.path.join(fast, "summary.json")))["overall"]
+    assert set(overall["sources"]) == ({"lookup", "module"} if source == "lookup+module" else {"module"})
+    if source == "lookup+module":
+        assert overall["sources"]["lookup"]["accepted"] > 0
+        assert "lookup+module" in open(os.path.join(fast, "table.md")).read()
 
 
 def test_sampled_eval_reports_pooled_and_per_sample(capsys, tiny_target_dir, tmp_path):

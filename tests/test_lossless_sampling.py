@@ -1,5 +1,5 @@
-"""Sampling is lossless: the sampled continuations of SPD, PPSD, the output-state ablation, EAGLE-3's chain and
-the lookup chain follow the target's (warped) distribution.
+"""Sampling is lossless: the sampled continuations of SPD, PPSD, the output-state ablation, the lookup inside SPD's
+pipeline (lookup+module), EAGLE-3's chain and the lookup chain follow the target's (warped) distribution.
 
 Power: with 30,000 samples (SPD) a chi-square test at p < 1e-3 rejects a distribution shifted by 2% total variation
 in the direction hardest to see (proportional to p) at least 18 times out of 20; with 12,000 (the baselines) it does
@@ -12,6 +12,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from spd.drafters.hybrid import LookupThenModule
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
@@ -62,10 +63,13 @@ def small_vocab_model():
     return tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
 
 
-def sample_spd(model, n, samples, seed, method="spd"):
+def sample_spd(model, n, samples, seed, method="spd", lookup=False, sources=None):
+    """lookup: draft_source=lookup+module, matching one-token suffixes (PROMPT's tokens recur in the samples).
+    sources: a dict that receives {source: [verified, accepted]} pooled over the samples."""
     staged = StagedTarget(model, n)
     module = SpeculationModule.from_target(staged, 1, seed=1, method=method)  # random: its q is far from p, rejections are common
-    decoder = PipelineDecoder(staged, ModuleDrafter(module), PARAMS, frozenset())
+    drafter = ModuleDrafter(module)
+    decoder = PipelineDecoder(staged, LookupThenModule(drafter, 1, 2) if lookup else drafter, PARAMS, frozenset())
     g = torch.Generator().manual_seed(seed)
     counts, rollbacks = {}, 0
     for _ in range(samples):
@@ -73,6 +77,11 @@ def sample_spd(model, n, samples, seed, method="spd"):
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
         rollbacks += out.stats.rollbacks
+        for source, (verified, accepted) in out.stats.sources.items():
+            if sources is not None:
+                total = sources.setdefault(source, [0, 0])
+                total[0] += verified
+                total[1] += accepted
     return counts, rollbacks
 
 
@@ -159,6 +168,28 @@ def test_eagle3_chain_samples_the_target_distribution(small_vocab_model, m):
         rejected_cycles += sum(a < m for a in out.stats.accepted_per_cycle)
     assert rejected_cycles > SHORT * 0.2
     assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+@pytest.mark.slow
+def test_lookup_inside_the_pipeline_samples_the_target_distribution(small_vocab_model):
+    """draft_source=lookup+module at n = 2: point-mass lookup drafts and the module's sampled drafts in one
+    pipeline (power: 12,000 samples see a 3.5% shift)."""
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    sources = {}
+    counts, rollbacks = sample_spd(small_vocab_model, n=2, samples=SHORT, seed=6, lookup=True, sources=sources)
+    verified, accepted = sources["lookup"]
+    assert accepted > SHORT * 0.1 and verified - accepted > SHORT * 0.1      # lookup drafts kept and rejected, often
+    assert sources["module"][0] > SHORT * 0.1
+    assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+def test_a_lookup_in_the_pipeline_that_is_always_kept_is_caught(small_vocab_model, monkeypatch):
+    import spd.sampling
+
+    monkeypatch.setattr(spd.sampling, "verify_point_mass", lambda draft, p, g: (True, draft))
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    counts, _ = sample_spd(small_vocab_model, n=2, samples=3000, seed=7, lookup=True)
+    assert chi2_pvalue(counts, dist, 3000) < ALPHA
 
 
 def sample_lookup(model, samples, seed):
