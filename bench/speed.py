@@ -21,10 +21,12 @@ import torch
 
 from spd.ar import ar_generate
 from spd.decoding import prefill
+from spd.drafters.base import step_view
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import needed_layers
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
+from spd.runtime.schedule import first_step
 from spd.sampling import SamplingParams
 from spd.target.loading import load_target
 from spd.target.stages import StagedTarget
@@ -90,8 +92,8 @@ def main() -> int:
         cache, _, captured = prefill(staged, seq[:-1], frozenset(needed_layers(staged.bounds)))
         drafter = ModuleDrafter(module)
         drafter.start(captured, seq[:-1])
-        dec = PipelineDecoder(staged, drafter, greedy, no_eos)
-        slot = dec.new_slot(seq[-1], len(seq) - 1)
+        t = len(seq) - 1      # the newest token enters stage 1 alone (occupancy 1): the module reads its embedding
+        view = step_view(first_step(t, args.n), seq, {t: {0: staged.embed(torch.tensor([[seq[-1]]]))}})
 
         def target_forward():
             out = staged.forward_all(torch.tensor([[seq[-1]]]), cache, start_pos=len(seq) - 1)
@@ -99,7 +101,7 @@ def main() -> int:
             return staged.logits(out[0][0, -1])
 
         def module_forward():
-            return drafter.draft_logits(len(seq) - 1, 1, [slot])
+            return drafter.draft_logits(view)
 
         reps = 30
         for _ in range(3):

@@ -16,6 +16,7 @@ greedy and T=1 (top-k 50, top-p 1.0). Every greedy row is checked token for toke
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -70,17 +71,21 @@ def decode_all(prompts, run) -> dict:
     """run(key, ids) -> GenerationResult; pooled tokens/s over every prompt, and L′acc where there are steps.
     `outputs` ({prompt key: token ids}) lets main() check every greedy row against the suite's AR."""
     tokens = seconds = N = K = cycles = 0
-    outputs = {}
+    outputs, sources = {}, {}
     for key, ids in prompts:
         result = run(key, ids)
         outputs[key] = result.token_ids
+        for source, (verified, accepted) in (result.stats.sources.items() if result.stats else ()):
+            total = sources.setdefault(source, [0, 0])
+            total[0], total[1] = total[0] + verified, total[1] + accepted
         tokens += len(result.token_ids)
         seconds += result.seconds
         if hasattr(result.stats, "cycles"):    # a chain: tau = tokens after the first per target forward
             N, cycles = N + result.stats.N - 1, cycles + result.stats.cycles
         elif result.stats is not None:
             N, K = N + result.stats.N, K + result.stats.K
-    out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs}
+    out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs,
+           "sources": {source: {"verified": v, "accepted": a, "acceptance": a / v} for source, (v, a) in sources.items()}}
     if K:
         out.update(N=N, K=K, alpha=N / K)
     if cycles:
@@ -120,29 +125,30 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model) -
             "module": "trained" if checkpoint else "untrained", "checkpoint": checkpoint,
             "balance": probe.balance}
     rows = []
-    drafter = TimedDrafter(session.drafter())
-    capture = drafter.layers_needed(bounds)
+    capture = session.drafter().layers_needed(bounds)
     with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
         messages = stages.time_messages()
         comm = {"message_us_per_step_median": statistics.median(messages) * 1e6,
                 "message_us_per_step_p90": sorted(messages)[int(0.9 * len(messages))] * 1e6}
-        for temperature in args.temperatures:
+        for temperature, source in itertools.product(args.temperatures, args.draft_sources):
             params = params_for(temperature)
+            session.draft_source = source
+            drafter = TimedDrafter(session.drafter())
             decoder = PipelineDecoder(stages, drafter, params, session.eos_ids)
-            drafter.seconds, drafter.calls = 0.0, 0
             result = decode_all(prompts, lambda key, ids: decoder.generate(
                 ids, args.max_new_tokens, torch.Generator().manual_seed(seed_of(key))))
             cal = calibration[temperature]
-            rows.append({**base, **comm, "method": "spd", "runtime": "distributed", "temperature": temperature,
-                         **result, "eal": n * result["alpha"], "s_per_step": result["seconds"] / result["K"],
+            rows.append({**base, **comm, "method": "spd", "draft_source": source, "runtime": "distributed",
+                         "temperature": temperature, **result, "eal": n * result["alpha"],
+                         "s_per_step": result["seconds"] / result["K"],
                          "module_s_per_step": drafter.seconds / max(1, drafter.calls),
                          "calibrated": {k: cal[k] for k in ("stage_s", "head_s", "module_s", "verify_s", "ar_token_s",
                                                             "step_s", "bottleneck")},
                          "calibrated_tokens_per_s": result["alpha"] / cal["step_s"],
                          "calibrated_speedup_vs_ar_same_threads": measured_cost_speedup(result["alpha"], cal)})
-            print(json.dumps({k: rows[-1][k] for k in ("n", "bounds", "temperature", "tokens_per_s", "eal")}),
-                  file=sys.stderr)
-        if 0 in args.temperatures:
+            print(json.dumps({k: rows[-1][k] for k in ("n", "bounds", "draft_source", "temperature", "tokens_per_s",
+                                                        "eal", "sources")}), file=sys.stderr)
+        if 0 in args.temperatures and not args.skip_pipeline_ar:
             result = decode_all(prompts, lambda key, ids: pipeline_ar_generate(
                 stages, ids, args.max_new_tokens, params_for(0), session.eos_ids))
             rows.append({**base, **comm, "method": "ar", "runtime": "distributed", "temperature": 0, **result})
@@ -203,6 +209,8 @@ def main() -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--cores", type=int, default=os.cpu_count())
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-pipeline-ar", action="store_true", help="no pipeline-parallel AR row over the stage processes")
+    ap.add_argument("--draft-sources", default="module,lookup+module", help="distributed SPD rows, one per source")
     ap.add_argument("--lookup", action="store_true", help="also transformers' prompt lookup and the lookup chain")
     ap.add_argument("--draft-length", type=int, default=8, help="lookup drafts per cycle (both)")
     ap.add_argument("--lookup-ngrams", default="2,8", help="the lookup chain's shortest,longest suffix match")
@@ -210,6 +218,7 @@ def main() -> int:
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.lookup_ngrams = tuple(int(x) for x in args.lookup_ngrams.split(","))
+    args.draft_sources = args.draft_sources.split(",")
     loaded = load_target(args.target)
     prompts = [(f"{ds}/{q['question_id']}", chat_prompt_ids(loaded.tokenizer, q["turns"][0]))
                for ds in DATASETS for q in load_questions(ds)[: args.limit]]
@@ -239,17 +248,24 @@ def main() -> int:
     return 0
 
 
+def per_source(row: dict) -> str:
+    """ "lookup 0.62, module 0.09": accepted / verified drafts per draft source."""
+    return ", ".join(f"{source} {v['acceptance']:.2f}" for source, v in sorted(row.get("sources", {}).items())) or "—"
+
+
 def markdown(report: dict) -> str:
     lines = ["| n | bounds | module | T | method | processes × threads | tokens/s | vs fastest AR | L′acc or τ | "
-             "s/step | module s/step | messages µs/step | calibrated tokens/s | greedy = AR |",
-             "|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "accepted per source | s/step | module s/step | messages µs/step | calibrated tokens/s | greedy = AR |",
+             "|---:|---|---|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         def f(key, spec=".3f", scale=1.0):
             return format(r[key] * scale, spec) if r.get(key) is not None else "—"
         lines.append(f"| {r.get('n', '—')} | {r.get('bounds', '—')} {r.get('stage_bounds', '')} | "
-                     f"{r.get('module', '—')} | {r['temperature']:g} | {r['method']} ({r['runtime']}) | "
+                     f"{r.get('module', '—')} | {r['temperature']:g} | {r['method']}"
+                     f"{', ' + r['draft_source'] if r.get('draft_source') else ''} ({r['runtime']}) | "
                      f"{r['processes']} × {r['threads_per_process']} | {f('tokens_per_s', '.1f')} | "
                      f"{f('speedup_vs_fastest_single_process')} | {f('eal' if 'eal' in r else 'tau')} | "
+                     f"{per_source(r)} | "
                      f"{f('s_per_step', '.4f')} | "
                      f"{f('module_s_per_step', '.4f')} | {f('message_us_per_step_median', '.0f')} | "
                      f"{f('calibrated_tokens_per_s', '.1f')} | "

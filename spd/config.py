@@ -42,7 +42,8 @@ class GenerateConfig:
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
     method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | ar (plain autoregressive
                                          # through the same stage runner); None = the checkpoint's (spd without one)
-    draft_length: int = 5                # method=eagle3 | lookup: at most m drafts per target forward
+    draft_length: Optional[int] = None   # method=eagle3 | lookup: at most m drafts per target forward; None = the
+                                         # method's own (eagle3 5, lookup 8)
     draft_source: str = "module"         # pipelined methods: module | lookup+module (the context lookup's token
                                          # where the context's suffix matched earlier, else the module's draft)
     lookup_min_ngram: int = 2            # lookup, lookup+module: shortest suffix of the context that may match earlier

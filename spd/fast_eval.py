@@ -90,10 +90,11 @@ def lookup_drafts(trace: GreedyTrace, min_n: int, max_n: int) -> dict[int, int]:
 
 
 def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor,
-           sources: dict[int, str] | None = None) -> tuple[DecodeStats, Counter]:
+           sources: dict[int, str] | None = None, on_settle=None) -> tuple[DecodeStats, Counter]:
     """Replay the pipeline's schedule: K, rollbacks, accepted runs, and the occupancy of every *decisive* step
     (one whose draft matters because no wrong token is in flight; the others are flushed unseen).
-    sources: {t: draft source of the drafts for t + 1} where not the module's."""
+    sources: {t: draft source of the drafts for t + 1} where not the module's.
+    on_settle(pos, accepted, source): called for every verified position (analyses of where acceptance falls)."""
     stats = DecodeStats(n=n, N=1)
     decisive: Counter = Counter()
     total = len(tokens)
@@ -115,7 +116,10 @@ def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor,
             step = next_step(step, None)
             continue
         accepted = own[step.candidate]
-        stats.settle(accepted, (sources or {}).get(step.candidate - 1, "module"))
+        source = (sources or {}).get(step.candidate - 1, "module")
+        stats.settle(accepted, source)
+        if on_settle:
+            on_settle(step.candidate, accepted, source)
         if not accepted:
             own = {flushed_from(step): True}  # the correction is the target's own token
         if stats.N == total:
@@ -126,7 +130,7 @@ def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor,
 
 
 def fast_greedy_stats(module: SpeculationModule, trace: GreedyTrace,
-                      lookup: tuple[int, int] | None = None) -> dict:
+                      lookup: tuple[int, int] | None = None, on_settle=None) -> dict:
     """N, K, L'acc, rollbacks of greedy SPD with `module`, plus the smallest module margin that decided a draft.
     lookup: (shortest, longest n-gram) for draft_source=lookup+module — the lookup's draft wherever it has one."""
     drafts, margins = module_drafts(module, trace)
@@ -136,7 +140,7 @@ def fast_greedy_stats(module: SpeculationModule, trace: GreedyTrace,
         for t, token in found.items():
             drafts[:, t] = token
         sources = dict.fromkeys(found, "lookup")
-    stats, decisive = replay(module.n, len(trace.prompt_ids), trace.tokens, drafts, sources)
+    stats, decisive = replay(module.n, len(trace.prompt_ids), trace.tokens, drafts, sources, on_settle)
     return {"stats": stats, "decisive_occupancy": dict(sorted(decisive.items())),
             "min_module_margin": float(margins.min()) if margins.numel() else None,
             "min_target_margin": min(trace.margins)}

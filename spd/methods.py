@@ -17,6 +17,7 @@ class Method:
     decoder: str             # PIPELINE (spd.runtime.pipeline), CHAIN (spd.runtime.chain) or AR
     module: str | None       # "speculation" (spd.module), "eagle3" (spd.eagle3_module), None: drafts without one
     fast_eval: bool          # greedy eval can score it from the target's cached traces (spd.fast_eval*)
+    draft_length: int | None = None   # a chain's drafts per target forward when draft_length= is not given
 
     @property
     def pipelined(self) -> bool:
@@ -36,8 +37,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("spd", "SPD", PIPELINE, "speculation", fast_eval=True),
     Method("ppsd", "PPSD", PIPELINE, "speculation", fast_eval=True),
     Method("spd_output_state", "SPD output states", PIPELINE, "speculation", fast_eval=True),
-    Method("eagle3", "EAGLE-3", CHAIN, "eagle3", fast_eval=True),
-    Method("lookup", "Context lookup", CHAIN, None, fast_eval=False),
+    Method("eagle3", "EAGLE-3", CHAIN, "eagle3", fast_eval=True, draft_length=5),
+    # 8: what transformers' prompt lookup is run with in bench/wallclock.py; a long match is often right for 8 tokens
+    Method("lookup", "Context lookup", CHAIN, None, fast_eval=False, draft_length=8),
     Method("ar", "AR", AR, None, fast_eval=False),
 )}
 

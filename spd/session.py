@@ -43,6 +43,7 @@ class Session:
     method: str = "spd"                # a name in spd.methods.METHODS
     lookup_ngrams: tuple[int, int] = (2, 8)   # lookup, lookup+module: shortest and longest suffix matched
     draft_source: str = MODULE         # pipelined methods: module | lookup+module
+    draft_length: int | None = None    # chain methods: at most m drafts per target forward
 
     def drafter(self, use_cache: bool = True) -> Drafter | ChainDrafter:
         if self.method == "lookup":
@@ -129,7 +130,7 @@ def open_session(cfg) -> Session:
     return Session(loaded, staged, module.eval() if module else None, params,
                    eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
                    method, (getattr(cfg, "lookup_min_ngram", 2), getattr(cfg, "lookup_max_ngram", 8)),
-                   getattr(cfg, "draft_source", MODULE))
+                   getattr(cfg, "draft_source", MODULE), cfg.draft_length or METHODS[method].draft_length)
 
 
 def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> str:

@@ -50,7 +50,7 @@ class Decoding:
             result = pipeline_ar_generate(self.stages, prompt_ids, cfg.max_new_tokens, s.params, s.eos_ids,
                                           generator, on_token)
         elif method.chain:
-            decoder = ChainDecoder(s.staged, self.drafter, s.params, s.eos_ids, cfg.draft_length)
+            decoder = ChainDecoder(s.staged, self.drafter, s.params, s.eos_ids, s.draft_length)
             result = decoder.generate(prompt_ids, cfg.max_new_tokens, generator, on_token)
         else:
             decoder = PipelineDecoder(self.stages, self.drafter, s.params, s.eos_ids)

@@ -61,7 +61,7 @@ def fast_sample(session: Session, cfg, traces: TraceCache, dataset: str, questio
     trace, info = traces.get(dataset, question_id, prompt_ids)
     start = time.perf_counter()
     if session.method == "eagle3":
-        result = fast_chain_stats(session.module, trace, cfg.draft_length)
+        result = fast_chain_stats(session.module, trace, session.draft_length)
     else:
         lookup = session.lookup_ngrams if session.draft_source == LOOKUP_MODULE else None
         result = fast_greedy_stats(session.module, trace, lookup)
@@ -76,7 +76,7 @@ def fast_sample(session: Session, cfg, traces: TraceCache, dataset: str, questio
 def runtime_sample(session: Session, cfg, seed: int, prompt_ids, stages) -> dict:
     device = session.staged.device
     if METHODS[session.method].chain:
-        decoder = ChainDecoder(session.staged, session.drafter(), session.params, session.eos_ids, cfg.draft_length)
+        decoder = ChainDecoder(session.staged, session.drafter(), session.params, session.eos_ids, session.draft_length)
     else:
         decoder = PipelineDecoder(stages, session.drafter(cfg.module_cache), session.params, session.eos_ids)
     spd = decoder.generate(prompt_ids, cfg.max_new_tokens, torch.Generator(device=device).manual_seed(seed))
@@ -123,7 +123,7 @@ def module_layers(module) -> int:
 def run_label(session: Session, cfg) -> str:
     suffix = "" if session.checkpoint or session.module is None else ", untrained"
     if METHODS[session.method].chain:
-        return f"{METHOD_NAMES[session.method]} (m={cfg.draft_length}{suffix})"
+        return f"{METHOD_NAMES[session.method]} (m={session.draft_length}{suffix})"
     lookup = ", lookup+module" if session.draft_source == LOOKUP_MODULE else ""
     return f"{METHOD_NAMES[session.method]} (n={session.staged.n}, L_s={module_layers(session.module)}{suffix}{lookup})"
 
@@ -175,13 +175,13 @@ def run_eval(cfg, log=print) -> dict:
     calibration = None
     chain = METHODS[session.method].chain
     if cfg.calibrate and cfg.runtime == "local" and session.module is not None:   # the lookup has no module to time
-        calibration = calibrate_chain(session.staged, session.drafter(), session.params, cfg.draft_length) \
+        calibration = calibrate_chain(session.staged, session.drafter(), session.params, session.draft_length) \
             if chain else calibrate(session.staged, session.module, session.params)
     summary["speedup"] = speedups(summary, session.staged, session.module, calibration) if not chain else \
-        chain_speedups(summary, session.staged.num_layers, cfg.draft_length, calibration, L_s)
+        chain_speedups(summary, session.staged.num_layers, session.draft_length, calibration, L_s)
     summary["run"] = {"method": session.method, "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
                       "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": 1,
-                      "draft_length": cfg.draft_length if chain else None,
+                      "draft_length": session.draft_length if chain else None,
                       "max_new_tokens": cfg.max_new_tokens, "checkpoint": session.checkpoint,
                       "target": session.loaded.name, "mode": "fast" if fast else "runtime",
                       "runtime": cfg.runtime, "stage_bounds": session.staged.bounds}

@@ -1,0 +1,111 @@
+"""Where does acceptance come from: new text, or output that repeats itself? Greedy, from the target's own traces
+(the eval's trace cache: `spd-infer eval` with the same config records and reuses them).
+
+For the first --limit prompts of each eval set: L′acc of the module alone and of lookup+module (spd.fast_eval, the
+exact replay of the runtime), and how much of it falls inside a repeat — a generated position whose last --span
+tokens (itself included) already occurred earlier in the context, i.e. the answer is copying a whole span of
+itself or of the prompt (a loop until the length limit is the extreme case).
+
+    python bench/repetition.py --limit 10 --out docs/results/repetition.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from tqdm import tqdm
+
+from spd.eval.config import EvalConfig
+from spd.config import load_config
+from spd.eval.traces import TraceCache
+from spd.fast_eval import fast_greedy_stats
+from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.session import open_session
+
+SOURCES = {"module": None, "lookup+module": (2, 8)}
+
+
+def repeating(seq: list[int], prompt_len: int, span: int) -> set[int]:
+    """Generated positions p whose window seq[p - span + 1 .. p] occurred, ending earlier, in seq."""
+    seen, out = set(), set()
+    for end in range(span, len(seq) + 1):
+        window = tuple(seq[end - span: end])
+        if window in seen and end - 1 >= prompt_len:
+            out.add(end - 1)
+        seen.add(window)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/eval/greedy.yaml")
+    ap.add_argument("--limit", type=int, default=10)
+    ap.add_argument("--span", type=int, default=32)
+    ap.add_argument("--out", default="docs/results/repetition.json")
+    ap.add_argument("overrides", nargs="*", help="eval config overrides (key=value)")
+    args = ap.parse_args()
+    cfg = load_config(EvalConfig, args.config, args.overrides)
+    session = open_session(cfg)
+    traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens)
+    blank = {"prompts": 0, "positions": 0, "positions_in_repeats": 0}
+    per = {ds: {**blank, **{s: {"N": 0, "K": 0, "accepted": 0, "accepted_in_repeats": 0, "sources": {}}
+                            for s in SOURCES}} for ds in DATASETS}
+    work = [(ds, q) for ds in DATASETS for q in load_questions(ds)[: args.limit]]
+    for ds, q in tqdm(work, desc="traces", unit="prompt"):
+        ids = chat_prompt_ids(session.loaded.tokenizer, q["turns"][0])
+        trace, _ = traces.get(ds, q["question_id"], ids)
+        inside = repeating(trace.prompt_ids + trace.tokens, len(ids), args.span)
+        row = per[ds]
+        row["prompts"] += 1
+        row["positions"] += len(trace.tokens)
+        row["positions_in_repeats"] += len(inside)
+        for name, lookup in SOURCES.items():
+            figures = row[name]
+
+            def settled(pos, accepted, source):
+                figures["accepted"] += accepted
+                figures["accepted_in_repeats"] += accepted and pos in inside
+                counts = figures["sources"].setdefault(source, [0, 0])
+                counts[0] += 1
+                counts[1] += accepted
+
+            stats = fast_greedy_stats(session.module, trace, lookup, settled)["stats"]
+            figures["N"] += stats.N
+            figures["K"] += stats.K
+    n = session.staged.n
+    for row in per.values():
+        row["repeat_share"] = row["positions_in_repeats"] / row["positions"]
+        for name in SOURCES:
+            f = row[name]
+            f["eal"] = n * f["N"] / f["K"]
+            f["accepted_in_repeats_share"] = f["accepted_in_repeats"] / f["accepted"] if f["accepted"] else None
+            f["acceptance"] = {s: a / v for s, (v, a) in f["sources"].items()}
+    report = {"per_dataset": per, "n": n, "checkpoint": session.checkpoint, "span": args.span, "limit": args.limit,
+              "max_new_tokens": cfg.max_new_tokens, "command": " ".join(["python", *sys.argv])}
+    tmp = args.out + ".tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(tmp, args.out)
+    print(markdown(report))
+    return 0
+
+
+def markdown(report: dict) -> str:
+    lines = [f"| data set | positions inside a repeat (≥ {report['span']} tokens) | L′acc module | L′acc lookup+module | "
+             "acceptance lookup / module | accepted drafts inside repeats (module, lookup+module) |",
+             "|---|---:|---:|---:|---|---:|"]
+    for ds, row in report["per_dataset"].items():
+        hybrid, module = row["lookup+module"], row["module"]
+        acc = hybrid["acceptance"]
+        lines.append(f"| {ds} | {row['repeat_share']:.1%} | {module['eal']:.3f} | {hybrid['eal']:.3f} | "
+                     f"{acc.get('lookup', 0):.2f} / {acc.get('module', 0):.2f} | "
+                     f"{module['accepted_in_repeats_share'] or 0:.1%}, {hybrid['accepted_in_repeats_share'] or 0:.1%} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
