@@ -22,10 +22,13 @@ from spd.eval.config import EvalConfig
 from spd.config import load_config
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
+from spd.fast_eval_chain import fast_lookup_stats
+from spd.methods import METHODS
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
 
-SOURCES = {"module": None, "lookup+module": (2, 8)}
+SOURCES = {"module": None, "lookup+module": (2, 8)}   # SPD's pipelined drafts, n = the module's
+CHAIN = "lookup chain"                                  # method=lookup, the default's settings
 
 
 def repeating(seq: list[int], prompt_len: int, span: int) -> set[int]:
@@ -51,8 +54,9 @@ def main() -> int:
     session = open_session(cfg)
     traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens)
     blank = {"prompts": 0, "positions": 0, "positions_in_repeats": 0}
-    per = {ds: {**blank, **{s: {"N": 0, "K": 0, "accepted": 0, "accepted_in_repeats": 0, "sources": {}}
-                            for s in SOURCES}} for ds in DATASETS}
+    per = {ds: {**blank, **{s: {"N": 0, "K": 0, "cycles": 0, "accepted": 0, "accepted_in_repeats": 0, "sources": {}}
+                            for s in (*SOURCES, CHAIN)}} for ds in DATASETS}
+    m = METHODS["lookup"].draft_length
     work = [(ds, q) for ds in DATASETS for q in load_questions(ds)[: args.limit]]
     for ds, q in tqdm(work, desc="traces", unit="prompt"):
         ids = chat_prompt_ids(session.loaded.tokenizer, q["turns"][0])
@@ -63,27 +67,24 @@ def main() -> int:
         row["positions"] += len(trace.tokens)
         row["positions_in_repeats"] += len(inside)
         for name, lookup in SOURCES.items():
-            figures = row[name]
-
-            def settled(pos, accepted, source):
-                figures["accepted"] += accepted
-                figures["accepted_in_repeats"] += accepted and pos in inside
-                counts = figures["sources"].setdefault(source, [0, 0])
-                counts[0] += 1
-                counts[1] += accepted
-
-            stats = fast_greedy_stats(session.module, trace, lookup, settled)["stats"]
-            figures["N"] += stats.N
-            figures["K"] += stats.K
+            stats = fast_greedy_stats(session.module, trace, lookup, counter(row[name], inside, 0))["stats"]
+            row[name]["N"] += stats.N
+            row[name]["K"] += stats.K
+        stats = fast_lookup_stats(trace, 2, 8, m, counter(row[CHAIN], inside, len(ids)))["stats"]
+        row[CHAIN]["N"] += stats.N - 1                      # τ counts the tokens after the prefill's
+        row[CHAIN]["cycles"] += stats.cycles
     n = session.staged.n
     for row in per.values():
         row["repeat_share"] = row["positions_in_repeats"] / row["positions"]
-        for name in SOURCES:
+        row[CHAIN]["tau"] = row[CHAIN]["N"] / row[CHAIN]["cycles"]
+        for name in (*SOURCES, CHAIN):
             f = row[name]
-            f["eal"] = n * f["N"] / f["K"]
+            if name in SOURCES:
+                f["eal"] = n * f["N"] / f["K"]
             f["accepted_in_repeats_share"] = f["accepted_in_repeats"] / f["accepted"] if f["accepted"] else None
             f["acceptance"] = {s: a / v for s, (v, a) in f["sources"].items()}
     report = {"per_dataset": per, "n": n, "checkpoint": session.checkpoint, "span": args.span, "limit": args.limit,
+              "lookup_chain": {"draft_length": m, "ngrams": [2, 8]},
               "max_new_tokens": cfg.max_new_tokens, "command": " ".join(["python", *sys.argv])}
     tmp = args.out + ".tmp"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -94,16 +95,30 @@ def main() -> int:
     return 0
 
 
+def counter(figures: dict, inside: set[int], offset: int):
+    """on_settle for the fast evaluators: tallies verified and accepted drafts, per source and inside repeats.
+    offset: added to the position reported (the chain reports indices into the generated tokens)."""
+    def settled(pos, accepted, source):
+        figures["accepted"] += accepted
+        figures["accepted_in_repeats"] += accepted and (pos + offset) in inside
+        counts = figures["sources"].setdefault(source, [0, 0])
+        counts[0] += 1
+        counts[1] += accepted
+    return settled
+
+
 def markdown(report: dict) -> str:
     lines = [f"| data set | positions inside a repeat (≥ {report['span']} tokens) | L′acc module | L′acc lookup+module | "
-             "acceptance lookup / module | accepted drafts inside repeats (module, lookup+module) |",
-             "|---|---:|---:|---:|---|---:|"]
+             "acceptance lookup / module | lookup chain τ (acceptance) | accepted drafts inside repeats (module, "
+             "lookup+module, lookup chain) |",
+             "|---|---:|---:|---:|---|---:|---:|"]
     for ds, row in report["per_dataset"].items():
-        hybrid, module = row["lookup+module"], row["module"]
+        hybrid, module, chain = row["lookup+module"], row["module"], row[CHAIN]
         acc = hybrid["acceptance"]
+        share = [f"{f['accepted_in_repeats_share'] or 0:.1%}" for f in (module, hybrid, chain)]
         lines.append(f"| {ds} | {row['repeat_share']:.1%} | {module['eal']:.3f} | {hybrid['eal']:.3f} | "
                      f"{acc.get('lookup', 0):.2f} / {acc.get('module', 0):.2f} | "
-                     f"{module['accepted_in_repeats_share'] or 0:.1%}, {hybrid['accepted_in_repeats_share'] or 0:.1%} |")
+                     f"{chain['tau']:.2f} ({chain['acceptance'].get('lookup', 0):.2f}) | {', '.join(share)} |")
     return "\n".join(lines)
 
 

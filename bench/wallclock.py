@@ -6,8 +6,9 @@ distributed pipeline-parallel AR over the same processes, with L′acc, seconds 
 step, the messages' time per step (a probe step: every message of a full step, no compute) and the calibrated
 prediction (spd/eval/calibrate.py's cost model at the stage processes' thread count). Beside them: the
 single-process AR of this suite and HF `generate`, both on all cores, and with --lookup transformers' prompt lookup
-(`prompt_lookup_num_tokens`) and this suite's lookup chain (spd.drafters.lookup; τ = tokens per target forward).
-Prompts: the first --limit of each eval set (chat template, first turn), --max-new-tokens each, stopping at EOS;
+(`prompt_lookup_num_tokens`) and this suite's lookup chain (spd.drafters.lookup; τ = tokens per target forward),
+with --local-spd SPD with the shipped n = 5 module in one process (runtime=local). Each distributed SPD row is run
+once per --draft-sources entry (module, lookup+module), with the acceptance of each source's drafts. Prompts: the first --limit of each eval set (chat template, first turn), --max-new-tokens each, stopping at EOS;
 greedy and T=1 (top-k 50, top-p 1.0). Every greedy row is checked token for token against the suite's AR.
 
     python bench/wallclock.py --checkpoint outputs/smollm2_n2_balanced/checkpoint --ns 1,2 --limit 20
@@ -155,6 +156,27 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model) -
     return rows
 
 
+def local_spd_rows(args, prompts, cores: int) -> list[dict]:
+    """SPD with the shipped n = 5 module, stages one after another in this process (the default until issue 22)."""
+    torch.set_num_threads(cores)
+    cfg = load_config(GenerateConfig, None, [f"target={args.target}", "method=spd", "runtime=local"])
+    session = open_session(cfg)
+    rows = []
+    with open_stages(session.staged, cfg, session.drafter().layers_needed(session.staged.bounds),
+                     session.cache_dir) as stages:
+        for temperature in args.temperatures:
+            decoder = PipelineDecoder(stages, session.drafter(), params_for(temperature), session.eos_ids)
+            result = decode_all(prompts, lambda key, ids: decoder.generate(
+                ids, args.max_new_tokens, torch.Generator().manual_seed(seed_of(key))))
+            n = session.staged.n
+            rows.append({"n": n, "bounds": "even", "stage_bounds": session.staged.bounds, "module": "shipped",
+                         "checkpoint": session.checkpoint, "method": "spd", "draft_source": "module",
+                         "runtime": "local", "processes": 1, "threads_per_process": cores,
+                         "temperature": temperature, **result, "eal": n * result["alpha"],
+                         "s_per_step": result["seconds"] / result["K"]})
+    return rows
+
+
 def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
     torch.set_num_threads(cores)
     eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
@@ -185,15 +207,16 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
         if not args.lookup:
             continue
         if not args.skip_hf:
-            result = decode_all(prompts, lambda key, ids: hf(key, ids, lookup=args.draft_length))
+            result = decode_all(prompts, lambda key, ids: hf(key, ids, lookup=args.hf_lookup_tokens))
             rows.append({"method": "hf_prompt_lookup", **base, "temperature": temperature,
-                         "draft_length": args.draft_length, **result})
+                         "draft_length": args.hf_lookup_tokens, **result})
         lo, hi = args.lookup_ngrams
-        decoder = ChainDecoder(staged, LookupDrafter(lo, hi), params, eos, args.draft_length)
-        result = decode_all(prompts, lambda key, ids: decoder.generate(ids, args.max_new_tokens,
-                                                                       torch.Generator().manual_seed(seed_of(key))))
-        rows.append({"method": "lookup", **base, "temperature": temperature, "draft_length": args.draft_length,
-                     "ngrams": [lo, hi], **result})
+        for m in args.draft_length:
+            decoder = ChainDecoder(staged, LookupDrafter(lo, hi), params, eos, m)
+            result = decode_all(prompts, lambda key, ids: decoder.generate(
+                ids, args.max_new_tokens, torch.Generator().manual_seed(seed_of(key))))
+            rows.append({"method": "lookup", **base, "temperature": temperature, "draft_length": m,
+                         "ngrams": [lo, hi], **result})
     return rows
 
 
@@ -212,27 +235,33 @@ def main() -> int:
     ap.add_argument("--skip-pipeline-ar", action="store_true", help="no pipeline-parallel AR row over the stage processes")
     ap.add_argument("--draft-sources", default="module,lookup+module", help="distributed SPD rows, one per source")
     ap.add_argument("--lookup", action="store_true", help="also transformers' prompt lookup and the lookup chain")
-    ap.add_argument("--draft-length", type=int, default=8, help="lookup drafts per cycle (both)")
+    ap.add_argument("--draft-length", default="7", help="the lookup chain's drafts per cycle (one row per value)")
+    ap.add_argument("--hf-lookup-tokens", type=int, default=8, help="transformers' prompt_lookup_num_tokens")
     ap.add_argument("--lookup-ngrams", default="2,8", help="the lookup chain's shortest,longest suffix match")
+    ap.add_argument("--local-spd", action="store_true", help="also SPD with the shipped n = 5 module, runtime=local")
     ap.add_argument("--out", default="docs/results/wallclock.json")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.lookup_ngrams = tuple(int(x) for x in args.lookup_ngrams.split(","))
     args.draft_sources = args.draft_sources.split(",")
+    args.draft_length = [int(m) for m in args.draft_length.split(",")]
     loaded = load_target(args.target)
     prompts = [(f"{ds}/{q['question_id']}", chat_prompt_ids(loaded.tokenizer, q["turns"][0]))
                for ds in DATASETS for q in load_questions(ds)[: args.limit]]
     rows = single_process_rows(args, prompts, args.cores, loaded)
+    if args.local_spd:
+        rows += local_spd_rows(args, prompts, args.cores)
     for n in [int(x) for x in args.ns.split(",") if x]:          # --ns "": single-process rows only
         kinds = args.bounds.split(",") if n > 1 else ["even"]  # one stage: nothing to balance
         for kind in kinds:
             rows += distributed_rows(args, prompts, n, kind, args.cores, loaded.model)
-    fastest_ar = {t: max(r["tokens_per_s"] for r in rows if r["runtime"] == "single process" and r["temperature"] == t)
-                  for t in args.temperatures}
+    # plain decoding: the suite's AR and transformers' generate, each on all cores
+    fastest_ar = {t: max(r["tokens_per_s"] for r in rows if r["method"] in ("ar", "hf_generate")
+                         and r["runtime"] == "single process" and r["temperature"] == t) for t in args.temperatures}
     reference = next((r["outputs"] for r in rows if r["method"] == "ar" and r["runtime"] == "single process"
                       and r["temperature"] == 0), None)
     for row in rows:
-        row["speedup_vs_fastest_single_process"] = row["tokens_per_s"] / fastest_ar[row["temperature"]]
+        row["speedup_vs_fastest_plain"] = row["tokens_per_s"] / fastest_ar[row["temperature"]]
         outputs = row.pop("outputs")
         if row["temperature"] == 0 and reference is not None:  # lossless: every greedy row decodes AR's tokens
             row["greedy_equals_ar"] = sum(outputs[key] == ids for key, ids in reference.items())
@@ -253,18 +282,25 @@ def per_source(row: dict) -> str:
     return ", ".join(f"{source} {v['acceptance']:.2f}" for source, v in sorted(row.get("sources", {}).items())) or "—"
 
 
+def label(row: dict) -> str:
+    if row["method"] == "lookup":
+        return f"lookup m={row['draft_length']}, n-grams {row['ngrams'][0]}..{row['ngrams'][1]}"
+    if row["method"] == "hf_prompt_lookup":
+        return f"hf_prompt_lookup {row['draft_length']}"
+    return row["method"] + (f", {row['draft_source']}" if row.get("draft_source") else "")
+
+
 def markdown(report: dict) -> str:
-    lines = ["| n | bounds | module | T | method | processes × threads | tokens/s | vs fastest AR | L′acc or τ | "
+    lines = ["| n | bounds | module | T | method | processes × threads | tokens/s | vs fastest plain | L′acc or τ | "
              "accepted per source | s/step | module s/step | messages µs/step | calibrated tokens/s | greedy = AR |",
              "|---:|---|---|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         def f(key, spec=".3f", scale=1.0):
             return format(r[key] * scale, spec) if r.get(key) is not None else "—"
         lines.append(f"| {r.get('n', '—')} | {r.get('bounds', '—')} {r.get('stage_bounds', '')} | "
-                     f"{r.get('module', '—')} | {r['temperature']:g} | {r['method']}"
-                     f"{', ' + r['draft_source'] if r.get('draft_source') else ''} ({r['runtime']}) | "
+                     f"{r.get('module', '—')} | {r['temperature']:g} | {label(r)} ({r['runtime']}) | "
                      f"{r['processes']} × {r['threads_per_process']} | {f('tokens_per_s', '.1f')} | "
-                     f"{f('speedup_vs_fastest_single_process')} | {f('eal' if 'eal' in r else 'tau')} | "
+                     f"{f('speedup_vs_fastest_plain')} | {f('eal' if 'eal' in r else 'tau')} | "
                      f"{per_source(r)} | "
                      f"{f('s_per_step', '.4f')} | "
                      f"{f('module_s_per_step', '.4f')} | {f('message_us_per_step_median', '.0f')} | "

@@ -41,7 +41,8 @@ class GenerateConfig:
     prompt_file: Optional[str] = None    # a UTF-8 text file whose whole content is the prompt
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
     method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | ar (plain autoregressive
-                                         # through the same stage runner); None = the checkpoint's (spd without one)
+                                         # through the same stage runner); None = the checkpoint's, and where no key
+                                         # chooses, the fastest lossless for the device (spd.fastest), else spd
     draft_length: Optional[int] = None   # method=eagle3 | lookup: at most m drafts per target forward; None = the
                                          # method's own (eagle3 5, lookup 8)
     draft_source: str = "module"         # pipelined methods: module | lookup+module (the context lookup's token

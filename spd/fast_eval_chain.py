@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from spd.drafters.lookup import LookupDrafter
 from spd.eagle3_module import Eagle3Module
 from spd.fast_eval import GreedyTrace
 from spd.metrics import ChainStats
@@ -59,3 +60,35 @@ def fast_chain_stats(module: Eagle3Module, trace: GreedyTrace, m: int) -> dict:
     stats = replay_chain(m, len(trace.prompt_ids), trace.tokens, drafts)
     return {"stats": stats, "min_module_margin": float(margins.min()) if margins.numel() else None,
             "min_target_margin": min(trace.margins)}
+
+
+def fast_lookup_stats(trace: GreedyTrace, min_n: int, max_n: int, m: int, on_settle=None) -> dict:
+    """Greedy lookup chain (method=lookup) replayed over the target's tokens with the runtime's own drafter: a
+    lookup reads only tokens, and in greedy decoding the verified tokens are the trace's, so this is exact.
+    Also the target rows each cycle fed (1 + its drafts), which decide its cost on a CPU (bench/lookup_grid.py).
+    on_settle(pos, accepted, source): called for every verified draft (pos: its index in trace.tokens)."""
+    drafter = LookupDrafter(min_n, max_n)
+    tokens = list(trace.prompt_ids) + trace.tokens[:1]
+    drafter.start(None, tokens)
+    stats, rows, total = ChainStats(m=m, N=1), [], len(trace.tokens)
+    while stats.N < total:
+        drafts = drafter.draft(m)
+        rows.append(len(drafts) + 1)
+        accepted = 0
+        for draft in drafts:                        # verified in order up to the first miss or the last token
+            ok = draft.token == trace.tokens[stats.N]
+            stats.verified(draft.source, ok)
+            if on_settle:
+                on_settle(stats.N, ok, draft.source)
+            stats.N += 1
+            accepted += ok
+            if not ok or stats.N == total:
+                break
+        else:
+            stats.N += stats.N < total              # every draft held: the target's next token comes free
+        stats.cycles += 1
+        stats.accepted += accepted
+        stats.accepted_per_cycle.append(accepted)
+        tokens = list(trace.prompt_ids) + trace.tokens[: stats.N]
+        drafter.verified(None, tokens)
+    return {"stats": stats, "rows_per_cycle": rows, "min_target_margin": min(trace.margins)}

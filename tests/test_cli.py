@@ -154,6 +154,32 @@ def test_lookup_inside_the_pipeline_decodes_what_ar_decodes(capsys, tiny_target_
     assert code == 0 and "[ar local] N=30 " in err          # plain AR in one process has no n
 
 
+def test_the_default_is_the_fastest_measured_here_and_any_choosing_key_overrides_it(capsys, tiny_target_dir, tmp_path):
+    """No key chooses: spd.fastest's configuration for a CPU (the lookup chain), named as the default; the YAML file
+    shipped for generate chooses nothing either. A key that asks for SPD (n=, checkpoint=, runtime=, ...) gets SPD."""
+    from spd.fastest import FASTEST
+
+    common = [f"target={tiny_target_dir}", "prompt=What is 12*7?", "max_new_tokens=30"]
+    ar = json.loads(run(capsys, *common, "method=ar", "json=true")[1])
+    code, out, _ = run(capsys, *common, "json=true")
+    default = json.loads(out)
+    assert code == 0 and default["method"] == FASTEST["cpu"]["method"] and default["default"] is True
+    assert default["token_ids"] == ar["token_ids"]                   # lossless like every method
+    code, _, err = run(capsys, *common)
+    assert code == 0 and f"[{FASTEST['cpu']['method']} m=8, the default here] N=30 " in err
+    assert main(["generate", "--config", "configs/infer/generate.yaml", *common, "json=true"]) == 0
+    assert json.loads(capsys.readouterr().out)["default"] is True
+    for key in ("n=3", "runtime=local", "checkpoint=random", "method=spd", "draft_source=lookup+module"):
+        code, out, _ = run(capsys, *common, key, "json=true")     # runtime=local: SPD's reference runtime
+        chosen = json.loads(out)
+        assert code == 0 and chosen["method"] == "spd" and chosen["default"] is False, key
+        assert chosen["token_ids"] == ar["token_ids"]
+    yaml = tmp_path / "spd.yaml"
+    yaml.write_text("n: 2\n")                                    # a file that sets a choosing key chooses too
+    assert main(["generate", "--config", str(yaml), *common, "json=true"]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "spd"
+
+
 def test_a_checkpoint_decodes_as_the_method_it_was_trained_as(capsys, tiny_target_dir, tmp_path):
     from spd.eagle3_module import Eagle3Module
 

@@ -82,6 +82,18 @@ def test_fast_evaluator_equals_runtime_and_runtime_equals_ar(capsys, tiny_target
         assert "lookup+module" in open(os.path.join(fast, "table.md")).read()
 
 
+def test_the_lookup_chain_is_scored_fast_and_equals_its_runtime(capsys, tiny_target_dir, tmp_path):
+    fast, exact = str(tmp_path / "fast"), str(tmp_path / "exact")
+    common = ["method=lookup", "limit=2", "lookup_min_ngram=1", "draft_length=4"]
+    assert run_eval(capsys, tiny_target_dir, fast, *common)[0] == 0
+    assert run_eval(capsys, tiny_target_dir, exact, *common, "exact_trace=true")[0] == 0
+    a, b = samples(fast), samples(exact)
+    assert [r["mode"] for r in a] == ["fast"] * 6 and [r["mode"] for r in b] == ["runtime"] * 6
+    figures = ("N", "cycles", "accepted", "accepted_histogram", "sources", "text")
+    assert [[r[k] for k in figures] for r in a] == [[r[k] for k in figures] for r in b]
+    assert sum(r["accepted"] for r in a) > 0
+
+
 def test_sampled_eval_reports_pooled_and_per_sample(capsys, tiny_target_dir, tmp_path):
     out = str(tmp_path / "t1")
     code, err = run_eval(capsys, tiny_target_dir, out, "n=3", "limit=1", "temperature=1.0", "calibrate=false")

@@ -8,6 +8,8 @@ import torch
 
 from helpers import GREEDY, ar_run, prompt
 from spd.drafters.lookup import LookupDrafter, NgramIndex
+from spd.fast_eval import record_greedy_trace
+from spd.fast_eval_chain import fast_lookup_stats
 from spd.runtime.chain import ChainDecoder
 from spd.sampling import verify_point_mass, warp, SamplingParams
 from spd.target.stages import StagedTarget
@@ -71,6 +73,28 @@ def test_lookup_chain_greedy_equals_ar(family_model, untied_target_dir, m):
             out = ChainDecoder(staged, LookupDrafter(min_n=1, max_n=4), GREEDY, frozenset(), m).generate(p, 40)
             assert out.token_ids == ar, (family, m, seed)
     assert out.stats.N == 40
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_the_fast_lookup_replay_equals_the_chain(family_model, untied_target_dir, m):
+    """The eval's fast evaluator for method=lookup: the same cycles, acceptances and rows as the runtime."""
+    from spd.target.loading import load_target
+
+    family, model = family_model
+    histories = set()
+    for target in (model, load_target(untied_target_dir).model):
+        staged = StagedTarget(target, 1)
+        for seed in range(2):
+            p = prompt(seed + 70, vocab=target.config.vocab_size)
+            out = ChainDecoder(staged, LookupDrafter(1, 4), GREEDY, frozenset(), m).generate(p, 40)
+            trace = record_greedy_trace(staged, p, 40, frozenset())
+            fast = fast_lookup_stats(trace, 1, 4, m)
+            got, want = fast["stats"], out.stats
+            assert (got.N, got.cycles, got.accepted, got.accepted_per_cycle, got.sources) == \
+                (want.N, want.cycles, want.accepted, want.accepted_per_cycle, want.sources), (family, seed)
+            assert len(fast["rows_per_cycle"]) == got.cycles and all(1 <= r <= m + 1 for r in fast["rows_per_cycle"])
+            histories.add(tuple(sorted(set(want.accepted_per_cycle))))
+    assert len(histories) > 1 or len(histories.pop()) > 1     # hits and misses both occur
 
 
 def test_lookup_on_a_loop_settles_m_plus_one_per_cycle(family_model):

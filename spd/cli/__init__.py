@@ -48,7 +48,10 @@ def quiet_libraries() -> None:
 def decode_command(command: str, words: list[str], parser: argparse.ArgumentParser) -> int:
     """generate / chat: the words are read by spd.cli.args (argparse would take a prompt like `-x` for an option)."""
     from spd.cli.args import prompt_text, resolve_prompt, split_command_line
+    from omegaconf import OmegaConf, read_write
+
     from spd.config import GenerateConfig, load_config
+    from spd.fastest import fastest_default
     from spd.target.source import resolve_source
 
     line = split_command_line(words, GenerateConfig, command)
@@ -61,14 +64,18 @@ def decode_command(command: str, words: list[str], parser: argparse.ArgumentPars
         raise UserError("chat reads its turns from standard input; drop prompt/prompt_file from the config")
     prompt = resolve_prompt(cfg) if command == "generate" else None
     resolve_source(cfg.target)  # a bad target= is refused before torch is imported
+    given = {word.split("=", 1)[0] for word in line.overrides}
+    chosen = fastest_default(cfg, OmegaConf.structured(GenerateConfig), given)
+    with read_write(cfg):
+        cfg.update(chosen)
     quiet_libraries()
     if command == "chat":
         from spd.cli.chat import chat
 
-        return chat(cfg)
+        return chat(cfg, default=bool(chosen))
     from spd.cli.generate import generate
 
-    return generate(cfg, prompt)
+    return generate(cfg, prompt, default=bool(chosen))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ import sys
 from spd.cli.args import stdin_is_piped
 from spd.cli.generate import TextStream, open_decoding, stats_line
 from spd.errors import UserError
+from spd.methods import METHODS
 from spd.session import encode_chat
 
 EXIT, RESET = ("/exit", "/quit"), "/reset"
@@ -43,11 +44,13 @@ def fit(decoding, messages: list[dict]) -> list[int]:
                   file=sys.stderr)
 
 
-def chat(cfg) -> int:
+def chat(cfg, default: bool = False) -> int:
     interactive = not stdin_is_piped()
-    with open_decoding(cfg) as decoding:
+    with open_decoding(cfg, default) as decoding:
         if interactive:
-            print(f"[chat] {decoding.session.loaded.name}, {decoding.session.method} n={decoding.session.staged.n}: type a message; "
+            s = decoding.session
+            how = f"{s.method} n={s.staged.n}" if METHODS[s.method].pipelined else s.method
+            print(f"[chat] {s.loaded.name}, {how}: type a message; "
                   "/reset starts over, /exit or Ctrl-D leaves", file=sys.stderr)
         messages: list[dict] = []
         while (line := read_turn(interactive)) is not None:

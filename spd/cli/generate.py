@@ -37,8 +37,9 @@ class Decoding:
     """What one configured command decodes with: the session, its open stages and drafter, reused across prompts
     (chat turns) so stage processes start once."""
 
-    def __init__(self, cfg, session: Session, stages, drafter):
+    def __init__(self, cfg, session: Session, stages, drafter, default: bool = False):
         self.cfg, self.session, self.stages, self.drafter = cfg, session, stages, drafter
+        self.default = default   # no key chose the method: spd.fastest's for this device
 
     def run(self, prompt_ids: list[int], on_token=None) -> dict:
         cfg, s = self.cfg, self.session
@@ -60,18 +61,20 @@ class Decoding:
         return {"text": s.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
                 "token_ids": result.token_ids, "prompt_token_ids": prompt_ids, "method": s.method,
                 "draft_source": s.draft_source if method.pipelined else None, "runtime": cfg.runtime, "n": s.staged.n, "stage_bounds": s.staged.bounds, "balance": s.balance,
-                "checkpoint": s.checkpoint, **stats, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
+                "checkpoint": s.checkpoint, **stats, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s,
+                "default": self.default}
 
 
 @contextmanager
-def open_decoding(cfg):
-    """The session and its stages (stage processes for runtime=distributed), closed on exit."""
+def open_decoding(cfg, default: bool = False):
+    """The session and its stages (stage processes for runtime=distributed), closed on exit.
+    default: the method is spd.fastest's (the stats line says so)."""
     session = open_session(cfg)
     report_balance(session)
     drafter = session.drafter(cfg.module_cache) if METHODS[session.method].decoder != AR else None
     capture = drafter.layers_needed(session.staged.bounds) if drafter else []
     with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
-        yield Decoding(cfg, session, stages, drafter)
+        yield Decoding(cfg, session, stages, drafter, default)
 
 
 def report_balance(session: Session) -> None:
@@ -95,19 +98,20 @@ def acceptance_by_source(sources: dict) -> str:
 
 def stats_line(out: dict) -> str:
     speed = f"tokens/s={out['tokens_per_s']:.1f}"
+    chosen = ", the default here" if out.get("default") else ""
     if "tau" in out:   # draft-then-verify: tokens per target forward, not pipeline steps
-        return (f"[{out['method']} m={out['m']}] N={out['N']} cycles={out['cycles']} τ={_fmt(out['tau'])} "
+        return (f"[{out['method']} m={out['m']}{chosen}] N={out['N']} cycles={out['cycles']} τ={_fmt(out['tau'])} "
                 f"accepted: {acceptance_by_source(out.get('sources', {})) or '-'} {speed}")
     if out["K"] is None:   # plain AR: in one process it has no stages; relayed through stage processes it has n
         where = "local" if out["runtime"] == "local" else f"n={out['n']} {out['runtime']}"
-        return f"[ar {where}] N={out['N']} {speed}"
-    return (f"[{out['method']} n={out['n']} {out['runtime']}, {out['draft_source']}] N={out['N']} K={out['K']} "
+        return f"[ar {where}{chosen}] N={out['N']} {speed}"
+    return (f"[{out['method']} n={out['n']} {out['runtime']}, {out['draft_source']}{chosen}] N={out['N']} K={out['K']} "
             f"α={_fmt(out['alpha'])} L′acc={_fmt(out['eal'])} rollbacks={out['rollbacks']} "
             f"accepted: {acceptance_by_source(out['sources']) or '-'} {speed}")
 
 
-def generate(cfg, prompt: str) -> int:
-    with open_decoding(cfg) as decoding:
+def generate(cfg, prompt: str, default: bool = False) -> int:
+    with open_decoding(cfg, default) as decoding:
         prompt_ids = encode_prompt(decoding.session, prompt, cfg.chat_template, cfg.max_new_tokens)
         if cfg.json:
             print(json.dumps(decoding.run(prompt_ids)))

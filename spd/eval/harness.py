@@ -3,7 +3,7 @@ T=1/top-k 50/top-p 1.0, a fixed seed per prompt), per-sample JSONL, pooled summa
 
 Greedy runs use the exact fast evaluator by default: the target's greedy trace (cached) plus batched module passes
 give every N and K the step-by-step runtime would (bench/fast_eval_check.py proves it on the eval prompts; EAGLE-3's
-chain has its own, `spd.fast_eval_chain`, checked the same way);
+chain and the lookup chain have theirs, `spd.fast_eval_chain`, checked the same way);
 `exact_trace=true` runs the runtime itself, and then plain AR as well, checking every sample token for token.
 """
 
@@ -27,7 +27,7 @@ from spd.eval.output import EvalOutput, check_output_dir, write_json
 from spd.eval.summary import METHOD_NAMES, summarise
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
-from spd.fast_eval_chain import fast_chain_stats
+from spd.fast_eval_chain import fast_chain_stats, fast_lookup_stats
 from spd.methods import LOOKUP_MODULE, METHODS
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
@@ -62,6 +62,8 @@ def fast_sample(session: Session, cfg, traces: TraceCache, dataset: str, questio
     start = time.perf_counter()
     if session.method == "eagle3":
         result = fast_chain_stats(session.module, trace, session.draft_length)
+    elif session.method == "lookup":
+        result = fast_lookup_stats(trace, *session.lookup_ngrams, session.draft_length)
     else:
         lookup = session.lookup_ngrams if session.draft_source == LOOKUP_MODULE else None
         result = fast_greedy_stats(session.module, trace, lookup)

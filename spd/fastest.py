@@ -1,0 +1,29 @@
+"""What `spd-infer generate` and `chat` decode with when no key chooses: the fastest lossless configuration that
+bench/wallclock.py measured for this kind of device (docs/results.md, "The whole field by the clock").
+
+Torch-free: it is read before any model loads. Any key that describes an SPD pipeline or a module (method=,
+checkpoint=, n=, stage_bounds=, runtime=, draft_source=, ...) on the command line, or set away from its default in
+a YAML file, means the user chose, and nothing is changed: `runtime=local` alone decodes with SPD, the reference.
+"""
+
+from __future__ import annotations
+
+# device type -> the keys of the fastest lossless row. Only 2-core CPUs were measured (every machine of this
+# project); on a CUDA device the paper's method stays the default, unmeasured here.
+FASTEST = {"cpu": {"method": "lookup"}}
+
+# keys that ask for SPD's pipeline or a module: a user who sets one of them gets what they asked for
+CHOOSING_KEYS = ("method", "checkpoint", "n", "stage_bounds", "runtime", "draft_source", "module_layers",
+                 "module_cache", "cuda_graphs", "threads_per_stage")
+
+
+def device_type(device: str) -> str:
+    return device.split(":")[0]
+
+
+def fastest_default(cfg, defaults, given: set[str]) -> dict:
+    """The keys to set on `cfg`: nothing where a choosing key was given on the command line (`given`, whatever its
+    value) or differs from its default in `defaults` (set by a YAML file)."""
+    if any(key in given or cfg[key] != defaults[key] for key in CHOOSING_KEYS):
+        return {}
+    return dict(FASTEST.get(device_type(cfg.device), {}))
