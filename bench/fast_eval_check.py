@@ -4,7 +4,8 @@ runtime's, and the runtime's tokens must equal the target's greedy trace. A diff
 top-2 logit margin below 1e-4 (module or target) explains it; every difference is listed with its margins.
 
     python bench/fast_eval_check.py --ns 3,5,10 --limit 80 --max-new-tokens 16 \
-        [--checkpoint 5=outputs/smollm2_n5_regen/checkpoint]
+        [--checkpoint 5=outputs/smollm2_n5_regen/checkpoint] [--draft-source lookup+module]
+With --draft-source lookup+module the drafts are spd.drafters.hybrid's (and the per-source counts must agree too).
 Without a checkpoint for an n, the module starts as in `model.init_fc=select model.init_layers=[L-1]` (FC_k a
 selector of H^{b_k}, the layer a copy of the target's last one, the head the target's). Untrained modules are
 almost always wrong, which checks the rollback timing only; give trained checkpoints where possible, so that
@@ -23,9 +24,11 @@ import torch
 from tqdm import tqdm
 
 from spd.checkpoint import load_checkpoint
+from spd.drafters.hybrid import LookupThenModule
 from spd.drafters.spd_module import ModuleDrafter
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
+from spd.methods import DRAFT_SOURCES, LOOKUP_MODULE
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
@@ -54,9 +57,11 @@ def eval_prompts(tokenizer, limit: int) -> list:
 
 
 def unexplained(rows: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(every row where fast and runtime differ, those of them no near-tie explains)."""
+    """(every row where fast and runtime differ, those of them no near-tie explains). A lookup has no margin."""
     differences = [r for r in rows if not (r["equal"] and r["runtime_equals_target"])]
-    return differences, [r for r in differences if min(r["min_module_margin"], r["min_target_margin"]) >= MARGIN]
+    def margin(r):
+        return min(m for m in (r["min_module_margin"], r["min_target_margin"]) if m is not None)
+    return differences, [r for r in differences if margin(r) >= MARGIN]
 
 
 def main() -> int:
@@ -66,8 +71,11 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=80, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--cache-dir", default="outputs/cache/traces")
+    ap.add_argument("--draft-source", default="module", choices=DRAFT_SOURCES)
+    ap.add_argument("--lookup-ngrams", default="2,8", help="lookup+module: shortest,longest suffix matched")
     ap.add_argument("--out", default="docs/results/fast_eval_check.json")
     args = ap.parse_args()
+    lookup = tuple(int(x) for x in args.lookup_ngrams.split(",")) if args.draft_source == LOOKUP_MODULE else None
     checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
     loaded = load_target("smollm2")
     rows_path = args.out + "l"
@@ -85,18 +93,20 @@ def main() -> int:
                 module.init_layers_from([staged.layers[-1]])
             module.eval()
             traces = TraceCache(args.cache_dir, loaded, staged, args.max_new_tokens)
-            runtime = PipelineDecoder(staged, ModuleDrafter(module), SamplingParams(), traces.eos)
+            drafter = ModuleDrafter(module)
+            runtime = PipelineDecoder(staged, LookupThenModule(drafter, *lookup) if lookup else drafter,
+                                      SamplingParams(), traces.eos)
             for ds, qid, ids in tqdm(prompts, desc=f"n={n} runtime vs fast", mininterval=30):
                 if (n, ds, str(qid)) in done:
                     continue
                 trace, _ = traces.get(ds, qid, ids)
                 with torch.no_grad():
-                    fast = fast_greedy_stats(module, trace)
+                    fast = fast_greedy_stats(module, trace, lookup)
                     slow = runtime.generate(ids, args.max_new_tokens)
                 f, s = fast["stats"], slow.stats
-                row = {"n": n, "dataset": ds, "question_id": qid, "checkpoint": ckpt,
+                row = {"n": n, "dataset": ds, "question_id": qid, "checkpoint": ckpt, "draft_source": args.draft_source,
                        "fast": [f.N, f.K, f.rollbacks], "runtime": [s.N, s.K, s.rollbacks],
-                       "equal": [f.N, f.K, f.rollbacks] == [s.N, s.K, s.rollbacks],
+                       "equal": [f.N, f.K, f.rollbacks, f.sources] == [s.N, s.K, s.rollbacks, s.sources],
                        "accepted_drafts": sum(k * v for k, v in s.run_histogram().items()),
                        "runtime_equals_target": slow.token_ids == trace.tokens,
                        "min_module_margin": fast["min_module_margin"], "min_target_margin": fast["min_target_margin"]}

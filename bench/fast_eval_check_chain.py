@@ -1,4 +1,4 @@
-"""Proof of EAGLE-3's fast evaluator on SmolLM2 (the chain's counterpart of bench/fast_eval_check.py): for every
+"""Proof of the chains' fast evaluators on SmolLM2 (EAGLE-3's; with --method lookup the context lookup's) (the chain's counterpart of bench/fast_eval_check.py): for every
 prompt and every draft length m, greedy chain decoding's N, cycles and accepted drafts per cycle from the fast
 evaluator (cached target trace + one training-time-test pass) must equal the chain runtime's, and the runtime's
 tokens must equal the target's greedy trace. A difference is acceptable only where a top-2 logit margin below 1e-4
@@ -6,6 +6,8 @@ tokens must equal the target's greedy trace. A difference is acceptable only whe
 
     python bench/fast_eval_check_chain.py --checkpoint outputs/eagle3_679k/checkpoint --ms 3,5,7 \
         --limit 10 --max-new-tokens 64
+    python bench/fast_eval_check_chain.py --method lookup --ms 7 --limit 80 --max-new-tokens 16 \
+        --out docs/results/fast_eval_check_chain_lookup.json
 Resumable: finished (m, prompt) rows are kept in <out>l and skipped. Writes docs/results/fast_eval_check_chain.json.
 """
 
@@ -20,9 +22,10 @@ from tqdm import tqdm
 
 from spd.checkpoint import load_checkpoint
 from spd.drafters.eagle3 import Eagle3Drafter
+from spd.drafters.lookup import LookupDrafter
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
-from spd.fast_eval_chain import fast_chain_stats
+from spd.fast_eval_chain import fast_chain_stats, fast_lookup_stats
 from spd.runtime.chain import ChainDecoder
 from spd.sampling import SamplingParams
 from spd.target.loading import load_target
@@ -37,32 +40,39 @@ def summary(stats) -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--checkpoint", required=True, help="a trained EAGLE-3 module (method=eagle3)")
+    ap.add_argument("--method", default="eagle3", choices=["eagle3", "lookup"])
+    ap.add_argument("--checkpoint", help="a trained EAGLE-3 module (method=eagle3)")
+    ap.add_argument("--lookup-ngrams", default="2,8", help="method=lookup: shortest,longest suffix matched")
     ap.add_argument("--ms", default="3,5,7", help="draft lengths m")
     ap.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--cache-dir", default="outputs/cache/traces")
     ap.add_argument("--out", default="docs/results/fast_eval_check_chain.json")
     args = ap.parse_args()
+    if args.method == "eagle3" and not args.checkpoint:
+        ap.error("method eagle3 needs --checkpoint")
+    lookup = tuple(int(x) for x in args.lookup_ngrams.split(","))
     loaded = load_target("smollm2")
     staged = StagedTarget(loaded.model, 1)
-    module = load_checkpoint(args.checkpoint, staged, loaded).eval()
+    module = load_checkpoint(args.checkpoint, staged, loaded).eval() if args.method == "eagle3" else None
     rows_path = args.out + "l"
     done = finished_rows(rows_path, "m")
     prompts = eval_prompts(loaded.tokenizer, args.limit)
-    traces = TraceCache(args.cache_dir, loaded, staged, args.max_new_tokens, module.layers_needed())
+    traces = TraceCache(args.cache_dir, loaded, staged, args.max_new_tokens, module.layers_needed() if module else [])
     with open(rows_path, "a") as sink:
         for m in [int(x) for x in args.ms.split(",")]:
-            runtime = ChainDecoder(staged, Eagle3Drafter(module, staged.embed), SamplingParams(), traces.eos, m)
+            drafter = Eagle3Drafter(module, staged.embed) if module else LookupDrafter(*lookup)
+            runtime = ChainDecoder(staged, drafter, SamplingParams(), traces.eos, m)
             for ds, qid, ids in tqdm(prompts, desc=f"m={m} runtime vs fast", mininterval=30):
                 if (m, ds, str(qid)) in done:
                     continue
                 trace, _ = traces.get(ds, qid, ids)
                 with torch.no_grad():
-                    fast = fast_chain_stats(module, trace, m)
+                    fast = fast_chain_stats(module, trace, m) if module else \
+                        {**fast_lookup_stats(trace, *lookup, m), "min_module_margin": None}
                     slow = runtime.generate(ids, args.max_new_tokens)
                 f, s = summary(fast["stats"]), summary(slow.stats)
-                row = {"m": m, "dataset": ds, "question_id": qid, "checkpoint": args.checkpoint,
+                row = {"m": m, "dataset": ds, "question_id": qid, "checkpoint": args.checkpoint, "method": args.method,
                        "fast": f, "runtime": s, "equal": f == s, "accepted_drafts": slow.stats.accepted,
                        "runtime_equals_target": slow.token_ids == trace.tokens,
                        "min_module_margin": fast["min_module_margin"], "min_target_margin": fast["min_target_margin"]}

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import statistics
 import sys
 import time
@@ -31,6 +29,7 @@ from spd.fast_eval_chain import fast_lookup_stats
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
 from spd.target.stages import StagedTarget
+from spd.eval.output import write_json
 
 
 @torch.no_grad()
@@ -98,11 +97,7 @@ def main() -> int:
               "row_cost_s": costs, "context": args.context, "threads": torch.get_num_threads(),
               "prompts": len(recorded), "max_new_tokens": cfg.max_new_tokens, "lookup_max_ngram": args.max_ngram,
               "command": " ".join(["python", *sys.argv])}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, args.out)
+    write_json(args.out, report)
     print(markdown(report))
     return 0
 

@@ -12,14 +12,13 @@ itself or of the prompt (a loop until the length limit is the extreme case).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 from tqdm import tqdm
 
 from spd.eval.config import EvalConfig
 from spd.config import load_config
+from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
 from spd.fast_eval_chain import fast_lookup_stats
@@ -86,11 +85,7 @@ def main() -> int:
     report = {"per_dataset": per, "n": n, "checkpoint": session.checkpoint, "span": args.span, "limit": args.limit,
               "lookup_chain": {"draft_length": m, "ngrams": [2, 8]},
               "max_new_tokens": cfg.max_new_tokens, "command": " ".join(["python", *sys.argv])}
-    tmp = args.out + ".tmp"
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, args.out)
+    write_json(args.out, report)
     print(markdown(report))
     return 0
 

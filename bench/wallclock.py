@@ -34,6 +34,7 @@ from spd.config import GenerateConfig, load_config
 from spd.decoding import eos_ids_of
 from spd.drafters.base import Drafter, WrappedDrafter
 from spd.eval.calibrate import calibrate, measured_cost_speedup
+from spd.eval.output import write_json
 from spd.drafters.lookup import LookupDrafter
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.runtime.chain import ChainDecoder
@@ -268,11 +269,7 @@ def main() -> int:
     report = {"rows": rows, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "cores": args.cores,
               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
               "command": " ".join(["python", *sys.argv])}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, args.out)
+    write_json(args.out, report)
     print(markdown(report))
     return 0
 

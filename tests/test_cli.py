@@ -9,6 +9,7 @@ import pytest
 
 from spd.checkpoint import save_checkpoint
 from spd.cli import main
+from spd.methods import METHODS
 from spd.module import SpeculationModule
 from spd.target.loading import load_target
 from spd.target.stages import StagedTarget
@@ -166,7 +167,7 @@ def test_the_default_is_the_fastest_measured_here_and_any_choosing_key_overrides
     assert code == 0 and default["method"] == FASTEST["cpu"]["method"] and default["default"] is True
     assert default["token_ids"] == ar["token_ids"]                   # lossless like every method
     code, _, err = run(capsys, *common)
-    assert code == 0 and f"[{FASTEST['cpu']['method']} m=8, the default here] N=30 " in err
+    assert code == 0 and f"[{FASTEST['cpu']['method']} m={METHODS['lookup'].draft_length}, the default here] N=30 " in err
     assert main(["generate", "--config", "configs/infer/generate.yaml", *common, "json=true"]) == 0
     assert json.loads(capsys.readouterr().out)["default"] is True
     for key in ("n=3", "runtime=local", "checkpoint=random", "method=spd", "draft_source=lookup+module"):

@@ -14,6 +14,8 @@ RESUMABLE_KEYS = {"limit", "datasets", "resume", "output_dir", "wandb", "calibra
 
 
 def write_json(path: str, payload) -> None:
+    """payload as JSON at path, whole or not at all (a temporary file renamed), its folder made if missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(payload, f, indent=2)
     os.replace(path + ".tmp", path)
