@@ -21,7 +21,8 @@ PROMPT_HELP = ("the prompt, verbatim: a positional argument, prompt=TEXT (never 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spd-infer", description="Speculative Pipeline Decoding")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in [("generate", "decode one prompt with SPD (or method=ar), streaming the text"),
+    for name, text in [("generate", "decode one prompt (the fastest lossless method here, or method=spd|ar|...), "
+                                    "streaming the text"),
                        ("chat", "a multi-turn conversation on standard input (/exit leaves, /reset starts over)")]:
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("--config", default=None, help="YAML config (configs/infer/generate.yaml)")

@@ -1,5 +1,5 @@
-"""`spd-infer chat`: a conversation on standard input, one line a turn, every answer decoded with SPD over the
-whole conversation (the target's chat template) and streamed; `/exit` (or end of input) leaves, `/reset` forgets."""
+"""`spd-infer chat`: a conversation on standard input, one line a turn, every answer decoded (generate's default
+and keys) over the whole conversation (the target's chat template) and streamed; `/exit` (or end of input) leaves, `/reset` forgets."""
 
 from __future__ import annotations
 

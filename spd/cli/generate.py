@@ -1,5 +1,6 @@
-"""`spd-infer generate`: one prompt, decoded with SPD (or PPSD, SPD's output-state ablation, EAGLE-3's chain, or
-method=ar); text streams out as tokens are verified."""
+"""`spd-infer generate`: one prompt, decoded with the method asked for (SPD, PPSD, SPD's output-state ablation,
+EAGLE-3's chain, the lookup chain, plain AR) or, when no key chooses, spd.fastest's; text streams out as tokens are
+verified."""
 
 from __future__ import annotations
 
