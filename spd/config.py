@@ -44,7 +44,7 @@ class GenerateConfig:
                                          # through the same stage runner); None = the checkpoint's, and where no key
                                          # chooses, the fastest lossless for the device (spd.fastest), else spd
     draft_length: Optional[int] = None   # method=eagle3 | lookup: at most m drafts per target forward; None = the
-                                         # method's own (eagle3 5, lookup 8)
+                                         # method's own (eagle3 5, lookup 7)
     draft_source: str = "module"         # pipelined methods: module | lookup+module (the context lookup's token
                                          # where the context's suffix matched earlier, else the module's draft)
     lookup_min_ngram: int = 2            # lookup, lookup+module: shortest suffix of the context that may match earlier

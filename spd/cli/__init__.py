@@ -48,9 +48,9 @@ def quiet_libraries() -> None:
 
 def decode_command(command: str, words: list[str], parser: argparse.ArgumentParser) -> int:
     """generate / chat: the words are read by spd.cli.args (argparse would take a prompt like `-x` for an option)."""
-    from spd.cli.args import prompt_text, resolve_prompt, split_command_line
     from omegaconf import OmegaConf, read_write
 
+    from spd.cli.args import prompt_text, resolve_prompt, split_command_line
     from spd.config import GenerateConfig, load_config
     from spd.fastest import fastest_default
     from spd.target.source import resolve_source

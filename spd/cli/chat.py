@@ -1,5 +1,6 @@
 """`spd-infer chat`: a conversation on standard input, one line a turn, every answer decoded (generate's default
-and keys) over the whole conversation (the target's chat template) and streamed; `/exit` (or end of input) leaves, `/reset` forgets."""
+and keys) over the whole conversation (the target's chat template) and streamed; `/exit` (or end of input) leaves,
+`/reset` forgets."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ class EvalConfig:
     method: Optional[str] = None        # spd | ppsd | spd_output_state | eagle3 | lookup; None = the checkpoint's
                                         # (spd without one)
     draft_length: Optional[int] = None  # method=eagle3 | lookup: at most m drafts per target forward; None = the
-                                        # method's own (eagle3 5, lookup 8)
+                                        # method's own (eagle3 5, lookup 7)
     draft_source: str = "module"        # pipelined methods: module | lookup+module (spd.drafters.hybrid)
     lookup_min_ngram: int = 2           # lookup, lookup+module: shortest suffix of the context that may match earlier
     lookup_max_ngram: int = 8           # lookup, lookup+module: longest suffix compared
