@@ -1,12 +1,15 @@
-"""Fast evaluator for greedy EAGLE-3 chain decoding, the chain's counterpart of `spd.fast_eval`.
+"""Fast evaluators for greedy chain decoding (EAGLE-3's and the context lookup's), the chains' counterpart of
+`spd.fast_eval`.
 
-In greedy decoding a draft only matters while every draft before it in the cycle was right, and then the tokens
+EAGLE-3: in greedy decoding a draft only matters while every draft before it in the cycle was right, and then the tokens
 it was fed are the target's own. So the training-time test's pass over a recorded greedy trace (step-0 rows from
 the target's states, step j at row i = the j-th draft of a cycle that starts after verified position i) gives
 every draft any cycle could make, in m batched steps; the cycles themselves are replayed from the target's tokens.
 What differs from the step-by-step chain is arithmetic only: the runtime's features come from the batched verify
 pass and its drafts from incremental module steps, so a draft can change only at a near-tie
-(bench/fast_eval_check.py --method eagle3 compares the two and lists every difference with its margins).
+(bench/fast_eval_check_chain.py compares the two and lists every difference with its margins).
+The lookup (`fast_lookup_stats`) reads tokens only, so replaying its own drafter over the trace is exact
+(bench/fast_eval_check_chain.py --method lookup).
 """
 
 from __future__ import annotations
