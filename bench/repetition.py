@@ -26,7 +26,7 @@ from spd.methods import METHODS
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
 
-SOURCES = {"module": None, "lookup+module": (2, 8)}   # SPD's pipelined drafts, n = the module's
+SOURCES = ("module", "lookup+module")                  # SPD's pipelined drafts, n = the module's
 CHAIN = "lookup chain"                                  # method=lookup, the default's settings
 
 
@@ -65,11 +65,12 @@ def main() -> int:
         row["prompts"] += 1
         row["positions"] += len(trace.tokens)
         row["positions_in_repeats"] += len(inside)
-        for name, lookup in SOURCES.items():
+        for name in SOURCES:
+            lookup = session.lookup_ngrams if name == "lookup+module" else None
             stats = fast_greedy_stats(session.module, trace, lookup, counter(row[name], inside, 0))["stats"]
             row[name]["N"] += stats.N
             row[name]["K"] += stats.K
-        stats = fast_lookup_stats(trace, 2, 8, m, counter(row[CHAIN], inside, len(ids)))["stats"]
+        stats = fast_lookup_stats(trace, *session.lookup_ngrams, m, counter(row[CHAIN], inside, len(ids)))["stats"]
         row[CHAIN]["N"] += stats.N - 1                      # τ counts the tokens after the prefill's
         row[CHAIN]["cycles"] += stats.cycles
     n = session.staged.n
@@ -83,7 +84,7 @@ def main() -> int:
             f["accepted_in_repeats_share"] = f["accepted_in_repeats"] / f["accepted"] if f["accepted"] else None
             f["acceptance"] = {s: a / v for s, (v, a) in f["sources"].items()}
     report = {"per_dataset": per, "n": n, "checkpoint": session.checkpoint, "span": args.span, "limit": args.limit,
-              "lookup_chain": {"draft_length": m, "ngrams": [2, 8]},
+              "lookup_chain": {"draft_length": m, "ngrams": list(session.lookup_ngrams)},
               "max_new_tokens": cfg.max_new_tokens, "command": " ".join(["python", *sys.argv])}
     write_json(args.out, report)
     print(markdown(report))
