@@ -3,7 +3,9 @@
     torchrun --nproc-per-node <n+1> infer/run.py target=smollm2 n=5 prompt="..." [key=value ...]
 
 Rank 0 is the controller and takes `spd-infer generate`'s keys (runtime=distributed implied); ranks 1..n each run
-one stage. torchrun's multi-node flags (--nnodes, --node-rank, --master-addr, --master-port) span machines.
+one stage. With `--nproc-per-node <n>` the controller runs stage 1 itself and ranks 1..n-1 run stages 2..n (what
+two cores want for n = 2). torchrun's multi-node flags (--nnodes, --node-rank, --master-addr, --master-port) span
+machines.
 """
 
 import datetime
@@ -18,7 +20,7 @@ def main() -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     if "WORLD_SIZE" not in os.environ:
-        print("infer/run.py: error: start it with torchrun --nproc-per-node <n+1> (or use spd-infer generate "
+        print("infer/run.py: error: start it with torchrun --nproc-per-node <n+1> or <n> (or use spd-infer generate "
               "runtime=distributed, which starts the processes itself)", file=sys.stderr)
         return 2
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("SPD_CONNECT_TIMEOUT_S", 300))))

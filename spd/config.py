@@ -64,7 +64,10 @@ class GenerateConfig:
     runtime: str = "local"               # local (stages one after another, the reference) | distributed |
                                          # streams (one CUDA stream per stage, launched together; CUDA only)
     cuda_graphs: bool = False            # each stage's one-token step replayed as a CUDA graph (CUDA only)
-    threads_per_stage: Optional[int] = None  # distributed: intra-op threads per process (None: cores // (n + 1))
+    threads_per_stage: Optional[int] = None  # distributed: intra-op threads per process (None: cores // processes)
+    controller: str = "auto"             # distributed: own_process (n + 1 processes) | first_stage (the controller
+                                         # runs stage 1 too: n processes) | auto (first_stage where n + 1 processes
+                                         # would outnumber the CPU cores; under torchrun, what its world size says)
     master_addr: str = "127.0.0.1"       # distributed: where the controller hosts the rendezvous
     master_port: int = 0                 # distributed: 0 = any free port
     timeout_s: float = 20.0              # distributed: longest wait for any message inside a generation
@@ -108,6 +111,7 @@ OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 RUNTIMES = ("local", "distributed", "streams")
+CONTROLLERS = ("auto", "own_process", "first_stage")
 DEVICE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
 
 
@@ -136,6 +140,7 @@ def check_decoding(cfg) -> None:
         one_of(cfg, "method", DECODING_METHODS)
     one_of(cfg, "dtype", DTYPE_NAMES)
     one_of(cfg, "runtime", RUNTIMES)
+    one_of(cfg, "controller", CONTROLLERS)
     if not DEVICE.match(cfg.device):
         raise UserError(f"device={cfg.device!r} is not a device; use cpu, cuda, cuda:<index> or mps")
     at_least(cfg, "n", 1, " (pipeline stages)")

@@ -14,7 +14,7 @@ FASTEST = {"cpu": {"method": "lookup"}}
 
 # keys that ask for SPD's pipeline or a module: a user who sets one of them gets what they asked for
 CHOOSING_KEYS = ("method", "checkpoint", "n", "stage_bounds", "runtime", "draft_source", "module_layers",
-                 "module_cache", "cuda_graphs", "threads_per_stage")
+                 "module_cache", "cuda_graphs", "threads_per_stage", "controller")
 
 
 def device_type(device: str) -> str:

@@ -49,9 +49,10 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return greedy_token(logits) if params.greedy else sample(warp(logits, params), generator)
 
 
-def verify_greedy(draft: int, target_logits: torch.Tensor) -> tuple[bool, int]:
-    """Accept iff the draft is the target's argmax; either way return the token that position settles to."""
-    best = greedy_token(target_logits)
+def verify_greedy(draft: int, target_logits: torch.Tensor | int) -> tuple[bool, int]:
+    """Accept iff the draft is the target's argmax (given as logits [V], or already taken where the head ran);
+    either way return the token that position settles to."""
+    best = target_logits if isinstance(target_logits, int) else greedy_token(target_logits)
     return draft == best, best
 
 
@@ -100,9 +101,10 @@ def propose(draft_logits: torch.Tensor, params: SamplingParams, generator) -> Pr
     return Proposal(sample(q, generator), q)
 
 
-def settle(target_logits: torch.Tensor, draft: int, q: torch.Tensor | None, params: SamplingParams,
+def settle(target_logits: torch.Tensor | int, draft: int, q: torch.Tensor | None, params: SamplingParams,
            generator) -> tuple[bool, int]:
-    """Verify a draft against the target's logits [V] for its position; return (accepted, settled token)."""
+    """Verify a draft against the target's logits [V] for its position (greedy: or their argmax); return
+    (accepted, settled token)."""
     if params.greedy:
         return verify_greedy(draft, target_logits)
     p = warp(target_logits, params)

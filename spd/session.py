@@ -111,7 +111,8 @@ def open_session(cfg) -> Session:
     num_layers = loaded.model.config.num_hidden_layers
     if not 1 <= n <= num_layers:
         raise UserError(f"n={n} stages is impossible for a target with L={num_layers} layers; use 1 <= n <= {num_layers}")
-    bounds, balance = resolve_bounds(cfg, n, ckpt, path, loaded, cache_dir, runtime)
+    drafting = METHODS[method].trained
+    bounds, balance = resolve_bounds(cfg, n, ckpt, path, loaded, cache_dir, runtime, drafting)
     try:
         staged = StagedTarget(loaded.model, n, bounds)
     except ValueError as exc:
@@ -148,9 +149,10 @@ def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> s
 
 
 def resolve_bounds(cfg, n: int, ckpt: dict | None, path: str | None, loaded: LoadedTarget, cache_dir: str | None,
-                   runtime: str) -> tuple[list[int] | None, dict | None]:
+                   runtime: str, drafting: bool = True) -> tuple[list[int] | None, dict | None]:
     """Explicit bounds, the checkpoint's, the even split (None), or `balanced`: measured here, and then a
-    checkpoint trained for other bounds is refused with the bounds it needs."""
+    checkpoint trained for other bounds is refused with the bounds it needs. drafting: a module drafts (its cost
+    lands on stage 1 where the controller runs it)."""
     spec = cfg.stage_bounds
     if spec is None:
         return (ckpt["stage_bounds"] if ckpt and ckpt["n"] == n else None), None
@@ -158,8 +160,8 @@ def resolve_bounds(cfg, n: int, ckpt: dict | None, path: str | None, loaded: Loa
         if spec != "balanced":
             raise UserError(f"stage_bounds={spec!r}: give the inner boundaries as a list (e.g. [10, 20]) or "
                             "'balanced'")
-        from spd.runtime.balance import balanced_bounds, cached_profile, stage_costs
-        from spd.runtime.stages import threads_for
+        from spd.runtime.balance import balanced_bounds, cached_profile, controller_costs, stage_costs
+        from spd.runtime.stages import hosts_first_stage, threads_for
 
         def full_target() -> StagedTarget:
             num_layers = loaded.model.config.num_hidden_layers
@@ -169,12 +171,20 @@ def resolve_bounds(cfg, n: int, ckpt: dict | None, path: str | None, loaded: Loa
                 return StagedTarget(whole.model, 1)
             return StagedTarget(loaded.model, 1)
 
-        threads = threads_for(n, cfg.threads_per_stage) if runtime == "distributed" else torch.get_num_threads()
+        hosted = runtime == "distributed" and hosts_first_stage(getattr(cfg, "controller", "auto"), n, cfg.device,
+                                                                 _world())
+        threads = threads_for(n, cfg.threads_per_stage, hosted) if runtime == "distributed" else torch.get_num_threads()
         costs = cached_profile(cache_dir, full_target, threads, cfg.dtype, cfg.device)
-        bounds = balanced_bounds(costs, n)
-        stages = stage_costs(bounds, costs)
+        vocab = loaded.model.config.vocab_size
+        draft_vocab = (ckpt.get("draft_vocab_size") or vocab) if ckpt else vocab
+        controller_s = controller_costs(costs, ckpt["module_layers"] if ckpt else cfg.module_layers,
+                                        draft_vocab if drafting else None, vocab) if hosted else 0.0
+        bounds = balanced_bounds(costs, n, controller_s)
+        stages = stage_costs(bounds, costs, controller_s)
         balance = {"stage_bounds": bounds, "stage_s": stages, "predicted_step_s": max(stages), "threads": threads,
-                   "even_stage_s": stage_costs(StagedTarget.even_bounds(len(costs["layer_s"]), n), costs)}
+                   "controller_in_stage_1_s": controller_s,
+                   "even_stage_s": stage_costs(StagedTarget.even_bounds(len(costs["layer_s"]), n), costs,
+                                               controller_s)}
         if ckpt and ckpt["stage_bounds"] != bounds:
             raise UserError(f"checkpoint {path!r} was trained for stage_bounds={ckpt['stage_bounds']}, "
                             f"but the balanced bounds on this machine are {bounds}; pass "
@@ -185,6 +195,13 @@ def resolve_bounds(cfg, n: int, ckpt: dict | None, path: str | None, loaded: Loa
         return [int(b) for b in spec], None
     except (TypeError, ValueError):
         raise UserError(f"stage_bounds={spec!r}: give the inner boundaries as a list of integers or 'balanced'") from None
+
+
+def _world() -> int | None:
+    """The torchrun world size when this process is part of one (its size decides where the controller runs)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else None
 
 
 def encode_prompt(session: Session, prompt: str | None, chat_template: bool, max_new_tokens: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""runtime=distributed: one process per stage + the controller (this test process), over gloo on this machine.
+"""runtime=distributed: one process per stage + the controller (this test process), over gloo on this machine; or,
+with controller=first_stage, the controller running stage 1 itself (n processes in all).
 
 Token-identical to runtime=local for greedy and seeded sampling, with drafts accepted and rejected; plain
 pipeline-parallel AR equals AR; a killed stage stops everything within 30 s with one line per survivor.
@@ -32,8 +33,8 @@ def tiny():
     return load_target("tiny-llama")
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_distributed_equals_local_greedy_and_sampled(tiny, n):
+@pytest.mark.parametrize("n, controller", [(2, "own_process"), (2, "first_stage"), (3, "first_stage")])
+def test_distributed_equals_local_greedy_and_sampled(tiny, n, controller):
     staged = StagedTarget(tiny.model, n)
     module = SpeculationModule.from_target(staged, 1, seed=n).eval()
     p = prompt(7, vocab=tiny.model.config.vocab_size)
@@ -46,8 +47,9 @@ def test_distributed_equals_local_greedy_and_sampled(tiny, n):
 
     runs = [(GREEDY, 0), (SAMPLED, 1), (SAMPLED, 2)]
     local = [decode(staged, params, seed) for params, seed in runs]
-    controller, cache = controller_parts("tiny-llama", n)
-    with open_stages(controller, distributed_cfg(), module_layers(n, staged), cache) as stages:
+    parts, cache = controller_parts("tiny-llama", n)
+    with open_stages(parts, distributed_cfg(controller=controller), module_layers(n, staged), cache) as stages:
+        assert len(stages.processes.procs) == (n - 1 if controller == "first_stage" else n)
         remote = [decode(stages, params, seed) for params, seed in runs]   # one set of processes, several prompts
         remote_ar = pipeline_ar_generate(stages, p, 40, GREEDY, frozenset())
     for mine, theirs in zip(remote, local):
@@ -70,16 +72,18 @@ def test_pipeline_ar_locally_equals_ar(tiny):
             ar_generate(StagedTarget(tiny.model, 1), p, 30, GREEDY, frozenset()).token_ids
 
 
-def test_a_killed_stage_stops_every_process(tiny, capfd):
+@pytest.mark.parametrize("controller", ["own_process", "first_stage"])
+def test_a_killed_stage_stops_every_process(tiny, capfd, controller):
     n = 3
     staged = StagedTarget(tiny.model, n)
     module = SpeculationModule.from_target(staged, 1).eval()
     p = prompt(5, vocab=tiny.model.config.vocab_size)
-    controller, cache = controller_parts("tiny-llama", n)
+    parts, cache = controller_parts("tiny-llama", n)
     with pytest.raises(PipelineFailure) as failure:
-        with open_stages(controller, distributed_cfg(), module_layers(n, staged), cache) as stages:
+        with open_stages(parts, distributed_cfg(controller=controller), module_layers(n, staged), cache) as stages:
             procs = stages.processes.procs
-            victim = procs[1]  # stage 2 of 3
+            hosted = controller == "first_stage"
+            victim = procs[0 if hosted else 1]  # stage 2 of 3
 
             def kill_mid_generation(step):
                 if step == 20:
@@ -94,7 +98,7 @@ def test_a_killed_stage_stops_every_process(tiny, capfd):
         assert proc.poll() is not None and proc.returncode != 0, proc.returncode
     err = capfd.readouterr().err
     survivors = [line for line in err.splitlines() if line.startswith("spd-infer: error:")]
-    assert len(survivors) == n - 1, (err, [proc.returncode for proc in procs])
+    assert len(survivors) == len(procs) - 1, (err, [proc.returncode for proc in procs])
     assert all("Traceback" not in line for line in survivors)
 
 
@@ -112,7 +116,8 @@ def test_sampling_through_distributed_runtime_matches_target_distribution(tmp_pa
     samples = DISTRIBUTED_SAMPLES
     counts, rollbacks = {}, 0
     g = torch.Generator().manual_seed(0)
-    with open_stages(controller, distributed_cfg(), module_layers(n, controller), cache) as stages:
+    with open_stages(controller, distributed_cfg(controller="first_stage"), module_layers(n, controller),
+                     cache) as stages:   # two processes: what n = 2 runs on two cores
         decoder = PipelineDecoder(stages, ModuleDrafter(module), PARAMS, frozenset())
         for _ in range(samples):
             out = decoder.generate(PROMPT, LENGTH, g)
@@ -171,7 +176,7 @@ def test_smollm2_n5_distributed_equals_local():
             list(ids), 16, torch.Generator().manual_seed(seed))
 
     local = [decode(staged, params, seed) for params, seed in runs]
-    with open_stages(controller, distributed_cfg(), module_layers(n, staged), cache) as stages:
+    with open_stages(controller, distributed_cfg(controller="own_process"), module_layers(n, staged), cache) as stages:
         remote = [decode(stages, params, seed) for params, seed in runs]
     for mine, theirs in zip(remote, local):
         assert mine.token_ids == theirs.token_ids
@@ -204,7 +209,8 @@ def test_smollm2_reused_stage_processes_decode_like_ar():
     def decode(stages, drafter, p, params, seed):
         return PipelineDecoder(stages, drafter, params, frozenset()).generate(p, 24, torch.Generator().manual_seed(seed))
 
-    with open_stages(controller, distributed_cfg(), ModuleDrafter(module).layers_needed(staged.bounds), cache) as stages:
+    with open_stages(controller, distributed_cfg(controller="first_stage"),
+                     ModuleDrafter(module).layers_needed(staged.bounds), cache) as stages:
         drafter = ModuleDrafter(module)
         reused = [decode(stages, drafter, *run) for run in runs]
     fresh = [decode(LocalStages(staged), ModuleDrafter(module), *run) for run in runs]

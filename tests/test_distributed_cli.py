@@ -52,25 +52,29 @@ def local_tokens():
     return json.loads(out.stdout)["token_ids"]
 
 
-def test_spawned_pipeline_equals_local(local_tokens):
+@pytest.mark.parametrize("controller, processes", [("first_stage", 3), ("own_process", 4)])
+def test_spawned_pipeline_equals_local(local_tokens, controller, processes):
     before = stage_workers()
-    out = spd_infer(*COMMON, "n=3", "runtime=distributed")
+    out = spd_infer(*COMMON, "n=3", "runtime=distributed", f"controller={controller}")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["token_ids"] == local_tokens and result["runtime"] == "distributed"
-    ar = spd_infer(*COMMON, "n=3", "runtime=distributed", "method=ar")
+    assert result["processes"] == processes
+    ar = spd_infer(*COMMON, "n=3", "runtime=distributed", "method=ar", f"controller={controller}")
     assert json.loads(ar.stdout)["token_ids"] == local_tokens
     assert stage_workers() <= before  # no stray process
 
 
-def test_torchrun_two_nodes_on_loopback_equal_local(local_tokens):
-    """The torchrun entry point, spanning two "nodes" (two torchrun commands, 2 processes each) on this machine."""
+@pytest.mark.parametrize("n", [3, 4])
+def test_torchrun_two_nodes_on_loopback_equal_local(local_tokens, n):
+    """The torchrun entry point, spanning two "nodes" (two torchrun commands, 2 processes each) on this machine:
+    n = 3 stage processes and the controller, or n = 4 with the controller running stage 1."""
     nodes = 2
     port = free_port()
     per_node = 4 // nodes
     commands = [[TORCHRUN, f"--nnodes={nodes}", f"--node-rank={rank}", f"--nproc-per-node={per_node}",
                  "--master-addr=127.0.0.1", f"--master-port={port}", os.path.join(ROOT, "infer", "run.py"),
-                 *COMMON, "n=3"] for rank in range(nodes)]
+                 *COMMON, f"n={n}"] for rank in range(nodes)]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for cmd in commands]
     outputs = [proc.communicate(timeout=300) for proc in procs]
@@ -106,6 +110,9 @@ def test_bad_input_is_one_line_and_starts_no_process(tmp_path):
     one_line_exit_2(spd_infer(*COMMON, "runtime=distributed", f"checkpoint={tmp_path / 'ckpt'}", "stage_bounds=[3]"),
                     "stage_bounds=[0, 5, 10]")
     one_line_exit_2(spd_infer(*COMMON, "runtime=distributed", "threads_per_stage=0"), "threads_per_stage")
+    one_line_exit_2(spd_infer(*COMMON, "runtime=distributed", "controller=stage0"), "controller='stage0'",
+                    "first_stage")
+    one_line_exit_2(spd_infer(*COMMON, "runtime=distributed", "n=1", "controller=first_stage"), "n >= 2")
     assert stage_workers() <= before
 
 

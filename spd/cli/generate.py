@@ -61,7 +61,9 @@ class Decoding:
                                                               "eal": None, "rollbacks": None}
         return {"text": s.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
                 "token_ids": result.token_ids, "prompt_token_ids": prompt_ids, "method": s.method,
-                "draft_source": s.draft_source if method.pipelined else None, "runtime": cfg.runtime, "n": s.staged.n, "stage_bounds": s.staged.bounds, "balance": s.balance,
+                "draft_source": s.draft_source if method.pipelined else None, "runtime": cfg.runtime,
+                "processes": getattr(self.stages, "world", 1), "n": s.staged.n, "stage_bounds": s.staged.bounds,
+                "balance": s.balance,
                 "checkpoint": s.checkpoint, **stats, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s,
                 "default": self.default}
 
@@ -103,10 +105,11 @@ def stats_line(out: dict) -> str:
     if "tau" in out:   # draft-then-verify: tokens per target forward, not pipeline steps
         return (f"[{out['method']} m={out['m']}{chosen}] N={out['N']} cycles={out['cycles']} τ={_fmt(out['tau'])} "
                 f"accepted: {acceptance_by_source(out.get('sources', {})) or '-'} {speed}")
+    runtime = out["runtime"] + (f" ({out['processes']} processes)" if out.get("processes", 1) > 1 else "")
     if out["K"] is None:   # plain AR: in one process it has no stages; relayed through stage processes it has n
-        where = "local" if out["runtime"] == "local" else f"n={out['n']} {out['runtime']}"
+        where = "local" if out["runtime"] == "local" else f"n={out['n']} {runtime}"
         return f"[ar {where}{chosen}] N={out['N']} {speed}"
-    return (f"[{out['method']} n={out['n']} {out['runtime']}, {out['draft_source']}{chosen}] N={out['N']} K={out['K']} "
+    return (f"[{out['method']} n={out['n']} {runtime}, {out['draft_source']}{chosen}] N={out['N']} K={out['K']} "
             f"α={_fmt(out['alpha'])} L′acc={_fmt(out['eal'])} rollbacks={out['rollbacks']} "
             f"accepted: {acceptance_by_source(out['sources']) or '-'} {speed}")
 

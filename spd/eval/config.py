@@ -45,6 +45,7 @@ class EvalConfig:
                                         # | streams (one CUDA stream per stage; CUDA only)
     cuda_graphs: bool = False           # stage steps (and the AR baseline) as CUDA graphs (CUDA only)
     threads_per_stage: Optional[int] = None
+    controller: str = "auto"            # distributed: own_process | first_stage | auto (as for generate)
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     timeout_s: float = 20.0

@@ -1,6 +1,8 @@
 """Cost-balanced stage boundaries: time every decoder layer, the embedding and the LM head on this machine, then
 cut the layers into n contiguous stages minimising the slowest one. The last stage also runs the head (see
-`distributed/controller.py` for why), so on SmolLM2 it gets fewer layers than the others.
+`distributed/controller.py` for why), so on SmolLM2 it gets fewer layers than the others; where the controller
+runs stage 1 in its process, stage 1 also carries the controller's share of a step (the drafter, estimated from
+the same profile), so it gets fewer too.
 
 Profiles are cached beside the target cache, per thread count, dtype and device: timing costs a full load once.
 """
@@ -38,15 +40,27 @@ def profile_costs(staged: StagedTarget, context: int = 64, repeats: int = 15) ->
             "context": context, "threads": torch.get_num_threads(), "dtype": str(staged.dtype), "device": str(device)}
 
 
-def stage_costs(bounds: list[int], costs: dict) -> list[float]:
-    """Seconds per step of each stage; the last one includes the head."""
+def controller_costs(costs: dict, module_layers: int, draft_vocab: int | None, vocab: int) -> float:
+    """Seconds per step of the controller's own work with a module drafting: its decoder layers cost about a target
+    layer each, its head its share of the target's head's rows (draft_vocab None: no module); the embedding."""
+    if draft_vocab is None:
+        return costs["embed_s"]
+    mean_layer = sum(costs["layer_s"]) / len(costs["layer_s"])
+    return costs["embed_s"] + module_layers * mean_layer + costs["head_s"] * draft_vocab / vocab
+
+
+def stage_costs(bounds: list[int], costs: dict, first_extra_s: float = 0.0) -> list[float]:
+    """Seconds per step of each stage; the last one includes the head, the first `first_extra_s` (a controller
+    running in its process)."""
     out = [sum(costs["layer_s"][a:b]) for a, b in zip(bounds, bounds[1:])]
     out[-1] += costs["head_s"]
+    out[0] += first_extra_s
     return out
 
 
-def balanced_bounds(costs: dict, n: int) -> list[int]:
-    """Boundaries 0 = b_0 < ... < b_n = L minimising the slowest stage (exact, by dynamic programming)."""
+def balanced_bounds(costs: dict, n: int, first_extra_s: float = 0.0) -> list[int]:
+    """Boundaries 0 = b_0 < ... < b_n = L minimising the slowest stage (exact, by dynamic programming); the first
+    stage also costs first_extra_s."""
     layer_s, head_s = costs["layer_s"], costs["head_s"]
     num_layers = len(layer_s)
     if not 1 <= n <= num_layers:
@@ -62,7 +76,8 @@ def balanced_bounds(costs: dict, n: int) -> list[int]:
     for k in range(1, n + 1):
         for j in range(k, num_layers + 1):
             for i in range(k - 1, j):
-                cost = prefix[j] - prefix[i] + (head_s if k == n and j == num_layers else 0.0)
+                cost = prefix[j] - prefix[i] + (head_s if k == n and j == num_layers else 0.0) + \
+                    (first_extra_s if k == 1 else 0.0)
                 value = max(best[k - 1][i], cost)
                 if value < best[k][j]:
                     best[k][j], cut[k][j] = value, i

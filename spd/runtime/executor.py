@@ -20,6 +20,7 @@ class StepOutput:
     # {pos: {layer: H^l [1, 1, d]}} captured by the stages that ran, for the layers the drafter asked for
     features: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     exit_logits: torch.Tensor | None = None   # [V] target logits of step.exiting (the next position's p)
+    exit_argmax: int | None = None            # instead of exit_logits, where the executor was told argmax suffices
 
 
 class StageExecutor(ABC):
@@ -32,11 +33,12 @@ class StageExecutor(ABC):
         """H^0 [1, 1, d] of one token."""
 
     @abstractmethod
-    def prefill(self, prompt_ids: list[int], capture: frozenset[int],
-                max_length: int | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def prefill(self, prompt_ids: list[int], capture: frozenset[int], max_length: int | None = None,
+                argmax_exit: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """All stages over the prompt (fresh caches, static ones of max_length positions where the executor keeps
         them). Returns (logits [V] of the last position, {l: H^l [1, P, d]}) for l in `capture`; later steps
-        capture the same layers."""
+        capture the same layers. argmax_exit: the loop verifies greedily, so the steps may hand back the exiting
+        token's argmax (`exit_argmax`) instead of its logits, where moving the logits costs (between processes)."""
 
     @abstractmethod
     def launch(self, step: Step, entering: torch.Tensor | None) -> None:

@@ -26,7 +26,7 @@ class LocalStages(StageExecutor):
     def embed(self, token: int) -> torch.Tensor:
         return self.target.embed(torch.tensor([[token]], device=self.device))
 
-    def prefill(self, prompt_ids, capture, max_length=None):
+    def prefill(self, prompt_ids, capture, max_length=None, argmax_exit=False):
         self.capture = frozenset(capture)
         self.cache, hidden, captured = prefill(self.target, prompt_ids, self.capture, max_length)
         self.hidden: dict[int, torch.Tensor] = {}     # pos -> residual stream [1, 1, d] entering its next stage

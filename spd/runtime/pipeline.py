@@ -47,7 +47,7 @@ class PipelineDecoder:
         stats = DecodeStats(n=self.n)
         # drafts run at most n positions past the last settled token before a verification can stop the run
         logits, captured = ex.prefill(prompt_ids, self.capture,
-                                      context_length(len(prompt_ids), max_new_tokens, self.n + 1))
+                                      context_length(len(prompt_ids), max_new_tokens, self.n + 1), params.greedy)
         self.drafter.start(captured, prompt_ids)
         first = next_token(logits, params, generator)
         tokens = list(prompt_ids) + [first]
@@ -84,7 +84,8 @@ class PipelineDecoder:
             self.drafter.finalize(exited, features.pop(exited))
             candidate = step.candidate
             proposal = drafts.pop(candidate)
-            accepted, token = settle(out.exit_logits, proposal.token, proposal.q, params, generator)
+            verdict = out.exit_logits if out.exit_logits is not None else out.exit_argmax
+            accepted, token = settle(verdict, proposal.token, proposal.q, params, generator)
             stats.settle(accepted, proposal.source)
             if not accepted:
                 length = flushed_from(step)

@@ -22,13 +22,44 @@ def check_runtime(runtime: str) -> None:
         raise UserError(f"runtime={runtime!r} is not one of: {', '.join(RUNTIMES)}")
 
 
-def threads_for(n: int, threads_per_stage: int | None) -> int:
-    """n stage processes + the controller share the cores without oversubscription, unless told otherwise."""
+def cores() -> int:
+    """CPU cores this process may run on (its affinity, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def hosts_first_stage(controller: str, n: int, device: str, world: int | None = None) -> bool:
+    """Whether the controller runs stage 1 itself (n processes) rather than in a process of its own (n + 1).
+
+    `auto`: under torchrun (world given) the world size decides; spawned here, the controller hosts stage 1 on a
+    CPU whose cores n + 1 processes would outnumber (a separate controller there measured 1.4x its calibrated
+    step, docs/results.md) and keeps its own process on a GPU or where cores are to spare."""
+    if controller == "first_stage" and n < 2:
+        raise UserError("controller=first_stage needs n >= 2 (with n=1 nothing would run in a stage process); use "
+                        "runtime=local, or controller=own_process")
+    if world is not None:
+        if world not in (n, n + 1) or (controller == "first_stage" and world != n) or \
+                (controller == "own_process" and world != n + 1):
+            wanted = {"first_stage": f"{n}", "own_process": f"{n + 1}"}.get(controller, f"{n} or {n + 1}")
+            raise UserError(f"n={n} stages need {wanted} processes (one per stage, plus one for the controller "
+                            f"unless it runs stage 1), but torchrun started {world}; use --nproc-per-node/--nnodes "
+                            f"for {wanted} in all")
+        return world == n and n >= 2
+    if controller != "auto":
+        return controller == "first_stage"
+    return n >= 2 and device == "cpu" and n + 1 > cores()
+
+
+def threads_for(n: int, threads_per_stage: int | None, hosted: bool = False) -> int:
+    """The processes (n stages, plus the controller unless it hosts stage 1) share the cores without
+    oversubscription, unless told otherwise."""
     if threads_per_stage is not None:
         if threads_per_stage < 1:
             raise UserError(f"threads_per_stage={threads_per_stage} must be >= 1")
         return threads_per_stage
-    return max(1, (os.cpu_count() or 1) // (n + 1))
+    return max(1, cores() // (n if hosted else n + 1))
 
 
 @contextmanager
@@ -53,10 +84,12 @@ def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | 
     from spd.runtime.distributed.launch import close_pipeline, join_launched_pipeline, start_local_pipeline
     from spd.runtime.distributed.protocol import Setup
 
-    threads = threads_for(staged.n, cfg.threads_per_stage)
+    world = dist.get_world_size() if dist.is_initialized() else None
+    hosted = hosts_first_stage(getattr(cfg, "controller", "auto"), staged.n, cfg.device, world)
+    threads = threads_for(staged.n, cfg.threads_per_stage, hosted)
     torch.set_num_threads(threads)
     setup = Setup(cache_dir=cache_dir, n=staged.n, bounds=staged.bounds, capture=sorted(set(capture) - {0}),
-                  dtype=cfg.dtype, device=cfg.device, threads=threads, step_timeout_s=cfg.timeout_s)
+                  dtype=cfg.dtype, device=cfg.device, threads=threads, step_timeout_s=cfg.timeout_s, hosted=hosted)
     executor: StageExecutor | None = None
     graceful = True
     try:

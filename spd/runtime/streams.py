@@ -30,7 +30,7 @@ class GraphStages(LocalStages):
         self.cache = None
         self.steps: list[FixedStep] = []
 
-    def prefill(self, prompt_ids, capture, max_length=None):
+    def prefill(self, prompt_ids, capture, max_length=None, argmax_exit=False):
         if max_length is None:
             raise ValueError("fixed-shape stages need the context length (a static cache)")
         self.capture = frozenset(capture)

@@ -4,7 +4,12 @@ Placement, by measured cost on SmolLM2 (docs/results.md): the 49,152-row LM head
 layers on a CPU core, more than the module's draft. It sits on the last stage, where `stage_bounds=balanced` can
 give that stage fewer layers to pay for it; on the controller it would run *after* the step, serially, every step.
 Verification stays on the controller: it needs the draft's q and the sampling generator, costs ~30 µs, and keeps
-every random draw in the same order as `runtime=local`, so seeded sampling gives the same tokens.
+every random draw in the same order as `runtime=local`, so seeded sampling gives the same tokens. When greedy, the
+last stage sends only the argmax (verification needs nothing else) instead of a [V] row per step.
+
+A hosted controller (`Setup.hosted`) also runs stage 0, so n stages take n processes: on a CPU with as many cores
+as stages, a separate controller would be one busy process too many. Stage 0 then runs at `launch`, before the
+drafter; `stage_bounds=balanced` gives it fewer layers for the controller's share of the step.
 """
 
 from __future__ import annotations
@@ -15,15 +20,18 @@ import torch
 import torch.distributed as dist
 
 from spd.runtime.distributed import comm
-from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, PROBE, STEP, STOP, TAG_CONTROL, TAG_HIDDEN, TAG_PAYLOAD,
-                                              TAG_PREFILL, TAG_READY, Setup, control, stage_capture)
+from spd.runtime.distributed.protocol import (ABORT, END, MAX_ARGMAX_VOCAB, PREFILL, PROBE, STEP, STOP, TAG_CONTROL,
+                                              TAG_HIDDEN, TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Setup, control,
+                                              first_remote, rank_of, stage_capture, stage_layers, world_size)
 from spd.runtime.executor import StageExecutor, StepOutput
 from spd.runtime.schedule import Step, first_step, next_step
 from spd.target.stages import StagedTarget
+from spd.target.weight_cache import load_parts
 
 
 class DistributedStages(StageExecutor):
-    """target: the controller's parts of the target (embedding; the layers are in the stage processes)."""
+    """target: the controller's parts of the target (embedding; the layers are in the stage processes, stage 0's in
+    this one when it hosts it)."""
 
     def __init__(self, target: StagedTarget, setup: Setup, processes=None, load_timeout_s: float = 600.0):
         self.target = target
@@ -37,16 +45,25 @@ class DistributedStages(StageExecutor):
         self.vocab = target.config.vocab_size
         self.timeout = setup.step_timeout_s
         self.capture_of = [stage_capture(setup.capture, setup.bounds, s) for s in range(self.n)]
+        self.hosted = setup.hosted
+        self.remote = range(first_remote(setup.hosted), self.n)   # the stages that run in stage processes
+        self.world = world_size(self.n, self.hosted)               # processes in all, this one included
         self.sends = []
         self.active = False
+        self.argmax = False
         self.crop = -1
         self.closed = False
         dist.broadcast_object_list([setup], src=0)
-        for s in range(self.n):
-            comm.recv(1, torch.float32, s + 1, TAG_READY, load_timeout_s, self._what(s, "loading its layers"))
+        if self.hosted:  # while the stage processes load theirs
+            parts = load_parts(setup.cache_dir, stage_layers(setup.bounds, 0), embed=False, head=False,
+                               dtype=self.dtype, device=self.device)
+            self.stage0 = StagedTarget(parts.model, self.n, setup.bounds)
+        for s in self.remote:
+            comm.recv(1, torch.float32, rank_of(s, self.hosted), TAG_READY, load_timeout_s,
+                      self._what(s, "loading its layers"))
 
     def _what(self, stage: int, action: str) -> str:
-        return f"stage {stage + 1}/{self.n} (rank {stage + 1}) {action}"
+        return f"stage {stage + 1}/{self.n} (rank {rank_of(stage, self.hosted)}) {action}"
 
     def _fail(self, exc: comm.PipelineFailure):
         """Name the dead process when we spawned it: more useful than the socket error it caused."""
@@ -68,15 +85,16 @@ class DistributedStages(StageExecutor):
 
     def _command(self, row: torch.Tensor) -> None:
         self._flush_sends()
-        for s in range(self.n):
-            self.sends.append(comm.send(row, s + 1, TAG_CONTROL))
+        for s in self.remote:
+            self.sends.append(comm.send(row, rank_of(s, self.hosted), TAG_CONTROL))
 
-    def _payload_size(self, stage: int, length: int, capture: bool) -> int:
+    def _payload_size(self, stage: int, length: int, capture: bool, argmax: bool = False) -> int:
         rows = len(self.capture_of[stage]) * length * self.d if capture else 0
-        return rows + (self.vocab if stage == self.n - 1 else 0)
+        return rows + ((1 if argmax else self.vocab) if stage == self.n - 1 else 0)
 
     def _unpack(self, stage: int, flat: torch.Tensor, length: int, capture: bool, sink: dict) -> torch.Tensor | None:
-        """Feature rows into sink {layer: [1, length, d]}; returns the logits [V] when the last stage sent them."""
+        """Feature rows into sink {layer: [1, length, d]}; returns what the last stage sent of the exiting token
+        (logits [V], or its argmax [1])."""
         offset = 0
         for layer in (self.capture_of[stage] if capture else []):
             size = length * self.d
@@ -84,26 +102,41 @@ class DistributedStages(StageExecutor):
             offset += size
         return flat[offset:].to(self.device) if stage == self.n - 1 else None
 
+    def _run_stage0(self, hidden: torch.Tensor, positions: torch.Tensor, sink: dict, probe: bool = False) -> None:
+        """The hosted stage 0 on hidden [1, T, d]: captured rows into sink, the output on to stage 1's process."""
+        capture = frozenset(self.capture_of[0]) if self.capture_on else frozenset()
+        if probe:
+            out, captured = hidden, {layer: hidden for layer in capture}
+        else:
+            out, captured = self.stage0.run_stage(0, hidden, positions.to(self.device), self.cache, capture)
+        sink.update(captured)
+        self.sends.append(comm.send(out.float(), rank_of(1, True), TAG_PREFILL if positions.numel() > 1 else TAG_HIDDEN))
+
     # ---------------------------------------------------------------- StageExecutor
     def embed(self, token: int) -> torch.Tensor:
         return self.target.embed(torch.tensor([[token]], device=self.device))
 
-    def prefill(self, prompt_ids, capture, max_length=None):
+    def prefill(self, prompt_ids, capture, max_length=None, argmax_exit=False):
         self.finish()   # also drops a crop left by a generation that ended on a rejection: it was for old caches
         self.capture_on = bool(capture)
         if self.capture_on and not set(capture) - {0} <= set(self.setup.capture):
             raise ValueError(f"capture {sorted(capture)} was not announced at setup ({self.setup.capture})")
+        self.argmax = argmax_exit and self.vocab <= MAX_ARGMAX_VOCAB
         length = len(prompt_ids)
         self._command(control(PREFILL, self.n, length=length, capture=self.capture_on, context=max_length or 0))
         h0 = self.target.embed(torch.tensor([prompt_ids], device=self.device))   # [1, P, d]
-        self.sends.append(comm.send(h0.float(), 1, TAG_PREFILL))
-        self.active = True
         captured, logits = {}, None
+        if self.hosted:
+            self.cache = self.stage0.new_cache(max_length)
+            self._run_stage0(h0, torch.arange(length), captured)
+        else:
+            self.sends.append(comm.send(h0.float(), 1, TAG_PREFILL))
+        self.active = True
         try:
-            for s in range(self.n):
+            for s in self.remote:
                 size = self._payload_size(s, length, self.capture_on)
                 if size:
-                    flat = comm.recv(size, torch.float32, s + 1, TAG_PAYLOAD, self.timeout,
+                    flat = comm.recv(size, torch.float32, rank_of(s, self.hosted), TAG_PAYLOAD, self.timeout,
                                      self._what(s, "prefilling"))
                     last_logits = self._unpack(s, flat, length, self.capture_on, captured)
                     logits = last_logits if last_logits is not None else logits
@@ -115,25 +148,35 @@ class DistributedStages(StageExecutor):
 
     def launch(self, step: Step, entering, probe: bool = False):
         self._command(control(PROBE if probe else STEP, self.n, crop=self.crop, capture=self.capture_on,
-                              work=step.work))
+                              work=step.work, argmax=self.argmax))
         self.crop = -1
-        if entering is not None:
-            self.sends.append(comm.send(entering.float(), 1, TAG_HIDDEN))
         self.step = step
-        self.waiting = [(s, comm.Pending(self._payload_size(s, 1, self.capture_on), torch.float32, s + 1,
-                                         TAG_PAYLOAD, self._what(s, "running a step")))
-                        for s in range(self.n) if step.runs(s) and self._payload_size(s, 1, self.capture_on)]
+        self.waiting = [(s, comm.Pending(self._payload_size(s, 1, self.capture_on, self.argmax), torch.float32,
+                                         rank_of(s, self.hosted), TAG_PAYLOAD, self._what(s, "running a step")))
+                        for s in self.remote if step.runs(s) and self._payload_size(s, 1, self.capture_on)]
+        self.local = {}
+        if entering is None:
+            return
+        if self.hosted:   # the stage processes started on their control rows; stage 0 runs here meanwhile
+            self.local[step.work[0]] = {}
+            self._run_stage0(entering, torch.tensor([step.work[0]]), self.local[step.work[0]], probe)
+        else:
+            self.sends.append(comm.send(entering.float(), 1, TAG_HIDDEN))
 
     def collect(self) -> StepOutput:
-        out = StepOutput()
+        out = StepOutput(features=self.local)
         try:
             for s, pending in self.waiting:
                 flat = pending.get(self.timeout)
                 pos = self.step.work[s]
                 out.features[pos] = {}
-                logits = self._unpack(s, flat, 1, self.capture_on, out.features[pos])
-                if logits is not None:
-                    out.exit_logits = logits
+                exit_row = self._unpack(s, flat, 1, self.capture_on, out.features[pos])
+                if exit_row is None:
+                    continue
+                if self.argmax:
+                    out.exit_argmax = int(exit_row.item())
+                else:
+                    out.exit_logits = exit_row
         except comm.PipelineFailure as exc:
             self._fail(exc)
         self.waiting = []
@@ -143,6 +186,7 @@ class DistributedStages(StageExecutor):
         """Seconds per steady-state step spent on messages alone (every stage busy, no compute), one per step."""
         self.finish()
         self.capture_on = bool(self.setup.capture)
+        self.argmax = False
         entering = torch.zeros(1, 1, self.d)
         times = []
         step = first_step(0, self.n)  # fills like a decode, then every step is a full one
@@ -158,6 +202,8 @@ class DistributedStages(StageExecutor):
 
     def rollback(self, length):
         self.crop = length  # travels with the next command, before any stage runs again
+        if self.hosted:
+            self.cache.crop(length)
 
     def finish(self) -> None:
         # A crop still pending belongs to the generation that just ended: sent with the next generation's first
@@ -173,9 +219,9 @@ class DistributedStages(StageExecutor):
             return
         self.closed = True
         works = []
-        for s in range(self.n):
+        for s in self.remote:
             try:
-                works.append(comm.send(control(ABORT, self.n), s + 1, TAG_CONTROL))
+                works.append(comm.send(control(ABORT, self.n), rank_of(s, self.hosted), TAG_CONTROL))
             except RuntimeError:
                 pass
         for work in works:

@@ -1,5 +1,6 @@
 """Forming the process group: spawn the stage processes on this machine (`spd-infer ... runtime=distributed`), or
-join the ones torchrun started (`torchrun --nproc-per-node <n+1> infer/run.py`), and tidy up either way."""
+join the ones torchrun started (`torchrun --nproc-per-node <n+1> infer/run.py`, or <n> when the controller runs
+stage 1), and tidy up either way."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from spd.errors import UserError
 from spd.runtime.distributed.comm import PipelineFailure
 from spd.runtime.distributed.controller import DistributedStages
-from spd.runtime.distributed.protocol import Setup
+from spd.runtime.distributed.protocol import Setup, world_size
 from spd.target.stages import StagedTarget
 
 
@@ -49,13 +50,16 @@ def _exit_text(code: int) -> str:
 
 
 class StageProcesses:
-    """The n stage processes this controller spawned (ranks 1..n)."""
+    """The stage processes this controller spawned (ranks 1..world - 1; rank r runs stage r, 1-based, or r + 1
+    when the controller runs stage 1)."""
 
-    def __init__(self, n: int, addr: str, port: int, threads: int):
-        env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(n + 1),
+    def __init__(self, n: int, hosted: bool, addr: str, port: int, threads: int):
+        world = world_size(n, hosted)
+        env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world),
                    OMP_NUM_THREADS=str(threads), SPD_PARENT_PID=str(os.getpid()))
+        self.n, self.hosted = n, hosted
         self.procs = []
-        for rank in range(1, n + 1):
+        for rank in range(1, world):
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "spd.runtime.distributed.worker"],
                 env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdin=subprocess.DEVNULL))
@@ -67,8 +71,8 @@ class StageProcesses:
             for rank, proc in enumerate(self.procs, start=1):
                 code = proc.poll()
                 if code not in (None, 0):
-                    return (f"stage {rank}/{len(self.procs)} (rank {rank}, pid {proc.pid}) {_exit_text(code)}; "
-                            "the pipeline was stopped")
+                    return (f"stage {rank + int(self.hosted)}/{self.n} (rank {rank}, pid {proc.pid}) "
+                            f"{_exit_text(code)}; the pipeline was stopped")
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.05)
@@ -101,11 +105,11 @@ class StageProcesses:
 
 
 def start_local_pipeline(target: StagedTarget, setup: Setup, addr: str = "127.0.0.1", port: int = 0) -> DistributedStages:
-    """Spawn n stage processes here and form the group with this process as the controller (rank 0)."""
+    """Spawn the stage processes here and form the group with this process as the controller (rank 0)."""
     port = check_port(addr, port)
-    processes = StageProcesses(setup.n, addr, port, setup.threads)
+    processes = StageProcesses(setup.n, setup.hosted, addr, port, setup.threads)
     try:
-        _form_group(processes, addr, port, setup.n + 1, setup.idle_timeout_s)
+        _form_group(processes, addr, port, world_size(setup.n, setup.hosted), setup.idle_timeout_s)
         return DistributedStages(target, setup, processes)
     except PipelineFailure as exc:
         dead = processes.describe_failure()
@@ -156,10 +160,10 @@ def join_launched_pipeline(target: StagedTarget, setup: Setup) -> DistributedSta
     """torchrun started every rank; this one (rank 0) is the controller."""
     global _setup_sent
     world = dist.get_world_size()
-    if world != setup.n + 1:
-        abort_stages(f"world size {world} != n + 1")
-        raise UserError(f"n={setup.n} stages need {setup.n + 1} processes (one per stage + the controller), "
-                        f"but torchrun started {world}; use --nproc-per-node/--nnodes for {setup.n + 1} in all")
+    if world != world_size(setup.n, setup.hosted):   # open_stages chose `hosted` from this world size
+        abort_stages(f"world size {world} does not fit n={setup.n}")
+        raise UserError(f"n={setup.n} stages need {world_size(setup.n, setup.hosted)} processes, but torchrun "
+                        f"started {world}")
     _setup_sent = True
     return DistributedStages(target, setup)
 

@@ -1,14 +1,18 @@
 """What the controller and the stage processes say to each other, and who holds what.
 
 Ranks: 0 is the controller (embedding, speculation module, verification); rank s + 1 runs stage s (0-indexed)
-and only that stage's layers; the last stage also holds the final norm and the LM head.
+and only that stage's layers; the last stage also holds the final norm and the LM head. When the controller
+*hosts* stage 0 (`controller=first_stage`: n processes for n stages, so that n stages fit n cores), rank 0 runs
+stage 0 itself and rank s runs stage s.
 
-Per step the controller sends every stage one control tensor (int64 [5 + n]: command, crop length, prompt
-length, capture flag, context length (PREFILL: the positions of the static caches the stages allocate), then the
-schedule's work row: the position each stage advances, IDLE if none) and stage 0
-the H^0 of the entering token. Stage s sends its output state to stage s + 1 (used next step, or dropped when
-the next control crops past it) and the controller its payload: the captured feature rows the drafter reads,
-and for the last stage the logits of the exiting token. Tags keep the kinds of message apart.
+Per step the controller sends every stage process one control tensor (int64 [6 + n]: command, crop length,
+prompt length, capture flag, context length (PREFILL: the positions of the static caches the stages allocate),
+argmax flag (greedy: the last stage sends the exiting token's argmax instead of its logits row), then the
+schedule's work row: the position each stage advances, IDLE if none) and stage 0 the H^0 of the entering token
+(a hosted stage 0 runs in the controller instead). Stage s sends its output state to stage s + 1 (used next step,
+or dropped when the next control crops past it) and the controller its payload: the captured feature rows the
+drafter reads, and for the last stage the logits (or the argmax) of the exiting token. Tags keep the kinds of
+message apart.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 PREFILL, STEP, END, STOP, ABORT, PROBE = 1, 2, 3, 4, 5, 6  # PROBE: a STEP's messages, no compute
 TAG_CONTROL, TAG_HIDDEN, TAG_PREFILL, TAG_PAYLOAD, TAG_READY = 1, 2, 3, 4, 5
-HEADER = 5
+HEADER = 6
 
 
 @dataclass
@@ -36,7 +40,21 @@ class Setup:
     step_timeout_s: float = 20.0
     idle_timeout_s: float = 86400.0
     abort: str | None = None        # the controller refused the run: stages exit quietly
+    hosted: bool = False            # the controller runs stage 0 itself (n processes, not n + 1)
     extra: dict = field(default_factory=dict)
+
+
+def first_remote(hosted: bool) -> int:
+    """The first stage that runs in a stage process."""
+    return 1 if hosted else 0
+
+
+def rank_of(stage: int, hosted: bool) -> int:
+    return stage if hosted else stage + 1
+
+
+def world_size(n: int, hosted: bool) -> int:
+    return n if hosted else n + 1
 
 
 def stage_layers(bounds: list[int], stage: int) -> range:
@@ -49,12 +67,27 @@ def stage_capture(capture: list[int], bounds: list[int], stage: int) -> list[int
 
 
 def control(cmd: int, n: int, crop: int = -1, length: int = 0, capture: bool = True,
-            work: tuple[int, ...] | None = None, context: int = 0) -> torch.Tensor:
-    row = [cmd, crop, length, int(capture), context] + list(work if work is not None else (-1,) * n)
+            work: tuple[int, ...] | None = None, context: int = 0, argmax: bool = False) -> torch.Tensor:
+    row = [cmd, crop, length, int(capture), context, int(argmax)] + list(work if work is not None else (-1,) * n)
     return torch.tensor(row, dtype=torch.long)
 
 
-def parse(row: torch.Tensor) -> tuple[int, int, int, bool, int, tuple[int, ...]]:
-    """(command, crop, prompt length, capture flag, context length (0: a growing cache), work row)."""
+@dataclass(frozen=True)
+class Control:
+    cmd: int
+    crop: int                   # -1: nothing to forget
+    length: int                 # PREFILL: prompt length
+    capture: bool
+    context: int                # PREFILL: positions of the static caches (0: a growing cache)
+    argmax: bool                # the last stage sends the exiting token's argmax only
+    work: tuple[int, ...]
+
+
+def parse(row: torch.Tensor) -> Control:
     values = row.tolist()
-    return values[0], values[1], values[2], bool(values[3]), values[4], tuple(values[HEADER:])
+    return Control(values[0], values[1], values[2], bool(values[3]), values[4], bool(values[5]),
+                   tuple(values[HEADER:]))
+
+
+# The argmax travels in the float32 payload: exact for token ids below 2**24.
+MAX_ARGMAX_VOCAB = 2 ** 24

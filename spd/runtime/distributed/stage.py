@@ -2,7 +2,8 @@
 
 Each step it takes the state entering its stage (from the controller for stage 1, else the one the previous
 stage sent last step), runs its layers with its own KV cache, passes the output on, and sends the controller the
-feature rows the drafter reads (the last stage: plus the exiting token's logits, since it holds the head).
+feature rows the drafter reads (the last stage: plus the exiting token's logits, or only their argmax when the
+controller decodes greedily, since it holds the head).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch.distributed as dist
 
 from spd.runtime.distributed import comm
 from spd.runtime.distributed.protocol import (ABORT, END, HEADER, PREFILL, PROBE, STEP, STOP, TAG_CONTROL, TAG_HIDDEN,
-                                              TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Setup, parse, stage_capture,
-                                              stage_layers)
+                                              TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Setup, first_remote, parse,
+                                              stage_capture, stage_layers)
 from spd.runtime.schedule import IDLE
 from spd.session import DTYPES
 from spd.target.weight_cache import load_parts
@@ -30,7 +31,7 @@ class StageServer:
     def __init__(self, setup: Setup, rank: int):
         self.setup = setup
         self.rank = rank
-        self.stage = rank - 1
+        self.stage = rank - 1 + first_remote(setup.hosted)   # rank 0 is the controller, which may run stage 0
         self.n = setup.n
         self.last = self.stage == self.n - 1
         torch.set_num_threads(setup.threads)
@@ -50,7 +51,7 @@ class StageServer:
     def what(self, action: str) -> str:
         return f"stage {self.stage + 1}/{self.n} (rank {self.rank}) {action}"
 
-    def _run(self, hidden, positions, capture: list[int], probe: bool = False):
+    def _run(self, hidden, positions, capture: list[int], probe: bool = False, argmax: bool = False):
         hidden = hidden.to(self.device, self.dtype)
         if probe:  # the messages of a step without its compute: what communication alone costs per step
             out, captured = hidden, {layer: hidden for layer in capture}
@@ -62,7 +63,8 @@ class StageServer:
         parts = [captured[layer][0].reshape(-1) for layer in capture]    # each [T * d]
         if self.last:
             logits = out.new_zeros(self.target.config.vocab_size) if probe else self.target.logits(out[0, -1])
-            parts.append(logits.reshape(-1))                               # [V] of the exiting token
+            # greedy verification needs only the argmax: 4 bytes on the critical path instead of a [V] row
+            parts.append(logits.argmax().float().view(1) if argmax else logits.reshape(-1))
         if parts:
             self.sends.append(comm.send(torch.cat(parts).float(), 0, TAG_PAYLOAD))
 
@@ -73,7 +75,8 @@ class StageServer:
         while True:
             row = comm.recv(HEADER + self.n, torch.long, 0, TAG_CONTROL,
                             s.step_timeout_s if active else s.idle_timeout_s, self.what("waiting for the controller"))
-            cmd, crop, length, capture_on, context, work = parse(row)
+            c = parse(row)
+            cmd, crop, work = c.cmd, c.crop, c.work
             if cmd == ABORT:
                 raise comm.PipelineFailure(self.what("was stopped by the controller after a failure elsewhere"))
             for work_item in self.sends:
@@ -83,7 +86,7 @@ class StageServer:
             if self.pending is not None:  # always drained, so the channel from the previous stage stays in step
                 inbox, inbox_pos = self.pending.get(s.step_timeout_s), self.pending.info["pos"]
                 self.pending = None
-            capture = self.capture if capture_on else []
+            capture = self.capture if c.capture else []
             if cmd == STOP:
                 return
             if cmd == END:
@@ -91,10 +94,10 @@ class StageServer:
                 continue
             if cmd == PREFILL:
                 active = True
-                self.cache = self.target.new_cache(context or None)   # static: this stage's layers only
-                hidden = comm.recv((1, length, self.d), torch.float32, self.rank - 1, TAG_PREFILL, s.step_timeout_s,
-                                   self.what("waiting for the prompt's states"))
-                self._run(hidden, torch.arange(length), capture)
+                self.cache = self.target.new_cache(c.context or None)   # static: this stage's layers only
+                hidden = comm.recv((1, c.length, self.d), torch.float32, self.rank - 1, TAG_PREFILL,
+                                   s.step_timeout_s, self.what("waiting for the prompt's states"))
+                self._run(hidden, torch.arange(c.length), capture)
                 continue
             assert cmd in (STEP, PROBE), cmd
             active = True
@@ -113,4 +116,4 @@ class StageServer:
                 if inbox_pos != pos:
                     raise comm.PipelineFailure(self.what(f"expected position {pos}, holds {inbox_pos}"))
                 hidden = inbox
-            self._run(hidden, torch.tensor([pos]), capture, probe=cmd == PROBE)
+            self._run(hidden, torch.tensor([pos]), capture, probe=cmd == PROBE, argmax=c.argmax)
