@@ -1,7 +1,8 @@
 """Does SPD beat plain decoding by the clock? Tokens/s on this machine, every figure from one run.
 
-For each n the cores allow (n stage processes + the controller, >= 1 core each) and each bound choice (even,
-balanced): distributed SPD (the trained module whose n and bounds match, else an untrained one, labelled),
+For each n, each bound choice (even, balanced, explicit) and each controller placement (--controllers: own_process =
+n stage processes + the controller, first_stage = the controller runs stage 1, n processes; threads = cores //
+processes): distributed SPD (the trained module whose n and bounds match, else an untrained one, labelled),
 distributed pipeline-parallel AR over the same processes, with L′acc, seconds per step, the module's time per
 step, the messages' time per step (a probe step: every message of a full step, no compute) and the calibrated
 prediction (spd/eval/calibrate.py's cost model at the stage processes' thread count). Beside them: the
@@ -103,8 +104,10 @@ def matching_checkpoint(checkpoints: list[str], n: int, bounds: list[int]) -> st
     return None
 
 
-def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model) -> list[dict]:
-    overrides = [f"target={args.target}", f"n={n}", "runtime=distributed", f"threads_per_stage={max(1, cores // (n + 1))}"]
+def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model, controller: str) -> list[dict]:
+    processes = n if controller == "first_stage" else n + 1
+    overrides = [f"target={args.target}", f"n={n}", "runtime=distributed", f"controller={controller}",
+                 f"threads_per_stage={max(1, cores // processes)}"]
     if kind == "balanced":
         overrides.append("stage_bounds=balanced")
     elif kind != "even":     # explicit inner bounds, e.g. 19 or 10/20 (a trained module's own)
@@ -116,14 +119,15 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model) -
                       + bounds_override + ([f"checkpoint={checkpoint}"] if checkpoint else []))
     session = open_session(cfg)
     bounds = session.staged.bounds
-    threads = threads_for(n, cfg.threads_per_stage)
+    threads = threads_for(n, cfg.threads_per_stage, controller == "first_stage")
     torch.set_num_threads(threads)
     calibration = {}
     staged_full = StagedTarget(full_model, n, bounds)
     for temperature in args.temperatures:
         calibration[temperature] = calibrate(staged_full, session.module, params_for(temperature), context=128,
                                              repeats=10)
-    base = {"n": n, "bounds": kind, "stage_bounds": bounds, "threads_per_process": threads, "processes": n + 1,
+    base = {"n": n, "bounds": kind, "stage_bounds": bounds, "threads_per_process": threads, "processes": processes,
+            "controller": controller,
             "module": "trained" if checkpoint else "untrained", "checkpoint": checkpoint,
             "balance": probe.balance}
     rows = []
@@ -235,6 +239,8 @@ def main() -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-pipeline-ar", action="store_true", help="no pipeline-parallel AR row over the stage processes")
     ap.add_argument("--draft-sources", default="module,lookup+module", help="distributed SPD rows, one per source")
+    ap.add_argument("--controllers", default="first_stage,own_process",
+                    help="where the controller runs: first_stage (n processes), own_process (n + 1)")
     ap.add_argument("--lookup", action="store_true", help="also transformers' prompt lookup and the lookup chain")
     ap.add_argument("--draft-length", default="7", help="the lookup chain's drafts per cycle (one row per value)")
     ap.add_argument("--hf-lookup-tokens", type=int, default=8, help="transformers' prompt_lookup_num_tokens")
@@ -254,8 +260,9 @@ def main() -> int:
         rows += local_spd_rows(args, prompts, args.cores)
     for n in [int(x) for x in args.ns.split(",") if x]:          # --ns "": single-process rows only
         kinds = args.bounds.split(",") if n > 1 else ["even"]  # one stage: nothing to balance
-        for kind in kinds:
-            rows += distributed_rows(args, prompts, n, kind, args.cores, loaded.model)
+        controllers = [c for c in args.controllers.split(",") if n > 1 or c == "own_process"]
+        for kind, controller in itertools.product(kinds, controllers):
+            rows += distributed_rows(args, prompts, n, kind, args.cores, loaded.model, controller)
     # plain decoding: the suite's AR and transformers' generate, each on all cores
     fastest_ar = {t: max(r["tokens_per_s"] for r in rows if r["method"] in ("ar", "hf_generate")
                          and r["runtime"] == "single process" and r["temperature"] == t) for t in args.temperatures}

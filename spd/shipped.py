@@ -14,6 +14,7 @@ from spd.target.source import DEFAULT_TARGET
 
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "assets", "modules")
 RANDOM = "random"   # checkpoint=random: an untrained module
+DEFAULT_N = 5       # the pipeline a run without n= (and without a checkpoint that has one) gets
 
 
 def shipped_modules() -> list[dict]:
@@ -34,15 +35,15 @@ def checkpoint_for(checkpoint: str | None, target: str, n: int | None, stage_bou
     """The module directory a run drafts with, or None for an untrained module.
 
     The default applies to the default target only, and only where a shipped module was trained as the requested
-    drafter (SPD if none is given), for the requested n (any, if n is not given) and stage bounds (the module's
-    own, if none are given)."""
+    drafter (SPD if none is given), for the requested n (DEFAULT_N's first, then any, if n is not given) and stage
+    bounds (the module's own, if none are given)."""
     if checkpoint == RANDOM:
         return None
     if checkpoint is not None:
         return checkpoint
     if target != DEFAULT_TARGET:
         return None
-    for module in shipped_modules():
+    for module in sorted(shipped_modules(), key=lambda m: m["n"] != DEFAULT_N):
         inner = module["stage_bounds"][1:-1]
         if module.get("method", "spd") != (method or "spd"):
             continue

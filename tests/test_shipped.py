@@ -26,7 +26,10 @@ def test_a_module_ships_for_the_default_target_at_n5():
 def test_which_module_a_run_gets():
     n5 = next(m for m in SHIPPED if m["n"] == 5)
     inner = n5["stage_bounds"][1:-1]
-    assert checkpoint_for(None, "smollm2", None, None) in {m["path"] for m in SHIPPED}
+    assert checkpoint_for(None, "smollm2", None, None) == n5["path"]        # no n: the default pipeline's
+    for m in SHIPPED:                                                      # the run's n and bounds pick it
+        assert checkpoint_for(None, "smollm2", m["n"], m["stage_bounds"][1:-1]) == m["path"]
+        assert checkpoint_for(None, "smollm2", m["n"], None) == m["path"]
     assert checkpoint_for(None, "smollm2", 5, None) == n5["path"]
     assert checkpoint_for(None, "smollm2", 5, inner) == n5["path"]
     assert checkpoint_for(RANDOM, "smollm2", 5, None) is None              # untrained on request
