@@ -158,14 +158,15 @@ def test_chat_turns_through_the_distributed_runtime_equal_local(untied_target_di
 
 
 def start_generation(*args):
-    """spd-infer generate in a new session (as a terminal's foreground group) once its stage processes exist.
-    Returns (the process, the stage pids that were there before it)."""
+    """spd-infer generate at n = 2 with the controller running stage 1 (what two cores get) in a new session (as a
+    terminal's foreground group), once its stage process exists. Returns (the process, the stage pids that were
+    there before it)."""
     before = stage_workers()
-    proc = subprocess.Popen([sys.executable, "-m", "spd.cli", "generate", *args, "runtime=distributed",
-                             "threads_per_stage=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "spd.cli", "generate", *args, "n=2", "runtime=distributed",
+                             "controller=first_stage", "threads_per_stage=1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
     deadline = time.monotonic() + 180
-    while len(stage_workers() - before) < 2 and time.monotonic() < deadline:
+    while len(stage_workers() - before) < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     return proc, before
 
@@ -175,7 +176,7 @@ def test_ctrl_c_while_the_stages_load_stops_every_process():
     must not wait in the group's rendezvous (its timeout is a day) but exit at once."""
     import signal
 
-    proc, before = start_generation("target=tiny-llama", "prompt=Hi", "n=2", "max_new_tokens=8")
+    proc, before = start_generation("target=tiny-llama", "prompt=Hi", "max_new_tokens=8")
     time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=30)
@@ -187,7 +188,7 @@ def test_ctrl_c_while_the_stages_load_stops_every_process():
 def test_a_stage_killed_before_joining_is_named():
     import signal
 
-    proc, before = start_generation("target=tiny-llama", "prompt=Hi", "n=2", "max_new_tokens=8")
+    proc, before = start_generation("target=tiny-llama", "prompt=Hi", "max_new_tokens=8")
     victim = max(stage_workers() - before)
     os.kill(victim, signal.SIGKILL)
     _, err = proc.communicate(timeout=30)
@@ -203,7 +204,7 @@ def test_ctrl_c_stops_every_process():
     """SIGINT to the whole foreground group (a terminal's Ctrl-C) mid-generation: one line, exit 130, no process left."""
     import signal
 
-    proc, before = start_generation("prompt=Write a long story about a dragon.", "n=2", "max_new_tokens=400")
+    proc, before = start_generation("prompt=Write a long story about a dragon.", "max_new_tokens=400")
     time.sleep(8)  # loaded and decoding (400 tokens take far longer than this)
     assert proc.poll() is None, proc.communicate()
     os.killpg(proc.pid, signal.SIGINT)
