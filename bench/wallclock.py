@@ -34,7 +34,7 @@ from spd.checkpoint import read_checkpoint_config
 from spd.config import GenerateConfig, load_config
 from spd.decoding import eos_ids_of
 from spd.drafters.base import Drafter, WrappedDrafter
-from spd.eval.calibrate import calibrate, measured_cost_speedup
+from spd.eval.calibrate import calibrate, measured_cost_speedup, step_time
 from spd.eval.output import write_json
 from spd.drafters.lookup import LookupDrafter
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
@@ -144,14 +144,18 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model, c
             result = decode_all(prompts, lambda key, ids: decoder.generate(
                 ids, args.max_new_tokens, torch.Generator().manual_seed(seed_of(key))))
             cal = calibration[temperature]
+            step_s, _ = step_time(cal["stage_s"], cal["head_s"], cal["verify_s"], cal["module_s"],
+                                  hosted=controller == "first_stage")
             rows.append({**base, **comm, "method": "spd", "draft_source": source, "runtime": "distributed",
                          "temperature": temperature, **result, "eal": n * result["alpha"],
                          "s_per_step": result["seconds"] / result["K"],
                          "module_s_per_step": drafter.seconds / max(1, drafter.calls),
                          "calibrated": {k: cal[k] for k in ("stage_s", "head_s", "module_s", "verify_s", "ar_token_s",
                                                             "step_s", "bottleneck")},
-                         "calibrated_tokens_per_s": result["alpha"] / cal["step_s"],
-                         "calibrated_speedup_vs_ar_same_threads": measured_cost_speedup(result["alpha"], cal)})
+                         "calibrated_tokens_per_s": result["alpha"] / step_s,
+                         "calibrated_step_s": step_s,
+                         "calibrated_speedup_vs_ar_same_threads": measured_cost_speedup(result["alpha"],
+                                                                                        {**cal, "step_s": step_s})})
             print(json.dumps({k: rows[-1][k] for k in ("n", "bounds", "draft_source", "temperature", "tokens_per_s",
                                                         "eal", "sources")}), file=sys.stderr)
         if 0 in args.temperatures and not args.skip_pipeline_ar:

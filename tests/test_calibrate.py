@@ -64,6 +64,9 @@ def test_bottleneck_names_the_slowest_term():
     assert step_time([1.0, 3.0, 1.0], 0.5, 0.1, 0.2) == (3.0, "stage 2")
     assert step_time([1.0, 1.0, 1.0], 0.5, 0.1, 2.5) == (2.5, "module")
     assert step_time([2.0], 0.5, 0.0, 1.0) == (2.5, "last stage + head + verify")  # n = 1: no other stage
+    # the controller in stage 1's process: stage 1, the module and the verification take turns there
+    assert step_time([2.0, 2.0], 0.5, 0.25, 1.0, hosted=True) == (3.25, "stage 1 + module")
+    assert step_time([1.0, 2.0], 0.5, 0.25, 1.0, hosted=True) == (2.5, "last stage + head")
 
 
 @pytest.mark.parametrize("n,alpha", [(1, 1.0), (3, 0.4), (5, 0.73)])

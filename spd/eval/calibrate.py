@@ -52,11 +52,18 @@ def ar_token_time(stage_s: list[float], head_s: float) -> float:
 
 
 def step_time(stage_s: list[float], head_s: float, verify_s: float, module_s: float,
-              after_step: bool = False) -> tuple[float, str]:
-    """Seconds per pipelined step with one device per stage, and which term sets it."""
+              after_step: bool = False, hosted: bool = False) -> tuple[float, str]:
+    """Seconds per pipelined step with one device per stage, and which term sets it. hosted: the controller runs
+    stage 1 in its process (runtime=distributed controller=first_stage), so stage 1, the module and the
+    verification take turns there."""
     terms = {f"stage {s + 1}": t for s, t in enumerate(stage_s[:-1])}
-    terms[LAST] = stage_s[-1] + head_s + verify_s
-    if not after_step:
+    if hosted:
+        terms["last stage + head"] = stage_s[-1] + head_s
+    else:
+        terms[LAST] = stage_s[-1] + head_s + verify_s
+    if hosted and not after_step:
+        terms["stage 1 + module"] = terms.pop("stage 1") + module_s + verify_s
+    elif not after_step:
         terms["module"] = module_s
     bottleneck = max(terms, key=terms.get)  # ties: the earliest term in pipeline order
     if after_step:
