@@ -23,7 +23,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from spd.checkpoint import load_checkpoint
+from spd.checkpoint import load_checkpoint, read_checkpoint_config
 from spd.drafters.hybrid import LookupThenModule
 from spd.drafters.spd_module import ModuleDrafter
 from spd.eval.traces import TraceCache
@@ -83,8 +83,8 @@ def main() -> int:
     prompts = eval_prompts(loaded.tokenizer, args.limit)
     with open(rows_path, "a") as sink:
         for n in [int(x) for x in args.ns.split(",")]:
-            staged = StagedTarget(loaded.model, n)
             ckpt = checkpoints.get(str(n))
+            staged = StagedTarget(loaded.model, n, read_checkpoint_config(ckpt)["stage_bounds"] if ckpt else None)
             if ckpt:
                 module = load_checkpoint(ckpt, staged, loaded)
             else:

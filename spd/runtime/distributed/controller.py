@@ -110,7 +110,8 @@ class DistributedStages(StageExecutor):
         else:
             out, captured = self.stage0.run_stage(0, hidden, positions.to(self.device), self.cache, capture)
         sink.update(captured)
-        self.sends.append(comm.send(out.float(), rank_of(1, True), TAG_PREFILL if positions.numel() > 1 else TAG_HIDDEN))
+        tag = TAG_PREFILL if positions.numel() > 1 else TAG_HIDDEN
+        self.sends.append(comm.send(out.float(), rank_of(1, hosted=True), tag))
 
     # ---------------------------------------------------------------- StageExecutor
     def embed(self, token: int) -> torch.Tensor:
