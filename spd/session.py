@@ -160,7 +160,7 @@ def resolve_bounds(cfg, n: int, ckpt: dict | None, path: str | None, loaded: Loa
             raise UserError(f"stage_bounds={spec!r}: give the inner boundaries as a list (e.g. [10, 20]) or "
                             "'balanced'")
         from spd.runtime.balance import balanced_bounds, cached_profile, controller_costs, stage_costs
-        from spd.runtime.stages import hosts_first_stage, threads_for
+        from spd.runtime.stages import hosts_first_stage, launched_world, threads_for
 
         def full_target() -> StagedTarget:
             num_layers = loaded.model.config.num_hidden_layers
@@ -171,7 +171,7 @@ def resolve_bounds(cfg, n: int, ckpt: dict | None, path: str | None, loaded: Loa
             return StagedTarget(loaded.model, 1)
 
         hosted = runtime == "distributed" and hosts_first_stage(getattr(cfg, "controller", "auto"), n, cfg.device,
-                                                                 _world())
+                                                                 launched_world())
         threads = threads_for(n, cfg.threads_per_stage, hosted) if runtime == "distributed" else torch.get_num_threads()
         costs = cached_profile(cache_dir, full_target, threads, cfg.dtype, cfg.device)
         vocab = loaded.model.config.vocab_size
@@ -194,13 +194,6 @@ def resolve_bounds(cfg, n: int, ckpt: dict | None, path: str | None, loaded: Loa
         return [int(b) for b in spec], None
     except (TypeError, ValueError):
         raise UserError(f"stage_bounds={spec!r}: give the inner boundaries as a list of integers or 'balanced'") from None
-
-
-def _world() -> int | None:
-    """The torchrun world size when this process is part of one (its size decides where the controller runs)."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_initialized() else None
 
 
 def encode_prompt(session: Session, prompt: str | None, chat_template: bool, max_new_tokens: int) -> list[int]:

@@ -30,6 +30,13 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def launched_world() -> int | None:
+    """The torchrun world size when this process is part of one (its size decides where the controller runs)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else None
+
+
 def hosts_first_stage(controller: str, n: int, device: str, world: int | None = None) -> bool:
     """Whether the controller runs stage 1 itself (n processes) rather than in a process of its own (n + 1).
 
@@ -84,8 +91,7 @@ def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | 
     from spd.runtime.distributed.launch import close_pipeline, join_launched_pipeline, start_local_pipeline
     from spd.runtime.distributed.protocol import Setup
 
-    world = dist.get_world_size() if dist.is_initialized() else None
-    hosted = hosts_first_stage(getattr(cfg, "controller", "auto"), staged.n, cfg.device, world)
+    hosted = hosts_first_stage(getattr(cfg, "controller", "auto"), staged.n, cfg.device, launched_world())
     threads = threads_for(staged.n, cfg.threads_per_stage, hosted)
     torch.set_num_threads(threads)
     setup = Setup(cache_dir=cache_dir, n=staged.n, bounds=staged.bounds, capture=sorted(set(capture) - {0}),
