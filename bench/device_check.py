@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from spd.ar import ar_generate
-from spd.decoding import eos_ids_of
+from spd.ar import ARDecoder
+from spd.decoding import Request, eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
@@ -47,10 +47,11 @@ def main() -> int:
         staged = StagedTarget(loaded.model, n)
         module = SpeculationModule.from_target(staged, 1, seed=0).to(DTYPES[args.dtype]).eval()
         for i, ids in enumerate(prompts):
-            ar = ar_generate(staged, ids, args.max_new_tokens, greedy, eos, None)
-            spd = PipelineDecoder(staged, ModuleDrafter(module), greedy, eos).generate(ids, args.max_new_tokens, None)
-            gen = torch.Generator(device=staged.device).manual_seed(i)
-            t1 = PipelineDecoder(staged, ModuleDrafter(module), sampled, eos).generate(ids, args.max_new_tokens, gen)
+            ar = ARDecoder(staged, eos).generate(ids, Request(args.max_new_tokens, greedy))
+            spd = PipelineDecoder(staged, ModuleDrafter(module), eos).generate(ids, Request(args.max_new_tokens,
+                                                                                             greedy))
+            t1 = PipelineDecoder(staged, ModuleDrafter(module), eos).generate(ids, Request(args.max_new_tokens,
+                                                                                            sampled, seed=i))
             rows.append({"n": n, "prompt": i, "identical": spd.token_ids == ar.token_ids, "N": len(spd.token_ids),
                          "K": spd.stats.K, "rollbacks": spd.stats.rollbacks, "sampled_N": len(t1.token_ids),
                          "ar_tokens_per_s": ar.tokens_per_s, "spd_tokens_per_s": spd.tokens_per_s})

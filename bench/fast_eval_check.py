@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from spd.checkpoint import load_checkpoint, read_checkpoint_config
+from spd.decoding import Request
 from spd.drafters.hybrid import LookupThenModule
 from spd.drafters.spd_module import ModuleDrafter
 from spd.eval.traces import TraceCache
@@ -94,15 +95,14 @@ def main() -> int:
             module.eval()
             traces = TraceCache(args.cache_dir, loaded, staged, args.max_new_tokens)
             drafter = ModuleDrafter(module)
-            runtime = PipelineDecoder(staged, LookupThenModule(drafter, *lookup) if lookup else drafter,
-                                      SamplingParams(), traces.eos)
+            runtime = PipelineDecoder(staged, LookupThenModule(drafter, *lookup) if lookup else drafter, traces.eos)
             for ds, qid, ids in tqdm(prompts, desc=f"n={n} runtime vs fast", mininterval=30):
                 if (n, ds, str(qid)) in done:
                     continue
                 trace, _ = traces.get(ds, qid, ids)
                 with torch.no_grad():
                     fast = fast_greedy_stats(module, trace, lookup)
-                    slow = runtime.generate(ids, args.max_new_tokens)
+                    slow = runtime.generate(ids, Request(args.max_new_tokens, SamplingParams()))
                 f, s = fast["stats"], slow.stats
                 row = {"n": n, "dataset": ds, "question_id": qid, "checkpoint": ckpt, "draft_source": args.draft_source,
                        "fast": [f.N, f.K, f.rollbacks], "runtime": [s.N, s.K, s.rollbacks],

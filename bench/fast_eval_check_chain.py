@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from spd.checkpoint import load_checkpoint
+from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.lookup import LookupDrafter
 from spd.eval.output import write_json
@@ -62,7 +63,7 @@ def main() -> int:
     with open(rows_path, "a") as sink:
         for m in [int(x) for x in args.ms.split(",")]:
             drafter = Eagle3Drafter(module, staged.embed) if module else LookupDrafter(*lookup)
-            runtime = ChainDecoder(staged, drafter, SamplingParams(), traces.eos, m)
+            runtime = ChainDecoder(staged, drafter, traces.eos, m)
             for ds, qid, ids in tqdm(prompts, desc=f"m={m} runtime vs fast", mininterval=30):
                 if (m, ds, str(qid)) in done:
                     continue
@@ -70,7 +71,7 @@ def main() -> int:
                 with torch.no_grad():
                     fast = fast_chain_stats(module, trace, m) if module else \
                         {**fast_lookup_stats(trace, *lookup, m), "min_module_margin": None}
-                    slow = runtime.generate(ids, args.max_new_tokens)
+                    slow = runtime.generate(ids, Request(args.max_new_tokens, SamplingParams()))
                 f, s = summary(fast["stats"]), summary(slow.stats)
                 row = {"m": m, "dataset": ds, "question_id": qid, "checkpoint": args.checkpoint, "method": args.method,
                        "fast": f, "runtime": s, "equal": f == s, "accepted_drafts": slow.stats.accepted,

@@ -20,13 +20,14 @@ import time
 
 import torch
 
-from spd.ar import ar_generate
+from spd.ar import ARDecoder
 from spd.config import GenerateConfig, load_config
+from spd.decoding import Request
 from spd.eval.harness import machine
 from spd.eval.output import write_json
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.runtime.local import LocalStages
-from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
+from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.streams import GraphStages, StreamStages
 from spd.sampling import SamplingParams
 from spd.session import open_session
@@ -84,21 +85,22 @@ def hf_rows(model, prompts, max_new, device, compile_static: bool, eos) -> dict:
 def suite_rows(session, prompts, max_new, device) -> tuple[dict, dict]:
     staged, eos = session.staged, session.eos_ids
     whole = StagedTarget(session.loaded.model, 1)
-    graph_ar = GraphStages(whole)
+    ar_eager, ar_graphs = ARDecoder(whole, eos), PipelineARDecoder(GraphStages(whole), eos)
+    request = Request(max_new, GREEDY)
     runs = {
-        "suite_ar_eager": lambda ids: ar_generate(whole, ids, max_new, GREEDY, eos).token_ids,
-        "suite_ar_graphs": lambda ids: pipeline_ar_generate(graph_ar, ids, max_new, GREEDY, eos).token_ids,
+        "suite_ar_eager": lambda ids: ar_eager.generate(ids, request).token_ids,
+        "suite_ar_graphs": lambda ids: ar_graphs.generate(ids, request).token_ids,
     }
     executors = {"spd_local_eager": LocalStages(staged), "spd_local_graphs": GraphStages(staged),
                  "spd_streams_eager": StreamStages(staged, cuda_graphs=False),
                  "spd_streams_graphs": StreamStages(staged, cuda_graphs=True)}
     stats = {}
     for name, ex in executors.items():
-        decoder = PipelineDecoder(ex, session.drafter(True), GREEDY, eos)
+        decoder = PipelineDecoder(ex, session.drafter(True), eos)
         stats[name] = []
 
         def run(ids, decoder=decoder, name=name):
-            out = decoder.generate(ids, max_new)
+            out = decoder.generate(ids, request)
             stats[name].append(out.stats)
             return out.token_ids
         runs[name] = run

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from spd.ar import ar_generate
-from spd.decoding import prefill
+from spd.ar import ARDecoder
+from spd.decoding import Request, prefill
 from spd.drafters.base import step_view
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import needed_layers
@@ -66,12 +66,12 @@ def main() -> int:
             return model.generate(prompt_t, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
 
     def ar():
-        return ar_generate(staged, ids, args.tokens, greedy, no_eos)
+        return ARDecoder(staged, no_eos).generate(ids, Request(args.tokens, greedy))
 
     module = SpeculationModule.from_target(staged, 1).eval()
 
     def spd():
-        return PipelineDecoder(staged, ModuleDrafter(module), greedy, no_eos).generate(ids, args.tokens)
+        return PipelineDecoder(staged, ModuleDrafter(module), no_eos).generate(ids, Request(args.tokens, greedy))
 
     # Warm up each path once, then interleave so drift hits all of them alike.
     hf(), ar(), spd()
@@ -115,7 +115,7 @@ def main() -> int:
     def spd_full():
         inner = ModuleDrafter(module)
         oracle = ReferenceDrafter(ids + ar_res.token_ids + [0] * args.n, model.config.vocab_size, inner=inner)
-        return PipelineDecoder(staged, oracle, greedy, no_eos).generate(ids, args.tokens)
+        return PipelineDecoder(staged, oracle, no_eos).generate(ids, Request(args.tokens, greedy))
 
     spd_full()
     full_runs = [best_of(spd_full, 1) for _ in range(args.repeats)]

@@ -29,17 +29,17 @@ import zlib
 
 import torch
 
-from spd.ar import ar_generate
+from spd.ar import ARDecoder
 from spd.checkpoint import read_checkpoint_config
 from spd.config import GenerateConfig, load_config
-from spd.decoding import eos_ids_of
+from spd.decoding import Request, eos_ids_of
 from spd.drafters.base import Drafter, WrappedDrafter
 from spd.eval.calibrate import calibrate, measured_cost_speedup, step_time
 from spd.eval.output import write_json
 from spd.drafters.lookup import LookupDrafter
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.runtime.chain import ChainDecoder
-from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
+from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.stages import open_stages, threads_for
 from spd.sampling import SamplingParams
 from spd.session import open_session
@@ -140,9 +140,9 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model, c
             params = params_for(temperature)
             session.draft_source = source
             drafter = TimedDrafter(session.drafter())
-            decoder = PipelineDecoder(stages, drafter, params, session.eos_ids)
+            decoder = PipelineDecoder(stages, drafter, session.eos_ids)
             result = decode_all(prompts, lambda key, ids: decoder.generate(
-                ids, args.max_new_tokens, torch.Generator().manual_seed(seed_of(key))))
+                ids, Request(args.max_new_tokens, params, seed_of(key))))
             cal = calibration[temperature]
             step_s, _ = step_time(cal["stage_s"], cal["head_s"], cal["verify_s"], cal["module_s"],
                                   hosted=controller == "first_stage")
@@ -159,8 +159,9 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model, c
             print(json.dumps({k: rows[-1][k] for k in ("n", "bounds", "draft_source", "temperature", "tokens_per_s",
                                                         "eal", "sources")}), file=sys.stderr)
         if 0 in args.temperatures and not args.skip_pipeline_ar:
-            result = decode_all(prompts, lambda key, ids: pipeline_ar_generate(
-                stages, ids, args.max_new_tokens, params_for(0), session.eos_ids))
+            decoder = PipelineARDecoder(stages, session.eos_ids)
+            result = decode_all(prompts, lambda key, ids: decoder.generate(
+                ids, Request(args.max_new_tokens, params_for(0))))
             rows.append({**base, **comm, "method": "ar", "runtime": "distributed", "temperature": 0, **result})
     return rows
 
@@ -174,9 +175,9 @@ def local_spd_rows(args, prompts, cores: int) -> list[dict]:
     with open_stages(session.staged, cfg, session.drafter().layers_needed(session.staged.bounds),
                      session.cache_dir) as stages:
         for temperature in args.temperatures:
-            decoder = PipelineDecoder(stages, session.drafter(), params_for(temperature), session.eos_ids)
+            decoder = PipelineDecoder(stages, session.drafter(), session.eos_ids)
             result = decode_all(prompts, lambda key, ids: decoder.generate(
-                ids, args.max_new_tokens, torch.Generator().manual_seed(seed_of(key))))
+                ids, Request(args.max_new_tokens, params_for(temperature), seed_of(key))))
             n = session.staged.n
             rows.append({"n": n, "bounds": "even", "stage_bounds": session.staged.bounds, "module": "shipped",
                          "checkpoint": session.checkpoint, "method": "spd", "draft_source": "module",
@@ -208,8 +209,9 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
                                         pad_token_id=loaded.tokenizer.pad_token_id or 0, **sample)
             return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
 
-        result = decode_all(prompts, lambda key, ids: ar_generate(staged, ids, args.max_new_tokens, params, eos,
-                                                                  torch.Generator().manual_seed(seed_of(key))))
+        ar = ARDecoder(staged, eos)
+        result = decode_all(prompts, lambda key, ids: ar.generate(ids, Request(args.max_new_tokens, params,
+                                                                                seed_of(key))))
         rows.append({"method": "ar", **base, "temperature": temperature, **result})
         if not args.skip_hf:
             rows.append({"method": "hf_generate", **base, "temperature": temperature, **decode_all(prompts, hf)})
@@ -221,9 +223,9 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
                          "draft_length": args.hf_lookup_tokens, **result})
         lo, hi = args.lookup_ngrams
         for m in args.draft_length:
-            decoder = ChainDecoder(staged, LookupDrafter(lo, hi), params, eos, m)
+            decoder = ChainDecoder(staged, LookupDrafter(lo, hi), eos, m)
             result = decode_all(prompts, lambda key, ids: decoder.generate(
-                ids, args.max_new_tokens, torch.Generator().manual_seed(seed_of(key))))
+                ids, Request(args.max_new_tokens, params, seed_of(key))))
             rows.append({"method": "lookup", **base, "temperature": temperature, "draft_length": m,
                          "ngrams": [lo, hi], **result})
     return rows

@@ -2,30 +2,36 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from spd.decoding import GenerationResult, context_length, is_final, prefill
-from spd.sampling import SamplingParams, next_token
+from spd.decoding import Decoder, Request, context_length, is_final, prefill
+from spd.sampling import next_token
 from spd.target.stages import StagedTarget
 
 
-@torch.no_grad()
-def ar_generate(target: StagedTarget, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
-                eos_ids: frozenset[int], generator: torch.Generator | None = None, on_token=None) -> GenerationResult:
-    """on_token(token_id): called for every token as it is sampled (streaming output)."""
-    start = time.perf_counter()
-    cache, hidden, _ = prefill(target, prompt_ids, max_length=context_length(len(prompt_ids), max_new_tokens, 0))
-    token = next_token(target.logits(hidden[0, -1]), params, generator)
-    out = [token]
-    if on_token:
-        on_token(token)
-    while not is_final(token, len(out), max_new_tokens, eos_ids):
-        ids = torch.tensor([[token]], device=target.device)
-        hidden, _ = target.forward_all(ids, cache, start_pos=len(prompt_ids) + len(out) - 1)
-        token = next_token(target.logits(hidden[0, -1]), params, generator)
-        out.append(token)
-        if on_token:
-            on_token(token)
-    return GenerationResult(token_ids=out, seconds=time.perf_counter() - start)
+class ARDecoder(Decoder):
+    """One target forward per token over the unsplit target. observe(logits [V], {l: H^l [1, 1 or P, d]}), when
+    given, sees what each forward produced before its token is chosen (the fast evaluator's trace recorder)."""
+
+    def __init__(self, target: StagedTarget, eos_ids: frozenset[int], capture=frozenset(), observe=None):
+        self.target, self.eos_ids, self.capture, self.observe = target, eos_ids, frozenset(capture), observe
+
+    @torch.no_grad()
+    def stream(self, prompt_ids, request: Request):
+        target, params = self.target, request.params
+        generator = request.generator(target.device)
+        length = context_length(len(prompt_ids), request.max_new_tokens, 0)
+        cache, hidden, captured = prefill(target, prompt_ids, self.capture, length)
+        produced = 0
+        while True:
+            logits = target.logits(hidden[0, -1])
+            if self.observe:
+                self.observe(logits, captured)
+            token = next_token(logits, params, generator)
+            produced += 1
+            yield token
+            if is_final(token, produced, request.max_new_tokens, self.eos_ids):
+                return
+            ids = torch.tensor([[token]], device=target.device)
+            hidden, captured = target.forward_all(ids, cache, len(prompt_ids) + produced - 1, self.capture)
+

@@ -77,6 +77,29 @@ class GenerateConfig:
         check_decoding(cfg)
 
 
+@dataclass
+class ServeConfig(GenerateConfig):
+    """`spd-infer serve`: generate's keys (the defaults every request starts from) and where to listen."""
+    host: str = "127.0.0.1"              # 0.0.0.0 listens on every interface
+    port: int = 8000                     # 0 = any free port (printed when ready)
+    api_key: Optional[str] = None        # when set, /v1/* require `Authorization: Bearer <api_key>`
+    max_queue: int = 32                  # requests waiting for the pipeline; more are answered 429
+    shutdown_timeout_s: float = 10.0     # SIGTERM / Ctrl-C: in-flight requests get this long to finish
+
+    @staticmethod
+    def check(cfg) -> None:
+        check_decoding(cfg)
+        if cfg.prompt is not None or cfg.prompt_file is not None:
+            raise UserError("serve takes its prompts from requests; drop prompt/prompt_file")
+        if not 0 <= cfg.port <= 65535:
+            raise UserError(f"port={cfg.port} must be in [0, 65535] (0 = any free port)")
+        at_least(cfg, "max_queue", 1, " (requests that may wait)")
+        if not (math.isfinite(cfg.shutdown_timeout_s) and cfg.shutdown_timeout_s >= 0):
+            raise UserError(f"shutdown_timeout_s={cfg.shutdown_timeout_s} must be >= 0 seconds")
+        if cfg.api_key is not None and not cfg.api_key.strip():
+            raise UserError("api_key is empty; give a key or drop api_key")
+
+
 def field_type(schema: type, dotted: str):
     """The declared type of `a.b.c` in a dataclass schema, or None where the key does not exist."""
     kind = schema

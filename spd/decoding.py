@@ -1,25 +1,69 @@
-"""What every decoding method shares: the prefill, the stop rule, and the result record."""
+"""What every decoding method shares: the request, the decoder's one shape (a stream of verified tokens), the
+prefill, the stop rule, and the result record."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
-from spd.metrics import DecodeStats
+from spd.metrics import ChainStats, DecodeStats
+from spd.sampling import SamplingParams
 from spd.target.kv_cache import LayerKVCache
 from spd.target.stages import StagedTarget
+
+
+@dataclass(frozen=True)
+class Request:
+    """One decode: how many tokens at most, how to sample them, and from which seed. Stop strings are text and
+    belong to whoever detokenizes (spd.engine); a decoder stops at max_new_tokens or an end-of-sequence token."""
+    max_new_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None            # None: a fresh seed from the OS (greedy ignores it)
+
+    def generator(self, device) -> torch.Generator:
+        generator = torch.Generator(device=device)
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
 
 
 @dataclass
 class GenerationResult:
     token_ids: list[int]               # the N generated tokens
     seconds: float                     # prefill + decode wall time
-    stats: DecodeStats | None = None   # None for plain autoregressive decoding
+    stats: DecodeStats | ChainStats | None = None   # None for plain autoregressive decoding
 
     @property
     def tokens_per_s(self) -> float:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else float("inf")
+
+
+class Decoder(ABC):
+    """Every decoding method's one shape: `stream` yields each token as it is verified (nanochat's
+    `Engine.generate`). Closing the stream early cancels the decode at the token it stopped at, and the decoder
+    (its executor, its caches) is ready for the next request. `stats` is the current or last decode's record."""
+
+    stats: DecodeStats | ChainStats | None = None
+
+    @abstractmethod
+    def stream(self, prompt_ids: list[int], request: Request) -> Iterator[int]:
+        ...
+
+    def generate(self, prompt_ids: list[int], request: Request, on_token=None) -> GenerationResult:
+        """The whole stream at once; on_token(token_id) sees each token as it comes."""
+        start = time.perf_counter()
+        tokens = []
+        for token in self.stream(prompt_ids, request):
+            tokens.append(token)
+            if on_token:
+                on_token(token)
+        return GenerationResult(tokens, time.perf_counter() - start, self.stats)
 
 
 def prefill(target: StagedTarget, prompt_ids: list[int], capture=frozenset(), max_length: int | None = None,

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from spd.decoding import context_length, is_final, prefill
+from spd.ar import ARDecoder
+from spd.decoding import Request
 from spd.drafters.lookup import NgramIndex
 from spd.layout import needed_layers
 from spd.metrics import DecodeStats
 from spd.module import SpeculationModule
 from spd.runtime.schedule import first_step, flushed_from, next_step
-from spd.sampling import greedy_token
 from spd.target.stages import StagedTarget
 
 
@@ -39,24 +39,21 @@ def _margin(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
-@torch.no_grad()
 def record_greedy_trace(staged: StagedTarget, prompt_ids: list[int], max_new_tokens: int,
                         eos_ids: frozenset[int], layers: list[int] | None = None) -> GreedyTrace:
     """Incremental greedy AR decoding (bitwise the pipeline's path) that keeps `layers` (default: what the layout's
     features read) of every position."""
     capture = frozenset(needed_layers(staged.bounds) if layers is None else layers)
-    cache, hidden, captured = prefill(staged, prompt_ids, capture, context_length(len(prompt_ids), max_new_tokens, 0))
-    parts = {layer: [h] for layer, h in captured.items()}
-    logits = staged.logits(hidden[0, -1])
-    tokens, margins = [greedy_token(logits)], [_margin(logits)]
-    while not is_final(tokens[-1], len(tokens), max_new_tokens, eos_ids):
-        ids = torch.tensor([[tokens[-1]]], device=staged.device)
-        hidden, captured = staged.forward_all(ids, cache, len(prompt_ids) + len(tokens) - 1, capture)
+    parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in capture}
+    margins = []
+
+    def observe(logits, captured):
+        margins.append(_margin(logits))
         for layer, h in captured.items():
             parts[layer].append(h)
-        logits = staged.logits(hidden[0, -1])
-        tokens.append(greedy_token(logits))
-        margins.append(_margin(logits))
+
+    decoder = ARDecoder(staged, eos_ids, capture, observe)
+    tokens = list(decoder.stream(prompt_ids, Request(max_new_tokens)))
     return GreedyTrace(list(prompt_ids), tokens, {k: torch.cat(v, 1) for k, v in parts.items()}, margins)
 
 

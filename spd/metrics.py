@@ -76,6 +76,7 @@ class ChainStats:
     N: int = 0
     cycles: int = 0
     accepted: int = 0
+    drafted: int = 0                  # draft tokens proposed (those after a rejected one are never verified)
     accepted_per_cycle: list[int] = field(default_factory=list)
     sources: dict[str, list[int]] = field(default_factory=dict)   # draft source -> [drafts verified, accepted]
 
@@ -90,6 +91,7 @@ class ChainStats:
         return None if self.tau is None else self.tau * num_layers / (module_layers * self.m + num_layers)
 
     def as_dict(self) -> dict:
-        return {"m": self.m, "N": self.N, "cycles": self.cycles, "accepted": self.accepted, "tau": self.tau,
+        return {"m": self.m, "N": self.N, "cycles": self.cycles, "accepted": self.accepted, "drafted": self.drafted,
+                "tau": self.tau,
                 "accepted_histogram": dict(sorted(Counter(self.accepted_per_cycle).items())),
                 "sources": {source: list(counts) for source, counts in sorted(self.sources.items())}}

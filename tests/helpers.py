@@ -5,7 +5,8 @@ import os
 
 import torch
 
-from spd.ar import ar_generate
+from spd.ar import ARDecoder
+from spd.decoding import Request
 from spd.drafters.base import Drafter, WrappedDrafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
@@ -46,16 +47,16 @@ def prompt(seed: int, length: int = 12, vocab: int = 128) -> list[int]:
 
 
 def spd_run(model, n, prompt_ids, max_new, module_layers=1, use_cache=True, draft_vocab=None, params=GREEDY,
-            eos=frozenset(), seed=0, generator=None, method="spd"):
+            eos=frozenset(), seed=0, method="spd"):
     staged = StagedTarget(model, n)
     module = SpeculationModule.from_target(staged, module_layers, draft_to_target=draft_vocab, seed=seed,
                                            method=method)
-    decoder = PipelineDecoder(staged, ModuleDrafter(module, use_cache), params, eos)
-    return decoder.generate(prompt_ids, max_new, generator), staged, module
+    decoder = PipelineDecoder(staged, ModuleDrafter(module, use_cache), eos)
+    return decoder.generate(prompt_ids, Request(max_new, params)), staged, module
 
 
-def ar_run(model, prompt_ids, max_new, params=GREEDY, eos=frozenset(), generator=None):
-    return ar_generate(StagedTarget(model, 1), prompt_ids, max_new, params, eos, generator)
+def ar_run(model, prompt_ids, max_new, params=GREEDY, eos=frozenset(), seed=None):
+    return ARDecoder(StagedTarget(model, 1), eos).generate(prompt_ids, Request(max_new, params, seed))
 
 
 class ScriptedDrafter(WrappedDrafter):

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from helpers import GREEDY, ScriptedDrafter, ar_run, controller_parts, distributed_cfg, ended_on_rejection, prompt
-from spd.ar import ar_generate
+from spd.ar import ARDecoder
+from spd.decoding import Request
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
 from spd.runtime.distributed.comm import PipelineFailure
 from spd.runtime.local import LocalStages
-from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
+from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.stages import open_stages
 from spd.sampling import SamplingParams
 from spd.target.loading import load_target
@@ -42,8 +43,7 @@ def test_distributed_equals_local_greedy_and_sampled(tiny, n, controller):
 
     def decode(stages, params, seed):
         drafter = ScriptedDrafter(ModuleDrafter(module), tiny.model, wrong_every=5)
-        return PipelineDecoder(stages, drafter, params, frozenset()).generate(
-            p, 40, torch.Generator().manual_seed(seed))
+        return PipelineDecoder(stages, drafter, frozenset()).generate(p, Request(40, params, seed))
 
     runs = [(GREEDY, 0), (SAMPLED, 1), (SAMPLED, 2)]
     local = [decode(staged, params, seed) for params, seed in runs]
@@ -51,7 +51,7 @@ def test_distributed_equals_local_greedy_and_sampled(tiny, n, controller):
     with open_stages(parts, distributed_cfg(controller=controller), module_layers(n, staged), cache) as stages:
         assert len(stages.processes.procs) == (n - 1 if controller == "first_stage" else n)
         remote = [decode(stages, params, seed) for params, seed in runs]   # one set of processes, several prompts
-        remote_ar = pipeline_ar_generate(stages, p, 40, GREEDY, frozenset())
+        remote_ar = PipelineARDecoder(stages, frozenset()).generate(p, Request(40, GREEDY))
     for mine, theirs in zip(remote, local):
         assert mine.token_ids == theirs.token_ids
         assert (mine.stats.K, mine.stats.rollbacks) == (theirs.stats.K, theirs.stats.rollbacks)
@@ -68,8 +68,8 @@ def module_layers(n, staged):
 def test_pipeline_ar_locally_equals_ar(tiny):
     p = prompt(3, vocab=tiny.model.config.vocab_size)
     for n in (1, 3):
-        assert pipeline_ar_generate(StagedTarget(tiny.model, n), p, 30, GREEDY, frozenset()).token_ids == \
-            ar_generate(StagedTarget(tiny.model, 1), p, 30, GREEDY, frozenset()).token_ids
+        assert PipelineARDecoder(StagedTarget(tiny.model, n), frozenset()).generate(p, Request(30, GREEDY)).token_ids == \
+            ARDecoder(StagedTarget(tiny.model, 1), frozenset()).generate(p, Request(30, GREEDY)).token_ids
 
 
 @pytest.mark.parametrize("controller", ["own_process", "first_stage"])
@@ -91,7 +91,7 @@ def test_a_killed_stage_stops_every_process(tiny, capfd, controller):
 
             drafter = ScriptedDrafter(ModuleDrafter(module), tiny.model, wrong_every=7, on_step=kill_mid_generation)
             start = time.monotonic()
-            PipelineDecoder(stages, drafter, GREEDY, frozenset()).generate(p, 250)
+            PipelineDecoder(stages, drafter, frozenset()).generate(p, Request(250, GREEDY))
     assert time.monotonic() - start < 30
     assert "stage 2/3" in str(failure.value) and "SIGKILL" in str(failure.value)
     for proc in procs:  # open_stages waited for them: every one has ended, none with success
@@ -115,12 +115,11 @@ def test_sampling_through_distributed_runtime_matches_target_distribution(tmp_pa
     controller, cache = controller_parts(str(tmp_path / "target"), n)
     samples = DISTRIBUTED_SAMPLES
     counts, rollbacks = {}, 0
-    g = torch.Generator().manual_seed(0)
     with open_stages(controller, distributed_cfg(controller="first_stage"), module_layers(n, controller),
                      cache) as stages:   # two processes: what n = 2 runs on two cores
-        decoder = PipelineDecoder(stages, ModuleDrafter(module), PARAMS, frozenset())
-        for _ in range(samples):
-            out = decoder.generate(PROMPT, LENGTH, g)
+        decoder = PipelineDecoder(stages, ModuleDrafter(module), frozenset())
+        for seed in range(samples):
+            out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed))
             counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
             rollbacks += out.stats.rollbacks
     assert rollbacks > samples * 0.2
@@ -172,8 +171,7 @@ def test_smollm2_n5_distributed_equals_local():
 
     def decode(stages, params, seed):
         drafter = ScriptedDrafter(ModuleDrafter(module), smollm2.model, wrong_every=4)
-        return PipelineDecoder(stages, drafter, params, frozenset()).generate(
-            list(ids), 16, torch.Generator().manual_seed(seed))
+        return PipelineDecoder(stages, drafter, frozenset()).generate(list(ids), Request(16, params, seed))
 
     local = [decode(staged, params, seed) for params, seed in runs]
     with open_stages(controller, distributed_cfg(controller="own_process"), module_layers(n, staged), cache) as stages:
@@ -207,7 +205,7 @@ def test_smollm2_reused_stage_processes_decode_like_ar():
     runs = [(p, params, seed) for params, seed in ((GREEDY, 0), (SAMPLED, 1)) for p in prompts]
 
     def decode(stages, drafter, p, params, seed):
-        return PipelineDecoder(stages, drafter, params, frozenset()).generate(p, 24, torch.Generator().manual_seed(seed))
+        return PipelineDecoder(stages, drafter, frozenset()).generate(p, Request(24, params, seed))
 
     with open_stages(controller, distributed_cfg(controller="first_stage"),
                      ModuleDrafter(module).layers_needed(staged.bounds), cache) as stages:
@@ -218,5 +216,5 @@ def test_smollm2_reused_stage_processes_decode_like_ar():
     for (p, params, _), mine, theirs in zip(runs, reused, fresh):
         assert mine.token_ids == theirs.token_ids and mine.stats.as_dict() == theirs.stats.as_dict()
         if params.greedy:
-            assert mine.token_ids == ar_generate(whole, p, 24, GREEDY, frozenset()).token_ids
+            assert mine.token_ids == ARDecoder(whole, frozenset()).generate(p, Request(24, GREEDY)).token_ids
     assert ended_on_rejection(reused[0]) and len(prompts[1]) > len(prompts[0]) + 24

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from helpers import GREEDY, ar_run, prompt
+from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.eagle3_module import Eagle3Module, fused_layers
 from spd.runtime.chain import ChainDecoder
@@ -49,7 +50,7 @@ def test_chain_drafts_equal_the_training_time_test(family_model, m):
     staged, module = eagle(model, seed=m)
     p = prompt(m + 3)
     drafter = RecordingDrafter(module, staged.embed)
-    out = ChainDecoder(staged, drafter, GREEDY, frozenset(), m).generate(p, 30)
+    out = ChainDecoder(staged, drafter, frozenset(), m).generate(p, Request(30, GREEDY))
     sequence = p + out.token_ids
     batch = collate([{"input_ids": sequence, "loss_mask": [True] * len(sequence)}], pad_id=0)
     capture = frozenset(module.layers_needed())
@@ -115,7 +116,7 @@ def test_chain_greedy_equals_ar(family_model, m):
         p = prompt(seed + 80)
         ar = ar_run(model, p, 40)
         staged, module = eagle(model, seed=seed, draft_vocab=vocab if seed else None)
-        out = ChainDecoder(staged, Eagle3Drafter(module, staged.embed), GREEDY, frozenset(), m).generate(p, 40)
+        out = ChainDecoder(staged, Eagle3Drafter(module, staged.embed), frozenset(), m).generate(p, Request(40, GREEDY))
         assert out.token_ids == ar.token_ids, (family, m, seed)
         assert out.stats.N == 40 and out.stats.cycles >= 39 / (m + 1)
 
@@ -132,6 +133,6 @@ def test_chain_with_an_oracle_drafter_settles_m_plus_one_per_cycle(family_model)
             start = self.rows + 1                  # the first position after the verified sequence
             return [Proposal(reference[start + j]) for j in range(m)]
 
-    out = ChainDecoder(staged, Oracle(module, staged.embed), GREEDY, frozenset(), 4).generate(p, 40)
+    out = ChainDecoder(staged, Oracle(module, staged.embed), frozenset(), 4).generate(p, Request(40, GREEDY))
     assert out.token_ids == reference[len(p):]
     assert out.stats.cycles == 8 and out.stats.tau == pytest.approx(39 / 8)   # 5 tokens a cycle, 4 at the end

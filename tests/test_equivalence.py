@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from helpers import GREEDY, ar_run, prompt
+from spd.decoding import Request
 from spd.drafters.base import WrappedDrafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
@@ -64,7 +65,7 @@ def test_runtime_logits_equal_training_layout(family_model, n, use_cache, layers
         module.feature_shift.copy_(torch.randn(module.feature_shift.shape, generator=g))
         module.feature_scale.copy_(torch.rand(module.feature_scale.shape, generator=g) * 3 + 0.2)
     drafter = RecordingDrafter(ModuleDrafter(module, use_cache), reference, wrong_every=9)
-    out = PipelineDecoder(staged, drafter, GREEDY, frozenset()).generate(p, 40)
+    out = PipelineDecoder(staged, drafter, frozenset()).generate(p, Request(40, GREEDY))
     assert out.stats.rollbacks > 0
     assert drafter.after_step == (method != "spd")
     seen = {a for _, a, _, _ in drafter.records}

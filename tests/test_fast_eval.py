@@ -3,6 +3,7 @@
 import pytest
 
 from helpers import GREEDY, prompt
+from spd.decoding import Request
 from spd.drafters.spd_module import ModuleDrafter
 from spd.fast_eval import fast_greedy_stats, record_greedy_trace
 from spd.module import SpeculationModule
@@ -28,7 +29,7 @@ def test_fast_evaluator_matches_runtime(family_model, n):
         for module in (SpeculationModule.from_target(staged, 1, seed=seed).eval(), trained_like(staged, seed)):
             trace = record_greedy_trace(staged, p, 40, frozenset())
             fast = fast_greedy_stats(module, trace)
-            slow = PipelineDecoder(staged, ModuleDrafter(module), GREEDY, frozenset()).generate(p, 40)
+            slow = PipelineDecoder(staged, ModuleDrafter(module), frozenset()).generate(p, Request(40, GREEDY))
             assert slow.token_ids == trace.tokens
             assert (fast["stats"].N, fast["stats"].K, fast["stats"].rollbacks) == \
                 (slow.stats.N, slow.stats.K, slow.stats.rollbacks)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from helpers import GREEDY, ar_run, prompt
+from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.eagle3_module import Eagle3Module
 from spd.eval.traces import TraceCache
@@ -50,7 +51,7 @@ def test_replay_settles_the_cycles_the_chain_runtime_does(family_model, m, max_n
         for i in range(len(seq) - 2 - j):
             right = float(torch.rand((), generator=g)) < 0.6
             table[j, i] = seq[i + 2 + j] if right else (seq[i + 2 + j] + 1) % model.config.vocab_size
-    out = ChainDecoder(staged, TableDrafter(module, staged.embed, table), GREEDY, frozenset(), m).generate(p, max_new)
+    out = ChainDecoder(staged, TableDrafter(module, staged.embed, table), frozenset(), m).generate(p, Request(max_new, GREEDY))
     assert out.token_ids == tokens
     replayed = replay_chain(m, len(p), tokens, table)
     assert chain_summary(replayed) == chain_summary(out.stats)
@@ -65,7 +66,7 @@ def test_fast_chain_stats_equal_the_runtime_with_a_real_module(family_model, m):
     for seed in range(2):
         module = Eagle3Module.from_target(staged, draft_to_target=vocab if seed else None, seed=seed).eval()
         p = prompt(seed + 60)
-        out = ChainDecoder(staged, Eagle3Drafter(module, staged.embed), GREEDY, frozenset(), m).generate(p, 40)
+        out = ChainDecoder(staged, Eagle3Drafter(module, staged.embed), frozenset(), m).generate(p, Request(40, GREEDY))
         trace = record_greedy_trace(staged, p, 40, frozenset(), module.layers_needed())
         assert trace.tokens == out.token_ids
         fast = fast_chain_stats(module, trace, m)

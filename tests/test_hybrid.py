@@ -7,6 +7,7 @@ import random
 import pytest
 
 from helpers import GREEDY, ar_run, prompt
+from spd.decoding import Request
 from spd.drafters.hybrid import LookupThenModule
 from spd.drafters.lookup import NgramIndex
 from spd.drafters.spd_module import ModuleDrafter
@@ -36,7 +37,7 @@ def test_truncate_restores_the_pool_a_shorter_context_builds():
 
 def hybrid_decoder(staged, seed, method="spd", min_n=2):
     module = SpeculationModule.from_target(staged, 1, seed=seed, method=method).eval()
-    return PipelineDecoder(staged, LookupThenModule(ModuleDrafter(module), min_n, 8), GREEDY, frozenset())
+    return PipelineDecoder(staged, LookupThenModule(ModuleDrafter(module), min_n, 8), frozenset())
 
 
 def decode_and_count(model, n, method):
@@ -46,7 +47,7 @@ def decode_and_count(model, n, method):
     for seed in range(3):
         p = prompt(seed + 40, vocab=model.config.vocab_size)
         decoder = hybrid_decoder(staged, seed, method)
-        out = decoder.generate(p, 48)
+        out = decoder.generate(p, Request(48, GREEDY))
         assert out.token_ids == ar_run(model, p, 48).token_ids
         for source, (v, a) in out.stats.sources.items():
             verified[source][0] += v
@@ -82,7 +83,7 @@ def test_fast_evaluator_matches_the_hybrid_runtime(family_model, n):
         trace = record_greedy_trace(staged, p, 40, frozenset())
         module = SpeculationModule.from_target(staged, 1, seed=seed).eval()
         fast = fast_greedy_stats(module, trace, lookup=(2, 8))
-        slow = hybrid_decoder(staged, seed).generate(p, 40)
+        slow = hybrid_decoder(staged, seed).generate(p, Request(40, GREEDY))
         assert slow.token_ids == trace.tokens
         assert (fast["stats"].N, fast["stats"].K, fast["stats"].rollbacks) == \
             (slow.stats.N, slow.stats.K, slow.stats.rollbacks)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers import GREEDY, ar_run, prompt
+from spd.decoding import Request
 from spd.drafters.lookup import LookupDrafter, NgramIndex
 from spd.fast_eval import record_greedy_trace
 from spd.fast_eval_chain import fast_lookup_stats
@@ -70,7 +71,7 @@ def test_lookup_chain_greedy_equals_ar(family_model, untied_target_dir, m):
         for seed in range(2):
             p = prompt(seed + 50, vocab=target.config.vocab_size)
             ar = ar_run(target, p, 40).token_ids
-            out = ChainDecoder(staged, LookupDrafter(min_n=1, max_n=4), GREEDY, frozenset(), m).generate(p, 40)
+            out = ChainDecoder(staged, LookupDrafter(min_n=1, max_n=4), frozenset(), m).generate(p, Request(40, GREEDY))
             assert out.token_ids == ar, (family, m, seed)
     assert out.stats.N == 40
 
@@ -86,7 +87,7 @@ def test_the_fast_lookup_replay_equals_the_chain(family_model, untied_target_dir
         staged = StagedTarget(target, 1)
         for seed in range(2):
             p = prompt(seed + 70, vocab=target.config.vocab_size)
-            out = ChainDecoder(staged, LookupDrafter(1, 4), GREEDY, frozenset(), m).generate(p, 40)
+            out = ChainDecoder(staged, LookupDrafter(1, 4), frozenset(), m).generate(p, Request(40, GREEDY))
             trace = record_greedy_trace(staged, p, 40, frozenset())
             fast = fast_lookup_stats(trace, 1, 4, m)
             got, want = fast["stats"], out.stats
@@ -101,7 +102,7 @@ def test_lookup_on_a_loop_settles_m_plus_one_per_cycle(family_model):
     _, model = family_model
     p = [5, 6, 7] * 4
     ar = ar_run(model, p, 40).token_ids
-    out = ChainDecoder(StagedTarget(model, 1), LookupDrafter(1, 4), GREEDY, frozenset(), 4).generate(p, 40)
+    out = ChainDecoder(StagedTarget(model, 1), LookupDrafter(1, 4), frozenset(), 4).generate(p, Request(40, GREEDY))
     assert out.token_ids == ar
     if len(set(ar[1:])) == 1:                  # the tied targets repeat one token: every lookup draft holds
         assert out.stats.tau == pytest.approx(39 / out.stats.cycles) and out.stats.cycles <= 8

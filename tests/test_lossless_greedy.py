@@ -55,6 +55,7 @@ def test_eos_stops_both_decoders(family_model):
 
 
 def test_uneven_and_explicit_stage_bounds(family_model):
+    from spd.decoding import Request
     from spd.drafters.spd_module import ModuleDrafter
     from spd.module import SpeculationModule
     from spd.runtime.pipeline import PipelineDecoder
@@ -67,5 +68,5 @@ def test_uneven_and_explicit_stage_bounds(family_model):
     for n, bounds in ((4, None), (3, [1, 8])):
         staged = StagedTarget(model, n, bounds)
         module = SpeculationModule.from_target(staged, 1)
-        out = PipelineDecoder(staged, ModuleDrafter(module), SamplingParams(), frozenset()).generate(p, 30)
+        out = PipelineDecoder(staged, ModuleDrafter(module), frozenset()).generate(p, Request(30, SamplingParams()))
         assert out.token_ids == ar.token_ids

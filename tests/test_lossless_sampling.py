@@ -12,6 +12,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from spd.decoding import Request
 from spd.drafters.hybrid import LookupThenModule
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
@@ -69,11 +70,10 @@ def sample_spd(model, n, samples, seed, method="spd", lookup=False, sources=None
     staged = StagedTarget(model, n)
     module = SpeculationModule.from_target(staged, 1, seed=1, method=method)  # random: its q is far from p, rejections are common
     drafter = ModuleDrafter(module)
-    decoder = PipelineDecoder(staged, LookupThenModule(drafter, 1, 2) if lookup else drafter, PARAMS, frozenset())
-    g = torch.Generator().manual_seed(seed)
+    decoder = PipelineDecoder(staged, LookupThenModule(drafter, 1, 2) if lookup else drafter, frozenset())
     counts, rollbacks = {}, 0
-    for _ in range(samples):
-        out = decoder.generate(PROMPT, LENGTH, g)
+    for i in range(samples):
+        out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i))
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
         rollbacks += out.stats.rollbacks
@@ -158,11 +158,10 @@ def test_eagle3_chain_samples_the_target_distribution(small_vocab_model, m):
     dist = exact_distribution(small_vocab_model, PARAMS)
     staged = StagedTarget(small_vocab_model, 1)
     module = Eagle3Module.from_target(staged, seed=1).eval()
-    decoder = ChainDecoder(staged, Eagle3Drafter(module, staged.embed), PARAMS, frozenset(), m)
-    g = torch.Generator().manual_seed(3)
+    decoder = ChainDecoder(staged, Eagle3Drafter(module, staged.embed), frozenset(), m)
     counts, rejected_cycles = {}, 0
-    for _ in range(SHORT):
-        out = decoder.generate(PROMPT, LENGTH, g)
+    for i in range(SHORT):
+        out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, 3 * 1_000_003 + i))
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
         rejected_cycles += sum(a < m for a in out.stats.accepted_per_cycle)
@@ -198,11 +197,10 @@ def sample_lookup(model, samples, seed):
     from spd.drafters.lookup import LookupDrafter
     from spd.runtime.chain import ChainDecoder
 
-    decoder = ChainDecoder(StagedTarget(model, 1), LookupDrafter(min_n=1, max_n=2), PARAMS, frozenset(), 2)
-    g = torch.Generator().manual_seed(seed)
+    decoder = ChainDecoder(StagedTarget(model, 1), LookupDrafter(min_n=1, max_n=2), frozenset(), 2)
     counts = {}
-    for _ in range(samples):
-        key = tuple(decoder.generate(PROMPT, LENGTH, g).token_ids)
+    for i in range(samples):
+        key = tuple(decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i)).token_ids)
         counts[key] = counts.get(key, 0) + 1
     return counts
 

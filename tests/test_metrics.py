@@ -3,6 +3,7 @@
 import pytest
 
 from helpers import GREEDY, ar_run, prompt
+from spd.decoding import Request
 from spd.drafters.reference import ReferenceDrafter
 from spd.metrics import DecodeStats, pooled_eal
 from spd.runtime.pipeline import PipelineDecoder
@@ -14,7 +15,7 @@ def run_reference(model, n, wrong, max_new):
     reference = p + ar_run(model, p, max_new + n + 2).token_ids
     staged = StagedTarget(model, n)
     drafter = ReferenceDrafter(reference, model.config.vocab_size, wrong=wrong)
-    out = PipelineDecoder(staged, drafter, GREEDY, frozenset()).generate(p, max_new)
+    out = PipelineDecoder(staged, drafter, frozenset()).generate(p, Request(max_new, GREEDY))
     assert out.token_ids == reference[len(p): len(p) + max_new]
     return out.stats
 

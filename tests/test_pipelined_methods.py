@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from helpers import GREEDY, ar_run, prompt, spd_run
+from spd.decoding import Request
 from spd.drafters.spd_module import ModuleDrafter
 from spd.eval.calibrate import formula_speedup, step_time
 from spd.fast_eval import fast_greedy_stats, record_greedy_trace
@@ -76,7 +77,7 @@ def test_fast_evaluator_matches_runtime(family_model, method):
         module.eval()
         trace = record_greedy_trace(staged, p, 40, frozenset())
         fast = fast_greedy_stats(module, trace)
-        slow = PipelineDecoder(staged, ModuleDrafter(module), GREEDY, frozenset()).generate(p, 40)
+        slow = PipelineDecoder(staged, ModuleDrafter(module), frozenset()).generate(p, Request(40, GREEDY))
         assert slow.token_ids == trace.tokens
         assert (fast["stats"].N, fast["stats"].K, fast["stats"].rollbacks, fast["stats"].accepted_runs) == \
             (slow.stats.N, slow.stats.K, slow.stats.rollbacks, slow.stats.accepted_runs)

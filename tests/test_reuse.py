@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from helpers import GREEDY, ScriptedDrafter, ar_run, controller_parts, distributed_cfg, ended_on_rejection, prompt
-from spd.ar import ar_generate
+from spd.ar import ARDecoder
+from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.spd_module import ModuleDrafter
@@ -25,7 +26,7 @@ from spd.eagle3_module import Eagle3Module
 from spd.module import SpeculationModule
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.local import LocalStages
-from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
+from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.stages import open_stages
 from spd.runtime.streams import GraphStages, StreamStages
 from spd.sampling import Proposal, SamplingParams
@@ -89,8 +90,8 @@ def modules(staged: StagedTarget) -> dict[str, SpeculationModule]:
 
 
 def decode_plan(plan, params, decode) -> list:
-    """decode(ids, max_new, eos, generator) for each generation in order, seeded per generation."""
-    return [decode(ids, max_new, eos, torch.Generator().manual_seed(100 + i))
+    """decode(ids, max_new, eos, seed) for each generation in order, seeded per generation."""
+    return [decode(ids, max_new, eos, 100 + i)
             for i, (ids, max_new, eos, _) in enumerate(plan)]
 
 
@@ -115,15 +116,15 @@ def check_reuse_equals_fresh(plan, params, reused, fresh, drafting: bool):
 def pipelined(method: str, executor, staged_full: StagedTarget, module, model, params):
     """A decode function over one executor (and, for drafting methods, one drafter) that every call reuses."""
     if method == "pipeline_ar":
-        return lambda ids, max_new, eos, g: pipeline_ar_generate(executor, ids, max_new, params, eos, g)
+        return lambda ids, max_new, eos, seed: PipelineARDecoder(executor, eos).generate(ids, Request(max_new, params, seed))
     drafter = ScriptedDrafter(ModuleDrafter(module), model, WRONG_EVERY)
-    return lambda ids, max_new, eos, g: PipelineDecoder(executor, drafter, params, eos).generate(ids, max_new, g)
+    return lambda ids, max_new, eos, seed: PipelineDecoder(executor, drafter, eos).generate(ids, Request(max_new, params, seed))
 
 
 def fresh_pipelined(method, staged_full, module, model, params):
     """A new in-process executor and drafter for every generation: the oracle."""
-    def decode(ids, max_new, eos, g):
-        return pipelined(method, LocalStages(staged_full), staged_full, module, model, params)(ids, max_new, eos, g)
+    def decode(ids, max_new, eos, seed):
+        return pipelined(method, LocalStages(staged_full), staged_full, module, model, params)(ids, max_new, eos, seed)
     return decode
 
 
@@ -203,11 +204,11 @@ def test_a_reused_chain_drafter_decodes_like_a_fresh_one(tiny, plan, params, dra
 
     one = make()   # reused, as `spd-infer chat` reuses its drafter
 
-    def reuse(ids, max_new, eos, g):
-        return ChainDecoder(staged, one, params, eos, 3).generate(ids, max_new, g)
+    def reuse(ids, max_new, eos, seed):
+        return ChainDecoder(staged, one, eos, 3).generate(ids, Request(max_new, params, seed))
 
-    def fresh(ids, max_new, eos, g):
-        return ChainDecoder(staged, make(), params, eos, 3).generate(ids, max_new, g)
+    def fresh(ids, max_new, eos, seed):
+        return ChainDecoder(staged, make(), eos, 3).generate(ids, Request(max_new, params, seed))
 
     reused, fresh_runs = decode_plan(plan, params, reuse), decode_plan(plan, params, fresh)
     check_reuse_equals_fresh(plan, params, reused, fresh_runs, drafting=False)
@@ -219,7 +220,7 @@ def test_a_reused_chain_drafter_decodes_like_a_fresh_one(tiny, plan, params, dra
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "T1"])
 def test_ar_decodes_like_a_fresh_ar(tiny, plan, params):
     staged = StagedTarget(tiny.model, 1)
-    ar = decode_plan(plan, params, lambda ids, max_new, eos, g: ar_generate(staged, ids, max_new, params, eos, g))
-    ar_fresh = decode_plan(plan, params, lambda ids, max_new, eos, g: ar_generate(StagedTarget(tiny.model, 1), ids,
-                                                                                  max_new, params, eos, g))
+    ar = decode_plan(plan, params, lambda ids, max_new, eos, seed: ARDecoder(staged, eos).generate(ids, Request(max_new, params, seed)))
+    ar_fresh = decode_plan(plan, params, lambda ids, max_new, eos, seed: ARDecoder(StagedTarget(tiny.model, 1), eos).generate(
+        ids, Request(max_new, params, seed)))
     check_reuse_equals_fresh(plan, params, ar, ar_fresh, drafting=False)

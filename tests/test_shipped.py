@@ -4,8 +4,9 @@ and decodes losslessly."""
 import pytest
 import torch
 
-from spd.ar import ar_generate
+from spd.ar import ARDecoder
 from spd.checkpoint import load_checkpoint, read_checkpoint_config
+from spd.decoding import Request
 from spd.decoding import eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
 from spd.prompts import chat_prompt_ids
@@ -52,8 +53,8 @@ def test_shipped_module_loads_on_the_default_target_and_is_lossless(module):
     assert drafter_module.head.weight.dtype == torch.float32     # stored in float16, widened on load
     ids = chat_prompt_ids(loaded.tokenizer, "Tom has 3 boxes of 12 pencils and gives away 7. How many are left?")
     eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
-    reference = ar_generate(StagedTarget(loaded.model, 1), ids, 48, SamplingParams(), eos)
-    out = PipelineDecoder(staged, ModuleDrafter(drafter_module), SamplingParams(), eos).generate(ids, 48)
+    reference = ARDecoder(StagedTarget(loaded.model, 1), eos).generate(ids, Request(48, SamplingParams()))
+    out = PipelineDecoder(staged, ModuleDrafter(drafter_module), eos).generate(ids, Request(48, SamplingParams()))
     assert out.token_ids == reference.token_ids
     assert out.stats.eal > 1.1, out.stats    # a trained module: drafts get accepted
 

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from spd.ar import ar_generate
+from spd.ar import ARDecoder
 from spd.cli import main
+from spd.decoding import Request
 from spd.decoding import eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
@@ -52,9 +53,9 @@ def test_spd_equals_ar_on_smollm2(smollm2, n):
     ids = chat_prompt_ids(smollm2.tokenizer, load_questions("gsm8k")[0]["turns"][0])
     eos = eos_ids_of(smollm2.model.config, smollm2.tokenizer)
     staged = StagedTarget(smollm2.model, n)
-    ar = ar_generate(staged, ids, 24, GREEDY, eos)
+    ar = ARDecoder(staged, eos).generate(ids, Request(24, GREEDY))
     module = SpeculationModule.from_target(staged, 1, seed=n)
-    spd = PipelineDecoder(staged, ModuleDrafter(module), GREEDY, eos).generate(ids, 24)
+    spd = PipelineDecoder(staged, ModuleDrafter(module), eos).generate(ids, Request(24, GREEDY))
     assert spd.token_ids == ar.token_ids
     assert spd.stats.K >= spd.stats.N + n - 2
 
@@ -64,7 +65,7 @@ def test_ar_equals_hf_generate_on_eval_prompts(smollm2):
     eos = eos_ids_of(smollm2.model.config, smollm2.tokenizer)
     for dataset in ("mt_bench", "humaneval"):
         ids = chat_prompt_ids(smollm2.tokenizer, load_questions(dataset)[1]["turns"][0])
-        ar = ar_generate(staged, ids, 48, GREEDY, eos)
+        ar = ARDecoder(staged, eos).generate(ids, Request(48, GREEDY))
         with torch.no_grad():
             hf = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)
         assert hf[0, len(ids):].tolist() == ar.token_ids
@@ -88,7 +89,7 @@ def test_fast_evaluator_matches_runtime_on_smollm2(smollm2):
     ids = chat_prompt_ids(smollm2.tokenizer, load_questions("humaneval")[0]["turns"][0])
     trace = record_greedy_trace(staged, ids, 40, eos)
     fast = fast_greedy_stats(module.eval(), trace)["stats"]
-    slow = PipelineDecoder(staged, ModuleDrafter(module), GREEDY, eos).generate(ids, 40)
+    slow = PipelineDecoder(staged, ModuleDrafter(module), eos).generate(ids, Request(40, GREEDY))
     assert slow.token_ids == trace.tokens
     assert (fast.N, fast.K, fast.rollbacks) == (slow.stats.N, slow.stats.K, slow.stats.rollbacks)
 

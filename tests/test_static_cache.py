@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from helpers import GREEDY, ScriptedDrafter, ar_run, prompt
+from spd.decoding import Request
 from spd.decoding import prefill
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
-from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
+from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.streams import GraphStages, StreamStages
 from spd.target.fixed_step import FixedStep
 from spd.target.kv_cache import LayerKVCache
@@ -101,10 +102,10 @@ def test_fixed_shape_executors_decode_like_ar(family_model, executor, n):
     for seed in range(2):
         p = prompt(seed + 20, vocab=model.config.vocab_size)
         ar = ar_run(model, p, 30).token_ids
-        fixed_ar = pipeline_ar_generate(executor(StagedTarget(model, 1)), p, 30, GREEDY, frozenset()).token_ids
+        fixed_ar = PipelineARDecoder(executor(StagedTarget(model, 1)), frozenset()).generate(p, Request(30, GREEDY)).token_ids
         module = SpeculationModule.from_target(staged, 1, seed=seed)
         drafter = ScriptedDrafter(ModuleDrafter(module), model, wrong_every=4) if seed else ModuleDrafter(module)
-        out = PipelineDecoder(stages, drafter, GREEDY, frozenset()).generate(p, 30)
+        out = PipelineDecoder(stages, drafter, frozenset()).generate(p, Request(30, GREEDY))
         assert out.token_ids == fixed_ar == ar, (family, n, seed)
         if seed and n > 1:
             assert out.stats.rollbacks > 0 and max(out.stats.run_histogram()) >= 2

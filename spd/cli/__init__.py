@@ -29,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("words", nargs="*", metavar="key=value | PROMPT",
                          help="config overrides (e.g. n=5 max_new_tokens=64); " +
                          (PROMPT_HELP if name == "generate" else "the turns come from standard input"))
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) "
+                                      "over one warm pipeline", description="generate's keys, plus host=, port=, "
+                                      "api_key=, max_queue=, shutdown_timeout_s=")
+    sv.add_argument("--config", default=None, help="YAML config (configs/infer/serve.yaml)")
+    sv.add_argument("overrides", nargs="*", help="key=value overrides, e.g. port=8000 method=spd n=2")
     ev = sub.add_parser("eval", help="MT-Bench / GSM8K / HumanEval: L′acc, speedups, JSONL, table, plots, W&B")
     ev.add_argument("--config", default=None, help="YAML config (configs/eval/*.yaml)")
     ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. checkpoint=DIR limit=20 n=5")
@@ -79,6 +84,25 @@ def decode_command(command: str, words: list[str], parser: argparse.ArgumentPars
     return generate(cfg, prompt, default=bool(chosen))
 
 
+def serve_command(args) -> int:
+    from omegaconf import OmegaConf, read_write
+
+    from spd.config import ServeConfig, load_config
+    from spd.fastest import fastest_default
+    from spd.target.source import resolve_source
+
+    cfg = load_config(ServeConfig, args.config, args.overrides)
+    resolve_source(cfg.target)
+    given = {word.split("=", 1)[0] for word in args.overrides}
+    chosen = fastest_default(cfg, OmegaConf.structured(ServeConfig), given)
+    with read_write(cfg):
+        cfg.update(chosen)
+    quiet_libraries()
+    from spd.cli.serve import serve
+
+    return serve(cfg, default=bool(chosen))
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -93,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         quiet_libraries()
         from spd.cli.evaluate import cmd_eval, cmd_report
 
+        if args.command == "serve":
+            return serve_command(args)
         return {"eval": cmd_eval, "report": cmd_report}[args.command](args)
 
     return run_command("spd-infer", body)
@@ -103,7 +129,7 @@ def entry() -> None:
     second on these machines, longer than a short answer): stages are closed and the output is flushed by then."""
     argv = sys.argv[1:]
     code = main(argv)
-    if argv and argv[0] in DECODE_COMMANDS:
+    if argv and argv[0] in (*DECODE_COMMANDS, "serve"):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

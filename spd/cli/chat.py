@@ -8,7 +8,8 @@ import json
 import sys
 
 from spd.cli.args import stdin_is_piped
-from spd.cli.generate import TextStream, open_decoding, stats_line
+from spd.cli.generate import TextStream, stats_line
+from spd.engine import open_engine
 from spd.errors import UserError
 from spd.methods import METHODS
 from spd.session import encode_chat
@@ -32,11 +33,11 @@ def read_turn(interactive: bool) -> str | None:
         raise UserError("a chat line on standard input is not UTF-8 text; send UTF-8") from None
 
 
-def fit(decoding, messages: list[dict]) -> list[int]:
+def fit(engine, messages: list[dict]) -> list[int]:
     """The conversation's prompt ids; the oldest exchanges are dropped while it overflows the context window."""
     while True:
         try:
-            return encode_chat(decoding.session, messages, decoding.cfg.max_new_tokens)
+            return encode_chat(engine.session, messages, engine.cfg.max_new_tokens)
         except UserError:
             if len(messages) < 3:
                 raise
@@ -47,9 +48,9 @@ def fit(decoding, messages: list[dict]) -> list[int]:
 
 def chat(cfg, default: bool = False) -> int:
     interactive = not stdin_is_piped()
-    with open_decoding(cfg, default) as decoding:
+    with open_engine(cfg, default) as engine:
         if interactive:
-            s = decoding.session
+            s = engine.session
             how = f"{s.method} n={s.staged.n}" if METHODS[s.method].pipelined else s.method
             print(f"[chat] {s.loaded.name}, {how}: type a message; "
                   "/reset starts over, /exit or Ctrl-D leaves", file=sys.stderr)
@@ -65,17 +66,17 @@ def chat(cfg, default: bool = False) -> int:
                 continue
             messages.append({"role": "user", "content": line})
             try:
-                prompt_ids = fit(decoding, messages)
+                prompt_ids = fit(engine, messages)
             except UserError as exc:  # this turn alone is too long: say so and keep the conversation
                 messages.pop()
                 print(f"spd-infer: error: {exc}", file=sys.stderr)
                 continue
             if cfg.json:
-                out = decoding.run(prompt_ids)
+                out = engine.run(prompt_ids)
                 print(json.dumps(out), flush=True)
             else:
-                stream = TextStream(decoding.session.loaded.tokenizer, sys.stdout)
-                out = decoding.run(prompt_ids, on_token=stream)
+                stream = TextStream(engine.session.loaded.tokenizer, sys.stdout)
+                out = engine.run(prompt_ids, on_token=stream)
                 stream.end()
                 print(stats_line(out), file=sys.stderr, flush=True)
             messages.append({"role": "assistant", "content": out["text"]})

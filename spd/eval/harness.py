@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from spd.ar import ar_generate
+from spd.engine import Engine, open_engine
 from spd.errors import UserError
 from spd.paths import check_writable_dir
 from spd.eval.calibrate import (calibrate, calibrate_chain, chain_measured_cost_speedup, formula_speedup,
@@ -29,9 +29,6 @@ from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
 from spd.fast_eval_chain import fast_chain_stats, fast_lookup_stats
 from spd.methods import LOOKUP_MODULE, METHODS
-from spd.runtime.chain import ChainDecoder
-from spd.runtime.pipeline import PipelineDecoder, pipeline_ar_generate
-from spd.runtime.stages import open_stages
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import Session, open_session
 
@@ -75,26 +72,14 @@ def fast_sample(session: Session, cfg, traces: TraceCache, dataset: str, questio
             "min_target_margin": result["min_target_margin"]}
 
 
-def runtime_sample(session: Session, cfg, seed: int, prompt_ids, stages) -> dict:
-    device = session.staged.device
-    if METHODS[session.method].chain:
-        decoder = ChainDecoder(session.staged, session.drafter(), session.params, session.eos_ids, session.draft_length)
-    else:
-        decoder = PipelineDecoder(stages, session.drafter(cfg.module_cache), session.params, session.eos_ids)
-    spd = decoder.generate(prompt_ids, cfg.max_new_tokens, torch.Generator(device=device).manual_seed(seed))
+def runtime_sample(engine: Engine, seed: int, prompt_ids) -> dict:
+    spd = engine.decoder.generate(prompt_ids, engine.request(seed=seed))
     record = {"mode": "runtime", "token_ids": spd.token_ids, **spd.stats.as_dict(), "ar_match": None,
               "wall_s": spd.seconds, "tokens_per_s": spd.tokens_per_s, "ar_tokens_per_s": None}
-    if cfg.ar_baseline:
-        generator = torch.Generator(device=device).manual_seed(seed)
-        # distributed: this process holds no decoder layer; graphs / streams: AR through the same fixed-shape steps
-        if cfg.runtime != "local" or cfg.cuda_graphs:
-            ar = pipeline_ar_generate(stages, prompt_ids, cfg.max_new_tokens, session.params, session.eos_ids,
-                                      generator)
-        else:
-            ar = ar_generate(session.staged, prompt_ids, cfg.max_new_tokens, session.params, session.eos_ids,
-                             generator)
+    if engine.cfg.ar_baseline:
+        ar = engine.baseline.generate(prompt_ids, engine.request(seed=seed))
         record["ar_tokens_per_s"] = ar.tokens_per_s
-        if session.params.greedy:  # lossless: greedy SPD must be the target's own greedy decode
+        if engine.session.params.greedy:  # lossless: greedy SPD must be the target's own greedy decode
             record["ar_match"] = ar.token_ids == spd.token_ids
     return record
 
@@ -157,13 +142,13 @@ def run_eval(cfg, log=print) -> dict:
     L_s = module_layers(session.module)
     log(f"{len(work)} prompts, {len(work) - len(todo)} already done; "
         f"{'fast evaluator (greedy)' if fast else 'step-by-step runtime'}")
-    with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
+    with open_engine(cfg, session=session) as engine:
         for ds, q in tqdm(todo, desc="eval", unit="prompt", disable=False):  # explicit: the CLI mutes other bars
             ids = chat_prompt_ids(tok, q["turns"][0])
             seed = prompt_seed(cfg.seed, ds, q["question_id"])
             with torch.no_grad():
                 rec = fast_sample(session, cfg, traces, ds, q["question_id"], ids) if fast else \
-                    runtime_sample(session, cfg, seed, ids, stages)
+                    runtime_sample(engine, seed, ids)
             token_ids = rec.pop("token_ids")
             out.append({"question_id": q["question_id"], "dataset": ds, "method": session.method, "L_s": L_s,
                         "T": cfg.temperature, "top_k": session.params.top_k, "top_p": session.params.top_p,

@@ -10,39 +10,34 @@ min(1, p(x)/q(x)) (a deterministic draft: p(x)) and otherwise draws from norm(ma
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from spd.decoding import GenerationResult, context_length, is_final, prefill
+from spd.decoding import Decoder, Request, context_length, is_final, prefill
 from spd.drafters.base import ChainDrafter
 from spd.metrics import ChainStats
-from spd.sampling import SamplingParams, next_token, propose, settle
+from spd.sampling import next_token, propose, settle
 from spd.target.stages import StagedTarget
 
 
-class ChainDecoder:
-    def __init__(self, target: StagedTarget, drafter: ChainDrafter, params: SamplingParams,
-                 eos_ids: frozenset[int], m: int):
+class ChainDecoder(Decoder):
+    def __init__(self, target: StagedTarget, drafter: ChainDrafter, eos_ids: frozenset[int], m: int):
         if m < 1:
             raise ValueError(f"m={m} draft tokens per cycle must be >= 1")
-        self.target, self.drafter, self.params, self.eos_ids, self.m = target, drafter, params, eos_ids, m
+        self.target, self.drafter, self.eos_ids, self.m = target, drafter, eos_ids, m
         self.capture = frozenset(drafter.layers_needed())
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, generator: torch.Generator | None = None,
-                 on_token=None) -> GenerationResult:
-        target, params = self.target, self.params
-        start = time.perf_counter()
-        stats = ChainStats(m=self.m)
-        length = context_length(len(prompt_ids), max_new_tokens, self.m)   # the last cycle feeds m drafts past it
+    def stream(self, prompt_ids: list[int], request: Request):
+        target, params, max_new = self.target, request.params, request.max_new_tokens
+        generator = request.generator(target.device)
+        stats = self.stats = ChainStats(m=self.m)
+        length = context_length(len(prompt_ids), max_new, self.m)   # the last cycle feeds m drafts past it
         cache, hidden, captured = prefill(target, prompt_ids, self.capture, length)
         tokens = list(prompt_ids) + [next_token(target.logits(hidden[0, -1]), params, generator)]
         stats.N = 1
-        if on_token:
-            on_token(tokens[-1])
+        yield tokens[-1]
         self.drafter.start(captured, tokens)
-        done = is_final(tokens[-1], stats.N, max_new_tokens, self.eos_ids)
+        done = is_final(tokens[-1], stats.N, max_new, self.eos_ids)
         while not done:
             fed = len(tokens) - 1                 # position of the newest token: settled, not yet through the target
             drafts = self.drafter.draft(self.m, lambda logits: propose(logits, params, generator))   # <= m
@@ -50,7 +45,9 @@ class ChainDecoder:
             out, captured = target.forward_all(ids, cache, fed, self.capture)
             logits = target.logits(out[0])        # [len(drafts) + 1, V]: row j is the target's p for position fed + 1 + j
             stats.cycles += 1
+            stats.drafted += len(drafts)
             accepted = 0
+            verified = []
             for j in range(len(drafts) + 1):
                 if j < len(drafts):
                     ok, token = settle(logits[j], drafts[j].token, drafts[j].q, params, generator)
@@ -58,11 +55,10 @@ class ChainDecoder:
                 else:                             # every draft held: the target's next token comes free
                     ok, token = False, next_token(logits[j], params, generator)
                 tokens.append(token)
+                verified.append(token)
                 stats.N += 1
                 accepted += ok
-                if on_token:
-                    on_token(token)
-                done = is_final(token, stats.N, max_new_tokens, self.eos_ids)
+                done = is_final(token, stats.N, max_new, self.eos_ids)
                 if done or not ok:
                     break
             stats.accepted += accepted
@@ -70,5 +66,4 @@ class ChainDecoder:
             cache.crop(len(tokens) - 1)           # keep the fed positions that were verified
             if not done:
                 self.drafter.verified({layer: h[:, : accepted + 1] for layer, h in captured.items()}, tokens)
-        generated = tokens[len(prompt_ids):]
-        return GenerationResult(token_ids=generated, seconds=time.perf_counter() - start, stats=stats)
+            yield from verified                   # the cycle's state is settled before its tokens go out

@@ -10,17 +10,15 @@ stages run is the executor's business (`local.py`, `distributed/`), so this loop
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from spd.decoding import GenerationResult, context_length, is_final
+from spd.decoding import Decoder, Request, context_length, is_final
 from spd.drafters.base import Drafter, step_view
 from spd.metrics import DecodeStats
 from spd.runtime.executor import StageExecutor
 from spd.runtime.local import LocalStages
 from spd.runtime.schedule import first_step, flushed_from, next_step, relay_step
-from spd.sampling import Proposal, SamplingParams, next_token, propose, settle
+from spd.sampling import Proposal, next_token, propose, settle
 from spd.target.stages import StagedTarget
 
 
@@ -28,33 +26,38 @@ def as_executor(stages: StagedTarget | StageExecutor) -> StageExecutor:
     return LocalStages(stages) if isinstance(stages, StagedTarget) else stages
 
 
-class PipelineDecoder:
-    def __init__(self, stages: StagedTarget | StageExecutor, drafter: Drafter, params: SamplingParams,
-                 eos_ids: frozenset[int]):
+class PipelineDecoder(Decoder):
+    def __init__(self, stages: StagedTarget | StageExecutor, drafter: Drafter, eos_ids: frozenset[int]):
         self.executor = as_executor(stages)
         self.drafter = drafter
-        self.params = params
         self.eos_ids = eos_ids
         self.n = self.executor.n
         self.capture = frozenset(drafter.layers_needed(self.executor.bounds))
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int,
-                 generator: torch.Generator | None = None, on_token=None) -> GenerationResult:
-        """on_token(token_id): called for every token as it is settled (verified or corrected)."""
-        ex, params = self.executor, self.params
-        start = time.perf_counter()
-        stats = DecodeStats(n=self.n)
+    def stream(self, prompt_ids: list[int], request: Request):
+        ex = self.executor
+        self.stats = DecodeStats(n=self.n)
+        try:
+            yield from self._decode(prompt_ids, request)
+        except GeneratorExit:   # the consumer stopped at a settled token: no step is in flight
+            ex.finish()
+            raise
+        ex.finish()
+        self.stats.finish()
+
+    def _decode(self, prompt_ids: list[int], request: Request):
+        ex, params, stats, max_new = self.executor, request.params, self.stats, request.max_new_tokens
+        generator = request.generator(ex.device)
         # drafts run at most n positions past the last settled token before a verification can stop the run
-        logits, captured = ex.prefill(prompt_ids, self.capture,
-                                      context_length(len(prompt_ids), max_new_tokens, self.n + 1), params.greedy)
+        logits, captured = ex.prefill(prompt_ids, self.capture, context_length(len(prompt_ids), max_new, self.n + 1),
+                                      params.greedy)
         self.drafter.start(captured, prompt_ids)
         first = next_token(logits, params, generator)
         tokens = list(prompt_ids) + [first]
         stats.N = 1
-        if on_token:
-            on_token(first)
-        done = is_final(first, stats.N, max_new_tokens, self.eos_ids)
+        yield first
+        done = is_final(first, stats.N, max_new, self.eos_ids)
         step = first_step(len(prompt_ids), self.n)
         features = {step.t: {0: ex.embed(first)}}     # pos -> {layer: H^l [1, 1, d]} of in-flight tokens
         drafts: dict[int, Proposal] = {}              # pos -> the proposal in flight there (its q, its source)
@@ -95,36 +98,39 @@ class PipelineDecoder:
                 tokens.append(token)
                 features = {length: {0: ex.embed(token)}}
                 drafts = {}
-            if on_token:
-                on_token(token)
+            yield token
             step = next_step(step, accepted)
-            done = is_final(token, stats.N, max_new_tokens, self.eos_ids)
+            done = is_final(token, stats.N, max_new, self.eos_ids)
+
+
+class PipelineARDecoder(Decoder):
+    """Plain pipeline-parallel AR: each token relays through the n stages, one stage busy per step (AR where this
+    process holds no decoder layer, or through the same fixed-shape steps)."""
+
+    def __init__(self, stages: StagedTarget | StageExecutor, eos_ids: frozenset[int]):
+        self.executor = as_executor(stages)
+        self.eos_ids = eos_ids
+
+    @torch.no_grad()
+    def stream(self, prompt_ids: list[int], request: Request):
+        ex = self.executor
+        try:
+            yield from self._decode(prompt_ids, request)
+        except GeneratorExit:
+            ex.finish()
+            raise
         ex.finish()
-        stats.finish()
-        generated = tokens[len(prompt_ids): len(prompt_ids) + stats.N]
-        return GenerationResult(token_ids=generated, seconds=time.perf_counter() - start, stats=stats)
 
-
-@torch.no_grad()
-def pipeline_ar_generate(stages: StagedTarget | StageExecutor, prompt_ids: list[int], max_new_tokens: int,
-                         params: SamplingParams, eos_ids: frozenset[int],
-                         generator: torch.Generator | None = None, on_token=None) -> GenerationResult:
-    """Plain pipeline-parallel AR: each token relays through the n stages, one stage busy per step."""
-    ex = as_executor(stages)
-    start = time.perf_counter()
-    logits, _ = ex.prefill(prompt_ids, frozenset(), context_length(len(prompt_ids), max_new_tokens, 0))
-    token = next_token(logits, params, generator)
-    out = [token]
-    if on_token:
-        on_token(token)
-    while not is_final(token, len(out), max_new_tokens, eos_ids):
-        pos = len(prompt_ids) + len(out) - 1
-        for stage in range(ex.n):
-            ex.launch(relay_step(pos, stage, ex.n), ex.embed(token) if stage == 0 else None)
-            result = ex.collect()
-        token = next_token(result.exit_logits, params, generator)
-        out.append(token)
-        if on_token:
-            on_token(token)
-    ex.finish()
-    return GenerationResult(token_ids=out, seconds=time.perf_counter() - start)
+    def _decode(self, prompt_ids: list[int], request: Request):
+        ex, params = self.executor, request.params
+        generator = request.generator(ex.device)
+        logits, _ = ex.prefill(prompt_ids, frozenset(), context_length(len(prompt_ids), request.max_new_tokens, 0))
+        token, produced = next_token(logits, params, generator), 1
+        yield token
+        while not is_final(token, produced, request.max_new_tokens, self.eos_ids):
+            pos = len(prompt_ids) + produced - 1
+            for stage in range(ex.n):
+                ex.launch(relay_step(pos, stage, ex.n), ex.embed(token) if stage == 0 else None)
+                result = ex.collect()
+            token, produced = next_token(result.exit_logits, params, generator), produced + 1
+            yield token

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from spd.decoding import eos_ids_of
+from spd.decoding import Request, eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import sample_occupancy
 from spd.metrics import DecodeStats, pooled_eal
 from spd.runtime.pipeline import PipelineDecoder
 from spd.prompts import chat_prompt_ids
-from spd.sampling import SamplingParams
 from spd.train.objective import collate, kd_loss, teacher_pass
 
 
@@ -24,7 +23,7 @@ def decode_heldout(make_decoder, staged, tokenizer, heldout_convs, cfg) -> list:
     for messages in heldout_convs[: cfg.eval_decodes]:
         first_user = next((m["content"] for m in messages if m["role"] == "user"), None)
         if first_user:
-            stats.append(decoder.generate(chat_prompt_ids(tokenizer, first_user), cfg.eval_new_tokens).stats)
+            stats.append(decoder.generate(chat_prompt_ids(tokenizer, first_user), Request(cfg.eval_new_tokens)).stats)
     return stats
 
 
@@ -42,7 +41,7 @@ def evaluate(module, staged, tokenizer, heldout_examples, heldout_convs, draft_t
         kls.append(float(kl))
         agree.append(top1)
     stats: list[DecodeStats] = decode_heldout(
-        lambda eos: PipelineDecoder(staged, ModuleDrafter(module), SamplingParams(), eos), staged, tokenizer,
+        lambda eos: PipelineDecoder(staged, ModuleDrafter(module), eos), staged, tokenizer,
         heldout_convs, cfg)
     module.train()
     top1 = torch.cat(agree).mean().item() if agree else float("nan")

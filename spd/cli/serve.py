@@ -1,0 +1,105 @@
+"""`spd-infer serve`: the OpenAI-compatible server (spd.serve) over one warm engine.
+
+Load everything once (target, module, stage processes), decode a few tokens to warm the caches, then listen.
+SIGTERM or Ctrl-C: stop accepting, give in-flight requests `shutdown_timeout_s` to finish, cancel the rest, close
+the stage processes; exit 0 (130 for Ctrl-C). A pipeline that fails mid-decode ends the server with exit 1."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+
+import uvicorn
+
+from spd.engine import open_engine
+from spd.errors import UserError
+from spd.methods import METHODS
+from spd.serve.app import Service, build_app
+from spd.serve.metrics import ServerMetrics
+from spd.serve.worker import DecodeWorker
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, told what stopped it (a signal, or a failed pipeline) instead of re-raising the signal
+    after its graceful shutdown, so that the stages close and the exit code says what happened."""
+
+    def __init__(self, config: uvicorn.Config, service: Service, ready_line: str):
+        super().__init__(config)
+        self.service, self.ready_line = service, ready_line
+        self.stopped_by: int | None = None
+        self.exit_code = 0
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.stopped_by = self.stopped_by or sig
+        self.service.shutting_down = True
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(self.ready_line, file=sys.stderr, flush=True)
+
+    def fail(self, message: str) -> None:
+        """From the decode thread: the pipeline is gone; stop serving and exit non-zero."""
+        print(f"[serve] the pipeline failed, shutting down: {message}", file=sys.stderr, flush=True)
+        self.exit_code = 1
+        self.service.shutting_down = True
+        self.should_exit = True
+
+
+def listen(host: str, port: int) -> socket.socket:
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another host= or port= "
+                        "(port=0 picks a free one)") from None
+    return sock
+
+
+def warm_up(engine) -> None:
+    """A few tokens through every part a request uses, so the first request pays no first-call costs."""
+    ids = list(engine.session.loaded.tokenizer("Hello")["input_ids"]) or [0]
+    for decoder in {id(d): d for d in (engine.decoder, engine.baseline)}.values():
+        for _ in decoder.stream(ids, engine.request(max_new_tokens=4)):
+            pass
+
+
+def terminated(sig, frame):
+    raise SystemExit(0)   # SIGTERM while loading: unwind, so the stage processes are closed
+
+
+def serve(cfg, default: bool = False) -> int:
+    sock = listen(cfg.host, cfg.port)   # before loading: a taken port is refused at once
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        with open_engine(cfg, default) as engine:
+            warm_up(engine)
+            metrics = ServerMetrics(engine.session.staged.n)
+            server: Server | None = None
+            worker = DecodeWorker(engine, metrics, cfg.max_queue, on_fatal=lambda message: server.fail(message))
+            service = Service(engine, worker, cfg)
+            host, port = sock.getsockname()[:2]
+            s = engine.session
+            how = f"{s.method} n={s.staged.n}, {s.draft_source}" if METHODS[s.method].pipelined else s.method
+            ready = (f"[serve] {service.model} ({how}{', the default here' if default else ''}, runtime={cfg.runtime}) "
+                     f"at http://{host}:{port}/v1 — ready")
+            config = uvicorn.Config(build_app(service), log_level="warning", lifespan="off",
+                                    timeout_graceful_shutdown=cfg.shutdown_timeout_s)
+            server = Server(config, service, ready)
+            try:
+                server.run(sockets=[sock])
+            finally:
+                worker.stop(cfg.shutdown_timeout_s)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
+    if server.stopped_by == signal.SIGINT:
+        print("[serve] interrupted", file=sys.stderr)
+        return 130
+    return server.exit_code

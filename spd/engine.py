@@ -1,0 +1,98 @@
+"""The engine: one configured decoder, kept warm (target, module, stage processes), that every consumer reads —
+`spd-infer generate`, `chat`, `eval` and `serve`. It picks the decoder once, from the session's method and the
+runtime, and hands out its stream of verified tokens; each request brings its own length, sampling and seed."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+from spd.ar import ARDecoder
+from spd.decoding import Decoder, GenerationResult, Request
+from spd.methods import AR, METHODS
+from spd.runtime.chain import ChainDecoder
+from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
+from spd.runtime.stages import open_stages
+from spd.sampling import SamplingParams
+from spd.session import Session, open_session
+
+
+def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder:
+    """The decoder for `method` over this session's stages (AR where the method drafts nothing)."""
+    s = session
+    if METHODS[method].decoder == AR:
+        if cfg.runtime == "local" and not getattr(cfg, "cuda_graphs", False):
+            return ARDecoder(s.staged, s.eos_ids)
+        # distributed: this process holds no decoder layer; graphs / streams: AR through the same fixed-shape steps
+        return PipelineARDecoder(stages, s.eos_ids)
+    if METHODS[method].chain:
+        return ChainDecoder(s.staged, drafter, s.eos_ids, s.draft_length)
+    return PipelineDecoder(stages, drafter, s.eos_ids)
+
+
+class Engine:
+    """What one configured command decodes with, reused across prompts (chat turns, eval prompts, server
+    requests) so the stage processes start once. default: no key chose the method (spd.fastest's for this
+    device; the stats line says so)."""
+
+    def __init__(self, cfg, session: Session, stages, drafter, default: bool = False):
+        self.cfg, self.session, self.stages, self.drafter = cfg, session, stages, drafter
+        self.default = default
+        self.decoder = pick_decoder(session.method, cfg, session, stages, drafter)
+        self._baseline: Decoder | None = None
+
+    @property
+    def baseline(self) -> Decoder:
+        """Plain AR over the same stages: the reference eval checks every greedy sample against."""
+        if self._baseline is None:
+            self._baseline = self.decoder if METHODS[self.session.method].decoder == AR else \
+                pick_decoder("ar", self.cfg, self.session, self.stages, None)
+        return self._baseline
+
+    def request(self, max_new_tokens: int | None = None, params: SamplingParams | None = None,
+                seed: int | None = None) -> Request:
+        """A request with the configuration's values where the caller gives none."""
+        return Request(self.cfg.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                       self.session.params if params is None else params, self.cfg.seed if seed is None else seed)
+
+    def stream(self, prompt_ids: list[int], request: Request | None = None) -> Iterator[int]:
+        return self.decoder.stream(prompt_ids, request or self.request())
+
+    def run(self, prompt_ids: list[int], request: Request | None = None, on_token=None) -> dict:
+        """Decode to the end; the record `json=true` prints and the stats line reads."""
+        return self.record(prompt_ids, self.decoder.generate(prompt_ids, request or self.request(), on_token))
+
+    def record(self, prompt_ids: list[int], result: GenerationResult) -> dict:
+        cfg, s = self.cfg, self.session
+        method = METHODS[s.method]
+        stats = result.stats.as_dict() if result.stats else {"N": len(result.token_ids), "K": None, "alpha": None,
+                                                              "eal": None, "rollbacks": None}
+        return {"text": s.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+                "token_ids": result.token_ids, "prompt_token_ids": prompt_ids, "method": s.method,
+                "draft_source": s.draft_source if method.pipelined else None, "runtime": cfg.runtime,
+                "processes": getattr(self.stages, "world", 1), "n": s.staged.n, "stage_bounds": s.staged.bounds,
+                "balance": s.balance,
+                "checkpoint": s.checkpoint, **stats, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s,
+                "default": self.default}
+
+
+@contextmanager
+def open_engine(cfg, default: bool = False, session: Session | None = None):
+    """The session (opened here unless given) and its stages (stage processes for runtime=distributed), closed
+    on exit."""
+    session = session or open_session(cfg)
+    report_balance(session)
+    drafter = session.drafter(getattr(cfg, "module_cache", True)) if METHODS[session.method].decoder != AR else None
+    capture = drafter.layers_needed(session.staged.bounds) if drafter else []
+    with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
+        yield Engine(cfg, session, stages, drafter, default)
+
+
+def report_balance(session: Session) -> None:
+    if session.balance:
+        b = session.balance
+        print(f"[spd] stage_bounds=balanced -> {b['stage_bounds']}: stage times "
+              f"{', '.join(f'{t * 1e3:.2f}' for t in b['stage_s'])} ms (even split: "
+              f"{', '.join(f'{t * 1e3:.2f}' for t in b['even_stage_s'])} ms), predicted step "
+              f"{b['predicted_step_s'] * 1e3:.2f} ms at {b['threads']} thread(s)", file=sys.stderr)
