@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import socket
 import sys
+import threading
 
 import uvicorn
 
@@ -31,6 +32,10 @@ class Server(uvicorn.Server):
         self.exit_code = 0
 
     def handle_exit(self, sig: int, frame) -> None:
+        if self.stopped_by is None:   # in-flight work gets the grace period, then is cancelled at a token
+            grace = threading.Timer(self.service.cfg.shutdown_timeout_s, self.service.worker.cancel_all)
+            grace.daemon = True
+            grace.start()
         self.stopped_by = self.stopped_by or sig
         self.service.shutting_down = True
         if self.should_exit and sig == signal.SIGINT:
@@ -90,7 +95,7 @@ def serve(cfg, default: bool = False) -> int:
             ready = (f"[serve] {service.model} ({how}{', the default here' if default else ''}, runtime={cfg.runtime}) "
                      f"at http://{host}:{port}/v1 — ready")
             config = uvicorn.Config(build_app(service), log_level="warning", lifespan="off",
-                                    timeout_graceful_shutdown=cfg.shutdown_timeout_s)
+                                    timeout_graceful_shutdown=cfg.shutdown_timeout_s + 10)   # a backstop
             server = Server(config, service, ready)
             try:
                 server.run(sockets=[sock])

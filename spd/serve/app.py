@@ -31,6 +31,7 @@ class Service:
     def __init__(self, engine, worker: DecodeWorker, cfg):
         self.engine, self.worker, self.metrics, self.cfg = engine, worker, worker.metrics, cfg
         self.model = engine.session.loaded.name
+        self.aliases = {self.model, cfg.target}   # the name the model reports, and the target= it was loaded by
         self.created = int(time.time())
         self.window = getattr(engine.session.loaded.model.config, "max_position_embeddings", None)
         self.vocab = engine.session.loaded.model.config.vocab_size
@@ -38,7 +39,7 @@ class Service:
 
     # -- a request body -> token ids and a Request ------------------------------------------------------------------
     def check(self, body: Sampling, max_tokens: int | None) -> tuple[Request, bool]:
-        if body.model is not None and body.model != self.model:
+        if body.model is not None and body.model not in self.aliases:
             raise ApiError(404, f"The model '{body.model}' does not exist; this server serves '{self.model}'",
                            param="model", code="model_not_found")
         body.refuse_unsupported()

@@ -64,8 +64,8 @@ class DecodeWorker:
             self.metrics.queue_depth.set(self.waiting)
         self.jobs.put(job)
 
-    def stop(self, timeout_s: float) -> None:
-        """Cancel what is queued and what runs; wait up to timeout_s for the thread to leave."""
+    def cancel_all(self) -> None:
+        """Shutting down: answer what is queued with 503, stop what runs at its next token."""
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -75,6 +75,10 @@ class DecodeWorker:
                 job.post("error", {"status": 503, "message": "the server is shutting down"})
         if self.current is not None:
             self.current.cancelled.set()
+
+    def stop(self, timeout_s: float) -> None:
+        """Cancel everything; wait up to timeout_s for the thread to leave."""
+        self.cancel_all()
         self.jobs.put(None)
         self.thread.join(timeout_s)
 
@@ -135,5 +139,7 @@ class DecodeWorker:
             job.post("text", piece)
         seconds = time.perf_counter() - start
         self.mean_s = 0.8 * self.mean_s + 0.2 * (time.perf_counter() - job.enqueued)
+        if job.cancelled.is_set() and not text.stopped:
+            finish = "abort"   # vLLM's word: the server stopped it (shutdown); a client that left reads nothing
         job.post("done", {"token_ids": tokens, "finish_reason": finish, "stats": decoder.stats,
                           "seconds": seconds, "cancelled": job.cancelled.is_set()})

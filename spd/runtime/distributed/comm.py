@@ -25,8 +25,12 @@ def wait(work, timeout_s: float, what: str) -> None:
 
 
 def send(tensor: torch.Tensor, dst: int, tag: int):
-    """Start sending (the caller waits for the returned work before reusing `tensor`)."""
-    return dist.isend(tensor.detach().cpu().contiguous(), dst, tag=tag)
+    """Start sending (the caller waits for the returned work before reusing `tensor`). A peer already gone can fail
+    the send at once."""
+    try:
+        return dist.isend(tensor.detach().cpu().contiguous(), dst, tag=tag)
+    except RuntimeError as exc:
+        raise PipelineFailure(f"sending to rank {dst}: {_first_line(exc)}") from None
 
 
 def recv(shape, dtype, src: int, tag: int, timeout_s: float, what: str) -> torch.Tensor:

@@ -85,8 +85,11 @@ class DistributedStages(StageExecutor):
 
     def _command(self, row: torch.Tensor) -> None:
         self._flush_sends()
-        for s in self.remote:
-            self.sends.append(comm.send(row, rank_of(s, self.hosted), TAG_CONTROL))
+        try:
+            for s in self.remote:
+                self.sends.append(comm.send(row, rank_of(s, self.hosted), TAG_CONTROL))
+        except comm.PipelineFailure as exc:
+            self._fail(exc)
 
     def _payload_size(self, stage: int, length: int, capture: bool, argmax: bool = False) -> int:
         rows = len(self.capture_of[stage]) * length * self.d if capture else 0
@@ -162,7 +165,10 @@ class DistributedStages(StageExecutor):
             self.local[step.work[0]] = {}
             self._run_stage0(entering, torch.tensor([step.work[0]]), self.local[step.work[0]], probe)
         else:
-            self.sends.append(comm.send(entering.float(), 1, TAG_HIDDEN))
+            try:
+                self.sends.append(comm.send(entering.float(), 1, TAG_HIDDEN))
+            except comm.PipelineFailure as exc:
+                self._fail(exc)
 
     def collect(self) -> StepOutput:
         out = StepOutput(features=self.local)

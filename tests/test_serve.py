@@ -1,0 +1,353 @@
+"""`spd-infer serve` as a real server process on a free loopback port, driven by the `openai` client and raw HTTP:
+the answers equal `spd-infer generate`'s, streamed or not; sampling is reproducible by seed; many clients share
+one pipeline; disconnects, bad requests, a full queue, SIGTERM / Ctrl-C and a dead stage process are survived or
+end the server cleanly; /metrics parses and agrees with the responses."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from spd.cli import main
+
+KEY = "test-key"
+READY = re.compile(r"at http://([\d.]+):(\d+)/v1 — ready")
+
+
+class ServerProcess:
+    """`python -m spd.cli serve ...` on port 0; `url` once its ready line is printed."""
+
+    def __init__(self, *args: str, startup_s: float = 180):
+        self.proc = subprocess.Popen([sys.executable, "-m", "spd.cli", "serve", "port=0", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        found = threading.Event()
+        self.port = None
+
+        def read():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                m = READY.search(line)
+                if m:
+                    self.port = int(m.group(2))
+                    found.set()
+
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+        if not found.wait(startup_s):
+            self.proc.kill()
+            raise AssertionError(f"no ready line: {''.join(self.lines)}")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key: str | None = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0, timeout=120)
+
+    def post(self, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        return httpx.post(f"{self.url}{path}", content=content, headers={**headers, "content-type": "application/json"},
+                          timeout=120, **kw)
+
+    def metrics(self) -> dict:
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return out
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+def generate_json(capsys, *args) -> dict:
+    code = main(["generate", *args, "json=true"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return json.loads(out)
+
+
+SPD = ["method=spd", "n=3", "max_new_tokens=24"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target_dir):
+    srv = ServerProcess(f"target={tiny_target_dir}", *SPD, f"api_key={KEY}", "max_queue=64")
+    yield srv
+    assert srv.stop() == 0, "".join(srv.lines)
+
+
+def metric(values: dict, name: str, **labels) -> float:
+    return values.get((name, tuple(sorted((k, str(v)) for k, v in labels.items()))), 0.0)
+
+
+def test_chat_and_completion_equal_generate_streamed_or_not(server, tiny_target_dir, capsys):
+    client = server.client()
+    question = "What is 12*7?"
+    reference = generate_json(capsys, f"target={tiny_target_dir}", *SPD, f"prompt={question}")
+    chat = client.chat.completions.create(model=tiny_target_dir,
+                                          messages=[{"role": "user", "content": question}], max_tokens=24,
+                                          temperature=0)
+    spd = chat.model_extra["spd"]
+    assert spd["token_ids"] == reference["token_ids"]
+    assert chat.choices[0].message.content == reference["text"]
+    assert chat.usage.completion_tokens == len(reference["token_ids"])
+    assert chat.usage.prompt_tokens == len(reference["prompt_token_ids"])
+    assert (spd["K"], spd["rollbacks"]) == (reference["K"], reference["rollbacks"]) and spd["n"] == 3
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        messages=[{"role": "user", "content": question}], model=tiny_target_dir, max_tokens=24, temperature=0,
+        stream=True) if c.choices]
+    assert "".join(pieces) == reference["text"] and len(pieces) > 2
+
+    plain = generate_json(capsys, f"target={tiny_target_dir}", *SPD, "chat_template=false", "prompt=Once upon a time")
+    done = client.completions.create(model=tiny_target_dir, prompt="Once upon a time", max_tokens=24, temperature=0)
+    assert done.model_extra["spd"]["token_ids"] == plain["token_ids"] and done.choices[0].text == plain["text"]
+    streamed = list(client.completions.create(model=tiny_target_dir, prompt="Once upon a time", max_tokens=24,
+                                              temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == plain["text"]
+    last = streamed[-1]
+    assert last.usage.completion_tokens == len(plain["token_ids"])
+    assert last.model_extra["spd"]["token_ids"] == plain["token_ids"]
+    assert [m.id for m in client.models.list().data] == [chat.model]
+
+
+def test_seeded_sampling_is_reproducible_and_the_seed_matters(server):
+    client = server.client()
+
+    def ask(seed):
+        out = client.completions.create(model=server_model(client), prompt="Tell me", max_tokens=24, temperature=1.0,
+                                        seed=seed)
+        return out.model_extra["spd"]["token_ids"]
+
+    first = ask(5)
+    assert ask(5) == first
+    assert any(ask(seed) != first for seed in (6, 7, 8))
+
+
+def server_model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_stop_strings_end_the_answer_before_them(server):
+    client = server.client()
+    full = client.completions.create(model=server_model(client), prompt="Once", max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = client.completions.create(model=server_model(client), prompt="Once", max_tokens=24, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=server_model(client), prompt="Once", max_tokens=24, temperature=0,
+                                         stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.choices[0].text
+
+
+def test_many_clients_share_one_pipeline(server):
+    """8 concurrent clients x 5 requests: all answered, greedy answers right, metrics add up, nothing left queued."""
+    client = server.client()
+    model = server_model(client)
+    prompts = [f"Question number {i}" for i in range(5)]
+    expected = {p: client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0).choices[0].text
+                for p in prompts}
+    before = server.metrics()
+
+    def one_client(c):
+        out = []
+        for i, p in enumerate(prompts):
+            if (c + i) % 2:
+                r = client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0)
+                out.append((p, r.choices[0].text, r.usage.completion_tokens))
+            else:
+                chunks = list(client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0,
+                                                        stream=True))
+                out.append((p, "".join(ch.choices[0].text for ch in chunks if ch.choices),
+                            chunks[-1].usage.completion_tokens))
+        return out
+
+    with ThreadPoolExecutor(8) as pool:
+        results = [r for rs in pool.map(one_client, range(8)) for r in rs]
+    assert len(results) == 40
+    assert all(text == expected[p] for p, text, _ in results)
+    after = server.metrics()
+    tokens = sum(n for _, _, n in results)
+    assert metric(after, "spd_tokens_total") - metric(before, "spd_tokens_total") == tokens
+    answered = metric(after, "spd_requests_total", endpoint="/v1/completions", status=200) - \
+        metric(before, "spd_requests_total", endpoint="/v1/completions", status=200)
+    assert answered == 40
+    assert metric(after, "spd_queue_depth") == 0 and metric(after, "spd_requests_running") == 0
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and health["queue"] == 0 and not health["running"]
+
+
+def test_metrics_agree_with_a_response(server):
+    client = server.client()
+    before = server.metrics()
+    r = client.chat.completions.create(model=server_model(client), messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=24, temperature=0)
+    after = server.metrics()
+    spd = r.model_extra["spd"]
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta[("spd_tokens_total", ())] == spd["N"] == r.usage.completion_tokens
+    assert delta[("spd_steps_total", ())] == spd["K"]
+    assert delta[("spd_rollbacks_total", ())] == spd["rollbacks"]
+    accepted = sum(s["accepted"] for s in spd["acceptance"].values())
+    verified = sum(s["verified"] for s in spd["acceptance"].values())
+    assert delta[("vllm:spec_decode_num_accepted_tokens_total", ())] == accepted
+    assert delta[("vllm:spec_decode_num_drafts_total", ())] == verified == spd["N"] - 1
+    assert delta[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] == accepted
+    assert verified - accepted == spd["rollbacks"]
+    assert delta[("spd_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] == 1
+    assert after[("spd_eal", ())] > 0
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_decode(server):
+    client = server.client()
+    model = server_model(client)
+    expected = client.completions.create(model=model, prompt="After the break", max_tokens=20, temperature=0)
+    before = server.metrics()
+    body = {"model": model, "prompt": "A long story", "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        lines = response.iter_lines()
+        got = [next(lines) for _ in range(6)]   # a few tokens, then hang up
+    assert any(line.startswith("data: ") for line in got)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.url}/health").json()["running"]:
+        assert time.monotonic() < deadline, "the cancelled decode kept running"
+        time.sleep(0.1)
+    produced = metric(server.metrics(), "spd_tokens_total") - metric(before, "spd_tokens_total")
+    assert 0 < produced < 400
+    again = client.completions.create(model=model, prompt="After the break", max_tokens=20, temperature=0)
+    assert again.model_extra["spd"]["token_ids"] == expected.model_extra["spd"]["token_ids"]
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ('{"prompt": "Hi", ', 400, "not valid JSON"),
+    ({"prompt": "Hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "Hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "Hi", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "Hi", "frobnicate": 1}, 400, "Unrecognized request argument supplied: frobnicate"),
+    ({"max_tokens": 4}, 400, "prompt"),
+    ({"prompt": [100000]}, 400, "outside the vocabulary"),
+    ({"prompt": "Hi", "n": 2}, 422, "n=2"),
+    ({"prompt": "Hi", "logprobs": 3}, 422, "logprobs"),
+    ({"prompt": "Hi", "method": "eagle3"}, 422, "method='eagle3'"),
+    ({"prompt": "Hi", "W": 4}, 422, "W=4"),
+    ({"prompt": "Hi " * 3000, "max_tokens": 8}, 413, "context window"),
+    ({"prompt": "Hi", "model": "gpt-4"}, 404, "gpt-4"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_is_unharmed(server, body, status, needle):
+    r = server.post("/v1/completions", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["type"]
+    assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_keys_routes_and_chat_shapes(server):
+    assert server.post("/v1/completions", {"prompt": "Hi"}, key=None).status_code == 401
+    assert server.post("/v1/completions", {"prompt": "Hi"}, key="wrong").json()["error"]["code"] == "invalid_api_key"
+    assert server.post("/v1/nothing", {"prompt": "Hi"}).status_code == 404
+    assert server.post("/v1/chat/completions", {"messages": []}).status_code == 400
+    assert server.post("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}).status_code == 400
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 4,
+             "temperature": 0}
+    assert server.post("/v1/chat/completions", parts).json()["choices"][0]["message"]["role"] == "assistant"
+    as_ar = server.post("/v1/chat/completions", {**parts, "method": "ar"}).json()
+    assert as_ar["spd"]["method"] == "ar"
+    assert as_ar["choices"][0]["message"] == server.post("/v1/chat/completions", parts).json()["choices"][0]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200   # health and metrics need no key
+
+
+def test_a_full_queue_answers_429_with_retry_after(tiny_target_dir):
+    srv = ServerProcess(f"target={tiny_target_dir}", "method=ar", "max_queue=1")
+    try:
+        body = {"prompt": "Hi", "max_tokens": 400, "temperature": 0}
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: srv.post("/v1/completions", body), range(6)))
+        codes = sorted(r.status_code for r in answers)
+        assert 200 in codes and 429 in codes, codes
+        refused = next(r for r in answers if r.status_code == 429)
+        assert int(refused.headers["Retry-After"]) >= 1 and refused.json()["error"]["type"] == "rate_limit_error"
+        assert srv.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "Ctrl-C"])
+def test_a_signal_with_a_request_in_flight_ends_the_server_cleanly(tiny_target_dir, sig, code):
+    """runtime=distributed: the stage processes must be gone too."""
+    srv = ServerProcess(f"target={tiny_target_dir}", "method=spd", "n=2", "runtime=distributed",
+                        "controller=own_process", "shutdown_timeout_s=2")
+    stages = children(srv.proc.pid)
+    assert len(stages) >= 2
+    body = {"prompt": "Hi", "max_tokens": 450, "temperature": 0, "stream": True}
+    outcome, streaming = {}, threading.Event()
+
+    def stream():
+        try:
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+                lines = 0
+                for _ in r.iter_lines():
+                    lines += 1
+                    streaming.set()
+                outcome["lines"] = lines
+        except httpx.HTTPError as exc:
+            outcome["error"] = type(exc).__name__
+        streaming.set()
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert streaming.wait(30) and not outcome, outcome   # tokens are flowing: the signal finds a decode in flight
+    start = time.monotonic()
+    assert srv.stop(sig, timeout=30) == code, "".join(srv.lines)
+    assert time.monotonic() - start < 20
+    client.join(30)
+    assert outcome, "the client hung"
+    for pid in stages:
+        assert not alive(pid), f"stage process {pid} outlived the server"
+    assert "Traceback" not in "".join(srv.lines), "".join(srv.lines)
+
+
+def test_a_dead_stage_process_answers_500_and_ends_the_server(tiny_target_dir):
+    srv = ServerProcess(f"target={tiny_target_dir}", "method=spd", "n=2", "runtime=distributed",
+                        "controller=first_stage", "timeout_s=5")
+    stage = children(srv.proc.pid)
+    assert stage
+    os.kill(stage[0], signal.SIGKILL)
+    r = srv.post("/v1/completions", {"prompt": "Hi", "max_tokens": 50, "temperature": 0})
+    assert r.status_code == 500 and "stage" in r.json()["error"]["message"]
+    assert srv.proc.wait(30) == 1
+    assert "Traceback" not in "".join(srv.lines)
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")
