@@ -224,3 +224,41 @@ def test_ar_decodes_like_a_fresh_ar(tiny, plan, params):
     ar_fresh = decode_plan(plan, params, lambda ids, max_new, eos, seed: ARDecoder(StagedTarget(tiny.model, 1), eos).generate(
         ids, Request(max_new, params, seed)))
     check_reuse_equals_fresh(plan, params, ar, ar_fresh, drafting=False)
+
+
+def cancelled_then_whole(decoder, plan, params) -> list:
+    """Every generation of the plan twice on one decoder: first a stream closed after a few tokens (a client that
+    hangs up), then the whole decode, whose result is returned."""
+    out = []
+    for i, (ids, max_new, eos, _) in enumerate(plan):
+        decoder.eos_ids = eos
+        stream = decoder.stream(ids, Request(max_new, params, 900 + i))
+        taken = [token for _, token in zip(range(1 + i % 4), stream)]
+        stream.close()
+        assert taken
+        out.append(decoder.generate(ids, Request(max_new, params, 100 + i)))
+    return out
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "T1"])
+@pytest.mark.parametrize("where", ["local", "distributed", "chain", "ar"])
+def test_a_stream_closed_part_way_leaves_the_decoder_clean(tiny, plan, distributed, where, params):
+    """Cancellation (issue 24) is closing the stream at a verified token: the next decode on the same executor /
+    stage processes / drafter equals a fresh decoder's."""
+    stages, staged, mods = distributed
+    if where in ("local", "distributed"):
+        executor = LocalStages(staged) if where == "local" else stages
+        decoder = PipelineDecoder(executor, ScriptedDrafter(ModuleDrafter(mods["spd"]), tiny.model, WRONG_EVERY),
+                                  frozenset())
+        fresh = decode_plan(plan, params, fresh_pipelined("spd", staged, mods["spd"], tiny.model, params))
+    elif where == "chain":
+        whole = StagedTarget(tiny.model, 1)
+        decoder = ChainDecoder(whole, LookupDrafter(1, 4), frozenset(), 3)
+        fresh = decode_plan(plan, params, lambda ids, max_new, eos, seed: ChainDecoder(
+            whole, LookupDrafter(1, 4), eos, 3).generate(ids, Request(max_new, params, seed)))
+    else:
+        decoder = ARDecoder(StagedTarget(tiny.model, 1), frozenset())
+        fresh = decode_plan(plan, params, lambda ids, max_new, eos, seed: ARDecoder(
+            StagedTarget(tiny.model, 1), eos).generate(ids, Request(max_new, params, seed)))
+    check_reuse_equals_fresh(plan, params, cancelled_then_whole(decoder, plan, params), fresh,
+                             drafting=where in ("local", "distributed"))

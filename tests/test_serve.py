@@ -277,6 +277,25 @@ def test_keys_routes_and_chat_shapes(server):
     assert httpx.get(f"{server.url}/health").status_code == 200   # health and metrics need no key
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["bogus=1"], "bogus"),
+    (["port=70000"], "port=70000"),
+    (["max_queue=0"], "max_queue"),
+    (["prompt=Hi"], "serve takes its prompts from requests"),
+    (["--config", "configs/infer/serve.yaml", "shutdown_timeout_s=-1"], "shutdown_timeout_s"),
+])
+def test_bad_serve_command_lines_are_one_line_exit_2(capsys, args, needle):
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_taken_port_is_refused_before_loading(capsys, server, tiny_target_dir):
+    assert main(["serve", f"target={tiny_target_dir}", f"port={server.port}"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{server.port}" in err and "port=0" in err
+
+
 def test_a_full_queue_answers_429_with_retry_after(tiny_target_dir):
     srv = ServerProcess(f"target={tiny_target_dir}", "method=ar", "max_queue=1")
     try:
