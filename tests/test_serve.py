@@ -91,8 +91,11 @@ SPD = ["method=spd", "n=3", "max_new_tokens=24"]
 @pytest.fixture(scope="module")
 def server(tiny_target_dir):
     srv = ServerProcess(f"target={tiny_target_dir}", *SPD, f"api_key={KEY}", "max_queue=64")
-    yield srv
-    assert srv.stop() == 0, "".join(srv.lines)
+    try:
+        yield srv
+        assert srv.stop() == 0, "".join(srv.lines)
+    finally:
+        kill_all(srv)
 
 
 def metric(values: dict, name: str, **labels) -> float:
@@ -307,8 +310,9 @@ def test_a_full_queue_answers_429_with_retry_after(tiny_target_dir):
         refused = next(r for r in answers if r.status_code == 429)
         assert int(refused.headers["Retry-After"]) >= 1 and refused.json()["error"]["type"] == "rate_limit_error"
         assert srv.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
-    finally:
         assert srv.stop() == 0
+    finally:
+        kill_all(srv)
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "Ctrl-C"])
@@ -316,6 +320,13 @@ def test_a_signal_with_a_request_in_flight_ends_the_server_cleanly(tiny_target_d
     """runtime=distributed: the stage processes must be gone too."""
     srv = ServerProcess(f"target={tiny_target_dir}", "method=spd", "n=2", "runtime=distributed",
                         "controller=own_process", "shutdown_timeout_s=2")
+    try:
+        signal_in_flight(srv, sig, code)
+    finally:
+        kill_all(srv)
+
+
+def signal_in_flight(srv: ServerProcess, sig, code: int) -> None:
     stages = children(srv.proc.pid)
     assert len(stages) >= 2
     body = {"prompt": "Hi", "max_tokens": 450, "temperature": 0, "stream": True}
@@ -349,13 +360,26 @@ def test_a_signal_with_a_request_in_flight_ends_the_server_cleanly(tiny_target_d
 def test_a_dead_stage_process_answers_500_and_ends_the_server(tiny_target_dir):
     srv = ServerProcess(f"target={tiny_target_dir}", "method=spd", "n=2", "runtime=distributed",
                         "controller=first_stage", "timeout_s=5")
-    stage = children(srv.proc.pid)
-    assert stage
-    os.kill(stage[0], signal.SIGKILL)
-    r = srv.post("/v1/completions", {"prompt": "Hi", "max_tokens": 50, "temperature": 0})
-    assert r.status_code == 500 and "stage" in r.json()["error"]["message"]
-    assert srv.proc.wait(30) == 1
-    assert "Traceback" not in "".join(srv.lines)
+    try:
+        stage = children(srv.proc.pid)
+        assert stage
+        os.kill(stage[0], signal.SIGKILL)
+        r = srv.post("/v1/completions", {"prompt": "Hi", "max_tokens": 50, "temperature": 0})
+        assert r.status_code == 500 and "stage" in r.json()["error"]["message"]
+        assert srv.proc.wait(30) == 1
+        assert "Traceback" not in "".join(srv.lines)
+    finally:
+        kill_all(srv)
+
+
+def kill_all(srv: ServerProcess) -> None:
+    """Whatever a failed assertion left running: the server and its stage processes."""
+    for pid in [*children(srv.proc.pid), srv.proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    srv.proc.wait(10)
 
 
 def children(pid: int) -> list[int]:

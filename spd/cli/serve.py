@@ -6,6 +6,7 @@ the stage processes; exit 0 (130 for Ctrl-C). A pipeline that fails mid-decode e
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import sys
@@ -80,6 +81,7 @@ def terminated(sig, frame):
 
 
 def serve(cfg, default: bool = False) -> int:
+    logging.basicConfig(level=logging.WARNING, format="[serve] %(message)s")   # one line per refused request
     sock = listen(cfg.host, cfg.port)   # before loading: a taken port is refused at once
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
