@@ -65,6 +65,20 @@ def module_layers(n, staged):
     return ModuleDrafter(SpeculationModule.from_target(staged, 1)).layers_needed(staged.bounds)
 
 
+@pytest.mark.parametrize("n, controller", [(2, "first_stage"), (3, "own_process")])
+def test_a_one_token_prompt_is_a_prefill_too(tiny, n, controller):
+    """A prompt of one token once went between processes under the one-token step's tag, and the next stage,
+    waiting for a prefill, timed out (found by `spd-infer serve`'s warm-up)."""
+    staged = StagedTarget(tiny.model, n)
+    module = SpeculationModule.from_target(staged, 1, seed=n).eval()
+    p = prompt(5, length=1, vocab=tiny.model.config.vocab_size)
+    parts, cache = controller_parts("tiny-llama", n)
+    with open_stages(parts, distributed_cfg(controller=controller), module_layers(n, staged), cache) as stages:
+        spd = PipelineDecoder(stages, ModuleDrafter(module), frozenset()).generate(p, Request(20, GREEDY))
+        relayed = PipelineARDecoder(stages, frozenset()).generate(p, Request(20, GREEDY))
+    assert spd.token_ids == relayed.token_ids == ar_run(tiny.model, p, 20).token_ids
+
+
 def test_pipeline_ar_locally_equals_ar(tiny):
     p = prompt(3, vocab=tiny.model.config.vocab_size)
     for n in (1, 3):

@@ -105,7 +105,8 @@ class DistributedStages(StageExecutor):
             offset += size
         return flat[offset:].to(self.device) if stage == self.n - 1 else None
 
-    def _run_stage0(self, hidden: torch.Tensor, positions: torch.Tensor, sink: dict, probe: bool = False) -> None:
+    def _run_stage0(self, hidden: torch.Tensor, positions: torch.Tensor, sink: dict, probe: bool = False,
+                    prefill: bool = False) -> None:
         """The hosted stage 0 on hidden [1, T, d]: captured rows into sink, the output on to stage 1's process."""
         capture = frozenset(self.capture_of[0]) if self.capture_on else frozenset()
         if probe:
@@ -113,8 +114,7 @@ class DistributedStages(StageExecutor):
         else:
             out, captured = self.stage0.run_stage(0, hidden, positions.to(self.device), self.cache, capture)
         sink.update(captured)
-        tag = TAG_PREFILL if positions.numel() > 1 else TAG_HIDDEN
-        self.sends.append(comm.send(out.float(), rank_of(1, hosted=True), tag))
+        self.sends.append(comm.send(out.float(), rank_of(1, hosted=True), TAG_PREFILL if prefill else TAG_HIDDEN))
 
     # ---------------------------------------------------------------- StageExecutor
     def embed(self, token: int) -> torch.Tensor:
@@ -132,7 +132,7 @@ class DistributedStages(StageExecutor):
         captured, logits = {}, None
         if self.hosted:
             self.cache = self.stage0.new_cache(max_length)
-            self._run_stage0(h0, torch.arange(length), captured)
+            self._run_stage0(h0, torch.arange(length), captured, prefill=True)
         else:
             self.sends.append(comm.send(h0.float(), 1, TAG_PREFILL))
         self.active = True

@@ -51,7 +51,8 @@ class StageServer:
     def what(self, action: str) -> str:
         return f"stage {self.stage + 1}/{self.n} (rank {self.rank}) {action}"
 
-    def _run(self, hidden, positions, capture: list[int], probe: bool = False, argmax: bool = False):
+    def _run(self, hidden, positions, capture: list[int], probe: bool = False, argmax: bool = False,
+             prefill: bool = False):
         hidden = hidden.to(self.device, self.dtype)
         if probe:  # the messages of a step without its compute: what communication alone costs per step
             out, captured = hidden, {layer: hidden for layer in capture}
@@ -59,7 +60,8 @@ class StageServer:
             out, captured = self.target.run_stage(self.stage, hidden, positions.to(self.device), self.cache,
                                                   frozenset(capture))
         if not self.last:
-            self.sends.append(comm.send(out.float(), self.rank + 1, TAG_PREFILL if positions.numel() > 1 else TAG_HIDDEN))
+            # the tag says what the message is, not its length: a one-token prompt is still a prefill
+            self.sends.append(comm.send(out.float(), self.rank + 1, TAG_PREFILL if prefill else TAG_HIDDEN))
         parts = [captured[layer][0].reshape(-1) for layer in capture]    # each [T * d]
         if self.last:
             logits = out.new_zeros(self.target.config.vocab_size) if probe else self.target.logits(out[0, -1])
@@ -97,7 +99,7 @@ class StageServer:
                 self.cache = self.target.new_cache(c.context or None)   # static: this stage's layers only
                 hidden = comm.recv((1, c.length, self.d), torch.float32, self.rank - 1, TAG_PREFILL,
                                    s.step_timeout_s, self.what("waiting for the prompt's states"))
-                self._run(hidden, torch.arange(c.length), capture)
+                self._run(hidden, torch.arange(c.length), capture, prefill=True)
                 continue
             assert cmd in (STEP, PROBE), cmd
             active = True
