@@ -23,8 +23,8 @@ from spd.serve.worker import DecodeWorker
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, told what stopped it (a signal, or a failed pipeline) instead of re-raising the signal
-    after its graceful shutdown, so that the stages close and the exit code says what happened."""
+    """uvicorn's server in a thread of its own (decodes run in the main thread, spd.serve.worker), stopped by the
+    main thread's signal handlers or by a failed pipeline, and told which."""
 
     def __init__(self, config: uvicorn.Config, service: Service, ready_line: str):
         super().__init__(config)
@@ -49,7 +49,7 @@ class Server(uvicorn.Server):
             print(self.ready_line, file=sys.stderr, flush=True)
 
     def fail(self, message: str) -> None:
-        """From the decode thread: the pipeline is gone; stop serving and exit non-zero."""
+        """The pipeline is gone: stop serving and exit non-zero."""
         print(f"[serve] the pipeline failed, shutting down: {message}", file=sys.stderr, flush=True)
         self.exit_code = 1
         self.service.shutting_down = True
@@ -83,13 +83,13 @@ def terminated(sig, frame):
 def serve(cfg, default: bool = False) -> int:
     logging.basicConfig(level=logging.WARNING, format="[serve] %(message)s")   # one line per refused request
     sock = listen(cfg.host, cfg.port)   # before loading: a taken port is refused at once
-    previous = signal.signal(signal.SIGTERM, terminated)
+    previous = {sig: signal.signal(sig, terminated) for sig in (signal.SIGTERM,)}
+    server: Server | None = None
     try:
         with open_engine(cfg, default) as engine:
             warm_up(engine)
-            metrics = ServerMetrics(engine.session.staged.n)
-            server: Server | None = None
-            worker = DecodeWorker(engine, metrics, cfg.max_queue, on_fatal=lambda message: server.fail(message))
+            worker = DecodeWorker(engine, ServerMetrics(engine.session.staged.n), cfg.max_queue,
+                                  on_fatal=lambda message: server.fail(message))
             service = Service(engine, worker, cfg)
             host, port = sock.getsockname()[:2]
             s = engine.session
@@ -99,14 +99,22 @@ def serve(cfg, default: bool = False) -> int:
             config = uvicorn.Config(build_app(service), log_level="warning", lifespan="off",
                                     timeout_graceful_shutdown=cfg.shutdown_timeout_s + 10)   # a backstop
             server = Server(config, service, ready)
-            try:
-                server.run(sockets=[sock])
-            finally:
-                worker.stop(cfg.shutdown_timeout_s)
+            for sig in (signal.SIGTERM, signal.SIGINT):   # uvicorn installs none outside the main thread
+                previous.setdefault(sig, signal.getsignal(sig))
+                signal.signal(sig, server.handle_exit)
+            http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="spd-http", daemon=True)
+            http.start()
+            worker.serve(http.is_alive)
+            worker.stop()
+            http.join(cfg.shutdown_timeout_s + 15)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         sock.close()
-    if server.stopped_by == signal.SIGINT:
+    if server is not None and not server.started:
+        print("[serve] the HTTP server did not start", file=sys.stderr)
+        return 1
+    if server is not None and server.stopped_by == signal.SIGINT:
         print("[serve] interrupted", file=sys.stderr)
         return 130
-    return server.exit_code
+    return server.exit_code if server is not None else 0
