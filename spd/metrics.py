@@ -77,6 +77,7 @@ class ChainStats:
     cycles: int = 0
     accepted: int = 0
     drafted: int = 0                  # draft tokens proposed (those after a rejected one are never verified)
+    drafting_cycles: int = 0          # cycles that proposed at least one token (a lookup may find nothing to copy)
     accepted_per_cycle: list[int] = field(default_factory=list)
     sources: dict[str, list[int]] = field(default_factory=dict)   # draft source -> [drafts verified, accepted]
 

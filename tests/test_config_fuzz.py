@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 
 import spd.cli.chat
 import spd.cli.generate
+import spd.cli.serve
 import spd.eval.harness
 import spd.train.loop
 from spd.cli import main as spd_infer
-from spd.config import GenerateConfig
+from spd.config import GenerateConfig, ServeConfig
 from spd.eval.config import EvalConfig
 from spd.train.config import TrainConfig
 from helpers import load_train_main, snapshot
@@ -65,6 +66,7 @@ def stubbed(monkeypatch):
 
     monkeypatch.setattr(spd.cli.generate, "generate", start)
     monkeypatch.setattr(spd.cli.chat, "chat", start)
+    monkeypatch.setattr(spd.cli.serve, "serve", start)
     monkeypatch.setattr(spd.eval.harness, "run_eval", start)
     monkeypatch.setattr(spd.train.loop, "train", start)
 
@@ -108,6 +110,12 @@ def test_generate_command_line(stubbed, tmp_path, capsys, argv, config):
 @given(argv=words(GenerateConfig), config=config_files)
 def test_chat_command_line(stubbed, tmp_path, capsys, argv, config):
     check(lambda a: spd_infer(["chat", *a]), "spd-infer", ["target=tiny-llama", *argv], config, tmp_path, capsys)
+
+
+@FUZZ
+@given(argv=words(ServeConfig), config=config_files)
+def test_serve_command_line(stubbed, tmp_path, capsys, argv, config):
+    check(lambda a: spd_infer(["serve", *a]), "spd-infer", ["target=tiny-llama", *argv], config, tmp_path, capsys)
 
 
 @FUZZ

@@ -221,6 +221,29 @@ def test_metrics_agree_with_a_response(server):
     assert after[("spd_eal", ())] > 0
 
 
+def test_a_chain_is_counted_the_way_vllm_counts_drafts():
+    """Cycles that proposed tokens are drafts; acceptances by position inside each cycle; τ as spd_eal."""
+    from prometheus_client import generate_latest
+
+    from spd.metrics import ChainStats
+    from spd.serve.metrics import ServerMetrics
+
+    m = ServerMetrics(n=1)
+    m.decoded(ChainStats(m=3, N=7, cycles=4, accepted=3, drafted=6, drafting_cycles=3,
+                         accepted_per_cycle=[2, 0, 1, 0], sources={"lookup": [5, 3]}))
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in text_string_to_metric_families(generate_latest(m.registry).decode()) for s in f.samples}
+    assert values[("vllm:spec_decode_num_drafts_total", ())] == 3
+    assert values[("vllm:spec_decode_num_draft_tokens_total", ())] == 6
+    assert values[("vllm:spec_decode_num_accepted_tokens_total", ())] == 3
+    per_pos = {dict(k[1])["position"]: v for k, v in values.items()
+               if k[0] == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {"0": 2, "1": 1}
+    assert values[("spd_steps_total", ())] == 4 and values[("spd_tokens_total", ())] == 7
+    assert values[("spd_drafts_accepted_total", (("source", "lookup"),))] == 3
+    assert values[("spd_eal", ())] == 1.5
+
+
 def test_a_client_that_disconnects_mid_stream_cancels_its_decode(server):
     client = server.client()
     model = server_model(client)

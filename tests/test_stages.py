@@ -54,3 +54,18 @@ def test_batched_prefill_matches_incremental(family_model):
         rest, _ = staged.forward_all(ids[:, 10:], cache, start_pos=10)
     torch.testing.assert_close(torch.cat([part, rest], 1), full, atol=1e-5, rtol=1e-5)
     assert set(cap) == {0, 5, 10}
+
+
+def test_the_decoder_layers_are_called_without_a_deprecated_keyword(family_model):
+    """transformers 5.24 deprecates the layers' `past_key_values=` (removed in 5.40, which pyproject's `<6` admits):
+    any FutureWarning from a stage run fails here, before the keyword disappears and the cache with it."""
+    import warnings
+
+    _, model = family_model
+    staged = StagedTarget(model, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        cache = staged.new_cache(16)
+        hidden, _ = staged.forward_all(torch.tensor([[3, 4, 5]]), cache, 0)
+        staged.forward_all(torch.tensor([[6]]), cache, 3)
+    assert cache.lengths[0] == 4 and hidden.shape[1] == 3

@@ -46,6 +46,7 @@ class ChainDecoder(Decoder):
             logits = target.logits(out[0])        # [len(drafts) + 1, V]: row j is the target's p for position fed + 1 + j
             stats.cycles += 1
             stats.drafted += len(drafts)
+            stats.drafting_cycles += bool(drafts)
             accepted = 0
             verified = []
             for j in range(len(drafts) + 1):

@@ -3,8 +3,8 @@
 vLLM V1's speculative-decoding counters (`vllm:spec_decode_*`) are filled the way vLLM defines them: a *draft* is
 one proposal the target verifies in one go, its *draft tokens* the tokens it proposed, *accepted tokens* those the
 target kept, and `..._per_pos` counts acceptances by position inside a draft. SPD's pipeline verifies each drafted
-token on its own (one draft of one token, position 0); a chain (lookup, EAGLE-3) proposes up to m tokens per
-cycle. The suite's own counters (steps K, tokens N, rollbacks, per draft source) give L′acc = n·N/K and τ."""
+token on its own (one draft of one token, position 0); a chain (lookup, EAGLE-3) proposes up to m tokens per cycle
+(a cycle that proposed nothing — a lookup with no match — is no draft). The suite's own counters (steps K, tokens N, rollbacks, per draft source) give L′acc = n·N/K and τ."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class ServerMetrics:
             self.accepted.labels(source).inc(accepted)
         if isinstance(stats, ChainStats):
             self.steps.inc(stats.cycles)
-            self.num_drafts.inc(stats.cycles)
+            self.num_drafts.inc(stats.drafting_cycles)   # a cycle that found nothing to propose drafted nothing
             self.num_draft_tokens.inc(stats.drafted)
             self.num_accepted_tokens.inc(stats.accepted)
             for accepted in stats.accepted_per_cycle:

@@ -1,6 +1,6 @@
 """Per-layer KV cache with in-place appends and O(1) truncation (rollback).
 
-The HF attention modules only call `update(k, v, layer_idx)` on whatever `past_key_values` they get, so this
+The HF attention modules only call `update(k, v, layer_idx)` on whatever cache (`cache=`) they get, so this
 class plugs into the target's own decoder layers without forking any modelling code.
 
 With `max_length` (what decoding passes: prompt + new tokens + the tokens a pipeline or chain holds in flight) the

@@ -119,7 +119,7 @@ class StagedTarget:
                 hidden,
                 attention_mask=masks[layer_type],
                 position_ids=positions.view(1, -1),
-                past_key_values=cache,
+                cache=cache,   # transformers >= 5.24 (the old past_key_values= goes in 5.40)
                 position_embeddings=rope[layer_type],
             )
             if index + 1 in capture:
