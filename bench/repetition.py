@@ -7,6 +7,12 @@ tokens (itself included) already occurred earlier in the context, i.e. the answe
 itself or of the prompt (a loop until the length limit is the extreme case).
 
     python bench/repetition.py --limit 10 --out docs/results/repetition.json
+
+With --temperature > 0 there is no trace to replay: each configuration decodes every prompt step by step (the
+sampled eval config: top-k, top-p, one seed per prompt), and acceptance is placed by the decode's own verdicts
+inside that decode's output.
+
+    python bench/repetition.py --temperature 1 --limit 4 --out docs/results/repetition_t1.json
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import sys
 
 from tqdm import tqdm
 
-from spd.eval.config import EvalConfig
 from spd.config import load_config
+from spd.engine import open_engine
+from spd.eval.config import EvalConfig
+from spd.eval.harness import prompt_seed
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
@@ -28,6 +36,7 @@ from spd.session import open_session
 
 SOURCES = ("module", "lookup+module")                  # SPD's pipelined drafts, n = the module's
 CHAIN = "lookup chain"                                  # method=lookup, the default's settings
+RUNS = {"module": ["draft_source=module"], "lookup+module": ["draft_source=lookup+module"], CHAIN: ["method=lookup"]}
 
 
 def repeating(seq: list[int], prompt_len: int, span: int) -> set[int]:
@@ -43,13 +52,16 @@ def repeating(seq: list[int], prompt_len: int, span: int) -> set[int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/eval/greedy.yaml")
+    ap.add_argument("--config", default=None, help="default: configs/eval/greedy.yaml, or sampled.yaml at T > 0")
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--span", type=int, default=32)
     ap.add_argument("--out", default="docs/results/repetition.json")
     ap.add_argument("overrides", nargs="*", help="eval config overrides (key=value)")
     args = ap.parse_args()
-    cfg = load_config(EvalConfig, args.config, args.overrides)
+    if args.temperature > 0:
+        return sampled(args)
+    cfg = load_config(EvalConfig, args.config or "configs/eval/greedy.yaml", args.overrides)
     session = open_session(cfg)
     traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens)
     blank = {"prompts": 0, "positions": 0, "positions_in_repeats": 0}
@@ -89,6 +101,65 @@ def main() -> int:
     write_json(args.out, report)
     print(markdown(report))
     return 0
+
+
+def sampled(args) -> int:
+    """Each configuration decodes the prompts itself; its verdicts say where its accepted drafts sit."""
+    per = {ds: {name: {"prompts": 0, "positions": 0, "positions_in_repeats": 0, "N": 0, "K": 0, "cycles": 0,
+                       "accepted": 0, "accepted_in_repeats": 0, "sources": {}} for name in RUNS} for ds in DATASETS}
+    work = [(ds, q) for ds in DATASETS for q in load_questions(ds)[: args.limit]]
+    meta = {}
+    for name, keys in RUNS.items():
+        cfg = load_config(EvalConfig, args.config or "configs/eval/sampled.yaml",
+                          [*keys, f"temperature={args.temperature}", *args.overrides])
+        with open_engine(cfg) as engine:
+            tok = engine.session.loaded.tokenizer
+            meta[name] = {"n": engine.session.staged.n, "checkpoint": engine.session.checkpoint,
+                          "runtime": cfg.runtime, "top_k": cfg.top_k, "top_p": cfg.top_p}
+            for ds, q in tqdm(work, desc=name, unit="prompt"):
+                ids = chat_prompt_ids(tok, q["turns"][0])
+                request = engine.request(seed=prompt_seed(cfg.seed, ds, q["question_id"]))
+                result = engine.decoder.generate(ids, request)
+                inside = repeating(ids + result.token_ids, len(ids), args.span)
+                f, stats = per[ds][name], result.stats
+                f["prompts"] += 1
+                f["positions"] += len(result.token_ids)
+                f["positions_in_repeats"] += len(inside)
+                settled = counter(f, inside, len(ids))
+                for index, source, accepted in stats.verdicts:
+                    settled(index, accepted, source)
+                if name == CHAIN:
+                    f["N"] += stats.N - 1
+                    f["cycles"] += stats.cycles
+                else:
+                    f["N"] += stats.N
+                    f["K"] += stats.K
+    for row in per.values():
+        for name, f in row.items():
+            f["repeat_share"] = f["positions_in_repeats"] / f["positions"]
+            if name == CHAIN:
+                f["tau"] = f["N"] / f["cycles"]
+            else:
+                f["eal"] = meta[name]["n"] * f["N"] / f["K"]
+            f["accepted_in_repeats_share"] = f["accepted_in_repeats"] / f["accepted"] if f["accepted"] else None
+            f["acceptance"] = {s: a / v for s, (v, a) in f["sources"].items()}
+    report = {"per_dataset": per, "runs": meta, "temperature": args.temperature, "span": args.span,
+              "limit": args.limit, "command": " ".join(["python", *sys.argv])}
+    write_json(args.out, report)
+    print(markdown_sampled(report))
+    return 0
+
+
+def markdown_sampled(report: dict) -> str:
+    lines = [f"| data set | configuration | positions inside a repeat (≥ {report['span']} tokens) | L′acc or τ | "
+             "acceptance per source | accepted drafts inside repeats |", "|---|---|---:|---:|---|---:|"]
+    for ds, row in report["per_dataset"].items():
+        for name, f in row.items():
+            figure = f"τ {f['tau']:.3f}" if name == CHAIN else f"{f['eal']:.3f}"
+            acc = ", ".join(f"{s} {a:.2f}" for s, a in sorted(f["acceptance"].items()))
+            lines.append(f"| {ds} | {name} | {f['repeat_share']:.1%} | {figure} | {acc} | "
+                         f"{f['accepted_in_repeats_share'] or 0:.1%} |")
+    return "\n".join(lines)
 
 
 def counter(figures: dict, inside: set[int], offset: int):

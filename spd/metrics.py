@@ -25,10 +25,14 @@ class DecodeStats:
     accepted_runs: list[int] = field(default_factory=list)  # consecutive accepted drafts between rollbacks
     # draft source -> [drafts verified, accepted] (only drafts that reached verification; flushed ones are not)
     sources: dict[str, list[int]] = field(default_factory=dict)
+    # (index of the verified token among the generated ones, draft source, accepted) per verification, in order:
+    # where acceptance falls in the output (bench/repetition.py); not part of as_dict
+    verdicts: list[tuple[int, str, bool]] = field(default_factory=list)
     _run: int = 0
 
     def settle(self, accepted: bool, source: str = "module") -> None:
         """Record the verification of one drafted position (accepted, or corrected with a rollback)."""
+        self.verdicts.append((self.N, source, accepted))
         self.N += 1
         count_source(self.sources, source, accepted)
         if accepted:
@@ -80,9 +84,12 @@ class ChainStats:
     drafting_cycles: int = 0          # cycles that proposed at least one token (a lookup may find nothing to copy)
     accepted_per_cycle: list[int] = field(default_factory=list)
     sources: dict[str, list[int]] = field(default_factory=dict)   # draft source -> [drafts verified, accepted]
+    verdicts: list[tuple[int, str, bool]] = field(default_factory=list)   # as DecodeStats.verdicts
 
     def verified(self, source: str, accepted: bool) -> None:
+        """Called before the verified token is counted in N (N is then its index among the generated tokens)."""
         count_source(self.sources, source, accepted)
+        self.verdicts.append((self.N, source, accepted))
 
     @property
     def tau(self) -> float | None:

@@ -82,12 +82,15 @@ def test_fast_evaluator_matches_the_hybrid_runtime(family_model, n):
         p = prompt(seed + 60)
         trace = record_greedy_trace(staged, p, 40, frozenset())
         module = SpeculationModule.from_target(staged, 1, seed=seed).eval()
-        fast = fast_greedy_stats(module, trace, lookup=(2, 8))
+        positions = []
+        fast = fast_greedy_stats(module, trace, lookup=(2, 8), on_settle=lambda pos, *_: positions.append(pos))
         slow = hybrid_decoder(staged, seed).generate(p, Request(40, GREEDY))
         assert slow.token_ids == trace.tokens
         assert (fast["stats"].N, fast["stats"].K, fast["stats"].rollbacks) == \
             (slow.stats.N, slow.stats.K, slow.stats.rollbacks)
         assert fast["stats"].accepted_runs == slow.stats.accepted_runs
         assert fast["stats"].sources == slow.stats.sources
+        assert fast["stats"].verdicts == slow.stats.verdicts        # where each accepted draft sits in the output
+        assert [i + len(p) for i, _, _ in slow.stats.verdicts] == positions     # the schedule's own positions
         lookups += slow.stats.sources.get("lookup", [0, 0])[1]
     assert lookups > 0   # the comparison covered accepted lookup drafts

@@ -91,8 +91,8 @@ def test_the_fast_lookup_replay_equals_the_chain(family_model, untied_target_dir
             trace = record_greedy_trace(staged, p, 40, frozenset())
             fast = fast_lookup_stats(trace, 1, 4, m)
             got, want = fast["stats"], out.stats
-            assert (got.N, got.cycles, got.accepted, got.accepted_per_cycle, got.sources) == \
-                (want.N, want.cycles, want.accepted, want.accepted_per_cycle, want.sources), (family, seed)
+            assert (got.N, got.cycles, got.accepted, got.accepted_per_cycle, got.sources, got.verdicts) == \
+                (want.N, want.cycles, want.accepted, want.accepted_per_cycle, want.sources, want.verdicts), (family, seed)
             assert len(fast["rows_per_cycle"]) == got.cycles and all(1 <= r <= m + 1 for r in fast["rows_per_cycle"])
             histories.add(tuple(sorted(set(want.accepted_per_cycle))))
     assert len(histories) > 1 or len(histories.pop()) > 1     # hits and misses both occur
