@@ -24,8 +24,8 @@ from spd.fast_eval import GreedyTrace, fast_greedy_stats, record_greedy_trace
 from spd.metrics import pooled_eal
 from spd.module import SpeculationModule
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 
 def load_traces(loaded, staged, limit, max_new, cache_dir):

@@ -32,8 +32,8 @@ from spd.checkpoint import load_checkpoint, read_checkpoint_config
 from spd.fast_eval import GreedyTrace, fast_greedy_stats
 from spd.layout import needed_layers
 from spd.metrics import pooled_eal
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 from spd.train.data import load_conversations, tokenize_conversations
 
 sys.path.insert(0, os.path.dirname(__file__))

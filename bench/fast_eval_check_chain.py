@@ -29,8 +29,8 @@ from spd.eval.traces import TraceCache
 from spd.fast_eval_chain import fast_chain_stats, fast_lookup_stats
 from spd.runtime.chain import ChainDecoder
 from spd.sampling import SamplingParams
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 from fast_eval_check import eval_prompts, finished_rows, unexplained   # this folder: the SPD check's helpers
 

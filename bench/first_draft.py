@@ -23,8 +23,8 @@ import torch
 from spd.eval.output import write_json
 from spd.checkpoint import load_checkpoint, read_checkpoint_config
 from spd.fast_eval import GreedyTrace
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 sys.path.insert(0, os.path.dirname(__file__))
 from acceptance import load_traces  # noqa: E402

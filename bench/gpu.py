@@ -31,7 +31,7 @@ from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.streams import GraphStages, StreamStages
 from spd.sampling import SamplingParams
 from spd.session import open_session
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 GREEDY = SamplingParams()
 

@@ -24,8 +24,8 @@ from spd.drafters.reference import ReferenceDrafter
 from spd.runtime.pipeline import PipelineDecoder
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.sampling import SamplingParams
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 MARGIN = 1e-4
 

@@ -28,7 +28,7 @@ from spd.eval.traces import TraceCache
 from spd.fast_eval_chain import fast_lookup_stats
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 from spd.eval.output import write_json
 
 

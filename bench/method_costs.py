@@ -26,8 +26,8 @@ from spd.checkpoint import load_checkpoint
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.eval.calibrate import calibrate, calibrate_chain, chain_measured_cost_speedup, measured_cost_speedup
 from spd.sampling import SamplingParams
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 
 def main() -> int:

@@ -28,8 +28,8 @@ from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
 from spd.runtime.schedule import first_step
 from spd.sampling import SamplingParams
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 PROMPT = "Explain in a few paragraphs how a pipelined CPU executes instructions."
 

@@ -20,8 +20,8 @@ import torch
 
 from spd.eval.calibrate import _median_seconds
 from spd.eval.output import write_json
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 
 def llc() -> str | None:

@@ -22,8 +22,8 @@ import torch  # noqa: E402
 from spd.checkpoint import load_checkpoint, read_checkpoint_config  # noqa: E402
 from spd.fast_eval import GreedyTrace, fast_greedy_stats  # noqa: E402
 from spd.metrics import pooled_eal  # noqa: E402
-from spd.target.loading import load_target  # noqa: E402
-from spd.target.stages import StagedTarget  # noqa: E402
+from spd.targets.loading import load_target  # noqa: E402
+from spd.targets.stages import StagedTarget  # noqa: E402
 from spd.train.data import load_conversations, tokenize_conversations  # noqa: E402
 from spd.train.objective import collate, kd_loss, teacher_pass  # noqa: E402
 

@@ -22,8 +22,8 @@ def measure(length: int, repeats: int) -> dict:
     import torch
 
     from spd.module import SpeculationModule
-    from spd.target.loading import load_target
-    from spd.target.stages import StagedTarget
+    from spd.targets.loading import load_target
+    from spd.targets.stages import StagedTarget
     from spd.train.objective import kd_loss, teacher_pass
 
     loaded = load_target("smollm2")

@@ -43,8 +43,8 @@ from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.stages import open_stages, threads_for
 from spd.sampling import SamplingParams
 from spd.session import open_session
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 
 class TimedDrafter(WrappedDrafter):

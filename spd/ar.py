@@ -6,7 +6,7 @@ import torch
 
 from spd.decoding import Decoder, Request, context_length, is_final, prefill
 from spd.sampling import next_token
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 
 class ARDecoder(Decoder):

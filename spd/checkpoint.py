@@ -19,8 +19,8 @@ from spd.errors import UserError
 from spd.eagle3_module import Eagle3Module
 from spd.methods import TRAINED_METHODS
 from spd.module import SpeculationModule
-from spd.target.loading import LoadedTarget
-from spd.target.stages import StagedTarget
+from spd.targets.loading import LoadedTarget
+from spd.targets.stages import StagedTarget
 
 FORMAT = "spd-speculation-module"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"

@@ -12,8 +12,8 @@ import torch
 
 from spd.metrics import ChainStats, DecodeStats
 from spd.sampling import SamplingParams
-from spd.target.kv_cache import LayerKVCache
-from spd.target.stages import StagedTarget
+from spd.targets.kv_cache import LayerKVCache
+from spd.targets.stages import StagedTarget
 
 
 @dataclass(frozen=True)

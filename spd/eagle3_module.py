@@ -19,7 +19,7 @@ from torch import nn
 
 from spd.attention import _heads, attend, layer_output, rotate
 from spd.draft_head import DraftHead
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 TTT_STEPS = 7        # unrolled steps of the training-time test
 TTT_DECAY = 0.8      # loss weight of step j: 0.8^j

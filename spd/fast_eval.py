@@ -23,7 +23,7 @@ from spd.layout import needed_layers
 from spd.metrics import DecodeStats
 from spd.module import SpeculationModule
 from spd.runtime.schedule import first_step, flushed_from, next_step
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 
 @dataclass

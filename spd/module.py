@@ -17,7 +17,7 @@ from torch import nn
 from spd.attention import layer_forward, memory_kv
 from spd.draft_head import DraftHead
 from spd.layout import plan_for
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 
 FEATURE_NORMS = ("none", "standard")

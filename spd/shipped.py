@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from spd.paths import read_run_config
-from spd.target.source import DEFAULT_TARGET
+from spd.targets.source import DEFAULT_TARGET
 
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "assets", "modules")
 RANDOM = "random"   # checkpoint=random: an untrained module

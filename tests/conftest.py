@@ -14,7 +14,7 @@ if "SPD_CACHE_DIR" not in os.environ:  # weight caches written by tests stay out
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, min(2, os.cpu_count() or 1)))
 
-from spd.testing import FAMILIES, tiny_model  # noqa: E402
+from spd.targets.tiny import FAMILIES, tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=FAMILIES)
@@ -25,7 +25,7 @@ def family_model(request):
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory):
     """A tiny Llama saved as an HF directory with a small byte-level BPE tokenizer and a ChatML template."""
-    from spd.testing import save_tiny_target
+    from spd.targets.tiny import save_tiny_target
 
     path = tmp_path_factory.mktemp("tiny_target")
     save_tiny_target(str(path), "llama", seed=0)
@@ -36,7 +36,7 @@ def tiny_target_dir(tmp_path_factory):
 def untied_target_dir(tmp_path_factory):
     """A tiny Llama whose greedy answers depend on the whole context (untied head), as an HF directory: a cache
     that lost part of the prompt shows in the tokens (the tied tiny targets mostly repeat their last token)."""
-    from spd.testing import save_tiny_target
+    from spd.targets.tiny import save_tiny_target
 
     path = tmp_path_factory.mktemp("untied_target")
     save_tiny_target(str(path), "llama", seed=0, tied=False)

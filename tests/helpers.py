@@ -12,7 +12,7 @@ from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
 from spd.sampling import SamplingParams
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 GREEDY = SamplingParams()
 
@@ -34,7 +34,7 @@ def ended_on_rejection(result) -> bool:
 
 def controller_parts(spec: str, n: int):
     """What the controller process holds: the embedding and head, no decoder layer; and the cache it loads from."""
-    from spd.target.weight_cache import load_parts, materialize
+    from spd.targets.weight_cache import load_parts, materialize
 
     cache = materialize(spec)
     parts = load_parts(cache, range(0), embed=True, head=True, dtype=torch.float32)

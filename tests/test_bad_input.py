@@ -16,8 +16,8 @@ import pytest
 from spd.checkpoint import save_checkpoint
 from spd.cli import main as spd_infer
 from spd.module import SpeculationModule
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 from helpers import load_train_main, snapshot
 
@@ -133,7 +133,7 @@ def test_paths(capsys, work, tiny_target_dir, checkpoint):
             "target.fingerprint", work)
     # a checkpoint for another target is named as such even when n or the bounds would not fit either
     other = work / "other_target"
-    from spd.testing import save_tiny_target
+    from spd.targets.tiny import save_tiny_target
 
     save_tiny_target(str(other), seed=1)
     refused(capsys, "spd-infer", ["generate", f"target={other}", "Hi", f"checkpoint={checkpoint}", "n=3",

@@ -13,8 +13,8 @@ import pytest
 from spd.errors import UserError
 from spd.runtime.balance import balanced_bounds, controller_costs, profile_costs, stage_costs
 from spd.runtime.stages import hosts_first_stage, threads_for
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 
 def brute_force(costs, n, first_extra_s=0.0):

@@ -15,8 +15,8 @@ from spd.drafters.eagle3 import Eagle3Drafter
 from spd.eagle3_module import Eagle3Module
 from spd.module import SpeculationModule
 from spd.sampling import SamplingParams
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ import torch
 
 from spd.checkpoint import load_checkpoint, save_checkpoint
 from spd.module import SpeculationModule
-from spd.target.loading import LoadedTarget, weights_fingerprint
-from spd.target.stages import StagedTarget
-from spd.testing import tiny_model
+from spd.targets.loading import LoadedTarget, weights_fingerprint
+from spd.targets.stages import StagedTarget
+from spd.targets.tiny import tiny_model
 
 
 def test_roundtrip_is_exact_and_atomic(tmp_path):

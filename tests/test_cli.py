@@ -11,9 +11,9 @@ from spd.checkpoint import save_checkpoint
 from spd.cli import main
 from spd.methods import METHODS
 from spd.module import SpeculationModule
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
-from spd.testing import save_tiny_target
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
+from spd.targets.tiny import save_tiny_target
 
 
 def run(capsys, *args):

@@ -22,9 +22,9 @@ from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.stages import open_stages
 from spd.sampling import SamplingParams
-from spd.target.loading import load_target
-from spd.target.weight_cache import load_parts
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.weight_cache import load_parts
+from spd.targets.stages import StagedTarget
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
 
@@ -120,7 +120,7 @@ def test_sampling_through_distributed_runtime_matches_target_distribution(tmp_pa
     """The chi-square test of test_lossless_sampling, with every continuation decoded by stage processes."""
     from test_lossless_sampling import ALPHA, LENGTH, PARAMS, PROMPT, chi2_pvalue, exact_distribution
 
-    from spd.testing import tiny_model
+    from spd.targets.tiny import tiny_model
 
     model = tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
     model.save_pretrained(tmp_path / "target")
@@ -202,7 +202,7 @@ def test_smollm2_reused_stage_processes_decode_like_ar():
     and a second one cannot form beside it in one process): n = 2 stage processes, an untrained module (rejections nearly
     every step), a short prompt and then a much longer one, greedy and seeded T = 1, each generation as a fresh
     in-process decoder gives it (greedy: the target's own decode)."""
-    from spd.target.weight_cache import load_parts
+    from spd.targets.weight_cache import load_parts
 
     n = 2
     controller, cache = controller_parts("smollm2", n)

@@ -13,8 +13,8 @@ import pytest
 
 from spd.checkpoint import save_checkpoint
 from spd.module import SpeculationModule
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")

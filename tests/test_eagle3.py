@@ -9,7 +9,7 @@ from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.eagle3_module import Eagle3Module, fused_layers
 from spd.runtime.chain import ChainDecoder
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 from spd.train.objective import TeacherBatch, collate, ttt_loss
 from spd.sampling import Proposal
 

@@ -11,7 +11,7 @@ from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
 from spd.sampling import Proposal
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 from spd.train.objective import collate, teacher_pass
 
 

@@ -10,8 +10,8 @@ from spd.checkpoint import save_checkpoint
 from spd.cli import main
 from spd.eval.traces import TraceCache, trace_key
 from spd.module import SpeculationModule
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 from helpers import read_wandb_offline
 

@@ -8,7 +8,7 @@ from spd.drafters.spd_module import ModuleDrafter
 from spd.fast_eval import fast_greedy_stats, record_greedy_trace
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 
 def trained_like(staged, seed):

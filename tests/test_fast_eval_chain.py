@@ -13,8 +13,8 @@ from spd.fast_eval import record_greedy_trace
 from spd.fast_eval_chain import fast_chain_stats, replay_chain
 from spd.layout import needed_layers
 from spd.runtime.chain import ChainDecoder
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 from spd.sampling import Proposal
 
 

@@ -14,8 +14,8 @@ from spd.drafters.spd_module import ModuleDrafter
 from spd.fast_eval import fast_greedy_stats, record_greedy_trace
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
-from spd.target.stages import StagedTarget
-from spd.testing import tiny_model
+from spd.targets.stages import StagedTarget
+from spd.targets.tiny import tiny_model
 
 
 def test_truncate_restores_the_pool_a_shorter_context_builds():

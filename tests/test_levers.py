@@ -3,8 +3,8 @@ import torch
 
 from spd.layout import sample_occupancy
 from spd.module import SpeculationModule
-from spd.target.stages import StagedTarget
-from spd.testing import tiny_model
+from spd.targets.stages import StagedTarget
+from spd.targets.tiny import tiny_model
 
 
 def test_selector_init_passes_deepest_state_through():
@@ -41,7 +41,7 @@ def test_occupancy_weights_policy():
 
 def test_feature_norm_standardises_each_read_state_and_survives_a_checkpoint(tmp_path):
     from spd.checkpoint import load_checkpoint, save_checkpoint
-    from spd.target.loading import load_target
+    from spd.targets.loading import load_target
 
     loaded = load_target("tiny-llama")
     staged = StagedTarget(loaded.model, 3)

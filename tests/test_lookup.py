@@ -13,7 +13,7 @@ from spd.fast_eval import record_greedy_trace
 from spd.fast_eval_chain import fast_lookup_stats
 from spd.runtime.chain import ChainDecoder
 from spd.sampling import verify_point_mass, warp, SamplingParams
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 
 def rescan(tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:
@@ -63,7 +63,7 @@ def test_no_match_no_drafts():
 def test_lookup_chain_greedy_equals_ar(family_model, untied_target_dir, m):
     """Tied tiny targets loop (the lookup is right most of the time), the untied one does not (mostly wrong): both
     paths, on every family."""
-    from spd.target.loading import load_target
+    from spd.targets.loading import load_target
 
     family, model = family_model
     for target in (model, load_target(untied_target_dir).model):
@@ -79,7 +79,7 @@ def test_lookup_chain_greedy_equals_ar(family_model, untied_target_dir, m):
 @pytest.mark.parametrize("m", [1, 4])
 def test_the_fast_lookup_replay_equals_the_chain(family_model, untied_target_dir, m):
     """The eval's fast evaluator for method=lookup: the same cycles, acceptances and rows as the runtime."""
-    from spd.target.loading import load_target
+    from spd.targets.loading import load_target
 
     family, model = family_model
     histories = set()

@@ -60,7 +60,7 @@ def test_uneven_and_explicit_stage_bounds(family_model):
     from spd.module import SpeculationModule
     from spd.runtime.pipeline import PipelineDecoder
     from spd.sampling import SamplingParams
-    from spd.target.stages import StagedTarget
+    from spd.targets.stages import StagedTarget
 
     _, model = family_model
     p = prompt(4)

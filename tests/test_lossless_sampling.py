@@ -18,8 +18,8 @@ from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
 from spd.sampling import SamplingParams, verify_sampled, warp
-from spd.target.stages import StagedTarget
-from spd.testing import tiny_model
+from spd.targets.stages import StagedTarget
+from spd.targets.tiny import tiny_model
 
 PARAMS = SamplingParams(temperature=1.0, top_k=2, top_p=0.95)
 PROMPT = [3, 1, 4, 1, 5]

@@ -7,7 +7,7 @@ from spd.decoding import Request
 from spd.drafters.reference import ReferenceDrafter
 from spd.metrics import DecodeStats, pooled_eal
 from spd.runtime.pipeline import PipelineDecoder
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 
 def run_reference(model, n, wrong, max_new):

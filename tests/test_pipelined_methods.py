@@ -12,7 +12,7 @@ from spd.fast_eval import fast_greedy_stats, record_greedy_trace
 from spd.layout import PLANS, depth, plan_for
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 AFTER = ["ppsd", "spd_output_state"]
 

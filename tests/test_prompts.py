@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from spd.cli import main
 from spd.config import GenerateConfig, load_config
 from spd.eval.config import EvalConfig
-from spd.testing import save_tiny_target
+from spd.targets.tiny import save_tiny_target
 
 CLASSES = {
     "colon": "Translate: hello",

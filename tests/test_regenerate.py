@@ -3,7 +3,7 @@
 import json
 import os
 
-from spd.target.loading import load_target
+from spd.targets.loading import load_target
 from spd.train.data import load_conversations
 from spd.train.regenerate import first_prompt, regenerate, regenerated_path
 

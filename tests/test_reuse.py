@@ -30,8 +30,8 @@ from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.stages import open_stages
 from spd.runtime.streams import GraphStages, StreamStages
 from spd.sampling import Proposal, SamplingParams
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
 WRONG_EVERY = 5

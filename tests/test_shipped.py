@@ -13,7 +13,7 @@ from spd.prompts import chat_prompt_ids
 from spd.runtime.pipeline import PipelineDecoder
 from spd.sampling import SamplingParams
 from spd.shipped import RANDOM, checkpoint_for, shipped_modules
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 SHIPPED = shipped_modules()
 
@@ -43,7 +43,7 @@ def test_which_module_a_run_gets():
 @pytest.mark.slow
 @pytest.mark.parametrize("module", SHIPPED, ids=lambda m: m["path"].rsplit("/", 1)[-1])
 def test_shipped_module_loads_on_the_default_target_and_is_lossless(module):
-    from spd.target.loading import load_target
+    from spd.targets.loading import load_target
 
     loaded = load_target("smollm2")
     cfg = read_checkpoint_config(module["path"])
@@ -69,7 +69,7 @@ def test_ship_script_halves_the_weights_and_records_provenance(tmp_path, monkeyp
     import spd.shipped
     from spd.checkpoint import save_checkpoint
     from spd.module import SpeculationModule
-    from spd.target.loading import load_target
+    from spd.targets.loading import load_target
 
     loaded = load_target("tiny-llama")
     staged = StagedTarget(loaded.model, 3)

@@ -14,8 +14,8 @@ from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
 from spd.prompts import chat_prompt_ids, load_questions
 from spd.sampling import SamplingParams
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams()
@@ -33,8 +33,8 @@ def test_loaded_as_expected(smollm2):
 
 def test_weight_cache_equals_the_gguf(smollm2):
     """The safetensors cache every load now reads is the de-quantised GGUF, bit for bit, tokenizer included."""
-    from spd.target.loaded import read_source
-    from spd.target.source import resolve_source
+    from spd.targets.loaded import read_source
+    from spd.targets.source import resolve_source
 
     gguf = read_source(resolve_source("smollm2"), torch.float32)
     cached, direct = smollm2.model.state_dict(), gguf.model.state_dict()

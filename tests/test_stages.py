@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from spd.target.kv_cache import LayerKVCache
-from spd.target.stages import StagedTarget
+from spd.targets.kv_cache import LayerKVCache
+from spd.targets.stages import StagedTarget
 
 
 def test_kv_cache_append_crop_grow():

@@ -11,9 +11,9 @@ from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.streams import GraphStages, StreamStages
-from spd.target.fixed_step import FixedStep
-from spd.target.kv_cache import LayerKVCache
-from spd.target.stages import StagedTarget
+from spd.targets.fixed_step import FixedStep
+from spd.targets.kv_cache import LayerKVCache
+from spd.targets.stages import StagedTarget
 
 
 def test_static_cache_preallocates_crops_refills_and_refuses_overflow():

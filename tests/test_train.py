@@ -38,8 +38,8 @@ def weights(out):
 @pytest.mark.parametrize("method", ["spd", "ppsd", "spd_output_state", "eagle3"])
 def test_debug_training_learns(tmp_path, method):
     from spd.module import SpeculationModule
-    from spd.target.loading import load_target
-    from spd.target.stages import StagedTarget
+    from spd.targets.loading import load_target
+    from spd.targets.stages import StagedTarget
     from spd.train.data import load_conversations, tokenize_conversations
     from spd.eagle3_module import Eagle3Module
     from spd.train.objective import collate, kd_loss, teacher_pass, ttt_loss
@@ -126,7 +126,7 @@ def test_bad_input(tmp_path, overrides, needle):
 
 def test_bad_data_files(tmp_path):
     from spd.train.data import load_conversations, tokenize_conversations
-    from spd.testing import tiny_tokenizer
+    from spd.targets.tiny import tiny_tokenizer
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-import spd.target.weight_cache as wc
-from spd.target.loaded import read_source
-from spd.target.loading import load_target
-from spd.target.source import resolve_source
-from spd.testing import save_tiny_target
+import spd.targets.weight_cache as wc
+from spd.targets.loaded import read_source
+from spd.targets.loading import load_target
+from spd.targets.source import resolve_source
+from spd.targets.tiny import save_tiny_target
 
 
 @pytest.fixture

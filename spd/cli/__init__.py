@@ -58,7 +58,7 @@ def decode_command(command: str, words: list[str], parser: argparse.ArgumentPars
     from spd.cli.args import prompt_text, resolve_prompt, split_command_line
     from spd.config import GenerateConfig, load_config
     from spd.fastest import fastest_default
-    from spd.target.source import resolve_source
+    from spd.targets.source import resolve_source
 
     line = split_command_line(words, GenerateConfig, command)
     if line.help:
@@ -89,7 +89,7 @@ def serve_command(args) -> int:
 
     from spd.config import ServeConfig, load_config
     from spd.fastest import fastest_default
-    from spd.target.source import resolve_source
+    from spd.targets.source import resolve_source
 
     cfg = load_config(ServeConfig, args.config, args.overrides)
     resolve_source(cfg.target)

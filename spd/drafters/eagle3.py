@@ -15,7 +15,7 @@ from spd.attention import attend_block
 from spd.drafters.base import ChainDrafter
 from spd.eagle3_module import Eagle3Module
 from spd.sampling import Proposal
-from spd.target.kv_cache import LayerKVCache
+from spd.targets.kv_cache import LayerKVCache
 
 
 class Eagle3Drafter(ChainDrafter):

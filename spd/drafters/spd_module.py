@@ -9,7 +9,7 @@ import torch
 from spd.drafters.base import Drafter, StepView
 from spd.module import SpeculationModule
 from spd.sampling import Proposal
-from spd.target.kv_cache import LayerKVCache
+from spd.targets.kv_cache import LayerKVCache
 
 
 class ModuleDrafter(Drafter):

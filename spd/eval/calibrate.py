@@ -40,7 +40,7 @@ from spd.layout import needed_layers
 from spd.module import SpeculationModule
 from spd.runtime.schedule import spd_step
 from spd.sampling import Proposal, SamplingParams, propose, settle
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 LAST = "last stage + head + verify"
 

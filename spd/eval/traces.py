@@ -19,8 +19,8 @@ import torch
 from spd.decoding import eos_ids_of
 from spd.fast_eval import GreedyTrace, record_greedy_trace
 from spd.layout import needed_layers
-from spd.target.loading import LoadedTarget
-from spd.target.stages import StagedTarget
+from spd.targets.loading import LoadedTarget
+from spd.targets.stages import StagedTarget
 
 
 def trace_key(fingerprint: str, bounds: list[int], dtype: torch.dtype, device: torch.device,

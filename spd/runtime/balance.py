@@ -15,7 +15,7 @@ import os
 import torch
 
 from spd.eval.calibrate import _median_seconds
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 
 @torch.no_grad()

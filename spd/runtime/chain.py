@@ -16,7 +16,7 @@ from spd.decoding import Decoder, Request, context_length, is_final, prefill
 from spd.drafters.base import ChainDrafter
 from spd.metrics import ChainStats
 from spd.sampling import next_token, propose, settle
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 
 class ChainDecoder(Decoder):

@@ -13,7 +13,7 @@ import torch
 from spd.decoding import prefill
 from spd.runtime.executor import StageExecutor, StepOutput
 from spd.runtime.schedule import Step
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 
 class LocalStages(StageExecutor):

@@ -19,7 +19,7 @@ from spd.runtime.executor import StageExecutor
 from spd.runtime.local import LocalStages
 from spd.runtime.schedule import first_step, flushed_from, next_step, relay_step
 from spd.sampling import Proposal, next_token, propose, settle
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 
 def as_executor(stages: StagedTarget | StageExecutor) -> StageExecutor:

@@ -12,7 +12,7 @@ import torch
 from spd.errors import UserError
 from spd.runtime.executor import StageExecutor
 from spd.runtime.local import LocalStages
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 from spd.config import RUNTIMES
 

@@ -19,8 +19,8 @@ from spd.decoding import prefill
 from spd.runtime.local import LocalStages
 from spd.runtime.schedule import Step
 from spd.runtime.executor import StepOutput
-from spd.target.fixed_step import FixedStep
-from spd.target.stages import StagedTarget
+from spd.targets.fixed_step import FixedStep
+from spd.targets.stages import StagedTarget
 
 
 class GraphStages(LocalStages):

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from spd.layout import needed_layers
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 DTYPES = {"float16": np.float16, "float32": np.float32}
 

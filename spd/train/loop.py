@@ -24,8 +24,8 @@ from spd.checkpoint import save_checkpoint
 from spd.errors import UserError
 from spd.paths import check_writable_dir, is_empty_dir, read_run_config
 from spd.module import SpeculationModule
-from spd.target.loading import load_target
-from spd.target.stages import StagedTarget
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 from spd.train.data import load_conversations, tokenize_conversations
 from spd.train.feature_cache import build_or_load
 from spd.train.regenerate import regenerate, regenerated_path

@@ -17,7 +17,7 @@ from spd.errors import UserError
 from spd.layout import needed_layers, sample_occupancy
 from spd.module import SpeculationModule
 from spd.module_init import init_previous_token_head
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 from spd.train.evaluate import decode_heldout, evaluate
 from spd.train.objective import kd_loss, ttt_loss
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from spd.layout import needed_layers
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 
 def build_draft_vocab(examples: list[dict], size: int, vocab_size: int) -> torch.Tensor:

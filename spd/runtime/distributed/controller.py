@@ -25,8 +25,8 @@ from spd.runtime.distributed.protocol import (ABORT, END, MAX_ARGMAX_VOCAB, PREF
                                               first_remote, rank_of, stage_capture, stage_layers, world_size)
 from spd.runtime.executor import StageExecutor, StepOutput
 from spd.runtime.schedule import Step, first_step, next_step
-from spd.target.stages import StagedTarget
-from spd.target.weight_cache import load_parts
+from spd.targets.stages import StagedTarget
+from spd.targets.weight_cache import load_parts
 
 
 class DistributedStages(StageExecutor):

@@ -19,7 +19,7 @@ from spd.errors import UserError
 from spd.runtime.distributed.comm import PipelineFailure
 from spd.runtime.distributed.controller import DistributedStages
 from spd.runtime.distributed.protocol import Setup, world_size
-from spd.target.stages import StagedTarget
+from spd.targets.stages import StagedTarget
 
 
 def check_port(addr: str, port: int) -> int:

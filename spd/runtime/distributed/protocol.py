@@ -30,7 +30,7 @@ HEADER = 6
 class Setup:
     """Broadcast once from the controller: everything a stage process needs to load and run its stage."""
 
-    cache_dir: str                  # spd.target.weight_cache cache of the target
+    cache_dir: str                  # spd.targets.weight_cache cache of the target
     n: int
     bounds: list[int]
     capture: list[int]              # layers whose H^l the drafter reads (0 excluded: the controller embeds)

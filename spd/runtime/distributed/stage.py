@@ -17,8 +17,8 @@ from spd.runtime.distributed.protocol import (ABORT, END, HEADER, PREFILL, PROBE
                                               stage_capture, stage_layers)
 from spd.runtime.schedule import IDLE
 from spd.session import DTYPES
-from spd.target.weight_cache import load_parts
-from spd.target.stages import StagedTarget
+from spd.targets.weight_cache import load_parts
+from spd.targets.stages import StagedTarget
 
 
 def receive_setup() -> Setup:

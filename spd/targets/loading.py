@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from spd.target.loaded import LoadedTarget, read_source, weights_fingerprint  # noqa: F401  (re-exported)
-from spd.target.source import DEFAULT_TARGET, resolve_source
-from spd.target.weight_cache import load_parts, materialize
+from spd.targets.loaded import LoadedTarget, read_source, weights_fingerprint  # noqa: F401  (re-exported)
+from spd.targets.source import DEFAULT_TARGET, resolve_source
+from spd.targets.weight_cache import load_parts, materialize
 
 
 def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedTarget:

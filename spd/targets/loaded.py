@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from spd.errors import UserError
-from spd.target.source import Source
+from spd.targets.source import Source
 
 
 @dataclass
@@ -35,7 +35,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 def read_source(source: Source, dtype: torch.dtype) -> LoadedTarget:
     """The whole target from its source files, on the CPU (slow for GGUF: every tensor is de-quantised)."""
     if source.name.startswith("tiny-"):  # seeded, so every process builds the same weights
-        from spd.testing import tiny_target
+        from spd.targets.tiny import tiny_target
 
         model, tokenizer = tiny_target(source.name[5:])
         model.to(dtype=dtype).eval().requires_grad_(False)

@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from spd.layout import stage_bounds
-from spd.target.kv_cache import LayerKVCache
+from spd.targets.kv_cache import LayerKVCache
 
 
 class StagedTarget:
@@ -36,7 +36,7 @@ class StagedTarget:
         return stage_bounds(num_layers, n)
 
     def _materialised(self) -> torch.Tensor:
-        # A pipeline stage's process holds only its own parts (spd.target.weight_cache); the rest sit on "meta".
+        # A pipeline stage's process holds only its own parts (spd.targets.weight_cache); the rest sit on "meta".
         for param in self.model.parameters():
             if param.device.type != "meta":
                 return param

