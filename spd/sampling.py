@@ -109,3 +109,44 @@ def settle(target_logits: torch.Tensor | int, draft: int, q: torch.Tensor | None
         return verify_greedy(draft, target_logits)
     p = warp(target_logits, params)
     return verify_point_mass(draft, p, generator) if q is None else verify_sampled(draft, p, q, generator)
+
+
+def settle_children(target_logits: torch.Tensor | int, children: list[Proposal], params: SamplingParams,
+                    generator) -> tuple[int | None, int]:
+    """Verify a draft-tree node's children against the target's logits [V] at the node (design §8): return (the
+    index of the child to descend into, or None, and the token the next position settles to).
+
+    One child is a chain's draft (`settle`, bit for bit). Several deterministic children (top-k, lookup
+    candidates): one draw x from the warped p; descend into x if it is a child, else x is emitted — each child is
+    kept with exactly its p. Children drawn from q (each independently from its own): recursive rejection
+    sampling — accept x_i with min(1, r_i(x_i)/q_i(x_i)), else r_{i+1} = norm(max(r_i - q_i, 0)) — with a
+    deterministic child as the point mass it is. Either way the token that comes out is distributed as p."""
+    if len(children) == 1:
+        ok, token = settle(target_logits, children[0].token, children[0].q, params, generator)
+        return (0 if ok else None), token
+    tokens = [c.token for c in children]
+    if params.greedy:
+        best = target_logits if isinstance(target_logits, int) else greedy_token(target_logits)
+        return (tokens.index(best) if best in tokens else None), best
+    p = warp(target_logits, params)
+    if all(c.q is None for c in children):
+        x = sample(p, generator)
+        return (tokens.index(x) if x in tokens else None), x
+    residual = p
+    for i, child in enumerate(children):
+        q = child.q if child.q is not None else _point_mass(child.token, p)
+        u = torch.rand((), generator=generator, device=p.device)
+        if u * q[child.token] < residual[child.token]:        # strict: a token with r = 0 is never kept
+            return i, child.token
+        rest = (residual - q).clamp(min=0)
+        total = rest.sum()
+        if total <= 0:       # r <= q everywhere up to rounding: rejection had probability ~0
+            return i, child.token
+        residual = rest / total
+    return None, sample(residual, generator)
+
+
+def _point_mass(token: int, like: torch.Tensor) -> torch.Tensor:
+    q = torch.zeros_like(like)
+    q[token] = 1.0
+    return q

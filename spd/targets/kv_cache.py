@@ -1,4 +1,4 @@
-"""Per-layer KV cache with in-place appends and O(1) truncation (rollback).
+"""Per-layer KV cache with in-place appends, O(1) truncation (rollback) and compaction to kept rows (trees).
 
 The HF attention modules only call `update(k, v, layer_idx)` on whatever cache (`cache=`) they get, so this
 class plugs into the target's own decoder layers without forking any modelling code.
@@ -72,6 +72,23 @@ class LayerKVCache:
     def crop(self, length: int) -> None:
         """Forget every position >= length in every layer (rollback to the verified prefix)."""
         self.lengths = [min(cur, length) for cur in self.lengths]
+
+    def keep(self, start: int, slots: list[int]) -> None:
+        """Keep, after the first `start` rows, only the rows at `slots` (ascending, each >= start), moved down to
+        start, start + 1, ...: a draft tree's accepted path. Its keys were rotated at the positions they keep, so
+        nothing is re-rotated."""
+        count = len(slots)
+        if slots == list(range(start, start + count)):
+            self.crop(start + count)       # a chain's path: nothing moves
+            return
+        for layer, keys in enumerate(self._keys):
+            if keys is None or self.lengths[layer] <= start:
+                continue
+            index = torch.tensor(slots, device=keys.device)
+            keys[:, :, start: start + count] = keys.index_select(2, index)
+            values = self._values[layer]
+            values[:, :, start: start + count] = values.index_select(2, index)
+            self.lengths[layer] = start + count
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx]

@@ -94,17 +94,27 @@ class StagedTarget:
             visible = visible & (keys > q - self.sliding_window)
         return visible.view(1, 1, *visible.shape)
 
+    def explicit_mask(self, visible: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
+                      layer_type: str) -> torch.Tensor:
+        """Boolean [1, 1, T, S] from a caller's structure visible [T, S] (which cached rows each new row may see:
+        a draft tree's ancestors) and the rows' positions, with a sliding layer's window applied by position."""
+        if layer_type == "sliding_attention" and self.sliding_window:
+            visible = visible & (key_positions.view(1, -1) > positions.view(-1, 1) - self.sliding_window)
+        return visible.view(1, 1, *visible.shape)
+
     def run_layers(
         self,
         hidden: torch.Tensor,             # [1, T, d] residual stream entering layer `start`
-        positions: torch.Tensor,          # [T] absolute positions, contiguous, following the cache
+        positions: torch.Tensor,          # [T] absolute positions (contiguous, following the cache, unless `visible`)
         start: int,
         end: int,
         cache: LayerKVCache | None,
         capture: frozenset[int] | set[int] = frozenset(),
         mask_keys: torch.Tensor | None = None,  # [1, S] arange(S): fixed shapes over a static cache of S positions
+        visible: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, S] bool, key positions [S]): explicit
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run layers start..end-1; return H^end and {l: H^l} for captured l in (start, end]."""
+        """Run layers start..end-1; return H^end and {l: H^l} for captured l in (start, end]. With `visible` the
+        rows attend where it says (a tree's rows sit at prefix + depth, appended to the cache in node order)."""
         captured: dict[int, torch.Tensor] = {}
         rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         masks: dict[str, torch.Tensor | None] = {}
@@ -113,8 +123,12 @@ class StagedTarget:
             layer_type = self.layer_types[index]
             if layer_type not in rope:
                 rope[layer_type] = self._position_embeddings(hidden, positions, layer_type)
-                masks[layer_type] = self._mask(positions, key_len, layer_type) if mask_keys is None else \
-                    self.fixed_mask(positions, mask_keys, layer_type)
+                if visible is not None:
+                    masks[layer_type] = self.explicit_mask(visible[0], positions, visible[1], layer_type)
+                elif mask_keys is None:
+                    masks[layer_type] = self._mask(positions, key_len, layer_type)
+                else:
+                    masks[layer_type] = self.fixed_mask(positions, mask_keys, layer_type)
             hidden = self.layers[index](
                 hidden,
                 attention_mask=masks[layer_type],
@@ -130,12 +144,21 @@ class StagedTarget:
         """Stage s (0-indexed) covers layers bounds[s]..bounds[s+1]-1."""
         return self.run_layers(hidden, positions, self.bounds[stage], self.bounds[stage + 1], cache, capture)
 
-    def forward_all(self, ids: torch.Tensor, cache: LayerKVCache | None, start_pos: int = 0, capture=frozenset()):
+    def forward_all(self, ids: torch.Tensor, cache: LayerKVCache | None, start_pos: int = 0, capture=frozenset(),
+                    offsets: torch.Tensor | None = None, visible: torch.Tensor | None = None):
         """Every layer over ids [B, T] at positions start_pos.. (prefill, one AR token, or a right-padded training
-        batch with cache=None); returns H^L, {l: H^l}."""
+        batch with cache=None); returns H^L, {l: H^l}. With `visible` [T, T] (bool: which of these rows each row
+        sees) and offsets [T] (each row's position minus start_pos), the rows see the whole cache of start_pos
+        positions and, among themselves, what `visible` says: a draft tree's nodes at prefix + depth."""
         positions = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device)
+        explicit = None
+        if visible is not None:
+            positions = start_pos + offsets.to(ids.device)
+            prefix = torch.ones(ids.shape[1], start_pos, dtype=torch.bool, device=ids.device)
+            explicit = (torch.cat([prefix, visible.to(ids.device)], 1),
+                        torch.cat([torch.arange(start_pos, device=ids.device), positions]))
         h0 = self.embed(ids)
-        hidden, captured = self.run_layers(h0, positions, 0, self.num_layers, cache, capture)
+        hidden, captured = self.run_layers(h0, positions, 0, self.num_layers, cache, capture, visible=explicit)
         if 0 in capture:
             captured[0] = h0
         return hidden, captured
