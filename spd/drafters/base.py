@@ -17,6 +17,7 @@ import torch
 
 from spd.runtime.schedule import Step
 from spd.sampling import Proposal
+from spd.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ class WrappedDrafter(Drafter):
 
 
 class ChainDrafter(ABC):
+    branches = False     # True: draft_tree grows trees wider than one branch (W > 1)
+
     @abstractmethod
     def layers_needed(self, bounds: list[int] | None = None) -> list[int]:
         """Target layers l whose H^l this drafter reads (bounds: unused; the chain runs no pipeline)."""
@@ -109,6 +112,12 @@ class ChainDrafter(ABC):
         """At most m proposals for the positions after the verified sequence (none: the cycle is a plain AR step).
         propose(logits [V_target]) -> Proposal turns a drafter's logits into the run's choice (argmax, or a sample
         with its q); a drafter without logits returns Proposal(token) (deterministic, q = None)."""
+
+    def draft_tree(self, root: int, m: int, width: int, budget: int, propose) -> DraftTree:
+        """The drafts below `root` (the newest verified token) as a tree, parents first: depth <= m, at most
+        `width` children per node, at most `budget` nodes besides the root. A drafter without trees drafts its
+        chain (W = 1)."""
+        return DraftTree.chain(root, self.draft(m, propose))
 
     @abstractmethod
     def verified(self, hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:
