@@ -27,7 +27,8 @@ def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder
         # distributed: this process holds no decoder layer; graphs / streams: AR through the same fixed-shape steps
         return PipelineARDecoder(stages, s.eos_ids)
     if METHODS[method].chain:
-        return ChainDecoder(s.staged, drafter, s.eos_ids, s.draft_length)
+        return ChainDecoder(s.staged, drafter, s.eos_ids, s.draft_length, s.width,
+                            s.tree_nodes if s.width > 1 else None)
     return PipelineDecoder(stages, drafter, s.eos_ids)
 
 
@@ -70,7 +71,8 @@ class Engine:
                                                               "eal": None, "rollbacks": None}
         return {"text": s.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
                 "token_ids": result.token_ids, "prompt_token_ids": prompt_ids, "method": s.method,
-                "draft_source": s.draft_source if method.pipelined else None, "runtime": cfg.runtime,
+                "draft_source": s.draft_source if method.pipelined else None, "W": s.width,
+                "tree_nodes": s.tree_nodes if s.width > 1 else None, "runtime": cfg.runtime,
                 "processes": getattr(self.stages, "world", 1), "n": s.staged.n, "stage_bounds": s.staged.bounds,
                 "balance": s.balance,
                 "checkpoint": s.checkpoint, **stats, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s,

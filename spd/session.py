@@ -43,6 +43,8 @@ class Session:
     lookup_ngrams: tuple[int, int] = (2, 8)   # lookup, lookup+module: shortest and longest suffix matched
     draft_source: str = MODULE         # pipelined methods: module | lookup+module
     draft_length: int | None = None    # chain methods: at most m drafts per target forward
+    width: int = 1                     # chain methods: draft-tree width W (1 = a chain)
+    tree_nodes: int = 16               # W > 1: drafted nodes per verification
 
     def drafter(self, use_cache: bool = True) -> Drafter | ChainDrafter:
         if self.method == "lookup":
@@ -130,7 +132,8 @@ def open_session(cfg) -> Session:
     return Session(loaded, staged, module.eval() if module else None, params,
                    eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
                    method, (getattr(cfg, "lookup_min_ngram", 2), getattr(cfg, "lookup_max_ngram", 8)),
-                   getattr(cfg, "draft_source", MODULE), cfg.draft_length or METHODS[method].draft_length)
+                   getattr(cfg, "draft_source", MODULE), cfg.draft_length or METHODS[method].draft_length,
+                   getattr(cfg, "W", 1), getattr(cfg, "tree_nodes", 16))
 
 
 def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> str:

@@ -82,6 +82,10 @@ BAD = [
     (["method=lookup", "checkpoint=some/module"], "drop checkpoint="),
     (["draft_source=ngram"], "draft_source='ngram' is not one of: module, lookup+module"),
     (["method=eagle3", "draft_source=lookup+module"], "drop draft_source="),
+    (["method=eagle3", "W=0"], "W=0"),
+    (["method=eagle3", "W=4", "tree_nodes=0"], "tree_nodes=0"),
+    (["W=4"], "draft trees are built for method=eagle3 only"),
+    (["method=lookup", "W=2"], "draft trees are built for method=eagle3 only"),
 ]
 
 

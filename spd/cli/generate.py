@@ -43,7 +43,8 @@ def stats_line(out: dict) -> str:
     speed = f"tokens/s={out['tokens_per_s']:.1f}"
     chosen = ", the default here" if out.get("default") else ""
     if "tau" in out:   # draft-then-verify: tokens per target forward, not pipeline steps
-        return (f"[{out['method']} m={out['m']}{chosen}] N={out['N']} cycles={out['cycles']} τ={_fmt(out['tau'])} "
+        tree = f" W={out['W']} tree_nodes={out['tree_nodes']}" if out.get("W", 1) > 1 else ""
+        return (f"[{out['method']} m={out['m']}{tree}{chosen}] N={out['N']} cycles={out['cycles']} τ={_fmt(out['tau'])} "
                 f"accepted: {acceptance_by_source(out.get('sources', {})) or '-'} {speed}")
     runtime = out["runtime"] + (f" ({out['processes']} processes)" if out.get("processes", 1) > 1 else "")
     if out["K"] is None:   # plain AR: in one process it has no stages; relayed through stage processes it has n

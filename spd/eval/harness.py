@@ -46,7 +46,8 @@ def validate(cfg) -> None:
 def uses_fast_evaluator(cfg) -> bool:
     """Greedy, in-process, eager runs are scored from cached traces; the others run the step-by-step runtime."""
     evaluable = cfg.method is None or METHODS[cfg.method].fast_eval   # None: a checkpoint's module
-    return evaluable and cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local" and not cfg.cuda_graphs
+    return evaluable and cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local" and \
+        not cfg.cuda_graphs and cfg.W == 1      # trees (W > 1) have no replay yet: step by step
 
 
 def prompt_seed(seed: int, dataset: str, question_id) -> int:
@@ -110,7 +111,8 @@ def module_layers(module) -> int:
 def run_label(session: Session, cfg) -> str:
     suffix = "" if session.checkpoint or session.module is None else ", untrained"
     if METHODS[session.method].chain:
-        return f"{METHOD_NAMES[session.method]} (m={session.draft_length}{suffix})"
+        tree = f", W={session.width}, {session.tree_nodes} nodes" if session.width > 1 else ""
+        return f"{METHOD_NAMES[session.method]} (m={session.draft_length}{tree}{suffix})"
     lookup = ", lookup+module" if session.draft_source == LOOKUP_MODULE else ""
     return f"{METHOD_NAMES[session.method]} (n={session.staged.n}, L_s={module_layers(session.module)}{suffix}{lookup})"
 
