@@ -86,6 +86,16 @@ def test_calibrate_chain_is_consistent_with_its_model(params):
     assert (cal["m"], cal["context"], cal["repeats"]) == (3, 16, 3)
     # the drafter is left where calibration put it: every context position has its row, nothing of the timed drafts
     assert drafter.rows == 16 and drafter.kv.get_seq_length(0) == 16
+    assert (cal["W"], cal["rows"]) == (1, 4)
+
+
+def test_calibrate_chain_prices_the_tree_it_drafts():
+    staged = StagedTarget(load_target("tiny-llama").model, 1)
+    drafter = Eagle3Drafter(Eagle3Module.from_target(staged).eval(), staged.embed)
+    cal = calibrate_chain(staged, drafter, SamplingParams(temperature=1.0), m=3, context=16, repeats=3, width=4,
+                          budget=10)
+    assert (cal["W"], cal["rows"]) == (4, 11) and cal["verify_s"] > 0 and cal["drafts_s"] > 0
+    assert drafter.rows == 16 and drafter.kv.get_seq_length(0) == 16     # no tree row left in the draft cache
 
 
 def test_chain_measured_cost_speedup_by_hand():

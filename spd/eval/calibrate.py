@@ -24,6 +24,9 @@ Cost model:
   choice included), one target forward over the newest token and the m drafts with the head on all m + 1 rows and
   each row verified, then the drafter's update over the verified rows (timed for one row: at τ ≈ 1-2 a pass
   over two rows costs what one does). A cycle settles τ tokens, so speedup_measured = τ · T_ar / T_cycle.
+  W > 1 (EAGLE-3's dynamic tree): the same terms with the tree's draft passes (one per depth, W rows each) and
+  one target forward over its `tree_nodes` + 1 rows under the tree mask, every level of its deepest path settled:
+  on a CPU more rows are not free (design §9), and the measured-cost speedup charges them.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from spd.drafters.base import step_view
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import needed_layers
 from spd.module import SpeculationModule
+from spd.runtime.chain import ChainDecoder
 from spd.runtime.schedule import spd_step
-from spd.sampling import Proposal, SamplingParams, propose, settle
+from spd.sampling import Proposal, SamplingParams, propose, settle, settle_children
 from spd.targets.stages import StagedTarget
 
 LAST = "last stage + head + verify"
@@ -122,7 +126,7 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
     generator = torch.Generator(device=device).manual_seed(0)
     # One prefill over context + 1 tokens gives the cache (cropped back to `context`), the stage inputs of the
     # new token at position `context`, and every hidden state the module's rows read.
-    ids = torch.randint(staged.config.vocab_size, (1, context + 1), generator=generator, device=device)
+    ids = torch.randint(staged.config.vocab_size, (1, context + 2), generator=generator, device=device)
     cache = staged.new_cache()
     final, hidden = staged.forward_all(ids, cache, 0, frozenset(needed_layers(staged.bounds)) | set(staged.bounds))
     cache.crop(context)
@@ -167,13 +171,14 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
 
 @torch.no_grad()
 def calibrate_chain(staged: StagedTarget, drafter, params: SamplingParams, m: int, context: int = 128,
-                    repeats: int = 20) -> dict:
+                    repeats: int = 20, width: int = 1, budget: int | None = None) -> dict:
     """Time each term of EAGLE-3's cycle (see the module docstring) with `drafter` (an Eagle3Drafter) on the
-    unsplit target, against a cache of `context` tokens."""
+    unsplit target, against a cache of `context` tokens; W > 1: its tree of `budget` nodes, drafted and verified
+    under the tree mask (a cycle's price grows with the rows it feeds)."""
     device = staged.device
     generator = torch.Generator(device=device).manual_seed(0)
     capture = frozenset(drafter.layers_needed())
-    ids = torch.randint(staged.config.vocab_size, (1, context + m + 1), generator=generator, device=device)
+    ids = torch.randint(staged.config.vocab_size, (1, context + 2), generator=generator, device=device)
     cache = staged.new_cache()
     _, captured = staged.forward_all(ids[:, :context], cache, 0, capture)
     drafter.start(captured, ids[0, : context + 1].tolist())
@@ -184,22 +189,22 @@ def calibrate_chain(staged: StagedTarget, drafter, params: SamplingParams, m: in
         return propose(staged.logits(out[0, -1]), params, generator).token
 
     ar_token_s = _median_seconds(ar_token, repeats, device, reset=rewind)
-    proposals = []
-
-    def choose(logits: torch.Tensor):
-        proposals.append(propose(logits, params, generator))
-        return proposals[-1]
-
-    drafts_s = _median_seconds(lambda: drafter.draft(m, choose), repeats, device)
-    drafts, q = ids[0, context + 1:].tolist(), proposals[-1].q
-    block = ids[:, context:]                                                 # [1, m + 1] newest token + drafts
+    decoder = ChainDecoder(staged, drafter, frozenset(), m, width, budget if width > 1 else None)
+    choose = lambda logits: propose(logits, params, generator)          # noqa: E731
+    trees = []
+    drafts_s = _median_seconds(
+        lambda: trees.append(drafter.draft_tree(int(ids[0, context]), m, width, decoder.budget, choose)),
+        repeats, device)
+    tree = trees[-1]
 
     def verify() -> dict:
-        out, hidden = staged.forward_all(block, cache, context, capture)
-        logits = staged.logits(out[0])                                       # [m + 1, V]
-        for j in range(m):
-            settle(logits[j], drafts[j], q, params, generator)
-        propose(logits[m], params, generator)                                # the token after the last draft
+        logits, hidden = decoder.forward_tree(tree, cache, context)       # [rows, V]
+        node = 0
+        while tree.children(node):                # the deepest walk: every level settled, as when all hold
+            children = tree.children(node)
+            settle_children(logits[node], [tree.proposals[c - 1] for c in children], params, generator)
+            node = children[0]
+        propose(logits[node], params, generator)                           # the token after the last node
         return hidden
 
     verify_s = _median_seconds(verify, repeats, device, reset=rewind)
@@ -210,5 +215,5 @@ def calibrate_chain(staged: StagedTarget, drafter, params: SamplingParams, m: in
         repeats, device, reset=lambda: drafter.rewind(context))
     cycle_s = drafts_s + verify_s + update_s
     return {"ar_token_s": ar_token_s, "drafts_s": drafts_s, "verify_s": verify_s, "update_s": update_s,
-            "cycle_s": cycle_s, "m": m, "context": context, "repeats": repeats, "device": str(device),
+            "cycle_s": cycle_s, "m": m, "W": width, "rows": len(tree), "context": context, "repeats": repeats, "device": str(device),
             "dtype": str(staged.dtype)}

@@ -164,12 +164,12 @@ def run_eval(cfg, log=print) -> dict:
     calibration = None
     chain = METHODS[session.method].chain
     if cfg.calibrate and cfg.runtime == "local" and session.module is not None:   # the lookup has no module to time
-        calibration = calibrate_chain(session.staged, session.drafter(), session.params, session.draft_length) \
-            if chain else calibrate(session.staged, session.module, session.params)
+        calibration = calibrate_chain(session.staged, session.drafter(), session.params, session.draft_length,
+                                      width=session.width, budget=session.tree_nodes) if chain else calibrate(session.staged, session.module, session.params)
     summary["speedup"] = speedups(summary, session.staged, session.module, calibration) if not chain else \
         chain_speedups(summary, session.staged.num_layers, session.draft_length, calibration, L_s)
     summary["run"] = {"method": session.method, "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
-                      "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": 1,
+                      "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": session.width,
                       "draft_length": session.draft_length if chain else None,
                       "max_new_tokens": cfg.max_new_tokens, "checkpoint": session.checkpoint,
                       "target": session.loaded.name, "mode": "fast" if fast else "runtime",
