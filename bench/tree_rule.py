@@ -13,7 +13,6 @@ sampling) on the toy p, q of that test and on SmolLM2-sized random ones, and wri
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch

@@ -45,8 +45,8 @@ class GenerateConfig:
                                          # chooses, the fastest lossless for the device (spd.fastest), else spd
     draft_length: Optional[int] = None   # method=eagle3 | lookup: at most m drafts per target forward; None = the
                                          # method's own (eagle3 5, lookup 7)
-    W: int = 1                           # draft-tree width: children per node (1 = a chain); W > 1: method=eagle3 (its dynamic tree)
-    tree_nodes: int = 16                 # W > 1: drafted nodes per verification (EAGLE-3 keeps the best by cumulative log q)
+    W: int = 1                           # draft-tree width: children per node (1 = a chain); W > 1: method=eagle3 | lookup
+    tree_nodes: int = 16                 # W > 1: drafted nodes per verification (the tree's budget)
     draft_source: str = "module"         # pipelined methods: module | lookup+module (the context lookup's token
                                          # where the context's suffix matched earlier, else the module's draft)
     lookup_min_ngram: int = 2            # lookup, lookup+module: shortest suffix of the context that may match earlier
@@ -173,9 +173,9 @@ def check_decoding(cfg) -> None:
     at_least(cfg, "lookup_min_ngram", 1, " (tokens a context match needs)")
     at_least(cfg, "W", 1, " (children per draft-tree node; 1 = a chain)")
     at_least(cfg, "tree_nodes", 1, " (drafted nodes per verification)")
-    if cfg.W > 1 and cfg.method != "eagle3":
-        raise UserError(f"W={cfg.W}: draft trees are built for method=eagle3 only so far (SPD's and PPSD's trees in "
-                        "the pipeline and branching lookups are not); add method=eagle3 or use W=1")
+    if cfg.W > 1 and cfg.method not in ("eagle3", "lookup"):
+        raise UserError(f"W={cfg.W}: draft trees are built for method=eagle3 and method=lookup so far (SPD's and "
+                        "PPSD's trees in the pipeline are not); add method=eagle3 or method=lookup, or use W=1")
     one_of(cfg, "draft_source", DRAFT_SOURCES)
     if cfg.draft_source != MODULE and cfg.method is not None and not METHODS[cfg.method].pipelined:
         raise UserError(f"draft_source={cfg.draft_source} chooses a pipelined drafter's source; method={cfg.method} "

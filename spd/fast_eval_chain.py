@@ -65,30 +65,35 @@ def fast_chain_stats(module: Eagle3Module, trace: GreedyTrace, m: int) -> dict:
             "min_target_margin": min(trace.margins)}
 
 
-def fast_lookup_stats(trace: GreedyTrace, min_n: int, max_n: int, m: int, on_settle=None) -> dict:
-    """Greedy lookup chain (method=lookup) replayed over the target's tokens with the runtime's own drafter: a
-    lookup reads only tokens, and in greedy decoding the verified tokens are the trace's, so this is exact.
-    Also the target rows each cycle fed (1 + its drafts), which decide its cost on a CPU (bench/lookup_grid.py).
-    on_settle(pos, accepted, source): called for every verified draft (pos: its index in trace.tokens)."""
+def fast_lookup_stats(trace: GreedyTrace, min_n: int, max_n: int, m: int, on_settle=None, width: int = 1,
+                      budget: int | None = None) -> dict:
+    """Greedy lookup chain (method=lookup; W > 1: its trees) replayed over the target's tokens with the runtime's
+    own drafter: a lookup reads only tokens, and in greedy decoding the verified tokens are the trace's, so this is
+    exact. Also the target rows each cycle fed (its tree's nodes, the root included), which decide its cost on a
+    CPU (bench/lookup_grid.py). on_settle(pos, accepted, source): called for every verified node (pos: its index
+    in trace.tokens)."""
     drafter = LookupDrafter(min_n, max_n)
     tokens = list(trace.prompt_ids) + trace.tokens[:1]
     drafter.start(None, tokens)
     stats, rows, total = ChainStats(m=m, N=1), [], len(trace.tokens)
     while stats.N < total:
-        drafts = drafter.draft(m)
-        rows.append(len(drafts) + 1)
-        accepted = 0
-        for draft in drafts:                        # verified in order up to the first miss or the last token
-            ok = draft.token == trace.tokens[stats.N]
-            stats.verified(draft.source, ok)
-            if on_settle:
-                on_settle(stats.N, ok, draft.source)
-            stats.N += 1
-            accepted += ok
-            if not ok or stats.N == total:
+        tree = drafter.draft_tree(tokens[-1], m, width, budget or m)
+        rows.append(len(tree))
+        node, accepted = 0, 0
+        while stats.N < total:                      # down the tree along the trace, to the first miss or a leaf
+            children = tree.children(node)
+            if not children:
+                stats.N += 1                        # the path held: the target's next token comes free
                 break
-        else:
-            stats.N += stats.N < total              # every draft held: the target's next token comes free
+            hit = next((c for c in children if tree.token(c) == trace.tokens[stats.N]), None)
+            source = tree.proposals[(hit or children[0]) - 1].source
+            stats.verified(source, hit is not None)
+            if on_settle:
+                on_settle(stats.N, hit is not None, source)
+            stats.N += 1
+            if hit is None:
+                break
+            node, accepted = hit, accepted + 1
         stats.cycles += 1
         stats.accepted += accepted
         stats.accepted_per_cycle.append(accepted)

@@ -84,8 +84,8 @@ BAD = [
     (["method=eagle3", "draft_source=lookup+module"], "drop draft_source="),
     (["method=eagle3", "W=0"], "W=0"),
     (["method=eagle3", "W=4", "tree_nodes=0"], "tree_nodes=0"),
-    (["W=4"], "draft trees are built for method=eagle3 only"),
-    (["method=lookup", "W=2"], "draft trees are built for method=eagle3 only"),
+    (["W=4"], "draft trees are built for method=eagle3 and method=lookup"),
+    (["method=spd", "W=2"], "draft trees are built for method=eagle3 and method=lookup"),
 ]
 
 

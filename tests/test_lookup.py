@@ -119,3 +119,65 @@ def test_point_mass_rule_output_is_exactly_p():
     torch.testing.assert_close(counts / draws, p, atol=0.01, rtol=0)
     assert verify_point_mass(1, torch.tensor([0.0, 1.0]), g) == (True, 1)    # p(x) = 1: always accepted
     assert verify_point_mass(0, torch.tensor([0.0, 1.0]), g) == (False, 1)   # p(x) = 0: never
+
+
+def rescan_matches(tokens, min_n, max_n, limit):
+    """Every earlier occurrence's continuation start, longest suffix first, newest first within a length."""
+    out = []
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n: end] == suffix and end not in out and len(out) < limit:
+                out.append(end)
+    return out
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 1), (1, 4), (2, 8)])
+def test_every_earlier_match_is_found_and_truncation_forgets_them(min_n, max_n):
+    rng = random.Random(min_n * 7 + max_n)
+    for _ in range(20):
+        index, tokens = NgramIndex(min_n, max_n), []
+        while len(tokens) < 50:
+            chunk = [rng.randrange(4) for _ in range(rng.randint(1, 5))]
+            index.extend(chunk)
+            tokens += chunk
+            if rng.random() < 0.3:                 # drafts flushed: the pool must be as a shorter context makes it
+                keep = rng.randint(0, len(tokens))
+                index.truncate(keep)
+                tokens = tokens[:keep]
+            assert index.matches(6) == rescan_matches(tokens, min_n, max_n, 6), tokens
+
+
+def test_the_lookup_tree_branches_where_continuations_differ():
+    drafter = LookupDrafter(min_n=1, max_n=4)
+    drafter.start({}, [5, 1, 2, 3, 9, 1, 2, 4, 9, 1, 2])
+    tree = drafter.draft_tree(2, 3, 2, 16)
+    # "1 2" was followed by "4 9 1" (newest) and by "3 9 1": two branches under the root
+    assert [tree.token(c) for c in tree.children(0)] == [4, 3]
+    assert [tree.token(i) for i in tree.path(3)] == [2, 4, 9, 1]
+    assert all(len(tree.children(i)) <= 2 for i in range(len(tree))) and len(tree) - 1 <= 16
+    assert len(drafter.draft_tree(2, 3, 2, 4)) == 5                # the budget caps the nodes
+    chain = drafter.draft_tree(2, 3, 1, 16)
+    assert chain.is_chain() and [p.token for p in chain.proposals] == [4, 9, 1]
+
+
+@pytest.mark.parametrize("width,budget", [(2, 8), (4, 16)])
+def test_lookup_trees_greedy_equal_ar_and_the_replay(family_model, untied_target_dir, width, budget):
+    from spd.targets.loading import load_target
+
+    _, model = family_model
+    branched = 0
+    for target in (model, load_target(untied_target_dir).model):
+        staged = StagedTarget(target, 1)
+        for seed in range(2):
+            p = prompt(seed + 150, vocab=target.config.vocab_size)
+            out = ChainDecoder(staged, LookupDrafter(1, 4), frozenset(), 4, width, budget).generate(p, Request(40, GREEDY))
+            trace = record_greedy_trace(staged, p, 40, frozenset())
+            assert out.token_ids == trace.tokens
+            fast = fast_lookup_stats(trace, 1, 4, 4, width=width, budget=budget)
+            got, want = fast["stats"], out.stats
+            assert (got.N, got.cycles, got.accepted_per_cycle, got.sources, got.verdicts) == \
+                (want.N, want.cycles, want.accepted_per_cycle, want.sources, want.verdicts)
+            assert sum(fast["rows_per_cycle"]) == want.drafted + want.cycles
+            branched += sum(r > 5 for r in fast["rows_per_cycle"])     # wider than a chain of 4 could be
+    assert branched > 0

@@ -213,17 +213,22 @@ def test_a_lookup_in_the_pipeline_that_is_always_kept_is_caught(small_vocab_mode
     assert chi2_pvalue(counts, dist, 3000) < ALPHA
 
 
-def sample_lookup(model, samples, seed):
+def sample_lookup(model, samples, seed, width=1, verdicts=None):
     """The lookup chain (drafts copied from the context: deterministic, q = None) over PROMPT, whose one-token
-    n-grams recur in the short samples; returns the counts of each sampled continuation."""
+    n-grams recur in the short samples; returns the counts of each sampled continuation. width > 1: its trees
+    (PROMPT's "1" was followed by 4 and by 5: the root branches). verdicts: a list that receives every node's."""
     from spd.drafters.lookup import LookupDrafter
     from spd.runtime.chain import ChainDecoder
 
-    decoder = ChainDecoder(StagedTarget(model, 1), LookupDrafter(min_n=1, max_n=2), frozenset(), 2)
+    decoder = ChainDecoder(StagedTarget(model, 1), LookupDrafter(min_n=1, max_n=2), frozenset(), 2, width,
+                           8 if width > 1 else None)
     counts = {}
     for i in range(samples):
-        key = tuple(decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i)).token_ids)
+        out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i))
+        key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
+        if verdicts is not None:
+            verdicts += out.stats.verdicts
     return counts
 
 
@@ -245,6 +250,22 @@ def test_lookup_chain_samples_the_target_distribution(small_vocab_model, monkeyp
     counts = sample_lookup(small_vocab_model, SHORT, seed=4)
     rejected = sum(not ok for ok, _ in verdicts)
     assert rejected > SHORT * 0.1 and len(verdicts) - rejected > SHORT * 0.1    # both outcomes, often
+    assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+@pytest.mark.slow
+def test_lookup_tree_samples_the_target_distribution(small_vocab_model):
+    """W = 4: branching lookup candidates, deterministic, verified by one draw of p per node."""
+    from spd.drafters.lookup import LookupDrafter
+
+    drafter = LookupDrafter(min_n=1, max_n=2)
+    drafter.start(None, PROMPT + [1])
+    assert len(drafter.draft_tree(1, 2, 4, 8).children(0)) == 2           # after a sampled "1" the root branches
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    verdicts = []
+    counts = sample_lookup(small_vocab_model, SHORT, seed=8, width=4, verdicts=verdicts)
+    kept = sum(ok for _, _, ok in verdicts)
+    assert kept > SHORT * 0.1 and len(verdicts) - kept > SHORT * 0.1      # nodes kept and missed, often
     assert chi2_pvalue(counts, dist, SHORT) > ALPHA
 
 

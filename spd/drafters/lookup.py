@@ -4,14 +4,20 @@ occurred before. No model and no logits: each draft is a deterministic proposal 
 verification accepts with probability p(x) (spd.sampling.verify_point_mass), so the output stays the target's.
 
 The index is a pool of n-grams kept incrementally: appending a token adds the n-grams that end just before it, each
-mapped to where its continuation starts (the newest occurrence wins), so a lookup is one dictionary probe per
-n-gram size and nothing is rescanned per step.
+mapped to where its continuation starts (the newest occurrence wins, and remembers the one it replaced), so a
+lookup is one dictionary probe per n-gram size and nothing is rescanned per step.
+
+W > 1 drafts a tree (design §8): the continuations of several earlier matches — the longest suffix's newest
+occurrences first, then shorter suffixes' — merged as a trie where they agree and branching where they do not (at
+most W children a node, `budget` nodes in all). Every candidate is deterministic, so verification keeps each with its
+p (`spd.sampling.settle_children`).
 """
 
 from __future__ import annotations
 
 from spd.drafters.base import ChainDrafter
 from spd.sampling import Proposal
+from spd.tree import DraftTree
 
 
 class NgramIndex:
@@ -23,6 +29,7 @@ class NgramIndex:
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
         self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.older: dict[tuple[int, int], int] = {}   # (n, start) -> the start of the occurrence it replaced
         # per token: the (n, n-gram, previous entry) its append overwrote, so drafts can be taken back
         self.undo: list[list[tuple[int, tuple[int, ...], int | None]]] = []
 
@@ -37,8 +44,11 @@ class NgramIndex:
             for n, table in self.tables.items():
                 if end >= n:
                     gram = tuple(self.tokens[end - n: end])
-                    changes.append((n, gram, table.get(gram)))
+                    previous = table.get(gram)
+                    changes.append((n, gram, previous))
                     table[gram] = end
+                    if previous is not None:
+                        self.older[(n, end)] = previous
             self.tokens.append(token)
             self.undo.append(changes)
 
@@ -46,7 +56,9 @@ class NgramIndex:
         """Forget every token from `length` on (drafts a rejection flushed), restoring the pool as it was."""
         while len(self.tokens) > length:
             self.tokens.pop()
+            end = len(self.tokens)
             for n, gram, previous in reversed(self.undo.pop()):
+                self.older.pop((n, end), None)
                 if previous is None:
                     del self.tables[n][gram]
                 else:
@@ -62,6 +74,20 @@ class NgramIndex:
                 return n, start
         return 0, -1
 
+    def matches(self, limit: int) -> list[int]:
+        """Up to `limit` distinct continuation starts: the longest matching suffix's occurrences, newest first,
+        then the next shorter suffix's, down to min_n."""
+        length, out = len(self.tokens), []
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            start = self.tables[n].get(tuple(self.tokens[length - n:]))
+            while start is not None and len(out) < limit:
+                if start not in out:
+                    out.append(start)
+                start = self.older.get((n, start))
+            if len(out) == limit:
+                break
+        return out
+
     def continuation(self, start: int, count: int) -> list[int]:
         """`count` tokens copied from `start` on; past the end the copy reads its own output (a loop repeats)."""
         out = []
@@ -75,6 +101,8 @@ class NgramIndex:
 class LookupDrafter(ChainDrafter):
     """Up to m drafts per cycle: the continuation of the longest earlier match of the context's suffix (at least
     min_n tokens long, at most max_n are compared); no match, no drafts (the cycle is a plain AR step)."""
+
+    branches = True
 
     def __init__(self, min_n: int = 2, max_n: int = 8):
         self.min_n, self.max_n = min_n, max_n
@@ -94,3 +122,19 @@ class LookupDrafter(ChainDrafter):
         n, start = self.index.match()
         self.last_match = n
         return [Proposal(token, source="lookup") for token in self.index.continuation(start, m)] if n else []
+
+    def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
+        if width == 1:
+            return DraftTree.chain(root, self.draft(m))
+        tree, node_of = DraftTree(root), {}       # node_of: (parent node, token) -> node
+        self.last_match = self.index.match()[0]
+        for start in self.index.matches(budget):
+            node = 0
+            for token in self.index.continuation(start, m):
+                child = node_of.get((node, token))
+                if child is None:
+                    if len(tree) > budget or len(tree.children(node)) >= width:
+                        break
+                    child = node_of[(node, token)] = tree.add(node, Proposal(token, source="lookup"))
+                node = child
+        return tree

@@ -16,8 +16,8 @@ class EvalConfig:
                                         # (spd without one)
     draft_length: Optional[int] = None  # method=eagle3 | lookup: at most m drafts per target forward; None = the
                                         # method's own (eagle3 5, lookup 7)
-    W: int = 1                          # draft-tree width: children per node (1 = a chain); W > 1: method=eagle3 (its dynamic tree)
-    tree_nodes: int = 16                # W > 1: drafted nodes per verification (EAGLE-3 keeps the best by cumulative log q)
+    W: int = 1                          # draft-tree width: children per node (1 = a chain); W > 1: method=eagle3 | lookup
+    tree_nodes: int = 16                # W > 1: drafted nodes per verification (the tree's budget)
     draft_source: str = "module"        # pipelined methods: module | lookup+module (spd.drafters.hybrid)
     lookup_min_ngram: int = 2           # lookup, lookup+module: shortest suffix of the context that may match earlier
     lookup_max_ngram: int = 8           # lookup, lookup+module: longest suffix compared
