@@ -8,6 +8,9 @@ speedup over plain AR = (tokens × cost(1 row)) / Σ cost(rows of each cycle). T
 (`spd-infer eval` with the same config records and reuses them). bench/wallclock.py then checks the pick by the clock.
 
     python bench/lookup_grid.py --limit 5 --out docs/results/lookup_grid.json
+
+--widths 1,2,4 adds branching lookups (W > 1, `--tree-nodes` nodes a cycle at most), replayed just as exactly:
+whether the alternative continuations earn the rows they add.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def main() -> int:
     ap.add_argument("--min-ngrams", default="1,2,3,4,5,6")
     ap.add_argument("--draft-lengths", default="1,2,4,8,16")
     ap.add_argument("--max-ngram", type=int, default=8)
+    ap.add_argument("--widths", default="1", help="draft-tree widths W (1 = the chain)")
+    ap.add_argument("--tree-nodes", type=int, default=16, help="W > 1: drafted nodes per cycle at most")
     ap.add_argument("--context", type=int, default=300, help="cached tokens behind the timed forwards")
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--out", default="docs/results/lookup_grid.json")
@@ -74,12 +79,15 @@ def main() -> int:
                 for ds, q in tqdm(work, desc="traces", unit="prompt")]
     min_ngrams = [int(x) for x in args.min_ngrams.split(",")]
     lengths = [int(x) for x in args.draft_lengths.split(",")]
-    costs = row_costs(session.loaded.model, max(lengths) + 1, args.context, args.repeats)
+    widths = [int(x) for x in args.widths.split(",")]
+    max_rows = max(max(lengths), args.tree_nodes if max(widths) > 1 else 0) + 1
+    costs = row_costs(session.loaded.model, max_rows, args.context, args.repeats)
     grid = []
-    for min_n, m in itertools.product(min_ngrams, lengths):
+    for min_n, m, width in itertools.product(min_ngrams, lengths, widths):
         per = {}
         for ds, trace in recorded:
-            fast = fast_lookup_stats(trace, min_n, max(min_n, args.max_ngram), m)
+            fast = fast_lookup_stats(trace, min_n, max(min_n, args.max_ngram), m, width=width,
+                                     budget=args.tree_nodes if width > 1 else None)
             s = per.setdefault(ds, {"prompts": 0, "N": 0, "cycles": 0, "rows": 0, "cost_s": 0.0, "ar_cost_s": 0.0})
             s["prompts"] += 1
             s["N"] += fast["stats"].N
@@ -91,9 +99,10 @@ def main() -> int:
         for s in [*per.values(), total]:
             s["tau"] = (s["N"] - s["prompts"]) / s["cycles"]     # tokens after each prompt's first, per forward
             s["predicted_speedup"] = s["ar_cost_s"] / s["cost_s"]
-        grid.append({"lookup_min_ngram": min_n, "draft_length": m, "per_dataset": per, "overall": total})
+        grid.append({"lookup_min_ngram": min_n, "draft_length": m, "W": width,
+                     "tree_nodes": args.tree_nodes if width > 1 else None, "per_dataset": per, "overall": total})
     best = max(grid, key=lambda g: g["overall"]["predicted_speedup"])
-    report = {"grid": grid, "best": {k: best[k] for k in ("lookup_min_ngram", "draft_length")},
+    report = {"grid": grid, "best": {k: best[k] for k in ("lookup_min_ngram", "draft_length", "W")},
               "row_cost_s": costs, "context": args.context, "threads": torch.get_num_threads(),
               "prompts": len(recorded), "max_new_tokens": cfg.max_new_tokens, "lookup_max_ngram": args.max_ngram,
               "command": " ".join(["python", *sys.argv])}
@@ -106,12 +115,13 @@ def markdown(report: dict) -> str:
     costs = report["row_cost_s"]
     lines = [f"Target forward, {report['threads']} threads, {report['context']} cached tokens: " +
              ", ".join(f"{r} row{'s' if r > 1 else ''} {costs[r] * 1e3:.1f} ms" for r in sorted(costs)), "",
-             "| lookup_min_ngram | draft_length | τ | rows per cycle | predicted speedup vs AR | " +
+             "| lookup_min_ngram | draft_length | W | τ | rows per cycle | predicted speedup vs AR | " +
              " | ".join(f"{ds} τ / speedup" for ds in report["grid"][0]["per_dataset"]) + " |",
-             "|---:|---:|---:|---:|---:|" + "---:|" * len(report["grid"][0]["per_dataset"])]
+             "|---:|---:|---:|---:|---:|---:|" + "---:|" * len(report["grid"][0]["per_dataset"])]
     for g in report["grid"]:
         o = g["overall"]
-        lines.append(f"| {g['lookup_min_ngram']} | {g['draft_length']} | {o['tau']:.2f} | {o['rows'] / o['cycles']:.2f} | "
+        lines.append(f"| {g['lookup_min_ngram']} | {g['draft_length']} | {g.get('W', 1)} | {o['tau']:.2f} | "
+                     f"{o['rows'] / o['cycles']:.2f} | "
                      f"{o['predicted_speedup']:.2f} | " +
                      " | ".join(f"{s['tau']:.2f} / {s['predicted_speedup']:.2f}" for s in g["per_dataset"].values()) + " |")
     return "\n".join(lines)
