@@ -82,9 +82,11 @@ def test_fast_evaluator_equals_runtime_and_runtime_equals_ar(capsys, tiny_target
         assert "lookup+module" in open(os.path.join(fast, "table.md")).read()
 
 
-def test_the_lookup_chain_is_scored_fast_and_equals_its_runtime(capsys, tiny_target_dir, tmp_path):
+@pytest.mark.parametrize("width", ["W=1", "W=4"])
+def test_the_lookup_chain_is_scored_fast_and_equals_its_runtime(capsys, tiny_target_dir, tmp_path, width):
+    """W = 4: the branching lookup's trees, replayed just as exactly."""
     fast, exact = str(tmp_path / "fast"), str(tmp_path / "exact")
-    common = ["method=lookup", "limit=2", "lookup_min_ngram=1", "draft_length=4"]
+    common = ["method=lookup", "limit=2", "lookup_min_ngram=1", "draft_length=4", width, "tree_nodes=8"]
     assert run_eval(capsys, tiny_target_dir, fast, *common)[0] == 0
     assert run_eval(capsys, tiny_target_dir, exact, *common, "exact_trace=true")[0] == 0
     a, b = samples(fast), samples(exact)

@@ -47,7 +47,7 @@ def uses_fast_evaluator(cfg) -> bool:
     """Greedy, in-process, eager runs are scored from cached traces; the others run the step-by-step runtime."""
     evaluable = cfg.method is None or METHODS[cfg.method].fast_eval   # None: a checkpoint's module
     return evaluable and cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local" and \
-        not cfg.cuda_graphs and cfg.W == 1      # trees (W > 1) have no replay yet: step by step
+        not cfg.cuda_graphs and (cfg.W == 1 or cfg.method == "lookup")   # EAGLE-3's trees have no replay yet
 
 
 def prompt_seed(seed: int, dataset: str, question_id) -> int:
@@ -61,7 +61,8 @@ def fast_sample(session: Session, cfg, traces: TraceCache, dataset: str, questio
     if session.method == "eagle3":
         result = fast_chain_stats(session.module, trace, session.draft_length)
     elif session.method == "lookup":
-        result = fast_lookup_stats(trace, *session.lookup_ngrams, session.draft_length)
+        result = fast_lookup_stats(trace, *session.lookup_ngrams, session.draft_length, width=session.width,
+                                   budget=session.tree_nodes if session.width > 1 else None)
     else:
         lookup = session.lookup_ngrams if session.draft_source == LOOKUP_MODULE else None
         result = fast_greedy_stats(session.module, trace, lookup)
