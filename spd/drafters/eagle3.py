@@ -99,7 +99,7 @@ class Eagle3Drafter(ChainDrafter):
     @torch.no_grad()
     def draft_tree(self, root: int, m: int, width: int, budget: int, propose) -> DraftTree:
         if width == 1:
-            return DraftTree.chain(root, self.draft(m, propose))
+            return super().draft_tree(root, m, width, budget, propose)      # the chain
         # candidates: (cumulative log q, parent candidate or -1 for the root, token, depth)
         cands: list[tuple[float, int, int, int]] = []
         top = torch.topk(self._log_q(self.last_h)[-1], width)

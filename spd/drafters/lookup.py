@@ -125,7 +125,7 @@ class LookupDrafter(ChainDrafter):
 
     def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
         if width == 1:
-            return DraftTree.chain(root, self.draft(m))
+            return super().draft_tree(root, m, width, budget, propose)      # the chain
         tree, node_of = DraftTree(root), {}       # node_of: (parent node, token) -> node
         self.last_match = self.index.match()[0]
         for start in self.index.matches(budget):
