@@ -28,7 +28,13 @@ class DecodeStats:
     # (index of the verified token among the generated ones, draft source, accepted) per verification, in order:
     # where acceptance falls in the output (bench/repetition.py); not part of as_dict
     verdicts: list[tuple[int, str, bool]] = field(default_factory=list)
+    stage_rows: list[int] = field(default_factory=list)   # rows each stage ran, summed over steps (a tree level: W)
+    restarts: int = 0        # kept children with no branch left in flight: the pipeline refilled from them
     _run: int = 0
+
+    def ran(self, rows: list[int]) -> None:
+        """One step's rows per stage (0: idle)."""
+        self.stage_rows = [a + b for a, b in zip(self.stage_rows, rows)] if self.stage_rows else list(rows)
 
     def settle(self, accepted: bool, source: str = "module") -> None:
         """Record the verification of one drafted position (accepted, or corrected with a rollback)."""

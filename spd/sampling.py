@@ -101,6 +101,15 @@ def propose(draft_logits: torch.Tensor, params: SamplingParams, generator) -> Pr
     return Proposal(sample(q, generator), q)
 
 
+def propose_children(draft_logits: torch.Tensor, width: int) -> list[tuple[Proposal, float]]:
+    """A tree node's children (W > 1): the drafter's `width` likeliest tokens from its logits [V], deterministic
+    (q = None: verified by one draw of p, `settle_children`), each with its log q to rank branches by."""
+    log_q = torch.log_softmax(draft_logits.float(), -1)
+    top = torch.topk(log_q, width)
+    return [(Proposal(token), lp) for lp, token in zip(top.values.tolist(), top.indices.tolist())
+            if lp > float("-inf")]
+
+
 def settle(target_logits: torch.Tensor | int, draft: int, q: torch.Tensor | None, params: SamplingParams,
            generator) -> tuple[bool, int]:
     """Verify a draft against the target's logits [V] for its position (greedy: or their argmax); return

@@ -15,6 +15,7 @@ from typing import Mapping
 
 import torch
 
+from spd.runtime.flight import Flight
 from spd.runtime.schedule import Step
 from spd.sampling import Proposal
 from spd.tree import DraftTree
@@ -41,9 +42,21 @@ class StepView:
     in_flight: tuple[InFlight, ...]      # oldest first; in_flight[-1].pos == t (depth 0 before the step, 1 after)
 
 
+def branch_view(step: Step, flight: Flight, tip: int, features: dict[int, dict[int, torch.Tensor]],
+                after: bool = False) -> StepView:
+    """The step as the branch ending at `tip` (a node of the newest level) sees it: the tip's ancestors in flight
+    and the tip, at their depths. features: {node: {layer: H^l [1, 1, d]}}. For a chain, the whole step."""
+    items = tuple(InFlight(flight.token(node), flight.nodes[node].pos,
+                           min(step.n, step.t - flight.nodes[node].pos + after), MappingProxyType(features[node]))
+                  for node in flight.branch(tip))
+    assert len(items) == step.occupancy, "every level in flight holds one ancestor of each tip"
+    return StepView(step.t, step.occupancy, step.n, items)
+
+
 def step_view(step: Step, tokens: list[int], features: dict[int, dict[int, torch.Tensor]],
               after: bool = False) -> StepView:
-    """features: {pos: {layer: H^l [1, 1, d]}} of the step's positions t-occupancy+1..t."""
+    """A chain's step from its tokens by position. features: {pos: {layer: H^l [1, 1, d]}} of the step's positions
+    t-occupancy+1..t."""
     items = tuple(InFlight(tokens[pos], pos, min(step.n, k + after), MappingProxyType(features[pos]))
                   for pos, k in step.in_flight())
     return StepView(step.t, step.occupancy, step.n, items)
@@ -51,6 +64,7 @@ def step_view(step: Step, tokens: list[int], features: dict[int, dict[int, torch
 
 class Drafter(ABC):
     after_step = False   # True: draft reads the step's outputs, so it runs after the step, not beside it
+    branches = False     # True: `draft` returns whatever propose returns, so a tree step may ask for W children
     @abstractmethod
     def layers_needed(self, bounds: list[int]) -> list[int]:
         """Target layers l whose H^l this drafter reads (0 = the embedding), for a pipeline with these bounds."""
@@ -63,7 +77,8 @@ class Drafter(ABC):
     def draft(self, view: StepView, propose) -> Proposal:
         """The proposal for position view.t + 1, made while the step's stages run. propose(logits [V_target]) ->
         Proposal is the run's choice from a drafter's logits (argmax, or a sample with its q); a drafter without
-        logits returns Proposal(token, source=...) (deterministic, q = None)."""
+        logits returns Proposal(token, source=...) (deterministic, q = None). A drafter that `branches` returns
+        propose's result as it is: in a tree step (W > 1) that is the W best children with their log q."""
 
     @abstractmethod
     def finalize(self, pos: int, hidden: dict[int, torch.Tensor]) -> None:
@@ -79,6 +94,7 @@ class WrappedDrafter(Drafter):
     def __init__(self, inner: Drafter):
         self.inner = inner
         self.after_step = inner.after_step
+        self.branches = inner.branches
 
     def layers_needed(self, bounds):
         return self.inner.layers_needed(bounds)

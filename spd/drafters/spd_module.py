@@ -13,6 +13,8 @@ from spd.targets.kv_cache import LayerKVCache
 
 
 class ModuleDrafter(Drafter):
+    branches = True
+
     def __init__(self, module: SpeculationModule, use_cache: bool = True):
         self.module = module
         self.plan = module.plan

@@ -12,18 +12,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spd.runtime.flight import Flight
 from spd.runtime.schedule import Step
 
 
 @dataclass
 class StepOutput:
-    # {pos: {layer: H^l [1, 1, d]}} captured by the stages that ran, for the layers the drafter asked for
+    # {node: {layer: H^l [1, 1, d]}} captured by the stages that ran, for the layers the drafter asked for (a
+    # chain's node ids are its positions, spd.runtime.flight)
     features: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     exit_logits: torch.Tensor | None = None   # [V] target logits of step.exiting (the next position's p)
     exit_argmax: int | None = None            # instead of exit_logits, where the executor was told argmax suffices
 
 
 class StageExecutor(ABC):
+    trees = False   # True: runs tree levels of several nodes (W > 1) under their masks, and prunes them
     n: int
     bounds: list[int]
     device: torch.device
@@ -41,8 +44,9 @@ class StageExecutor(ABC):
         token's argmax (`exit_argmax`) instead of its logits, where moving the logits costs (between processes)."""
 
     @abstractmethod
-    def launch(self, step: Step, entering: torch.Tensor | None) -> None:
-        """Start `step`. entering: H^0 [1, 1, d] of step.work[0]'s position when stage 1 runs, else None."""
+    def launch(self, step: Step, entering: torch.Tensor | None, flight: Flight | None = None) -> None:
+        """Start `step`. entering: H^0 [1, k, d] of the k nodes at step.work[0]'s position when stage 1 runs, else
+        None. flight: the nodes in flight (None, or a chain: one node per position, its id the position)."""
 
     @abstractmethod
     def collect(self) -> StepOutput:
@@ -51,6 +55,10 @@ class StageExecutor(ABC):
     @abstractmethod
     def rollback(self, length: int) -> None:
         """Forget every position >= length in every stage (caches cropped, in-flight states dropped)."""
+
+    def prune(self, flight: Flight) -> None:
+        """Forget every tree node the flight dropped (a verified child kept only its subtree), in every stage."""
+        raise NotImplementedError(f"{type(self).__name__} runs chains only (W = 1)")
 
     def finish(self) -> None:
         """The generation ended (the stages may go idle until the next prefill)."""

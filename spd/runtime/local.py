@@ -12,11 +12,14 @@ import torch
 
 from spd.decoding import prefill
 from spd.runtime.executor import StageExecutor, StepOutput
+from spd.runtime.flight import Flight, StageRows
 from spd.runtime.schedule import Step
 from spd.targets.stages import StagedTarget
 
 
 class LocalStages(StageExecutor):
+    trees = True
+
     def __init__(self, target: StagedTarget):
         self.target = target
         self.n = target.n
@@ -29,7 +32,8 @@ class LocalStages(StageExecutor):
     def prefill(self, prompt_ids, capture, max_length=None, argmax_exit=False):
         self.capture = frozenset(capture)
         self.cache, hidden, captured = prefill(self.target, prompt_ids, self.capture, max_length)
-        self.hidden: dict[int, torch.Tensor] = {}     # pos -> residual stream [1, 1, d] entering its next stage
+        self.hidden: dict[int, torch.Tensor] = {}     # node -> residual stream [1, 1, d] entering its next stage
+        self.rows = [StageRows(len(prompt_ids)) for _ in range(self.n)]
         return self.target.logits(hidden[0, -1]), captured
 
     def _run(self, stage: int, hidden: torch.Tensor, pos: int):
@@ -42,17 +46,38 @@ class LocalStages(StageExecutor):
     def _stream(self, stage: int):
         return nullcontext()
 
-    def launch(self, step: Step, entering):
+    def _run_tree(self, stage: int, hidden: torch.Tensor, nodes: list[int], flight: Flight):
+        """One stage on a tree level's nodes [1, k, d], each seeing the verified rows and its own ancestors."""
+        visible, key_pos = self.rows[stage].visible(nodes, flight)
+        device = self.device
+        pos = torch.full((len(nodes),), flight.nodes[nodes[0]].pos, device=device)
+        out, captured = self.target.run_layers(
+            hidden, pos, self.target.bounds[stage], self.target.bounds[stage + 1], self.cache, self.capture,
+            visible=(torch.tensor(visible, device=device), torch.tensor(key_pos, device=device)))
+        return out, captured, self.target.logits(out[0, -1]) if stage == self.n - 1 else None
+
+    def launch(self, step: Step, entering, flight: Flight | None = None):
         out = StepOutput()
         for stage, pos in enumerate(step.work):
             if not step.runs(stage):
                 continue
-            hidden = entering if stage == 0 else self.hidden.pop(pos)
+            nodes = [pos] if flight is None else flight.level(pos)
+            rows = self.rows[stage]
+            if flight is not None:
+                rows.fold(flight)
+            hidden = entering if stage == 0 else torch.cat([self.hidden.pop(node) for node in nodes], 1)
             with self._stream(stage):
-                hidden, out.features[pos], logits = self._run(stage, hidden, pos)
-            if logits is None:
-                self.hidden[pos] = hidden
-            else:                                   # step.exiting: it leaves the pipeline with its logits
+                if flight is None or rows.sees_all(nodes, flight):
+                    hidden, captured, logits = self._run(stage, hidden, pos)
+                else:
+                    hidden, captured, logits = self._run_tree(stage, hidden, nodes, flight)
+            rows.append(nodes, pos)
+            for i, node in enumerate(nodes):
+                out.features[node] = {layer: h[:, i: i + 1] for layer, h in captured.items()}
+                if logits is None:
+                    self.hidden[node] = hidden[:, i: i + 1]
+            if logits is not None:                   # step.exiting: it leaves the pipeline with its logits
+                assert len(nodes) == 1, "the oldest level in flight is one verified node"
                 out.exit_logits = logits
         self._out = out
 
@@ -62,4 +87,13 @@ class LocalStages(StageExecutor):
 
     def rollback(self, length):
         self.cache.crop(length)
-        self.hidden = {pos: h for pos, h in self.hidden.items() if pos < length}
+        for rows in self.rows:
+            rows.crop(length)
+        self.hidden = {}        # every state between stages belonged to a position >= length
+
+    def prune(self, flight: Flight):
+        for stage, rows in enumerate(self.rows):
+            moved = rows.prune(flight)
+            if moved is not None:
+                self.cache.keep(*moved, layers=range(self.bounds[stage], self.bounds[stage + 1]))
+        self.hidden = {node: h for node, h in self.hidden.items() if node in flight.nodes}

@@ -13,12 +13,13 @@ from __future__ import annotations
 import torch
 
 from spd.decoding import Decoder, Request, context_length, is_final
-from spd.drafters.base import Drafter, step_view
+from spd.drafters.base import Drafter, branch_view
 from spd.metrics import DecodeStats
 from spd.runtime.executor import StageExecutor
+from spd.runtime.flight import Flight
 from spd.runtime.local import LocalStages
 from spd.runtime.schedule import first_step, flushed_from, next_step, relay_step
-from spd.sampling import Proposal, next_token, propose, settle
+from spd.sampling import Proposal, next_token, propose, propose_children, settle_children
 from spd.targets.stages import StagedTarget
 
 
@@ -26,12 +27,26 @@ def as_executor(stages: StagedTarget | StageExecutor) -> StageExecutor:
     return LocalStages(stages) if isinstance(stages, StagedTarget) else stages
 
 
+def grow(flight: Flight, pos: int, options: list[tuple[int, Proposal, float]]) -> None:
+    """Enter the next level: of every tip's candidate children (tip, proposal, log q), the W whose branches have
+    the highest cumulative log q (the paper's rule; a chain's one draft, W = 1)."""
+    ranked = sorted(options, key=lambda o: -(flight.nodes[o[0]].score + o[2]))[: flight.width]
+    for tip, proposal, log_q in ranked:
+        flight.enter(pos, tip, proposal, flight.nodes[tip].score + log_q)
+
+
 class PipelineDecoder(Decoder):
-    def __init__(self, stages: StagedTarget | StageExecutor, drafter: Drafter, eos_ids: frozenset[int]):
+    def __init__(self, stages: StagedTarget | StageExecutor, drafter: Drafter, eos_ids: frozenset[int],
+                 width: int = 1):
+        """width: W, the branches kept in flight (1: one draft per step, a chain)."""
         self.executor = as_executor(stages)
         self.drafter = drafter
         self.eos_ids = eos_ids
         self.n = self.executor.n
+        self.width = width
+        if width > 1 and not (self.executor.trees and drafter.branches):
+            who = type(drafter).__name__ if not drafter.branches else type(self.executor).__name__
+            raise ValueError(f"W={width}: {who} runs chains only (W = 1)")
         self.capture = frozenset(drafter.layers_needed(self.executor.bounds))
 
     @torch.no_grad()
@@ -46,60 +61,86 @@ class PipelineDecoder(Decoder):
         ex.finish()
         self.stats.finish()
 
+    def _draft(self, step, flight, features, choose, after=False) -> list[tuple[int, Proposal, float]]:
+        """Every tip's candidate children: (tip, proposal, log q)."""
+        options = []
+        for tip in flight.level(step.t):
+            drafted = self.drafter.draft(branch_view(step, flight, tip, features, after), choose)
+            options += [(tip, p, lp) for p, lp in drafted] if self.width > 1 else [(tip, drafted, 0.0)]
+        return options
+
+    def _keep(self, flight: Flight, child: int, features: dict) -> bool:
+        """Keep `child`'s subtree in every stage; False if it reaches no tip of the newest level."""
+        newest = max(flight.nodes[node].pos for node in flight.nodes)
+        if not any(child in flight.branch(tip) for tip in flight.level(newest)):
+            return False
+        dropped = flight.keep(child)
+        if dropped:
+            self.executor.prune(flight)
+            for node in dropped:
+                del features[node]
+        return True
+
     def _decode(self, prompt_ids: list[int], request: Request):
         ex, params, stats, max_new = self.executor, request.params, self.stats, request.max_new_tokens
         generator = request.generator(ex.device)
-        # drafts run at most n positions past the last settled token before a verification can stop the run
-        logits, captured = ex.prefill(prompt_ids, self.capture, context_length(len(prompt_ids), max_new, self.n + 1),
+        # drafts run at most n levels (W rows each) past the last settled token before a verification can stop it
+        extra = (self.n + 1) * self.width
+        logits, captured = ex.prefill(prompt_ids, self.capture, context_length(len(prompt_ids), max_new, extra),
                                       params.greedy)
         self.drafter.start(captured, prompt_ids)
         first = next_token(logits, params, generator)
-        tokens = list(prompt_ids) + [first]
         stats.N = 1
         yield first
         done = is_final(first, stats.N, max_new, self.eos_ids)
         step = first_step(len(prompt_ids), self.n)
-        features = {step.t: {0: ex.embed(first)}}     # pos -> {layer: H^l [1, 1, d]} of in-flight tokens
-        drafts: dict[int, Proposal] = {}              # pos -> the proposal in flight there (its q, its source)
+        flight = Flight(self.width)
+        features = {flight.seed(step.t, first): {0: ex.embed(first)}}   # node -> {layer: H^l [1, 1, d]}
 
-        def choose(logits):                           # a drafter's logits [V] -> the run's proposal
-            return propose(logits, params, generator)
+        if self.width == 1:
+            def choose(logits):                       # a drafter's logits [V] -> the run's proposal
+                return propose(logits, params, generator)
+        else:
+            def choose(logits):                       # -> the W likeliest children, deterministic
+                return propose_children(logits, self.width)
 
         while not done:
             t = step.t
-            ex.launch(step, features[t][0] if step.runs(0) else None)
+            entering = torch.cat([features[node][0] for node in flight.level(t)], 1) if step.runs(0) else None
+            ex.launch(step, entering, flight=flight)
+            stats.ran([len(flight.level(pos)) if step.runs(s) else 0 for s, pos in enumerate(step.work)])
             if not self.drafter.after_step:
-                proposal = self.drafter.draft(step_view(step, tokens, features), choose)
+                options = self._draft(step, flight, features, choose)
             out = ex.collect()
-            for pos, captured in out.features.items():
-                features[pos].update(captured)
+            for node, captured in out.features.items():
+                features[node].update(captured)
             if self.drafter.after_step:
-                proposal = self.drafter.draft(step_view(step, tokens, features, after=True), choose)
+                options = self._draft(step, flight, features, choose, after=True)
             stats.K += 1
-            draft = proposal.token
-            drafts[t + 1] = proposal
-            tokens.append(draft)
-            features[t + 1] = {0: ex.embed(draft)}
+            grow(flight, t + 1, options)
+            for node in flight.level(t + 1):
+                features[node] = {0: ex.embed(flight.token(node))}
             if step.exiting is None:
                 step = next_step(step, None)  # warm-up: nobody leaves the pipeline yet
                 continue
-            exited = step.exiting
-            self.drafter.finalize(exited, features.pop(exited))
-            candidate = step.candidate
-            proposal = drafts.pop(candidate)
+            (root,) = flight.level(step.exiting)
+            self.drafter.finalize(step.exiting, features.pop(root))
+            children = flight.children(root)
             verdict = out.exit_logits if out.exit_logits is not None else out.exit_argmax
-            accepted, token = settle(verdict, proposal.token, proposal.q, params, generator)
-            stats.settle(accepted, proposal.source)
-            if not accepted:
+            index, token = settle_children(verdict, [flight.nodes[c].proposal for c in children], params, generator)
+            stats.settle(index is not None, flight.nodes[children[index or 0]].proposal.source)
+            flight.leave(root)
+            kept = index is not None and self._keep(flight, children[index], features)
+            if not kept:
+                # a correction, or a kept child none of whose descendants made the W best branches: the pipeline
+                # refills from the settled token, alone at its position
                 length = flushed_from(step)
                 ex.rollback(length)
                 self.drafter.on_rollback(length)
-                del tokens[length:]
-                tokens.append(token)
-                features = {length: {0: ex.embed(token)}}
-                drafts = {}
+                features = {flight.seed(length, token): {0: ex.embed(token)}}
+                stats.restarts += index is not None
             yield token
-            step = next_step(step, accepted)
+            step = next_step(step, kept)
             done = is_final(token, stats.N, max_new, self.eos_ids)
 
 
@@ -120,6 +161,18 @@ class PipelineARDecoder(Decoder):
             ex.finish()
             raise
         ex.finish()
+
+    def _keep(self, flight: Flight, child: int, features: dict) -> bool:
+        """Keep `child`'s subtree in every stage; False if it reaches no tip of the newest level."""
+        newest = max(flight.nodes[node].pos for node in flight.nodes)
+        if not any(child in flight.branch(tip) for tip in flight.level(newest)):
+            return False
+        dropped = flight.keep(child)
+        if dropped:
+            self.executor.prune(flight)
+            for node in dropped:
+                del features[node]
+        return True
 
     def _decode(self, prompt_ids: list[int], request: Request):
         ex, params = self.executor, request.params

@@ -17,6 +17,7 @@ import torch
 
 from spd.decoding import prefill
 from spd.runtime.local import LocalStages
+from spd.runtime.flight import StageRows
 from spd.runtime.schedule import Step
 from spd.runtime.executor import StepOutput
 from spd.targets.fixed_step import FixedStep
@@ -24,6 +25,8 @@ from spd.targets.stages import StagedTarget
 
 
 class GraphStages(LocalStages):
+    trees = False    # one fixed-shape step per stage: a tree level's rows (W > 1) would need one per width
+
     def __init__(self, target: StagedTarget, cuda_graphs: bool = True):
         super().__init__(target)
         self.cuda_graphs = cuda_graphs
@@ -41,6 +44,7 @@ class GraphStages(LocalStages):
             self.steps = [FixedStep(self.target, b[s], b[s + 1], cache, self.capture, logits=s == self.n - 1,
                                     cuda_graph=self.cuda_graphs) for s in range(self.n)]
         self.hidden = {}
+        self.rows = [StageRows(len(prompt_ids)) for _ in range(self.n)]
         return self.target.logits(hidden[0, -1]), captured
 
     def _run(self, stage: int, hidden: torch.Tensor, pos: int):
@@ -59,15 +63,15 @@ class StreamStages(GraphStages):
     def _stream(self, stage: int):
         return nullcontext() if self.streams is None else torch.cuda.stream(self.streams[stage])
 
-    def launch(self, step: Step, entering):
+    def launch(self, step: Step, entering, flight=None):
         if self.streams is None:
-            return super().launch(step, entering)
+            return super().launch(step, entering, flight)
         caller = torch.cuda.current_stream()
         for stream in self.streams:              # the entering embedding, the drafter's reads, a rollback's crop
             stream.wait_stream(caller)
         if entering is not None:
             entering.record_stream(self.streams[0])
-        super().launch(step, entering)
+        super().launch(step, entering, flight)
         # a tensor made on one stream and used on another must not be reused by the allocator before that use
         for stage, pos in enumerate(step.work):
             if not step.runs(stage):

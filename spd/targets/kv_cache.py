@@ -73,15 +73,18 @@ class LayerKVCache:
         """Forget every position >= length in every layer (rollback to the verified prefix)."""
         self.lengths = [min(cur, length) for cur in self.lengths]
 
-    def keep(self, start: int, slots: list[int]) -> None:
+    def keep(self, start: int, slots: list[int], layers: range | None = None) -> None:
         """Keep, after the first `start` rows, only the rows at `slots` (ascending, each >= start), moved down to
-        start, start + 1, ...: a draft tree's accepted path. Its keys were rotated at the positions they keep, so
-        nothing is re-rotated."""
+        start, start + 1, ...: a draft tree's accepted path or kept subtree. Its keys were rotated at the positions
+        they keep, so nothing is re-rotated. layers: only these (one pipeline stage's; default all)."""
         count = len(slots)
+        layers = range(self.num_layers) if layers is None else layers
         if slots == list(range(start, start + count)):
-            self.crop(start + count)       # a chain's path: nothing moves
+            for layer in layers:           # a chain's path: nothing moves
+                self.lengths[layer] = min(self.lengths[layer], start + count)
             return
-        for layer, keys in enumerate(self._keys):
+        for layer in layers:
+            keys = self._keys[layer]
             if keys is None or self.lengths[layer] <= start:
                 continue
             index = torch.tensor(slots, device=keys.device)

@@ -150,7 +150,8 @@ class DistributedStages(StageExecutor):
             captured[0] = h0
         return logits, {layer: h for layer, h in captured.items() if layer in capture}
 
-    def launch(self, step: Step, entering, probe: bool = False):
+    def launch(self, step: Step, entering, flight=None, probe: bool = False):
+        # trees = False: the flight is a chain, whose node ids are its positions (what the control row carries)
         self._command(control(PROBE if probe else STEP, self.n, crop=self.crop, capture=self.capture_on,
                               work=step.work, argmax=self.argmax))
         self.crop = -1

@@ -1,0 +1,159 @@
+"""What is in flight in SPD's pipeline when each step drafts a tree level (W >= 1, design §8), tensor-free.
+
+The schedule (`spd.runtime.schedule`) still says which *position* each stage advances; with trees a position is a
+tree level holding up to W nodes, every one at that RoPE position. The oldest level in flight is always one node:
+the token that leaves the last stage next, already verified (its parent's exit accepted it, or it is the first or
+corrected token that refilled the pipeline). When it leaves, the target's token at it picks which of its children
+survives: every stage keeps only that child's subtree (`Flight.keep`), or everything newer is flushed.
+
+Node ids are position * W + index within the level when it entered, so for W = 1 a node's id *is* its position
+and a chain in flight is keyed exactly as before trees existed.
+
+`StageRows` is one stage's view of its KV cache: `base` rows that every query sees (the prompt and verified
+tokens, at positions 0..base-1), then tree rows in the order the stage ran them, each visible only to its own
+descendants. Executors read it to build masks and to compact caches after a prune.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spd.sampling import Proposal
+
+
+@dataclass(frozen=True)
+class Node:
+    id: int
+    pos: int
+    parent: int | None       # None: nothing older is in flight on its branch
+    proposal: Proposal       # its token, the q it was drawn from (None: deterministic) and its source
+    score: float             # cumulative log q of its branch: what the W kept branches are ranked by
+
+
+class Flight:
+    def __init__(self, width: int = 1):
+        if width < 1:
+            raise ValueError(f"W={width} must be >= 1")
+        self.width = width
+        self.nodes: dict[int, Node] = {}
+        self._levels: dict[int, list[int]] = {}
+
+    def seed(self, pos: int, token: int) -> int:
+        """Empty the pipeline; `token` (the first generated or a correction) enters alone at `pos`."""
+        self.nodes.clear()
+        self._levels.clear()
+        return self.enter(pos, None, Proposal(token, source="verified"))
+
+    def enter(self, pos: int, parent: int | None, proposal: Proposal, score: float = 0.0) -> int:
+        level = self._levels.setdefault(pos, [])
+        if len(level) == self.width:
+            raise ValueError(f"level {pos} already holds W={self.width} nodes")
+        if parent is not None and self.nodes[parent].pos != pos - 1:
+            raise ValueError(f"node {parent} at {self.nodes[parent].pos} cannot parent a node at {pos}")
+        node = Node(pos * self.width + len(level), pos, parent, proposal, score)
+        self.nodes[node.id] = node
+        level.append(node.id)
+        return node.id
+
+    def level(self, pos: int) -> list[int]:
+        return self._levels.get(pos, [])
+
+    @property
+    def oldest(self) -> int:
+        return min(self._levels)
+
+    def token(self, node: int) -> int:
+        return self.nodes[node].proposal.token
+
+    def children(self, node: int) -> list[int]:
+        return [c for c in self.level(self.nodes[node].pos + 1) if self.nodes[c].parent == node]
+
+    def branch(self, node: int) -> list[int]:
+        """The node and its ancestors still in flight, oldest first."""
+        out = [node]
+        while (parent := self.nodes[out[-1]].parent) is not None and parent in self.nodes:
+            out.append(parent)
+        return out[::-1]
+
+    def leave(self, node: int) -> None:
+        """The oldest node left the last stage (its children were just verified against it)."""
+        if self.level(self.oldest) != [node]:
+            raise ValueError(f"node {node} is not the one oldest node in flight")
+        del self._levels[self.nodes.pop(node).pos]
+
+    def keep(self, child: int) -> list[int]:
+        """`child` was accepted: drop its siblings and everything below them. Returns the dropped ids."""
+        kept = {child}
+        dropped = []
+        for pos in sorted(p for p in self._levels if p >= self.nodes[child].pos):
+            level = []
+            for node in self._levels[pos]:
+                if node in kept or self.nodes[node].parent in kept:
+                    kept.add(node)
+                    level.append(node)
+                else:
+                    dropped.append(node)
+                    del self.nodes[node]
+            self._levels[pos] = level
+        return dropped
+
+    def is_chain(self) -> bool:
+        return all(len(level) == 1 for level in self._levels.values())
+
+
+class StageRows:
+    """One stage's cache rows: `base` verified rows, then (node, pos) tree rows in the order they were run."""
+
+    def __init__(self, base: int):
+        self.base = base
+        self.rows: list[tuple[int, int]] = []
+
+    def __len__(self) -> int:
+        return self.base + len(self.rows)
+
+    def append(self, nodes: list[int], pos: int) -> None:
+        self.rows += [(node, pos) for node in nodes]
+
+    def fold(self, flight: Flight) -> None:
+        """Rows that left the flight older than its oldest level are verified: they join the base."""
+        oldest = flight.oldest
+        while self.rows and self.rows[0][0] not in flight.nodes and self.rows[0][1] < oldest:
+            assert self.rows[0][1] == self.base, "verified rows must sit at their positions"
+            self.base += 1
+            self.rows.pop(0)
+
+    def prune(self, flight: Flight) -> tuple[int, list[int]] | None:
+        """Drop the rows of nodes the flight dropped. Returns (start, slots) for the cache's `keep` (the kept tree
+        rows' slots, moved down to start), or None when nothing moved."""
+        oldest = flight.oldest
+        kept = [i for i, (node, pos) in enumerate(self.rows) if node in flight.nodes or pos < oldest]
+        start = self.base
+        moved = None if len(kept) == len(self.rows) else (start, [start + i for i in kept])
+        self.rows = [self.rows[i] for i in kept]
+        self.fold(flight)
+        return moved
+
+    def crop(self, length: int) -> None:
+        """A rejection: every position >= length is forgotten; what stays is verified, at its positions."""
+        self.base += sum(pos < length for _, pos in self.rows)
+        self.rows = []
+        assert self.base == length, (self.base, length)
+
+    def sees_all(self, queries: list[int], flight: Flight) -> bool:
+        """Whether every cached row is visible to every query (a chain: the plain causal path applies)."""
+        if len(queries) != 1:
+            return False
+        branch = set(flight.branch(queries[0]))
+        oldest = flight.oldest
+        return all(node in branch or pos < oldest for node, pos in self.rows)
+
+    def visible(self, queries: list[int], flight: Flight) -> tuple[list[list[bool]], list[int]]:
+        """Which cached rows (then the queries' own new rows) each query sees, and every key's position."""
+        oldest = flight.oldest
+        rows = []
+        for i, q in enumerate(queries):
+            branch = set(flight.branch(q))
+            rows.append([True] * self.base + [node in branch or pos < oldest for node, pos in self.rows]
+                        + [j == i for j in range(len(queries))])
+        pos = flight.nodes[queries[0]].pos
+        return rows, list(range(self.base)) + [p for _, p in self.rows] + [pos] * len(queries)

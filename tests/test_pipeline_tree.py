@@ -1,0 +1,156 @@
+"""SPD's pipeline with draft trees (W > 1): each step a level of up to W nodes enters stage 1, the exiting node's
+token picks the child whose subtree every stage keeps. Greedy output equals plain decoding on every tiny family for
+SPD, PPSD and the output-state ablation; the caches after every prune equal fresh prefills of what they hold."""
+
+import pytest
+import torch
+
+import spd.runtime.pipeline as pipeline
+from spd.decoding import Request
+from spd.drafters.base import WrappedDrafter
+from spd.drafters.spd_module import ModuleDrafter
+from spd.module import SpeculationModule
+from spd.runtime.flight import Flight
+from spd.runtime.local import LocalStages
+from spd.runtime.pipeline import PipelineDecoder
+from spd.targets.kv_cache import LayerKVCache
+from spd.targets.stages import StagedTarget
+from spd.targets.tiny import tiny_model
+
+from helpers import ar_run, prompt
+
+
+class RankedDrafter(WrappedDrafter):
+    """Runs the real module every step but drafts from the target's own logits for the branch it is shown, with
+    the target's token moved to rank ranks[pos % len(ranks)]: ranks < W keep it among a node's W children (a first,
+    second, ... child is accepted), larger ranks leave it out (a correction)."""
+
+    def __init__(self, inner, model, ranks):
+        super().__init__(inner)
+        self.model, self.ranks = model, ranks
+
+    def start(self, prompt_hidden, prompt_ids):
+        self.verified = list(prompt_ids)
+        self.inner.start(prompt_hidden, prompt_ids)
+
+    @torch.no_grad()
+    def draft(self, view, propose):
+        self.inner.draft(view, propose)
+        oldest = view.in_flight[0]          # verified: every position is the oldest in flight before it leaves
+        del self.verified[oldest.pos:]
+        self.verified.append(oldest.token)
+        seq = self.verified + [item.token for item in view.in_flight[1:]]
+        logits = self.model(torch.tensor([seq])).logits[0, -1]
+        order = torch.argsort(logits, descending=True).tolist()
+        best = order.pop(0)
+        order.insert(self.ranks[(view.t + 1) % len(self.ranks)], best)
+        fake = torch.empty_like(logits)
+        fake[torch.tensor(order)] = torch.linspace(10, -10, len(order))
+        return propose(fake)
+
+
+def tree_decoder(model, n, width, method="spd", ranks=(0, 1, 3, 0, 2, 7), executor=None):
+    staged = StagedTarget(model, n)
+    module = SpeculationModule.from_target(staged, 1, seed=1, method=method)
+    drafter = RankedDrafter(ModuleDrafter(module), model, list(ranks))
+    return PipelineDecoder(executor or staged, drafter, frozenset(), width)
+
+
+@pytest.fixture
+def kept_children(monkeypatch):
+    """The index of the child each verification kept (None: a correction)."""
+    seen = []
+    rule = pipeline.settle_children
+
+    def counted(*args):
+        out = rule(*args)
+        seen.append(out[0])
+        return out
+
+    monkeypatch.setattr(pipeline, "settle_children", counted)
+    return seen
+
+
+@pytest.mark.parametrize("method", ["spd", "ppsd", "spd_output_state"])
+def test_greedy_trees_equal_plain_decoding(family_model, method, kept_children):
+    family, model = family_model
+    for seed in range(2):
+        ids = prompt(seed, 10)
+        expected = ar_run(model, ids, 40).token_ids
+        decoder = tree_decoder(model, 3, 4, method)
+        out = decoder.generate(ids, Request(40))
+        assert out.token_ids == expected, (family, method, seed)
+    kept = [k for k in kept_children if k is not None]
+    assert None in kept_children and 0 in kept and max(kept) >= 2    # corrections, first and later children kept
+    assert out.stats.stage_rows[0] > out.stats.K                      # stage 1 ran levels of several nodes
+
+
+def test_w1_flight_is_the_chain(family_model):
+    """W = 1: node ids are positions, one row per stage per step, and the tokens equal plain decoding."""
+    _, model = family_model
+    ids = prompt(3, 10)
+    decoder = tree_decoder(model, 3, 1, ranks=(0, 0, 5))
+    out = decoder.generate(ids, Request(30))
+    assert out.token_ids == ar_run(model, ids, 30).token_ids
+    assert max(out.stats.stage_rows) <= out.stats.K and out.stats.restarts == 0
+    flight = Flight(1)
+    assert flight.seed(7, 1) == 7 and flight.enter(8, 7, flight.nodes[7].proposal) == 8
+
+
+def test_chains_only_where_trees_are_not_built(family_model):
+    from spd.drafters.hybrid import LookupThenModule
+
+    _, model = family_model
+    staged = StagedTarget(model, 2)
+    drafter = ModuleDrafter(SpeculationModule.from_target(staged, 1))
+    with pytest.raises(ValueError, match="chains only"):
+        PipelineDecoder(staged, LookupThenModule(drafter, 1, 2), frozenset(), 4)
+
+
+class CheckedStages(LocalStages):
+    """After every prune, each stage's cache equals a fresh prefill of what it holds: the verified tokens at their
+    positions, then each kept tree node's row as its own branch would write it."""
+
+    def __init__(self, target, tokens):
+        super().__init__(target)
+        self.tokens, self.checked = tokens, 0
+
+    def launch(self, step, entering, flight=None):
+        self.flight = flight
+        super().launch(step, entering, flight)
+
+    def prune(self, flight):
+        super().prune(flight)
+        verified = self.tokens()
+        for stage, rows in enumerate(self.rows):
+            layers = range(self.bounds[stage], self.bounds[stage + 1])
+            slots = [verified[: slot + 1] for slot in range(rows.base)]
+            for node, pos in rows.rows:
+                if node in flight.nodes:
+                    slots.append(verified[: flight.oldest] + [flight.token(a) for a in flight.branch(node)])
+                else:
+                    slots.append(verified[: pos + 1])
+            for slot, seq in enumerate(slots):
+                if slot < rows.base and slot < len(slots) - 1 and slot % 7:   # spot-check the verified rows
+                    continue
+                fresh = LayerKVCache(self.target.num_layers)
+                self.target.forward_all(torch.tensor([seq]), fresh)
+                for layer in layers:
+                    k, v = self.cache.view(layer)
+                    k0, v0 = fresh.view(layer)
+                    torch.testing.assert_close(k[:, :, slot], k0[:, :, -1], atol=1e-5, rtol=1e-4)
+                    torch.testing.assert_close(v[:, :, slot], v0[:, :, -1], atol=1e-5, rtol=1e-4)
+            self.checked += 1
+
+
+def test_kv_after_prune_equals_fresh_prefill_at_every_stage(family_model):
+    family, model = family_model
+    ids = prompt(5, 9)
+    emitted = []
+    staged = StagedTarget(model, 3)
+    checked = CheckedStages(staged, lambda: ids + emitted)
+    decoder = tree_decoder(model, 3, 4, executor=checked, ranks=(1, 2, 0, 3, 1))
+    for token in decoder.stream(ids, Request(24)):
+        emitted.append(token)
+    assert emitted == ar_run(model, ids, 24).token_ids
+    assert checked.checked >= 3, family
