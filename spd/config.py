@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spd.errors import UserError
-from spd.methods import DECODING_METHODS, DRAFT_SOURCES, METHODS, MODULE
+from spd.methods import AR, DECODING_METHODS, DRAFT_SOURCES, METHODS, MODULE
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -45,8 +45,9 @@ class GenerateConfig:
                                          # chooses, the fastest lossless for the device (spd.fastest), else spd
     draft_length: Optional[int] = None   # method=eagle3 | lookup: at most m drafts per target forward; None = the
                                          # method's own (eagle3 5, lookup 7)
-    W: int = 1                           # draft-tree width: children per node (1 = a chain); W > 1: method=eagle3 | lookup
-    tree_nodes: int = 16                 # W > 1: drafted nodes per verification (the tree's budget)
+    W: int = 1                           # draft-tree width (1 = a chain): branches kept in SPD's pipeline, children per
+                                         # node in a chain's tree; W > 1 needs method= (pipelines: runtime=local)
+    tree_nodes: int = 16                 # W > 1, chain methods: drafted nodes per verification (the tree's budget)
     draft_source: str = "module"         # pipelined methods: module | lookup+module (the context lookup's token
                                          # where the context's suffix matched earlier, else the module's draft)
     lookup_min_ngram: int = 2            # lookup, lookup+module: shortest suffix of the context that may match earlier
@@ -159,6 +160,17 @@ def at_least(cfg, key: str, low: float, what: str = "") -> None:
         raise UserError(f"{full_key(cfg, key)}={value} must be a finite number >= {low:g}{what}")
 
 
+def check_tree(cfg) -> None:
+    """W > 1: which methods and runtimes draft trees so far."""
+    trees = ", ".join(name for name, m in METHODS.items() if m.decoder != AR)
+    if cfg.method is None or METHODS[cfg.method].decoder == AR:
+        raise UserError(f"W={cfg.W}: draft trees need a drafting method; add method= one of {trees}, or use W=1")
+    pipeline_ok = cfg.runtime == "local" and not getattr(cfg, "cuda_graphs", False) and cfg.draft_source == MODULE
+    if METHODS[cfg.method].pipelined and not pipeline_ok:
+        raise UserError(f"W={cfg.W}: {cfg.method}'s pipeline trees run with runtime=local, draft_source=module and "
+                        "no cuda_graphs so far; use those, or W=1")
+
+
 def check_decoding(cfg) -> None:
     """The keys every decoding command shares (generate, chat, eval): what can be refused before any model loads."""
     if cfg.method is not None:
@@ -173,9 +185,8 @@ def check_decoding(cfg) -> None:
     at_least(cfg, "lookup_min_ngram", 1, " (tokens a context match needs)")
     at_least(cfg, "W", 1, " (children per draft-tree node; 1 = a chain)")
     at_least(cfg, "tree_nodes", 1, " (drafted nodes per verification)")
-    if cfg.W > 1 and cfg.method not in ("eagle3", "lookup"):
-        raise UserError(f"W={cfg.W}: draft trees are built for method=eagle3 and method=lookup so far (SPD's and "
-                        "PPSD's trees in the pipeline are not); add method=eagle3 or method=lookup, or use W=1")
+    if cfg.W > 1:
+        check_tree(cfg)
     one_of(cfg, "draft_source", DRAFT_SOURCES)
     if cfg.draft_source != MODULE and cfg.method is not None and not METHODS[cfg.method].pipelined:
         raise UserError(f"draft_source={cfg.draft_source} chooses a pipelined drafter's source; method={cfg.method} "

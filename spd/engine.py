@@ -29,7 +29,7 @@ def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder
     if METHODS[method].chain:
         return ChainDecoder(s.staged, drafter, s.eos_ids, s.draft_length, s.width,
                             s.tree_nodes if s.width > 1 else None)
-    return PipelineDecoder(stages, drafter, s.eos_ids)
+    return PipelineDecoder(stages, drafter, s.eos_ids, s.width)
 
 
 class Engine:

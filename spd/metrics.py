@@ -66,7 +66,8 @@ class DecodeStats:
     def as_dict(self) -> dict:
         return {"n": self.n, "N": self.N, "K": self.K, "alpha": self.alpha, "eal": self.eal,
                 "rollbacks": self.rollbacks, "accepted_run_histogram": self.run_histogram(),
-                "sources": {source: list(counts) for source, counts in sorted(self.sources.items())}}
+                "sources": {source: list(counts) for source, counts in sorted(self.sources.items())},
+                "stage_rows": list(self.stage_rows), "restarts": self.restarts}
 
 
 def pooled_eal(stats: list[DecodeStats]) -> float | None:

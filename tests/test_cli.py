@@ -84,8 +84,10 @@ BAD = [
     (["method=eagle3", "draft_source=lookup+module"], "drop draft_source="),
     (["method=eagle3", "W=0"], "W=0"),
     (["method=eagle3", "W=4", "tree_nodes=0"], "tree_nodes=0"),
-    (["W=4"], "draft trees are built for method=eagle3 and method=lookup"),
-    (["method=spd", "W=2"], "draft trees are built for method=eagle3 and method=lookup"),
+    (["W=4"], "draft trees need a drafting method"),
+    (["method=ar", "W=4"], "draft trees need a drafting method"),
+    (["method=spd", "W=2", "runtime=distributed"], "pipeline trees run with runtime=local"),
+    (["method=ppsd", "W=2", "draft_source=lookup+module"], "pipeline trees run with runtime=local"),
 ]
 
 

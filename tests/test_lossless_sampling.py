@@ -26,6 +26,7 @@ PROMPT = [3, 1, 4, 1, 5]
 LENGTH = 3          # generated tokens per sample: the first from the prefill, two through verification
 SAMPLES = 30000     # enough for >= 90% power against a 2% TV shift at ALPHA (checked below)
 SHORT = 12000       # the baselines' tests: >= 90% power against a 3.5% TV shift (checked below)
+TREES = 6000        # W = 4 in SPD's pipeline (each step drafts for every tip): >= 90% power against a 5% TV shift
 ALPHA = 1e-3
 
 
@@ -64,19 +65,22 @@ def small_vocab_model():
     return tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
 
 
-def sample_spd(model, n, samples, seed, method="spd", lookup=False, sources=None):
+def sample_spd(model, n, samples, seed, method="spd", lookup=False, sources=None, width=1, extra=None):
     """lookup: draft_source=lookup+module, matching one-token suffixes (PROMPT's tokens recur in the samples).
-    sources: a dict that receives {source: [verified, accepted]} pooled over the samples."""
+    sources: a dict that receives {source: [verified, accepted]} pooled over the samples. width: W (trees);
+    extra: a list that receives, per sample, the rows stage 1 ran beyond one per step (a tree's branching)."""
     staged = StagedTarget(model, n)
     module = SpeculationModule.from_target(staged, 1, seed=1, method=method)  # random: its q is far from p, rejections are common
     drafter = ModuleDrafter(module)
-    decoder = PipelineDecoder(staged, LookupThenModule(drafter, 1, 2) if lookup else drafter, frozenset())
+    decoder = PipelineDecoder(staged, LookupThenModule(drafter, 1, 2) if lookup else drafter, frozenset(), width)
     counts, rollbacks = {}, 0
     for i in range(samples):
         out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i))
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
         rollbacks += out.stats.rollbacks
+        if extra is not None:
+            extra.append(out.stats.stage_rows[0] - out.stats.K)
         for source, (verified, accepted) in out.stats.sources.items():
             if sources is not None:
                 total = sources.setdefault(source, [0, 0])
@@ -85,7 +89,7 @@ def sample_spd(model, n, samples, seed, method="spd", lookup=False, sources=None
     return counts, rollbacks
 
 
-@pytest.mark.parametrize("samples,tv", [(SAMPLES, 0.02), (SHORT, 0.035)])
+@pytest.mark.parametrize("samples,tv", [(SAMPLES, 0.02), (SHORT, 0.035), (TREES, 0.05)])
 def test_chi_square_detects_a_small_shift(small_vocab_model, samples, tv):
     dist = exact_distribution(small_vocab_model, PARAMS)
     outcomes = sorted(dist)
@@ -202,6 +206,27 @@ def test_lookup_inside_the_pipeline_samples_the_target_distribution(small_vocab_
     assert accepted > SHORT * 0.1 and verified - accepted > SHORT * 0.1      # lookup drafts kept and rejected, often
     assert sources["module"][0] > SHORT * 0.1
     assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+@pytest.mark.slow
+def test_pipeline_trees_sample_the_target_distribution(small_vocab_model):
+    """W = 4 in SPD's pipeline: each tip's top-4 children are deterministic, verified by one draw of p at the
+    exiting node; a kept child keeps its subtree in every stage (PPSD's trees run the same loop)."""
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    extra = []
+    counts, rollbacks = sample_spd(small_vocab_model, n=2, samples=TREES, seed=9, width=4,
+                                   extra=extra)
+    assert rollbacks > TREES * 0.1 and sum(e > 0 for e in extra) > TREES * 0.5    # misses, and real trees
+    assert chi2_pvalue(counts, dist, TREES) > ALPHA
+
+
+def test_a_tree_verifier_that_keeps_the_first_child_is_caught(small_vocab_model, monkeypatch):
+    import spd.runtime.pipeline
+
+    monkeypatch.setattr(spd.runtime.pipeline, "settle_children", lambda logits, children, params, g: (0, children[0].token))
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    counts, _ = sample_spd(small_vocab_model, n=2, samples=1000, seed=10, width=4)
+    assert chi2_pvalue(counts, dist, 1000) < ALPHA
 
 
 def test_a_lookup_in_the_pipeline_that_is_always_kept_is_caught(small_vocab_model, monkeypatch):

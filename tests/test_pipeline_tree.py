@@ -154,3 +154,26 @@ def test_kv_after_prune_equals_fresh_prefill_at_every_stage(family_model):
         emitted.append(token)
     assert emitted == ar_run(model, ids, 24).token_ids
     assert checked.checked >= 3, family
+
+
+def test_generate_and_eval_with_pipeline_trees(capsys, tiny_target_dir, tmp_path):
+    """`W=4` reaches SPD's pipeline from the CLI (the stats line names it) and eval runs it step by step, every
+    greedy sample checked against AR."""
+    import json
+
+    from spd.cli import main
+
+    common = [f"target={tiny_target_dir}", "prompt=What is 12*7?", "max_new_tokens=16", "n=3"]
+    assert main(["generate", *common, "method=spd", "W=4", "json=true"]) == 0
+    tree = json.loads(capsys.readouterr().out)
+    assert main(["generate", *common, "method=ar", "json=true"]) == 0
+    assert tree["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"] and tree["W"] == 4
+    assert main(["generate", *common, "method=spd", "W=4"]) == 0
+    assert ", module W=4]" in capsys.readouterr().err
+    out = str(tmp_path / "ev")
+    assert main(["eval", f"target={tiny_target_dir}", f"output_dir={out}", f"trace_cache_dir={out}-traces", "n=3",
+                 "method=ppsd", "W=4", "limit=1", "max_new_tokens=8", "wandb.mode=disabled"]) == 0
+    capsys.readouterr()
+    with open(f"{out}/samples.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["mode"] for r in rows] == ["runtime"] * 3 and all(r["ar_match"] for r in rows)

@@ -50,7 +50,8 @@ def stats_line(out: dict) -> str:
     if out["K"] is None:   # plain AR: in one process it has no stages; relayed through stage processes it has n
         where = "local" if out["runtime"] == "local" else f"n={out['n']} {runtime}"
         return f"[ar {where}{chosen}] N={out['N']} {speed}"
-    return (f"[{out['method']} n={out['n']} {runtime}, {out['draft_source']}{chosen}] N={out['N']} K={out['K']} "
+    tree = f" W={out['W']}" if out.get("W", 1) > 1 else ""
+    return (f"[{out['method']} n={out['n']} {runtime}, {out['draft_source']}{tree}{chosen}] N={out['N']} K={out['K']} "
             f"α={_fmt(out['alpha'])} L′acc={_fmt(out['eal'])} rollbacks={out['rollbacks']} "
             f"accepted: {acceptance_by_source(out['sources']) or '-'} {speed}")
 
