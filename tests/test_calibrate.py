@@ -102,3 +102,17 @@ def test_chain_measured_cost_speedup_by_hand():
     # τ = 1.5 tokens per cycle of 3 drafts at 0.1 s, a 0.5 s verify and a 0.1 s update, against 0.6 s per AR token
     cal = {"ar_token_s": 0.6, "cycle_s": 3 * 0.1 + 0.5 + 0.1}
     assert math.isclose(chain_measured_cost_speedup(1.5, cal), 1.5 * 0.6 / 0.9)
+
+
+@pytest.mark.parametrize("method", ["spd", "ppsd"])
+def test_calibrate_prices_a_pipeline_tree(method):
+    """W = 4: every stage but the last two runs a level of 4 rows, the module drafts for 4 tips, and plain AR is
+    still priced on one row per stage; the cache keeps its context length."""
+    staged = StagedTarget(load_target("tiny-llama").model, 4)
+    module = SpeculationModule.from_target(staged, 1, method=method).eval()
+    cal = calibrate(staged, module, SamplingParams(temperature=1.0), context=16, repeats=3, width=4)
+    assert (cal["W"], cal["rows"]) == (4, [4, 4, 1, 1])
+    assert math.isclose(cal["ar_token_s"], sum(cal["ar_stage_s"]) + cal["head_s"])
+    step, bottleneck = step_time(cal["stage_s"], cal["head_s"], cal["verify_s"], cal["module_s"],
+                                 module.plan.after_step)
+    assert (cal["step_s"], cal["bottleneck"]) == (step, bottleneck)

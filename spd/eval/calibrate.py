@@ -43,7 +43,7 @@ from spd.layout import needed_layers
 from spd.module import SpeculationModule
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.schedule import spd_step
-from spd.sampling import Proposal, SamplingParams, propose, settle, settle_children
+from spd.sampling import Proposal, SamplingParams, propose, propose_children, settle, settle_children
 from spd.targets.stages import StagedTarget
 
 LAST = "last stage + head + verify"
@@ -116,10 +116,30 @@ def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device
     return statistics.median(times)
 
 
+def tree_rows(n: int, width: int) -> list[int]:
+    """Rows each stage runs in a steady tree step: the last two stages run the exiting node and its kept child
+    (one each), the others a level of W nodes."""
+    return [width if s < n - 2 else 1 for s in range(n)]
+
+
+def _stage_rows(staged: StagedTarget, s: int, stage_in: torch.Tensor, rows: int, context: int, cache):
+    """Stage s over `rows` copies of one new row at position `context`, siblings in a tree level (each sees the
+    cache and itself)."""
+    if rows == 1:
+        return staged.run_stage(s, stage_in, torch.tensor([context], device=stage_in.device), cache)
+    device = stage_in.device
+    visible = torch.cat([torch.ones(rows, context, dtype=torch.bool), torch.eye(rows, dtype=torch.bool)], 1)
+    keys = torch.cat([torch.arange(context), torch.full((rows,), context)])
+    return staged.run_layers(stage_in.expand(1, rows, -1), torch.full((rows,), context, device=device),
+                             staged.bounds[s], staged.bounds[s + 1], cache,
+                             visible=(visible.to(device), keys.to(device)))
+
+
 @torch.no_grad()
 def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingParams,
-              context: int = 128, repeats: int = 20) -> dict:
-    """Time each term of the cost model on this machine (see the module docstring)."""
+              context: int = 128, repeats: int = 20, width: int = 1) -> dict:
+    """Time each term of the cost model on this machine (see the module docstring). width: W, a tree step's
+    rows per stage (`tree_rows`) and one draft per branch tip."""
     n, device = staged.n, staged.device
     if context < n:
         raise ValueError(f"context={context} must hold at least n={n} tokens to fill the pipeline")
@@ -130,13 +150,18 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
     cache = staged.new_cache()
     final, hidden = staged.forward_all(ids, cache, 0, frozenset(needed_layers(staged.bounds)) | set(staged.bounds))
     cache.crop(context)
-    position = torch.tensor([context], device=device)
 
-    stage_s = []
-    for s in range(n):
-        stage_in = hidden[staged.bounds[s]][:, context:]                     # [1, 1, d] H^{b_s} of the new token
-        stage_s.append(_median_seconds(lambda: staged.run_stage(s, stage_in, position, cache), repeats, device,
-                                       reset=lambda: cache.crop(context)))  # keep the context length fixed
+    def time_stages(rows: list[int]) -> list[float]:
+        out = []
+        for s in range(n):
+            stage_in = hidden[staged.bounds[s]][:, context: context + 1]     # [1, 1, d] H^{b_s} of the new token
+            out.append(_median_seconds(lambda: _stage_rows(staged, s, stage_in, rows[s], context, cache), repeats,
+                                       device, reset=lambda: cache.crop(context)))  # the context length stays fixed
+        return out
+
+    rows = tree_rows(n, width)
+    one_row_s = time_stages([1] * n)                       # what plain AR pays per stage
+    stage_s = one_row_s if width == 1 else time_stages(rows)
 
     last_row = final[0, -1]                                                  # [d] H^L of the new token
     head_s = _median_seconds(lambda: staged.logits(last_row), repeats, device)
@@ -157,16 +182,24 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
     def draft() -> Proposal:
         return drafter.draft(view, lambda logits: propose(logits, params, generator))   # the runtime's own draft
 
-    module_s = _median_seconds(draft, repeats, device)
+    def draft_tips() -> list:             # W > 1: every tip of the level drafts its W children (views alike)
+        return [drafter.draft(view, lambda logits: propose_children(logits, width)) for _ in range(width)]
+
+    module_s = _median_seconds(draft if width == 1 else draft_tips, repeats, device)
 
     target_logits = staged.logits(last_row)                                  # [V]
-    token, q, _ = draft()
-    verify_s = _median_seconds(lambda: settle(target_logits, token, q, params, generator), repeats, device)
+    if width == 1:
+        token, q, _ = draft()
+        verify_s = _median_seconds(lambda: settle(target_logits, token, q, params, generator), repeats, device)
+    else:
+        children = [child for child, _ in draft_tips()[0]]
+        verify_s = _median_seconds(lambda: settle_children(target_logits, children, params, generator), repeats,
+                                   device)
 
     step_s, bottleneck = step_time(stage_s, head_s, verify_s, module_s, after)
     return {"stage_s": stage_s, "head_s": head_s, "module_s": module_s, "verify_s": verify_s,
-            "ar_token_s": ar_token_time(stage_s, head_s), "step_s": step_s, "bottleneck": bottleneck,
-            "context": context, "repeats": repeats, "device": str(device), "dtype": str(staged.dtype)}
+            "ar_token_s": ar_token_time(one_row_s, head_s), "step_s": step_s, "bottleneck": bottleneck,
+            "W": width, "rows": rows, "ar_stage_s": one_row_s, "context": context, "repeats": repeats, "device": str(device), "dtype": str(staged.dtype)}
 
 
 @torch.no_grad()

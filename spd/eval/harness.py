@@ -166,7 +166,8 @@ def run_eval(cfg, log=print) -> dict:
     chain = METHODS[session.method].chain
     if cfg.calibrate and cfg.runtime == "local" and session.module is not None:   # the lookup has no module to time
         calibration = calibrate_chain(session.staged, session.drafter(), session.params, session.draft_length,
-                                      width=session.width, budget=session.tree_nodes) if chain else calibrate(session.staged, session.module, session.params)
+                                      width=session.width, budget=session.tree_nodes) if chain else \
+            calibrate(session.staged, session.module, session.params, width=session.width)
     summary["speedup"] = speedups(summary, session.staged, session.module, calibration) if not chain else \
         chain_speedups(summary, session.staged.num_layers, session.draft_length, calibration, L_s)
     summary["run"] = {"method": session.method, "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
