@@ -79,12 +79,12 @@ def time_runs(args) -> dict:
         groups = {**summary["datasets"], "overall": summary["overall"]}
         if run["method"] == "eagle3":   # a chain cycle: m drafts, one verify forward, the drafter's update
             cal = calibrate_chain(staged, Eagle3Drafter(module, staged.embed), params, run["draft_length"],
-                                  repeats=args.repeats)
+                                  repeats=args.repeats, width=run.get("W", 1), budget=run.get("tree_nodes"))
             figures = {"tau_pooled": {k: v["tau_pooled"] for k, v in groups.items()},
                        "measured_cost": {k: chain_measured_cost_speedup(v["tau_pooled"], cal)
                                          for k, v in groups.items()}}
         else:
-            cal = calibrate(staged, module, params, repeats=args.repeats)
+            cal = calibrate(staged, module, params, repeats=args.repeats, width=run.get("W", 1))
             figures = {"eal_pooled": {k: v["eal_pooled"] for k, v in groups.items()},
                        "measured_cost": {k: measured_cost_speedup(v["alpha_pooled"], cal) for k, v in groups.items()}}
         result["runs"][label] = {"eval_dir": directory, "label": run["label"], "method": run["method"],

@@ -12,7 +12,9 @@ if "SPD_CACHE_DIR" not in os.environ:  # weight caches written by tests stay out
     os.environ["SPD_CACHE_DIR"] = tempfile.mkdtemp(prefix="spd-test-cache-")
     atexit.register(shutil.rmtree, os.environ["SPD_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, min(2, os.cpu_count() or 1)))
+# pytest-xdist runs one worker per core (pyproject's addopts): the cores are shared out, not oversubscribed
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 from spd.targets.tiny import FAMILIES, tiny_model  # noqa: E402
 

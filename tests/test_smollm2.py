@@ -60,6 +60,21 @@ def test_spd_equals_ar_on_smollm2(smollm2, n):
     assert spd.stats.K >= spd.stats.N + n - 2
 
 
+@pytest.mark.parametrize("method", ["spd", "ppsd"])
+def test_pipeline_tree_equals_ar_on_smollm2(smollm2, method):
+    """W = 4 on the real target (a module started from the target's last layer, so some children are kept)."""
+    ids = chat_prompt_ids(smollm2.tokenizer, load_questions("humaneval")[2]["turns"][0])
+    eos = eos_ids_of(smollm2.model.config, smollm2.tokenizer)
+    staged = StagedTarget(smollm2.model, 3)
+    ar = ARDecoder(staged, eos).generate(ids, Request(24, GREEDY))
+    module = SpeculationModule.from_target(staged, 1, seed=0, method=method)
+    module.init_selectors()
+    module.init_layers_from([staged.layers[-1]])
+    tree = PipelineDecoder(staged, ModuleDrafter(module.eval()), eos, 4).generate(ids, Request(24, GREEDY))
+    assert tree.token_ids == ar.token_ids
+    assert tree.stats.stage_rows[0] > tree.stats.K       # levels of several nodes ran
+
+
 def test_ar_equals_hf_generate_on_eval_prompts(smollm2):
     staged = StagedTarget(smollm2.model, 1)
     eos = eos_ids_of(smollm2.model.config, smollm2.tokenizer)

@@ -172,6 +172,7 @@ def run_eval(cfg, log=print) -> dict:
         chain_speedups(summary, session.staged.num_layers, session.draft_length, calibration, L_s)
     summary["run"] = {"method": session.method, "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
                       "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": session.width,
+                      "tree_nodes": session.tree_nodes if chain and session.width > 1 else None,
                       "draft_length": session.draft_length if chain else None,
                       "max_new_tokens": cfg.max_new_tokens, "checkpoint": session.checkpoint,
                       "target": session.loaded.name, "mode": "fast" if fast else "runtime",
