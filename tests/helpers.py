@@ -86,6 +86,35 @@ class ScriptedDrafter(WrappedDrafter):
         return propose(-logits if (view.t + 1) % self.wrong_every == 0 else logits)
 
 
+class RankedDrafter(WrappedDrafter):
+    """Runs the real module every step but drafts from the target's own logits for the branch it is shown, with
+    the target's token moved to rank ranks[pos % len(ranks)]: ranks < W keep it among a node's W children (a first,
+    second, ... child is accepted), larger ranks leave it out (a correction)."""
+
+    def __init__(self, inner, model, ranks):
+        super().__init__(inner)
+        self.model, self.ranks = model, ranks
+
+    def start(self, prompt_hidden, prompt_ids):
+        self.verified = list(prompt_ids)
+        self.inner.start(prompt_hidden, prompt_ids)
+
+    @torch.no_grad()
+    def draft(self, view, propose):
+        self.inner.draft(view, propose)
+        oldest = view.in_flight[0]          # verified: every position is the oldest in flight before it leaves
+        del self.verified[oldest.pos:]
+        self.verified.append(oldest.token)
+        seq = self.verified + [item.token for item in view.in_flight[1:]]
+        logits = self.model(torch.tensor([seq])).logits[0, -1]
+        order = torch.argsort(logits, descending=True).tolist()
+        best = order.pop(0)
+        order.insert(self.ranks[(view.t + 1) % len(self.ranks)], best)
+        fake = torch.empty_like(logits)
+        fake[torch.tensor(order)] = torch.linspace(10, -10, len(order))
+        return propose(fake)
+
+
 def read_wandb_offline(run_dir: str, wait_for=None, timeout: float = 30.0) -> dict:
     """Metrics logged to an offline W&B run, read back from its run-*.wandb file (a LevelDB-style record log
     of protobuf Records: 7-byte file header, 32 KiB blocks, each record with a 7-byte header). wandb-core

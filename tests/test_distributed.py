@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from helpers import GREEDY, ScriptedDrafter, ar_run, controller_parts, distributed_cfg, ended_on_rejection, prompt
+from helpers import GREEDY, RankedDrafter, ScriptedDrafter, ar_run, controller_parts, distributed_cfg, ended_on_rejection, prompt
 from spd.ar import ARDecoder
 from spd.decoding import Request
 from spd.drafters.spd_module import ModuleDrafter
@@ -232,3 +232,28 @@ def test_smollm2_reused_stage_processes_decode_like_ar():
         if params.greedy:
             assert mine.token_ids == ARDecoder(whole, frozenset()).generate(p, Request(24, GREEDY)).token_ids
     assert ended_on_rejection(reused[0]) and len(prompts[1]) > len(prompts[0]) + 24
+
+
+@pytest.mark.parametrize("n, controller", [(3, "first_stage"), (3, "own_process")])
+def test_distributed_trees_equal_local(tiny, n, controller):
+    """W = 4: each stage process masks its level by the flight its control row carries and prunes what a kept child
+    dropped; greedy and seeded sampling decode exactly as runtime=local does (whose losslessness the chi-square
+    test proves), kept later children, corrections and restarts included."""
+    staged = StagedTarget(tiny.model, n)
+    module = SpeculationModule.from_target(staged, 1, seed=n).eval()
+    p = prompt(9, vocab=tiny.model.config.vocab_size)
+
+    def decode(stages, params, seed):
+        drafter = RankedDrafter(ModuleDrafter(module), tiny.model, [0, 1, 3, 0, 2, 7])
+        return PipelineDecoder(stages, drafter, frozenset(), 4).generate(p, Request(30, params, seed))
+
+    runs = [(GREEDY, 0), (SAMPLED, 1)]
+    local = [decode(staged, params, seed) for params, seed in runs]
+    parts, cache = controller_parts("tiny-llama", n)
+    with open_stages(parts, distributed_cfg(controller=controller, W=4), module_layers(n, staged), cache) as stages:
+        remote = [decode(stages, params, seed) for params, seed in runs]
+    for mine, theirs in zip(remote, local):
+        assert mine.token_ids == theirs.token_ids
+        assert mine.stats.as_dict() == theirs.stats.as_dict()
+    assert local[0].token_ids == ar_run(tiny.model, p, 30).token_ids
+    assert local[0].stats.rollbacks > 0 and local[0].stats.stage_rows[0] > local[0].stats.K

@@ -7,7 +7,6 @@ import torch
 
 import spd.runtime.pipeline as pipeline
 from spd.decoding import Request
-from spd.drafters.base import WrappedDrafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.module import SpeculationModule
 from spd.runtime.flight import Flight
@@ -15,38 +14,8 @@ from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import PipelineDecoder
 from spd.targets.kv_cache import LayerKVCache
 from spd.targets.stages import StagedTarget
-from spd.targets.tiny import tiny_model
 
-from helpers import ar_run, prompt
-
-
-class RankedDrafter(WrappedDrafter):
-    """Runs the real module every step but drafts from the target's own logits for the branch it is shown, with
-    the target's token moved to rank ranks[pos % len(ranks)]: ranks < W keep it among a node's W children (a first,
-    second, ... child is accepted), larger ranks leave it out (a correction)."""
-
-    def __init__(self, inner, model, ranks):
-        super().__init__(inner)
-        self.model, self.ranks = model, ranks
-
-    def start(self, prompt_hidden, prompt_ids):
-        self.verified = list(prompt_ids)
-        self.inner.start(prompt_hidden, prompt_ids)
-
-    @torch.no_grad()
-    def draft(self, view, propose):
-        self.inner.draft(view, propose)
-        oldest = view.in_flight[0]          # verified: every position is the oldest in flight before it leaves
-        del self.verified[oldest.pos:]
-        self.verified.append(oldest.token)
-        seq = self.verified + [item.token for item in view.in_flight[1:]]
-        logits = self.model(torch.tensor([seq])).logits[0, -1]
-        order = torch.argsort(logits, descending=True).tolist()
-        best = order.pop(0)
-        order.insert(self.ranks[(view.t + 1) % len(self.ranks)], best)
-        fake = torch.empty_like(logits)
-        fake[torch.tensor(order)] = torch.linspace(10, -10, len(order))
-        return propose(fake)
+from helpers import RankedDrafter, ar_run, prompt
 
 
 def tree_decoder(model, n, width, method="spd", ranks=(0, 1, 3, 0, 2, 7), executor=None):

@@ -37,12 +37,28 @@ class Flight:
         self.width = width
         self.nodes: dict[int, Node] = {}
         self._levels: dict[int, list[int]] = {}
+        self.spine: int | None = None     # the newest node of the branch that always grows (spd.runtime.pipeline.grow)
+
+    @classmethod
+    def restore(cls, width: int, nodes: list[tuple[int, int, int | None]]) -> "Flight":
+        """The structure of a flight another process holds, from (id, pos, parent) in level order (no tokens: a
+        stage process masks and prunes by structure alone)."""
+        flight = cls(width)
+        for node, pos, parent in nodes:
+            flight.nodes[node] = Node(node, pos, parent, Proposal(-1), 0.0)
+            flight._levels.setdefault(pos, []).append(node)
+        return flight
+
+    @property
+    def levels(self) -> list[int]:
+        return list(self._levels)
 
     def seed(self, pos: int, token: int) -> int:
         """Empty the pipeline; `token` (the first generated or a correction) enters alone at `pos`."""
         self.nodes.clear()
         self._levels.clear()
-        return self.enter(pos, None, Proposal(token, source="verified"))
+        self.spine = self.enter(pos, None, Proposal(token, source="verified"))
+        return self.spine
 
     def enter(self, pos: int, parent: int | None, proposal: Proposal, score: float = 0.0) -> int:
         level = self._levels.setdefault(pos, [])
@@ -95,6 +111,9 @@ class Flight:
                     dropped.append(node)
                     del self.nodes[node]
             self._levels[pos] = level
+        if self.spine not in self.nodes:       # the spine was a dropped sibling's: the likeliest kept tip takes over
+            newest = self.level(max(self._levels))
+            self.spine = max(newest, key=lambda node: self.nodes[node].score) if newest else None
         return dropped
 
     def is_chain(self) -> bool:

@@ -28,11 +28,19 @@ def as_executor(stages: StagedTarget | StageExecutor) -> StageExecutor:
 
 
 def grow(flight: Flight, pos: int, options: list[tuple[int, Proposal, float]]) -> None:
-    """Enter the next level: of every tip's candidate children (tip, proposal, log q), the W whose branches have
-    the highest cumulative log q (the paper's rule; a chain's one draft, W = 1)."""
-    ranked = sorted(options, key=lambda o: -(flight.nodes[o[0]].score + o[2]))[: flight.width]
-    for tip, proposal, log_q in ranked:
-        flight.enter(pos, tip, proposal, flight.nodes[tip].score + log_q)
+    """Enter the next level from every tip's candidate children (tip, proposal, log q), each tip's in rank order:
+    the spine tip's likeliest child, then the W - 1 others whose branches have the highest cumulative log q (the
+    paper's rule, except that the spine always grows: a kept child whose every descendant lost to other branches
+    would refill the pipeline, and on SmolLM2 those refills cost more than the tree won, docs/results.md). W = 1:
+    the chain's one draft."""
+    spine = next(o for o in options if o[0] == flight.spine)
+    score = lambda o: flight.nodes[o[0]].score + o[2]                  # noqa: E731
+    rest = sorted((o for o in options if o is not spine), key=lambda o: -score(o))[: flight.width - 1]
+    for option in sorted([spine, *rest], key=lambda o: -score(o)):
+        tip, proposal, log_q = option
+        node = flight.enter(pos, tip, proposal, score(option))
+        if option is spine:
+            flight.spine = node
 
 
 class PipelineDecoder(Decoder):

@@ -95,7 +95,8 @@ def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | 
     threads = threads_for(staged.n, cfg.threads_per_stage, hosted)
     torch.set_num_threads(threads)
     setup = Setup(cache_dir=cache_dir, n=staged.n, bounds=staged.bounds, capture=sorted(set(capture) - {0}),
-                  dtype=cfg.dtype, device=cfg.device, threads=threads, step_timeout_s=cfg.timeout_s, hosted=hosted)
+                  dtype=cfg.dtype, device=cfg.device, threads=threads, step_timeout_s=cfg.timeout_s, hosted=hosted,
+                  width=getattr(cfg, "W", 1))
     executor: StageExecutor | None = None
     graceful = True
     try:

@@ -24,14 +24,22 @@ from spd.runtime.distributed.protocol import (ABORT, END, MAX_ARGMAX_VOCAB, PREF
                                               TAG_HIDDEN, TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Setup, control,
                                               first_remote, rank_of, stage_capture, stage_layers, world_size)
 from spd.runtime.executor import StageExecutor, StepOutput
+from spd.runtime.flight import Flight, StageRows
 from spd.runtime.schedule import Step, first_step, next_step
 from spd.targets.stages import StagedTarget
 from spd.targets.weight_cache import load_parts
 
 
+def chain_flight(step: Step) -> Flight:
+    """A chain's flight for a step (one node per position, ids = positions): what a call without one runs."""
+    return Flight.restore(1, [(pos, pos, pos - 1) for pos, _ in step.in_flight()])
+
+
 class DistributedStages(StageExecutor):
     """target: the controller's parts of the target (embedding; the layers are in the stage processes, stage 0's in
     this one when it hosts it)."""
+
+    trees = True
 
     def __init__(self, target: StagedTarget, setup: Setup, processes=None, load_timeout_s: float = 600.0):
         self.target = target
@@ -61,6 +69,9 @@ class DistributedStages(StageExecutor):
         for s in self.remote:
             comm.recv(1, torch.float32, rank_of(s, self.hosted), TAG_READY, load_timeout_s,
                       self._what(s, "loading its layers"))
+
+    def _control(self, cmd: int, **fields) -> torch.Tensor:
+        return control(cmd, self.n, self.setup.width, **fields)
 
     def _what(self, stage: int, action: str) -> str:
         return f"stage {stage + 1}/{self.n} (rank {rank_of(stage, self.hosted)}) {action}"
@@ -106,11 +117,14 @@ class DistributedStages(StageExecutor):
         return flat[offset:].to(self.device) if stage == self.n - 1 else None
 
     def _run_stage0(self, hidden: torch.Tensor, positions: torch.Tensor, sink: dict, probe: bool = False,
-                    prefill: bool = False) -> None:
+                    prefill: bool = False, visible=None) -> None:
         """The hosted stage 0 on hidden [1, T, d]: captured rows into sink, the output on to stage 1's process."""
         capture = frozenset(self.capture_of[0]) if self.capture_on else frozenset()
         if probe:
             out, captured = hidden, {layer: hidden for layer in capture}
+        elif visible is not None:
+            out, captured = self.stage0.run_layers(hidden, positions.to(self.device), self.bounds[0], self.bounds[1],
+                                                   self.cache, capture, visible=visible)
         else:
             out, captured = self.stage0.run_stage(0, hidden, positions.to(self.device), self.cache, capture)
         sink.update(captured)
@@ -127,11 +141,12 @@ class DistributedStages(StageExecutor):
             raise ValueError(f"capture {sorted(capture)} was not announced at setup ({self.setup.capture})")
         self.argmax = argmax_exit and self.vocab <= MAX_ARGMAX_VOCAB
         length = len(prompt_ids)
-        self._command(control(PREFILL, self.n, length=length, capture=self.capture_on, context=max_length or 0))
+        self._command(self._control(PREFILL, length=length, capture=self.capture_on, context=max_length or 0))
         h0 = self.target.embed(torch.tensor([prompt_ids], device=self.device))   # [1, P, d]
         captured, logits = {}, None
         if self.hosted:
             self.cache = self.stage0.new_cache(max_length)
+            self.rows0 = StageRows(length)
             self._run_stage0(h0, torch.arange(length), captured, prefill=True)
         else:
             self.sends.append(comm.send(h0.float(), 1, TAG_PREFILL))
@@ -151,34 +166,51 @@ class DistributedStages(StageExecutor):
         return logits, {layer: h for layer, h in captured.items() if layer in capture}
 
     def launch(self, step: Step, entering, flight=None, probe: bool = False):
-        # trees = False: the flight is a chain, whose node ids are its positions (what the control row carries)
-        self._command(control(PROBE if probe else STEP, self.n, crop=self.crop, capture=self.capture_on,
-                              work=step.work, argmax=self.argmax))
+        flight = flight or chain_flight(step)
+        self._command(self._control(PROBE if probe else STEP, crop=self.crop, capture=self.capture_on,
+                                    work=step.work, argmax=self.argmax, flight=flight))
         self.crop = -1
         self.step = step
-        self.waiting = [(s, comm.Pending(self._payload_size(s, 1, self.capture_on, self.argmax), torch.float32,
-                                         rank_of(s, self.hosted), TAG_PAYLOAD, self._what(s, "running a step")))
+        self.levels = {s: flight.level(pos) for s, pos in enumerate(step.work) if step.runs(s)}
+        self.waiting = [(s, comm.Pending(self._payload_size(s, len(self.levels[s]), self.capture_on, self.argmax),
+                                         torch.float32, rank_of(s, self.hosted), TAG_PAYLOAD,
+                                         self._what(s, "running a step")))
                         for s in self.remote if step.runs(s) and self._payload_size(s, 1, self.capture_on)]
         self.local = {}
         if entering is None:
             return
         if self.hosted:   # the stage processes started on their control rows; stage 0 runs here meanwhile
-            self.local[step.work[0]] = {}
-            self._run_stage0(entering, torch.tensor([step.work[0]]), self.local[step.work[0]], probe)
+            nodes = self.levels[0]
+            visible = None
+            if not probe:
+                self.rows0.fold(flight)
+                if not self.rows0.sees_all(nodes, flight):
+                    mask, keys = self.rows0.visible(nodes, flight)
+                    visible = (torch.tensor(mask, device=self.device), torch.tensor(keys, device=self.device))
+            self._run_stage0(entering, torch.full((len(nodes),), step.work[0]), self.local, probe, visible=visible)
+            if not probe:
+                self.rows0.append(nodes, step.work[0])
         else:
             try:
                 self.sends.append(comm.send(entering.float(), 1, TAG_HIDDEN))
             except comm.PipelineFailure as exc:
                 self._fail(exc)
 
+    def _split(self, stage: int, rows: dict, out: StepOutput) -> None:
+        """{layer: [1, k, d]} of a level's k nodes -> out.features[node] = {layer: [1, 1, d]}."""
+        for i, node in enumerate(self.levels[stage]):
+            out.features[node] = {layer: h[:, i: i + 1] for layer, h in rows.items()}
+
     def collect(self) -> StepOutput:
-        out = StepOutput(features=self.local)
+        out = StepOutput()
+        if self.local or (self.hosted and self.step.runs(0)):
+            self._split(0, self.local, out)
         try:
             for s, pending in self.waiting:
                 flat = pending.get(self.timeout)
-                pos = self.step.work[s]
-                out.features[pos] = {}
-                exit_row = self._unpack(s, flat, 1, self.capture_on, out.features[pos])
+                rows = {}
+                exit_row = self._unpack(s, flat, len(self.levels[s]), self.capture_on, rows)
+                self._split(s, rows, out)
                 if exit_row is None:
                     continue
                 if self.argmax:
@@ -212,13 +244,21 @@ class DistributedStages(StageExecutor):
         self.crop = length  # travels with the next command, before any stage runs again
         if self.hosted:
             self.cache.crop(length)
+            self.rows0.crop(length)
+
+    def prune(self, flight: Flight):
+        # the stage processes prune from the flight their next control row carries
+        if self.hosted:
+            moved = self.rows0.prune(flight)
+            if moved is not None:
+                self.cache.keep(*moved, layers=stage_layers(self.bounds, 0))
 
     def finish(self) -> None:
         # A crop still pending belongs to the generation that just ended: sent with the next generation's first
         # step it would cut that generation's fresh caches back to the old length (issue 21).
         self.crop = -1
         if self.active:
-            self._command(control(END, self.n))
+            self._command(self._control(END))
             self.active = False
 
     def abort(self) -> None:
@@ -229,7 +269,7 @@ class DistributedStages(StageExecutor):
         works = []
         for s in self.remote:
             try:
-                works.append(comm.send(control(ABORT, self.n), rank_of(s, self.hosted), TAG_CONTROL))
+                works.append(comm.send(self._control(ABORT), rank_of(s, self.hosted), TAG_CONTROL))
             except RuntimeError:
                 pass
         for work in works:
@@ -244,7 +284,7 @@ class DistributedStages(StageExecutor):
         self.closed = True
         try:
             self.finish()
-            self._command(control(STOP, self.n))
+            self._command(self._control(STOP))
             self._flush_sends()
         finally:
             if self.processes is not None:

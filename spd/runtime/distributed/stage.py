@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from spd.runtime.distributed import comm
-from spd.runtime.distributed.protocol import (ABORT, END, HEADER, PREFILL, PROBE, STEP, STOP, TAG_CONTROL, TAG_HIDDEN,
-                                              TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Setup, first_remote, parse,
-                                              stage_capture, stage_layers)
+from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, PROBE, STEP, STOP, TAG_CONTROL, TAG_HIDDEN,
+                                              TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Setup, control_size, first_remote,
+                                              parse, stage_capture, stage_layers)
+from spd.runtime.flight import Flight, StageRows
 from spd.runtime.schedule import IDLE
 from spd.session import DTYPES
 from spd.targets.weight_cache import load_parts
@@ -52,10 +53,15 @@ class StageServer:
         return f"stage {self.stage + 1}/{self.n} (rank {self.rank}) {action}"
 
     def _run(self, hidden, positions, capture: list[int], probe: bool = False, argmax: bool = False,
-             prefill: bool = False):
+             prefill: bool = False, visible=None):
         hidden = hidden.to(self.device, self.dtype)
         if probe:  # the messages of a step without its compute: what communication alone costs per step
             out, captured = hidden, {layer: hidden for layer in capture}
+        elif visible is not None:   # a tree level: each row sees the verified rows and its own ancestors
+            b = self.setup.bounds
+            out, captured = self.target.run_layers(hidden, positions.to(self.device), b[self.stage],
+                                                   b[self.stage + 1], self.cache, frozenset(capture),
+                                                   visible=tuple(v.to(self.device) for v in visible))
         else:
             out, captured = self.target.run_stage(self.stage, hidden, positions.to(self.device), self.cache,
                                                   frozenset(capture))
@@ -70,23 +76,33 @@ class StageServer:
         if parts:
             self.sends.append(comm.send(torch.cat(parts).float(), 0, TAG_PAYLOAD))
 
+    def _forget(self, crop: int, flight: Flight) -> None:
+        """A rejection crops to `crop`; otherwise drop the rows of tree nodes the flight no longer holds."""
+        if crop >= 0:
+            self.cache.crop(crop)
+            self.rows.crop(crop)
+            return
+        moved = self.rows.prune(flight)
+        if moved is not None:
+            self.cache.keep(*moved, layers=stage_layers(self.setup.bounds, self.stage))
+
     def serve(self) -> None:
         s = self.setup
         active = False
         self.sends.append(comm.send(torch.zeros(1), 0, TAG_READY))
         while True:
-            row = comm.recv(HEADER + self.n, torch.long, 0, TAG_CONTROL,
+            row = comm.recv(control_size(self.n, s.width), torch.long, 0, TAG_CONTROL,
                             s.step_timeout_s if active else s.idle_timeout_s, self.what("waiting for the controller"))
-            c = parse(row)
-            cmd, crop, work = c.cmd, c.crop, c.work
+            c = parse(row, self.n, s.width)
+            cmd, work, flight = c.cmd, c.work, c.flight
             if cmd == ABORT:
                 raise comm.PipelineFailure(self.what("was stopped by the controller after a failure elsewhere"))
             for work_item in self.sends:
                 comm.wait(work_item, s.step_timeout_s, self.what("sending"))
             self.sends = []
-            inbox, inbox_pos = None, None
+            inbox, inbox_nodes = None, None
             if self.pending is not None:  # always drained, so the channel from the previous stage stays in step
-                inbox, inbox_pos = self.pending.get(s.step_timeout_s), self.pending.info["pos"]
+                inbox, inbox_nodes = self.pending.get(s.step_timeout_s), self.pending.info["nodes"]
                 self.pending = None
             capture = self.capture if c.capture else []
             if cmd == STOP:
@@ -97,25 +113,37 @@ class StageServer:
             if cmd == PREFILL:
                 active = True
                 self.cache = self.target.new_cache(c.context or None)   # static: this stage's layers only
+                self.rows = StageRows(c.length)
                 hidden = comm.recv((1, c.length, self.d), torch.float32, self.rank - 1, TAG_PREFILL,
                                    s.step_timeout_s, self.what("waiting for the prompt's states"))
                 self._run(hidden, torch.arange(c.length), capture, prefill=True)
                 continue
             assert cmd in (STEP, PROBE), cmd
             active = True
-            if crop >= 0:
-                self.cache.crop(crop)  # a rejection: forget the flushed positions
+            probe = cmd == PROBE
+            if not probe:
+                self._forget(c.crop, flight)
             if self.stage > 0 and work[self.stage - 1] != IDLE:
-                self.pending = comm.Pending((1, 1, self.d), torch.float32, self.rank - 1, TAG_HIDDEN,
-                                            self.what("waiting for the previous stage"), pos=work[self.stage - 1])
+                before = flight.level(work[self.stage - 1])
+                self.pending = comm.Pending((1, len(before), self.d), torch.float32, self.rank - 1, TAG_HIDDEN,
+                                            self.what("waiting for the previous stage"), nodes=before)
             pos = work[self.stage]
             if pos == IDLE:
                 continue
+            nodes = flight.level(pos)
             if self.stage == 0:
-                hidden = comm.recv((1, 1, self.d), torch.float32, 0, TAG_HIDDEN, s.step_timeout_s,
+                hidden = comm.recv((1, len(nodes), self.d), torch.float32, 0, TAG_HIDDEN, s.step_timeout_s,
                                    self.what("waiting for the entering token"))
-            else:
-                if inbox_pos != pos:
-                    raise comm.PipelineFailure(self.what(f"expected position {pos}, holds {inbox_pos}"))
-                hidden = inbox
-            self._run(hidden, torch.tensor([pos]), capture, probe=cmd == PROBE, argmax=c.argmax)
+            elif inbox_nodes is None or not set(nodes) <= set(inbox_nodes):
+                raise comm.PipelineFailure(self.what(f"expected nodes {nodes} at position {pos}, holds "
+                                                     f"{inbox_nodes}"))
+            else:   # the rows of the nodes a prune kept, in the level's order
+                hidden = inbox if nodes == inbox_nodes else inbox[:, [inbox_nodes.index(nd) for nd in nodes]]
+            visible = None
+            if not probe and not self.rows.sees_all(nodes, flight):
+                mask, keys = self.rows.visible(nodes, flight)
+                visible = (torch.tensor(mask), torch.tensor(keys))
+            self._run(hidden, torch.full((len(nodes),), pos), capture, probe=probe, argmax=c.argmax,
+                      visible=visible)
+            if not probe:
+                self.rows.append(nodes, pos)
