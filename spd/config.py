@@ -46,7 +46,7 @@ class GenerateConfig:
     draft_length: Optional[int] = None   # method=eagle3 | lookup: at most m drafts per target forward; None = the
                                          # method's own (eagle3 5, lookup 7)
     W: int = 1                           # draft-tree width (1 = a chain): branches kept in SPD's pipeline, children per
-                                         # node in a chain's tree; W > 1 needs method= (pipelines: runtime=local)
+                                         # node in a chain's tree; W > 1 needs method=
     tree_nodes: int = 16                 # W > 1, chain methods: drafted nodes per verification (the tree's budget)
     draft_source: str = "module"         # pipelined methods: module | lookup+module (the context lookup's token
                                          # where the context's suffix matched earlier, else the module's draft)
@@ -165,10 +165,11 @@ def check_tree(cfg) -> None:
     trees = ", ".join(name for name, m in METHODS.items() if m.decoder != AR)
     if cfg.method is None or METHODS[cfg.method].decoder == AR:
         raise UserError(f"W={cfg.W}: draft trees need a drafting method; add method= one of {trees}, or use W=1")
-    pipeline_ok = cfg.runtime == "local" and not getattr(cfg, "cuda_graphs", False) and cfg.draft_source == MODULE
+    pipeline_ok = cfg.runtime in ("local", "distributed") and not getattr(cfg, "cuda_graphs", False) and \
+        cfg.draft_source == MODULE
     if METHODS[cfg.method].pipelined and not pipeline_ok:
-        raise UserError(f"W={cfg.W}: {cfg.method}'s pipeline trees run with runtime=local, draft_source=module and "
-                        "no cuda_graphs so far; use those, or W=1")
+        raise UserError(f"W={cfg.W}: {cfg.method}'s pipeline trees run with runtime=local or distributed, "
+                        "draft_source=module and no cuda_graphs so far; use those, or W=1")
 
 
 def check_decoding(cfg) -> None:
