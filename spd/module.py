@@ -188,15 +188,17 @@ class SpeculationModule(DraftHead, nn.Module):
 
     def forward_step(
         self,
-        query: torch.Tensor,          # [1, 1, d] the newest row (g_t^0 for SPD)
+        query: torch.Tensor,          # [1, 1, d] the newest row (g_t^0 for SPD); [1, Q, d] with `visible`
         t: int,
         cached: list[tuple[torch.Tensor, torch.Tensor]] | None,  # per layer K/V [1, H_kv, S_c, hd] of cached rows
         rows: torch.Tensor,           # [1, S, d] memory rows not in the cache
         positions: torch.Tensor,      # [1, S]
+        visible: torch.Tensor | None = None,   # [Q, S_c + S] bool: several queries (one per tree branch), each
+                                               # seeing the cached rows and its own branch's rows
     ) -> torch.Tensor:
-        """Head logits [V_draft] predicting position t+1 from G_t."""
+        """Head logits [V_draft] predicting position t+1 from G_t ([Q, V_draft] for Q queries [1, Q, d], all at t)."""
         fresh = self.memory_kv_all_layers(rows, positions) if rows.shape[1] else None
-        cos, sin = self.rope(torch.tensor([[t]], device=query.device), query)
+        cos, sin = self.rope(torch.full((1, query.shape[1]), t, device=query.device), query)
         hidden = query
         for index, layer in enumerate(self.layers):
             parts = []
@@ -210,5 +212,6 @@ class SpeculationModule(DraftHead, nn.Module):
             else:  # t = 0: no memory yet
                 h_kv = layer.self_attn.k_proj.out_features // layer.self_attn.head_dim
                 k = v = query.new_zeros(1, h_kv, 0, layer.self_attn.head_dim)
-            hidden = layer_forward(layer, hidden, cos, sin, k, v, None)
-        return self.head(self.norm(hidden))[0, -1]
+            hidden = layer_forward(layer, hidden, cos, sin, k, v, None if visible is None else visible[None])
+        out = self.head(self.norm(hidden))[0]
+        return out[-1] if visible is None else out

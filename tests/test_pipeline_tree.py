@@ -146,3 +146,26 @@ def test_generate_and_eval_with_pipeline_trees(capsys, tiny_target_dir, tmp_path
     with open(f"{out}/samples.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [r["mode"] for r in rows] == ["runtime"] * 3 and all(r["ar_match"] for r in rows)
+
+
+class ComparedDrafter(ModuleDrafter):
+    """The batched pass over a level's tips, checked against one pass per branch at every step."""
+
+    compared = 0
+
+    def draft_branches(self, views, propose):
+        batched = self.branch_logits(views)
+        for view, logits in zip(views, batched):
+            torch.testing.assert_close(logits, self.draft_logits(view), atol=1e-5, rtol=1e-4)
+        self.compared += len(views) > 1
+        return super().draft_branches(views, propose)
+
+
+@pytest.mark.parametrize("method", ["spd", "ppsd"])
+def test_batched_branch_drafts_equal_one_pass_per_branch(family_model, method):
+    _, model = family_model
+    staged = StagedTarget(model, 3)
+    drafter = ComparedDrafter(SpeculationModule.from_target(staged, 1, seed=2, method=method))
+    ids = prompt(11, 8)
+    out = PipelineDecoder(staged, drafter, frozenset(), 4).generate(ids, Request(16))
+    assert out.token_ids == ar_run(model, ids, 16).token_ids and drafter.compared > 3

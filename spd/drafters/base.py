@@ -29,6 +29,7 @@ class InFlight:
     pos: int
     depth: int                          # stages passed so far (0 = about to enter stage 1)
     features: Mapping[int, torch.Tensor]  # {layer l: H^l [1, 1, d]} for every captured layer l <= b_depth
+    node: int = -1                      # its node in the flight (spd.runtime.flight; a chain's: its position)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ def branch_view(step: Step, flight: Flight, tip: int, features: dict[int, dict[i
     """The step as the branch ending at `tip` (a node of the newest level) sees it: the tip's ancestors in flight
     and the tip, at their depths. features: {node: {layer: H^l [1, 1, d]}}. For a chain, the whole step."""
     items = tuple(InFlight(flight.token(node), flight.nodes[node].pos,
-                           min(step.n, step.t - flight.nodes[node].pos + after), MappingProxyType(features[node]))
+                           min(step.n, step.t - flight.nodes[node].pos + after), MappingProxyType(features[node]),
+                           node)
                   for node in flight.branch(tip))
     assert len(items) == step.occupancy, "every level in flight holds one ancestor of each tip"
     return StepView(step.t, step.occupancy, step.n, items)
@@ -79,6 +81,10 @@ class Drafter(ABC):
         Proposal is the run's choice from a drafter's logits (argmax, or a sample with its q); a drafter without
         logits returns Proposal(token, source=...) (deterministic, q = None). A drafter that `branches` returns
         propose's result as it is: in a tree step (W > 1) that is the W best children with their log q."""
+
+    def draft_branches(self, views: list[StepView], propose) -> list:
+        """`draft` for every tip of a tree level (one view per branch, W > 1); a drafter that can batches them."""
+        return [self.draft(view, propose) for view in views]
 
     @abstractmethod
     def finalize(self, pos: int, hidden: dict[int, torch.Tensor]) -> None:

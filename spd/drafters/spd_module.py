@@ -77,5 +77,37 @@ class ModuleDrafter(Drafter):
         logits = self.module.forward_step(query, t, cached, rows_t, pos_t)
         return self.module.target_logits(logits)
 
+    @torch.no_grad()
+    def branch_logits(self, views: list[StepView]) -> torch.Tensor:
+        """The module's logits [B, V_target] for position t + 1 after each of B branches of one tree level, in one
+        pass: every query sees the memory rows and, of the in-flight rows (each computed once), its own branch's."""
+        t, occupancy = views[0].t, views[0].occupancy
+        assert self.num_final == t - occupancy + 1, (self.num_final, t, occupancy)
+        slot: dict[int, int] = {}
+        rows, positions = [], []
+        for view in views:
+            for token in view.in_flight[:-1]:
+                if token.node not in slot:
+                    slot[token.node] = len(rows)
+                    rows.append(self._row(t, occupancy, token))
+                    positions.append(token.pos)
+        query = torch.cat([self._row(t, occupancy, view.in_flight[-1]) for view in views], dim=1)   # [1, B, d]
+        cached = self.kv.get_seq_length(0)
+        visible = torch.zeros(len(views), cached + len(rows), dtype=torch.bool)
+        visible[:, :cached] = True
+        for b, view in enumerate(views):
+            for token in view.in_flight[:-1]:
+                visible[b, cached + slot[token.node]] = True
+        rows_t = torch.cat(rows, dim=1) if rows else query.new_zeros(1, 0, query.shape[-1])
+        pos_t = torch.tensor([positions], device=query.device, dtype=torch.long).view(1, -1)
+        kv = [self.kv.view(i) for i in range(len(self.module.layers))]
+        return self.module.target_logits(self.module.forward_step(query, t, kv, rows_t, pos_t,
+                                                                  visible.to(query.device)))
+
     def draft(self, view: StepView, propose) -> Proposal:
         return propose(self.draft_logits(view))
+
+    def draft_branches(self, views: list[StepView], propose) -> list:
+        if len(views) == 1 or not self.use_cache:
+            return super().draft_branches(views, propose)
+        return [propose(logits) for logits in self.branch_logits(views)]

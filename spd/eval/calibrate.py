@@ -18,6 +18,9 @@ Cost model:
   Communication between devices (sending a [1, d] hidden row per stage per step) is not modelled.
   PPSD and the output-state ablation draft from the step's outputs, after it:
       T_step = max(max_{s<n} stage_s, stage_n + head + verify) + module.
+- W > 1 (SPD's pipeline trees, `width=`): a steady tree step runs a level of W rows in every stage but the last
+  two (`tree_rows`: the exiting node and its kept child are one row each), the module drafts for the W tips in one
+  batched pass, and verification is one draw of p over a node's children; AR is still priced on one row a stage.
 - A step settles α = N/K tokens on average, so speedup_measured = α · T_ar / T_step, while the layer-count
   formula gives n · α (they agree when the stages are equal and head, module and verification cost nothing).
 - EAGLE-3's chain (no pipeline, `calibrate_chain`): a cycle is m draft passes (`Eagle3Drafter.draft`, head and
@@ -31,13 +34,14 @@ Cost model:
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Callable
 
 import torch
 
-from spd.drafters.base import step_view
+from spd.drafters.base import StepView, step_view
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import needed_layers
 from spd.module import SpeculationModule
@@ -182,8 +186,13 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
     def draft() -> Proposal:
         return drafter.draft(view, lambda logits: propose(logits, params, generator))   # the runtime's own draft
 
-    def draft_tips() -> list:             # W > 1: every tip of the level drafts its W children (views alike)
-        return [drafter.draft(view, lambda logits: propose_children(logits, width)) for _ in range(width)]
+    # W > 1: W branches whose in-flight rows are all distinct (the most rows a level's batched pass can read)
+    branches = [StepView(view.t, view.occupancy, view.n,
+                         tuple(dataclasses.replace(item, node=b * (context + 1) + item.pos) for item in view.in_flight))
+                for b in range(width)]
+
+    def draft_tips() -> list:             # every tip of the level drafts its W children, in one batched pass
+        return drafter.draft_branches(branches, lambda logits: propose_children(logits, width))
 
     module_s = _median_seconds(draft if width == 1 else draft_tips, repeats, device)
 

@@ -71,11 +71,12 @@ class PipelineDecoder(Decoder):
 
     def _draft(self, step, flight, features, choose, after=False) -> list[tuple[int, Proposal, float]]:
         """Every tip's candidate children: (tip, proposal, log q)."""
-        options = []
-        for tip in flight.level(step.t):
-            drafted = self.drafter.draft(branch_view(step, flight, tip, features, after), choose)
-            options += [(tip, p, lp) for p, lp in drafted] if self.width > 1 else [(tip, drafted, 0.0)]
-        return options
+        tips = flight.level(step.t)
+        if self.width == 1:
+            return [(tips[0], self.drafter.draft(branch_view(step, flight, tips[0], features, after), choose), 0.0)]
+        views = [branch_view(step, flight, tip, features, after) for tip in tips]
+        drafted = self.drafter.draft_branches(views, choose)       # one batched pass where the drafter can
+        return [(tip, p, lp) for tip, children in zip(tips, drafted) for p, lp in children]
 
     def _keep(self, flight: Flight, child: int, features: dict) -> bool:
         """Keep `child`'s subtree in every stage; False if it reaches no tip of the newest level."""
