@@ -6,6 +6,10 @@ stage yields the target's distribution for the next-oldest token, which is accep
 verification). A correction crops every cache, flushes the pipeline and
 reseeds it. Who advances, who exits and what a rejection flushes come from `spd.runtime.schedule`; where the
 stages run is the executor's business (`local.py`, `distributed/`), so this loop is the only copy.
+
+With W > 1 (draft trees, design §8) each position in flight is a tree level (`spd.runtime.flight`): the module
+drafts for every tip of the newest level, `grow` enters the next level, and the exiting node's verdict keeps one
+child's subtree in every stage. W = 1 is the same loop over a chain whose node ids are its positions.
 """
 
 from __future__ import annotations
@@ -170,18 +174,6 @@ class PipelineARDecoder(Decoder):
             ex.finish()
             raise
         ex.finish()
-
-    def _keep(self, flight: Flight, child: int, features: dict) -> bool:
-        """Keep `child`'s subtree in every stage; False if it reaches no tip of the newest level."""
-        newest = max(flight.nodes[node].pos for node in flight.nodes)
-        if not any(child in flight.branch(tip) for tip in flight.level(newest)):
-            return False
-        dropped = flight.keep(child)
-        if dropped:
-            self.executor.prune(flight)
-            for node in dropped:
-                del features[node]
-        return True
 
     def _decode(self, prompt_ids: list[int], request: Request):
         ex, params = self.executor, request.params
