@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spd.runtime.flight import Flight
+from spd.runtime.flight import Flight, StageRows
 from spd.runtime.schedule import Step
 
 
@@ -23,6 +23,15 @@ class StepOutput:
     features: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     exit_logits: torch.Tensor | None = None   # [V] target logits of step.exiting (the next position's p)
     exit_argmax: int | None = None            # instead of exit_logits, where the executor was told argmax suffices
+
+
+def level_mask(rows: StageRows, nodes: list[int], flight: Flight, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What a stage's run of a level needs beyond positions: None where every cached row is visible (a chain: the
+    plain causal path), else (visible [k, S] bool, key positions [S]) for `run_layers(visible=)`."""
+    if rows.sees_all(nodes, flight):
+        return None
+    visible, keys = rows.visible(nodes, flight)
+    return torch.tensor(visible, device=device), torch.tensor(keys, device=device)
 
 
 class StageExecutor(ABC):

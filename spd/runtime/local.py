@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import torch
 
 from spd.decoding import prefill
-from spd.runtime.executor import StageExecutor, StepOutput
+from spd.runtime.executor import StageExecutor, StepOutput, level_mask
 from spd.runtime.flight import Flight, StageRows
 from spd.runtime.schedule import Step
 from spd.targets.stages import StagedTarget
@@ -46,14 +46,11 @@ class LocalStages(StageExecutor):
     def _stream(self, stage: int):
         return nullcontext()
 
-    def _run_tree(self, stage: int, hidden: torch.Tensor, nodes: list[int], flight: Flight):
-        """One stage on a tree level's nodes [1, k, d], each seeing the verified rows and its own ancestors."""
-        visible, key_pos = self.rows[stage].visible(nodes, flight)
-        device = self.device
-        pos = torch.full((len(nodes),), flight.nodes[nodes[0]].pos, device=device)
-        out, captured = self.target.run_layers(
-            hidden, pos, self.target.bounds[stage], self.target.bounds[stage + 1], self.cache, self.capture,
-            visible=(torch.tensor(visible, device=device), torch.tensor(key_pos, device=device)))
+    def _run_tree(self, stage: int, hidden: torch.Tensor, pos: int, visible):
+        """One stage on a tree level's nodes [1, k, d] under `level_mask`'s mask."""
+        positions = torch.full((hidden.shape[1],), pos, device=self.device)
+        out, captured = self.target.run_layers(hidden, positions, self.bounds[stage], self.bounds[stage + 1],
+                                               self.cache, self.capture, visible=visible)
         return out, captured, self.target.logits(out[0, -1]) if stage == self.n - 1 else None
 
     def launch(self, step: Step, entering, flight: Flight | None = None):
@@ -66,11 +63,12 @@ class LocalStages(StageExecutor):
             if flight is not None:
                 rows.fold(flight)
             hidden = entering if stage == 0 else torch.cat([self.hidden.pop(node) for node in nodes], 1)
+            visible = None if flight is None else level_mask(rows, nodes, flight, self.device)
             with self._stream(stage):
-                if flight is None or rows.sees_all(nodes, flight):
+                if visible is None:
                     hidden, captured, logits = self._run(stage, hidden, pos)
                 else:
-                    hidden, captured, logits = self._run_tree(stage, hidden, nodes, flight)
+                    hidden, captured, logits = self._run_tree(stage, hidden, pos, visible)
             rows.append(nodes, pos)
             for i, node in enumerate(nodes):
                 out.features[node] = {layer: h[:, i: i + 1] for layer, h in captured.items()}

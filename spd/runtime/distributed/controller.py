@@ -23,7 +23,7 @@ from spd.runtime.distributed import comm
 from spd.runtime.distributed.protocol import (ABORT, END, MAX_ARGMAX_VOCAB, PREFILL, PROBE, STEP, STOP, TAG_CONTROL,
                                               TAG_HIDDEN, TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Setup, control,
                                               first_remote, rank_of, stage_capture, stage_layers, world_size)
-from spd.runtime.executor import StageExecutor, StepOutput
+from spd.runtime.executor import StageExecutor, StepOutput, level_mask
 from spd.runtime.flight import Flight, StageRows
 from spd.runtime.schedule import Step, first_step, next_step
 from spd.targets.stages import StagedTarget
@@ -184,9 +184,7 @@ class DistributedStages(StageExecutor):
             visible = None
             if not probe:
                 self.rows0.fold(flight)
-                if not self.rows0.sees_all(nodes, flight):
-                    mask, keys = self.rows0.visible(nodes, flight)
-                    visible = (torch.tensor(mask, device=self.device), torch.tensor(keys, device=self.device))
+                visible = level_mask(self.rows0, nodes, flight, self.device)
             self._run_stage0(entering, torch.full((len(nodes),), step.work[0]), self.local, probe, visible=visible)
             if not probe:
                 self.rows0.append(nodes, step.work[0])

@@ -15,6 +15,7 @@ from spd.runtime.distributed import comm
 from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, PROBE, STEP, STOP, TAG_CONTROL, TAG_HIDDEN,
                                               TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Setup, control_size, first_remote,
                                               parse, stage_capture, stage_layers)
+from spd.runtime.executor import level_mask
 from spd.runtime.flight import Flight, StageRows
 from spd.runtime.schedule import IDLE
 from spd.session import DTYPES
@@ -61,7 +62,7 @@ class StageServer:
             b = self.setup.bounds
             out, captured = self.target.run_layers(hidden, positions.to(self.device), b[self.stage],
                                                    b[self.stage + 1], self.cache, frozenset(capture),
-                                                   visible=tuple(v.to(self.device) for v in visible))
+                                                   visible=visible)
         else:
             out, captured = self.target.run_stage(self.stage, hidden, positions.to(self.device), self.cache,
                                                   frozenset(capture))
@@ -139,10 +140,7 @@ class StageServer:
                                                      f"{inbox_nodes}"))
             else:   # the rows of the nodes a prune kept, in the level's order
                 hidden = inbox if nodes == inbox_nodes else inbox[:, [inbox_nodes.index(nd) for nd in nodes]]
-            visible = None
-            if not probe and not self.rows.sees_all(nodes, flight):
-                mask, keys = self.rows.visible(nodes, flight)
-                visible = (torch.tensor(mask), torch.tensor(keys))
+            visible = None if probe else level_mask(self.rows, nodes, flight, self.device)
             self._run(hidden, torch.full((len(nodes),), pos), capture, probe=probe, argmax=c.argmax,
                       visible=visible)
             if not probe:
