@@ -116,76 +116,53 @@ def test_a_killed_stage_stops_every_process(tiny, capfd, controller):
     assert all("Traceback" not in line for line in survivors)
 
 
-def test_sampling_through_distributed_runtime_matches_target_distribution(tmp_path):
-    """The chi-square test of test_lossless_sampling, with every continuation decoded by stage processes."""
-    from test_lossless_sampling import ALPHA, LENGTH, PARAMS, PROMPT, chi2_pvalue, exact_distribution
+def test_distributed_draws_what_the_chi_square_tested_local_runtime_draws(tmp_path):
+    """test_lossless_sampling's chi-square run (its model, module, prompt and seeds) through stage processes: each
+    seeded continuation is the local one token for token, so the local test's verdict covers this runtime without
+    drawing thousands of samples across processes (until issue 22 it drew 2,000 here, 80 s)."""
+    from test_lossless_sampling import LENGTH, PARAMS, PROMPT, exact_distribution
 
     from spd.targets.tiny import tiny_model
 
     model = tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
     model.save_pretrained(tmp_path / "target")
-    n = 2
+    n, samples = 2, 200
     module = SpeculationModule.from_target(StagedTarget(model, n), 1, seed=1).eval()  # random: many rejections
+    local = PipelineDecoder(StagedTarget(model, n), ModuleDrafter(module), frozenset())
     controller, cache = controller_parts(str(tmp_path / "target"), n)
-    samples = DISTRIBUTED_SAMPLES
-    counts, rollbacks = {}, 0
     with open_stages(controller, distributed_cfg(controller="first_stage"), module_layers(n, controller),
                      cache) as stages:   # two processes: what n = 2 runs on two cores
-        decoder = PipelineDecoder(stages, ModuleDrafter(module), frozenset())
+        remote = PipelineDecoder(stages, ModuleDrafter(module), frozenset())
+        rollbacks, seen = 0, set()
         for seed in range(samples):
-            out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed))
-            counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
-            rollbacks += out.stats.rollbacks
-    assert rollbacks > samples * 0.2
-    dist = exact_distribution(model, PARAMS)
-    assert chi2_pvalue(counts, dist, samples) > ALPHA
-    assert power_against_shift(dist, samples, tv=0.06) >= 18  # the same test at this size can fail
-
-
-# Each continuation costs a prefill and two steps across three processes (~25 ms on 2 cores), so this test draws
-# fewer samples than the in-process one: enough to reject a 6% total-variation shift (checked above).
-DISTRIBUTED_SAMPLES = 2000
-
-
-def power_against_shift(dist: dict, samples: int, tv: float, trials: int = 20) -> int:
-    """How many of `trials` multinomial draws from a distribution `tv` away from `dist` the test rejects."""
-    import numpy as np
-
-    from test_lossless_sampling import ALPHA, chi2_pvalue
-
-    outcomes = sorted(dist)
-    p = np.array([dist[o] for o in outcomes])
-    rng = np.random.default_rng(0)
-    rejected = 0
-    for _ in range(trials):
-        signs = rng.choice([-1.0, 1.0], size=p.size)
-        signs[rng.integers(p.size)] *= -1 if abs(signs.sum()) == p.size else 1  # both signs present
-        direction = p * signs
-        direction -= p * direction.sum()  # keep the total mass
-        shifted = p + direction * (tv / (0.5 * np.abs(direction).sum()))
-        shifted = np.clip(shifted, 0, None)
-        shifted /= shifted.sum()
-        draws = rng.multinomial(samples, shifted)
-        rejected += chi2_pvalue({o: int(c) for o, c in zip(outcomes, draws)}, dist, samples) < ALPHA
-    return rejected
+            mine = remote.generate(PROMPT, Request(LENGTH, PARAMS, seed))
+            theirs = local.generate(PROMPT, Request(LENGTH, PARAMS, seed))
+            assert mine.token_ids == theirs.token_ids and mine.stats.rollbacks == theirs.stats.rollbacks
+            rollbacks += theirs.stats.rollbacks
+            seen.add(tuple(mine.token_ids))
+    assert rollbacks > samples * 0.2   # the residual-resampling path, through the processes, often
+    assert seen == set(exact_distribution(model, PARAMS))   # every continuation the warped target allows
 
 
 @pytest.mark.slow
 def test_smollm2_n5_distributed_equals_local():
-    """The real target, five stage processes + the controller: greedy and seeded sampling, same tokens as local."""
+    """The real target, five stage processes + the controller, drafting with the shipped n = 5 module (its drafts are
+    kept and rejected within a few tokens): greedy and seeded sampling, same tokens and statistics as local."""
+    from spd.checkpoint import load_checkpoint
+    from spd.shipped import checkpoint_for
+
     n = 5
     controller, cache = controller_parts("smollm2", n)
     smollm2 = load_parts(cache, range(30), embed=True, head=True, dtype=torch.float32)  # the whole target, loaded once
     staged = StagedTarget(smollm2.model, n)
-    module = SpeculationModule.from_target(staged, 1).eval()
-    ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "What is 12*7?"}],
+    module = load_checkpoint(checkpoint_for(None, "smollm2", n, None), staged, smollm2).eval()
+    ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "What is 12*7? Explain step by step."}],
                                                 add_generation_prompt=True, tokenize=True,
                                                 return_dict=True)["input_ids"]
     runs = [(GREEDY, 0), (SamplingParams(temperature=1.0, top_k=50), 1)]
 
     def decode(stages, params, seed):
-        drafter = ScriptedDrafter(ModuleDrafter(module), smollm2.model, wrong_every=4)
-        return PipelineDecoder(stages, drafter, frozenset()).generate(list(ids), Request(16, params, seed))
+        return PipelineDecoder(stages, ModuleDrafter(module), frozenset()).generate(list(ids), Request(24, params, seed))
 
     local = [decode(staged, params, seed) for params, seed in runs]
     with open_stages(controller, distributed_cfg(controller="own_process"), module_layers(n, staged), cache) as stages:
@@ -193,7 +170,7 @@ def test_smollm2_n5_distributed_equals_local():
     for mine, theirs in zip(remote, local):
         assert mine.token_ids == theirs.token_ids
         assert (mine.stats.K, mine.stats.rollbacks) == (theirs.stats.K, theirs.stats.rollbacks)
-        assert theirs.stats.rollbacks > 0 and theirs.stats.N - theirs.stats.rollbacks > 1
+        assert theirs.stats.rollbacks > 0 and sum(theirs.stats.accepted_runs) > 0   # drafts rejected and kept
 
 
 @pytest.mark.slow

@@ -92,7 +92,18 @@ def one_line_exit_2(out, *words):
     assert out.stdout == ""
 
 
-def test_bad_input_is_one_line_and_starts_no_process(tmp_path):
+def test_bad_input_is_one_line_and_starts_no_process(tmp_path, capsys):
+    """In this process (`main`, what the console script calls), not one interpreter per case: the refusals come
+    before any stage process or model load, and the exit code and the one line are main's."""
+    from types import SimpleNamespace
+
+    from spd.cli import main
+
+    def spd_infer(*args):
+        code = main(["generate", *args])
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
     before = stage_workers()
     one_line_exit_2(spd_infer(*COMMON, "runtime=threads"), "runtime='threads'", "local, distributed")
     with socket.socket() as busy:

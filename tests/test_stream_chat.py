@@ -15,10 +15,10 @@ CLI = [sys.executable, "-m", "spd.cli"]
 
 
 def test_text_streams_before_decoding_ends(capsys, tiny_target_dir, tmp_path):
-    args = [f"target={tiny_target_dir}", "Tell me a story", "n=3", "max_new_tokens=400"]
+    args = [f"target={tiny_target_dir}", "Tell me a story", "n=3", "max_new_tokens=160"]
     assert main(["generate", *args, "json=true"]) == 0
     expected = json.loads(capsys.readouterr().out)
-    assert expected["N"] == 400  # long enough that the stream is visibly ahead of the end
+    assert expected["N"] == 160  # long enough that the stream is visibly ahead of the end
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "wb") as err:
         proc = subprocess.Popen([*CLI, "generate", *args], stdout=subprocess.PIPE, stderr=err)
@@ -31,7 +31,7 @@ def test_text_streams_before_decoding_ends(capsys, tiny_target_dir, tmp_path):
     assert proc.returncode == 0
     assert (first + rest).decode() == expected["text"] + "\n"
     lines = err_path.read_text().strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("[spd n=3 local, module] N=400")
+    assert len(lines) == 1 and lines[0].startswith("[spd n=3 local, module] N=160")
 
 
 def chat(target, text, *args):

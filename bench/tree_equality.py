@@ -1,0 +1,112 @@
+"""Greedy draft trees are lossless on the real target: for every eval prompt (80 per data set, 240 in all), one
+configured decoder (any `spd-infer generate` keys, e.g. `method=eagle3 W=4`) decodes greedily step by step, and its
+tokens must equal the target's own greedy decode, read from the recorded greedy traces (bench/fast_eval_check.py's
+protocol: 16 new tokens). A difference is acceptable only where the target's top-2 logit margin at the first
+differing token is below 1e-4 (float ties); every difference is listed with that margin.
+
+    python bench/tree_equality.py --label spd_w4 method=spd W=4
+    python bench/tree_equality.py --label ppsd_w4 method=ppsd W=4 checkpoint=outputs/grid/ppsd_n5/checkpoint
+    python bench/tree_equality.py --label eagle3_w4 method=eagle3 W=4 tree_nodes=16 \
+        checkpoint=outputs/grid/eagle3/checkpoint
+
+The traces are the 512-token greedy recordings of `spd-infer eval` (--trace-dir; any recording of >= 16 tokens
+serves: greedy decoding's first 16 tokens are a prefix of its first 512). Resumable: finished (label, prompt) rows
+are kept in <out>l and skipped. Writes one entry per label into --out (default docs/results/tree_equality.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from spd.config import GenerateConfig, load_config
+from spd.decoding import Request
+from spd.engine import open_engine
+from spd.sampling import SamplingParams
+
+from fast_eval_check import MARGIN, eval_prompts, finished_rows   # this folder: the fast evaluator check's helpers
+
+
+def trace_file(trace_dir: str, dataset: str, qid) -> str:
+    (path,) = glob.glob(os.path.join(trace_dir, f"{dataset}-{qid}.pt"))
+    return path
+
+
+def row_for(label, ds, qid, tokens, stats, trace, max_new_tokens, seconds) -> dict:
+    expected = trace["tokens"][:max_new_tokens]
+    first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b),
+                 None if len(tokens) == len(expected) else min(len(tokens), len(expected)))
+    return {"label": label, "dataset": ds, "question_id": qid, "tokens": len(tokens), "equal": first is None,
+            "first_difference": first,
+            "target_margin": None if first is None or first >= len(trace["margins"]) else trace["margins"][first],
+            "N": stats.N, "K": stats.K, "rollbacks": stats.rollbacks,
+            "restarts": getattr(stats, "restarts", None), "seconds": seconds}
+
+
+def summarise(rows: list[dict], label: str, overrides: list[str]) -> dict:
+    mine = [r for r in rows if r["label"] == label]
+    differences = [r for r in mine if not r["equal"]]
+    unexplained = [r for r in differences if r["target_margin"] is None or r["target_margin"] >= MARGIN]
+    per_dataset = {}
+    for r in mine:
+        entry = per_dataset.setdefault(r["dataset"], {"prompts": 0, "equal": 0})
+        entry["prompts"] += 1
+        entry["equal"] += r["equal"]
+    return {"overrides": overrides, "prompts": len(mine), "equal": len(mine) - len(differences),
+            "tokens": sum(r["tokens"] for r in mine), "rollbacks": sum(r["rollbacks"] or 0 for r in mine),
+            "restarts": sum(r["restarts"] or 0 for r in mine), "seconds": round(sum(r["seconds"] for r in mine), 1),
+            "per_dataset": per_dataset, "differences": differences, "unexplained_differences": len(unexplained)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--label", required=True, help="this configuration's name in the output")
+    ap.add_argument("--limit", type=int, default=80, help="prompts per data set")
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--trace-dir", default=None, help="a greedy trace directory (default: the one under "
+                                                      "outputs/cache/traces with the most recordings)")
+    ap.add_argument("--out", default="docs/results/tree_equality.json")
+    ap.add_argument("overrides", nargs="*", help="spd-infer generate keys: method=eagle3 W=4 ...")
+    args = ap.parse_args()
+    trace_dir = args.trace_dir or max(glob.glob("outputs/cache/traces/greedy-*"),
+                                      key=lambda d: len(os.listdir(d)))
+    cfg = load_config(GenerateConfig, None, [*args.overrides, f"max_new_tokens={args.max_new_tokens}"])
+    rows_path = args.out + "l"
+    done = finished_rows(rows_path, "label")
+    with open_engine(cfg) as engine, open(rows_path, "a") as sink:
+        prompts = eval_prompts(engine.session.loaded.tokenizer, args.limit)
+        for ds, qid, ids in tqdm(prompts, desc=args.label, mininterval=30):
+            if (args.label, ds, str(qid)) in done:
+                continue
+            trace = torch.load(trace_file(trace_dir, ds, qid))
+            assert trace["prompt_ids"] == list(ids), f"{ds}-{qid}: the trace was recorded for another prompt"
+            start = time.perf_counter()
+            out = engine.decoder.generate(list(ids), Request(args.max_new_tokens, SamplingParams(), 0))
+            row = row_for(args.label, ds, qid, out.token_ids, out.stats, trace, args.max_new_tokens,
+                          time.perf_counter() - start)
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            done[(args.label, ds, str(qid))] = row
+    result = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            result = json.load(f)
+    result[args.label] = summarise(list(done.values()), args.label, args.overrides)
+    result[args.label]["trace_dir"] = os.path.basename(trace_dir)
+    with open(args.out + ".tmp", "w") as fh:
+        json.dump(result, fh, indent=2)
+    os.replace(args.out + ".tmp", args.out)
+    summary = {k: v for k, v in result[args.label].items() if k != "differences"}
+    print(json.dumps(summary, indent=1))
+    return 0 if not result[args.label]["unexplained_differences"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
