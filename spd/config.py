@@ -165,11 +165,9 @@ def check_tree(cfg) -> None:
     trees = ", ".join(name for name, m in METHODS.items() if m.decoder != AR)
     if cfg.method is None or METHODS[cfg.method].decoder == AR:
         raise UserError(f"W={cfg.W}: draft trees need a drafting method; add method= one of {trees}, or use W=1")
-    pipeline_ok = cfg.runtime in ("local", "distributed") and not getattr(cfg, "cuda_graphs", False) and \
-        cfg.draft_source == MODULE
-    if METHODS[cfg.method].pipelined and not pipeline_ok:
-        raise UserError(f"W={cfg.W}: {cfg.method}'s pipeline trees run with runtime=local or distributed, "
-                        "draft_source=module and no cuda_graphs so far; use those, or W=1")
+    if METHODS[cfg.method].pipelined and cfg.draft_source != MODULE:
+        raise UserError(f"W={cfg.W}: {cfg.method}'s pipeline trees draft with draft_source=module so far; use it, "
+                        "or W=1")
 
 
 def check_decoding(cfg) -> None:

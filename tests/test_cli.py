@@ -86,8 +86,7 @@ BAD = [
     (["method=eagle3", "W=4", "tree_nodes=0"], "tree_nodes=0"),
     (["W=4"], "draft trees need a drafting method"),
     (["method=ar", "W=4"], "draft trees need a drafting method"),
-    (["method=spd", "W=2", "runtime=streams"], "pipeline trees run with runtime=local or distributed"),
-    (["method=ppsd", "W=2", "draft_source=lookup+module"], "pipeline trees run with runtime=local or distributed"),
+    (["method=ppsd", "W=2", "draft_source=lookup+module"], "pipeline trees draft with draft_source=module"),
 ]
 
 

@@ -169,3 +169,26 @@ def test_batched_branch_drafts_equal_one_pass_per_branch(family_model, method):
     ids = prompt(11, 8)
     out = PipelineDecoder(staged, drafter, frozenset(), 4).generate(ids, Request(16))
     assert out.token_ids == ar_run(model, ids, 16).token_ids and drafter.compared > 3
+
+
+def test_fixed_shape_executors_run_trees_like_local():
+    """runtime=streams (and CUDA graphs, whose executor it extends) in its eager form on CPU: a chain-like level
+    through the stage's fixed-shape step, a tree level eagerly into the same static cache; tokens and every
+    statistic equal LocalStages', greedy and seeded T = 1. Gemma3: its sliding window is crossed in the static
+    cache too."""
+    from spd.runtime.streams import StreamStages
+    from spd.sampling import SamplingParams
+    from spd.targets.tiny import tiny_model
+
+    family, model = "gemma3", tiny_model("gemma3")
+    for seed, params in [(0, SamplingParams()), (1, SamplingParams(temperature=1.0, top_k=8))]:
+        ids = prompt(seed, 10)
+        runs = []
+        for stages in (None, StreamStages(StagedTarget(model, 3), cuda_graphs=False)):
+            out = tree_decoder(model, 3, 4, executor=stages).generate(ids, Request(20, params, seed))
+            s = out.stats
+            runs.append((out.token_ids, s.K, s.rollbacks, s.restarts, s.stage_rows))
+        assert runs[0] == runs[1], (family, seed)
+        if params.greedy:
+            assert runs[0][0] == ar_run(model, ids, 20).token_ids
+        assert runs[0][4][0] > runs[0][1] and runs[0][3] + runs[0][2] > 0   # real tree levels, and misses

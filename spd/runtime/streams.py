@@ -25,7 +25,10 @@ from spd.targets.stages import StagedTarget
 
 
 class GraphStages(LocalStages):
-    trees = False    # one fixed-shape step per stage: a tree level's rows (W > 1) would need one per width
+    """A level of one node that sees every cached row (a chain's step) runs the stage's fixed-shape step; a tree
+    level (W > 1: several nodes, or one that must not see a pruned sibling's rows) runs eagerly under its mask
+    (`LocalStages._run_tree`) into the same static cache, outside any graph: one fixed-shape step per width and mask
+    is not built."""
 
     def __init__(self, target: StagedTarget, cuda_graphs: bool = True):
         super().__init__(target)
