@@ -8,7 +8,8 @@ step, the messages' time per step (a probe step: every message of a full step, n
 prediction (spd/eval/calibrate.py's cost model at the stage processes' thread count). Beside them: the
 single-process AR of this suite and HF `generate`, both on all cores, and with --lookup transformers' prompt lookup
 (`prompt_lookup_num_tokens`) and this suite's lookup chain (spd.drafters.lookup; τ = tokens per target forward),
-with --local-spd SPD with the shipped n = 5 module in one process (runtime=local). Each distributed SPD row is run
+with --local-spd SPD with the shipped n = 5 module in one process (runtime=local), with --eagle3 EAGLE-3's chain, each
+also as draft trees for every --widths entry > 1 (issue 23). Each distributed SPD row is run
 once per --draft-sources entry (module, lookup+module), with the acceptance of each source's drafts. Prompts: the first --limit of each eval set (chat template, first turn), --max-new-tokens each, stopping at EOS;
 greedy and T=1 (top-k 50, top-p 1.0). Every greedy row is checked token for token against the suite's AR.
 
@@ -167,23 +168,45 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model, c
 
 
 def local_spd_rows(args, prompts, cores: int) -> list[dict]:
-    """SPD with the shipped n = 5 module, stages one after another in this process (the default until issue 22)."""
+    """SPD with the shipped n = 5 module, stages one after another in this process (the default until issue 22),
+    once per --widths entry (W > 1: draft trees)."""
     torch.set_num_threads(cores)
-    cfg = load_config(GenerateConfig, None, [f"target={args.target}", "method=spd", "runtime=local"])
-    session = open_session(cfg)
     rows = []
-    with open_stages(session.staged, cfg, session.drafter().layers_needed(session.staged.bounds),
-                     session.cache_dir) as stages:
+    for width in args.widths:
+        cfg = load_config(GenerateConfig, None, [f"target={args.target}", "method=spd", "runtime=local", f"W={width}"])
+        session = open_session(cfg)
+        with open_stages(session.staged, cfg, session.drafter().layers_needed(session.staged.bounds),
+                         session.cache_dir) as stages:
+            for temperature in args.temperatures:
+                decoder = PipelineDecoder(stages, session.drafter(), session.eos_ids, session.width)
+                result = decode_all(prompts, lambda key, ids: decoder.generate(
+                    ids, Request(args.max_new_tokens, params_for(temperature), seed_of(key))))
+                n = session.staged.n
+                rows.append({"n": n, "bounds": "even", "stage_bounds": session.staged.bounds, "module": "shipped",
+                             "checkpoint": session.checkpoint, "method": "spd", "draft_source": "module", "W": width,
+                             "runtime": "local", "processes": 1, "threads_per_process": cores,
+                             "temperature": temperature, **result, "eal": n * result["alpha"],
+                             "s_per_step": result["seconds"] / result["K"]})
+    return rows
+
+
+def eagle3_rows(args, prompts, cores: int) -> list[dict]:
+    """EAGLE-3's chain (W = 1) and dynamic tree (W > 1, --tree-nodes nodes) with the module at --eagle3."""
+    torch.set_num_threads(cores)
+    rows = []
+    for width in args.widths:
+        cfg = load_config(GenerateConfig, None, [f"target={args.target}", "method=eagle3", f"checkpoint={args.eagle3}",
+                                                 f"W={width}", f"tree_nodes={args.tree_nodes}"])
+        session = open_session(cfg)
+        decoder = ChainDecoder(session.staged, session.drafter(), session.eos_ids, session.draft_length, width,
+                               session.tree_nodes if width > 1 else None)
         for temperature in args.temperatures:
-            decoder = PipelineDecoder(stages, session.drafter(), session.eos_ids)
             result = decode_all(prompts, lambda key, ids: decoder.generate(
                 ids, Request(args.max_new_tokens, params_for(temperature), seed_of(key))))
-            n = session.staged.n
-            rows.append({"n": n, "bounds": "even", "stage_bounds": session.staged.bounds, "module": "shipped",
-                         "checkpoint": session.checkpoint, "method": "spd", "draft_source": "module",
-                         "runtime": "local", "processes": 1, "threads_per_process": cores,
-                         "temperature": temperature, **result, "eal": n * result["alpha"],
-                         "s_per_step": result["seconds"] / result["K"]})
+            rows.append({"method": "eagle3", "runtime": "single process", "processes": 1, "threads_per_process": cores,
+                         "module": "trained", "checkpoint": args.eagle3, "W": width,
+                         "draft_length": session.draft_length, "tree_nodes": session.tree_nodes if width > 1 else None,
+                         "temperature": temperature, **result})
     return rows
 
 
@@ -252,18 +275,24 @@ def main() -> int:
     ap.add_argument("--hf-lookup-tokens", type=int, default=8, help="transformers' prompt_lookup_num_tokens")
     ap.add_argument("--lookup-ngrams", default="2,8", help="the lookup chain's shortest,longest suffix match")
     ap.add_argument("--local-spd", action="store_true", help="also SPD with the shipped n = 5 module, runtime=local")
+    ap.add_argument("--eagle3", help="also EAGLE-3 with this trained module (the chain, and trees per --widths)")
+    ap.add_argument("--widths", default="1", help="draft-tree widths W for --local-spd and --eagle3 rows")
+    ap.add_argument("--tree-nodes", type=int, default=16, help="EAGLE-3's drafted nodes per verification at W > 1")
     ap.add_argument("--out", default="docs/results/wallclock.json")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.lookup_ngrams = tuple(int(x) for x in args.lookup_ngrams.split(","))
     args.draft_sources = args.draft_sources.split(",")
     args.draft_length = [int(m) for m in args.draft_length.split(",")]
+    args.widths = [int(w) for w in args.widths.split(",")]
     loaded = load_target(args.target)
     prompts = [(f"{ds}/{q['question_id']}", chat_prompt_ids(loaded.tokenizer, q["turns"][0]))
                for ds in DATASETS for q in load_questions(ds)[: args.limit]]
     rows = single_process_rows(args, prompts, args.cores, loaded)
     if args.local_spd:
         rows += local_spd_rows(args, prompts, args.cores)
+    if args.eagle3:
+        rows += eagle3_rows(args, prompts, args.cores)
     for n in [int(x) for x in args.ns.split(",") if x]:          # --ns "": single-process rows only
         kinds = args.bounds.split(",") if n > 1 else ["even"]  # one stage: nothing to balance
         controllers = [c for c in args.controllers.split(",") if n > 1 or c == "own_process"]
@@ -297,7 +326,10 @@ def label(row: dict) -> str:
         return f"lookup m={row['draft_length']}, n-grams {row['ngrams'][0]}..{row['ngrams'][1]}"
     if row["method"] == "hf_prompt_lookup":
         return f"hf_prompt_lookup {row['draft_length']}"
-    return row["method"] + (f", {row['draft_source']}" if row.get("draft_source") else "")
+    tree = f", W={row['W']}" if row.get("W", 1) > 1 else ""
+    if row["method"] == "eagle3":
+        return f"eagle3 m={row['draft_length']}{tree}" + (f", {row['tree_nodes']} nodes" if tree else "")
+    return row["method"] + (f", {row['draft_source']}" if row.get("draft_source") else "") + tree
 
 
 def markdown(report: dict) -> str:

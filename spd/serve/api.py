@@ -55,7 +55,7 @@ class Sampling(BaseModel):
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
     method: Optional[str] = None                             # the suite's: the loaded method, or "ar"
-    W: Optional[StrictInt] = Field(None, ge=1)               # the suite's: draft-tree width (only 1 is built)
+    W: Optional[StrictInt] = Field(None, ge=1)               # the suite's: draft-tree width; must be the server's W
     # valid OpenAI arguments, refused unless neutral (NEUTRAL) or ignored (IGNORED)
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None

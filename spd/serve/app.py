@@ -47,8 +47,10 @@ class Service:
         if body.method not in (None, method, "ar"):
             raise ApiError(422, f"method={body.method!r}: this server runs {method} (and plain decoding, method=ar); "
                            f"start it with method={body.method} to serve that", param="method")
-        if body.W not in (None, 1):
-            raise ApiError(422, f"W={body.W}: draft trees are not built; this server drafts chains (W=1)", param="W")
+        width = self.engine.session.width
+        if body.W not in (None, width):
+            raise ApiError(422, f"W={body.W}: this server drafts with W={width} (its pipeline is warm for that width); "
+                           f"start it with W={body.W} to serve that", param="W")
         base = self.engine.session.params
         params = SamplingParams(temperature=base.temperature if body.temperature is None else body.temperature,
                                 top_k=base.top_k if body.top_k is None else max(0, body.top_k),
