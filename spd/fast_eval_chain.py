@@ -10,16 +10,21 @@ pass and its drafts from incremental module steps, so a draft can change only at
 (bench/fast_eval_check_chain.py compares the two and lists every difference with its margins).
 The lookup (`fast_lookup_stats`) reads tokens only, so replaying its own drafter over the trace is exact
 (bench/fast_eval_check_chain.py --method lookup).
+EAGLE-3's trees (`fast_tree_stats`): the runtime's own drafter drafts each cycle's tree, fed the trace's states of the
+verified path; only the target's verify forward is skipped (greedy descends along the trace's tokens, and off that
+path no node's verdict matters). The arithmetic caveat is the chain's.
 """
 
 from __future__ import annotations
 
 import torch
 
+from spd.drafters.base import ChainDrafter
 from spd.drafters.lookup import LookupDrafter
 from spd.eagle3_module import Eagle3Module
 from spd.fast_eval import GreedyTrace
 from spd.metrics import ChainStats
+from spd.sampling import SamplingParams, propose
 
 
 @torch.no_grad()
@@ -65,6 +70,54 @@ def fast_chain_stats(module: Eagle3Module, trace: GreedyTrace, m: int) -> dict:
             "min_target_margin": min(trace.margins)}
 
 
+def walk_trace(tree, stats: ChainStats, tokens: list[int], on_settle=None) -> int:
+    """One greedy verification of `tree` against the target's tokens (stats.N of them settled before it): down
+    from the root along the trace to the first miss or a leaf. Updates stats; returns the accepted drafts."""
+    node, accepted, total = 0, 0, len(tokens)
+    while stats.N < total:
+        children = tree.children(node)
+        if not children:
+            stats.N += 1                        # the path held: the target's next token comes free
+            break
+        hit = next((c for c in children if tree.token(c) == tokens[stats.N]), None)
+        source = tree.proposals[(hit or children[0]) - 1].source
+        stats.verified(source, hit is not None)
+        if on_settle:
+            on_settle(stats.N, hit is not None, source)
+        stats.N += 1
+        if hit is None:
+            break
+        node, accepted = hit, accepted + 1
+    stats.cycles += 1
+    stats.accepted += accepted
+    stats.accepted_per_cycle.append(accepted)
+    return accepted
+
+
+@torch.no_grad()
+def fast_tree_stats(drafter: ChainDrafter, trace: GreedyTrace, m: int, width: int, budget: int) -> dict:
+    """Greedy draft trees (W = width, `budget` nodes; EAGLE-3's dynamic tree: an `Eagle3Drafter`) replayed over the
+    target's trace with the runtime's drafter, fresh; also the target rows each cycle would feed (the root
+    included)."""
+    hidden = {layer: trace.hidden[layer] for layer in drafter.layers_needed()}
+    prompt_len, total = len(trace.prompt_ids), len(trace.tokens)
+    tokens = list(trace.prompt_ids) + trace.tokens[:1]
+    drafter.start({layer: h[:, :prompt_len] for layer, h in hidden.items()}, tokens)
+    greedy = SamplingParams()
+    stats, rows = ChainStats(m=m, N=1), []
+    while stats.N < total:
+        fed = len(tokens) - 1
+        tree = drafter.draft_tree(tokens[-1], m, width, budget, lambda logits: propose(logits, greedy, None))
+        rows.append(len(tree))
+        stats.drafted += len(tree) - 1
+        stats.drafting_cycles += len(tree) > 1
+        accepted = walk_trace(tree, stats, trace.tokens)
+        tokens = list(trace.prompt_ids) + trace.tokens[: stats.N]
+        if stats.N < total:       # the root's and the accepted nodes' states, as the verify pass captures them
+            drafter.verified({layer: h[:, fed: fed + 1 + accepted] for layer, h in hidden.items()}, tokens)
+    return {"stats": stats, "rows_per_cycle": rows, "min_target_margin": min(trace.margins)}
+
+
 def fast_lookup_stats(trace: GreedyTrace, min_n: int, max_n: int, m: int, on_settle=None, width: int = 1,
                       budget: int | None = None) -> dict:
     """Greedy lookup chain (method=lookup; W > 1: its trees) replayed over the target's tokens with the runtime's
@@ -79,24 +132,7 @@ def fast_lookup_stats(trace: GreedyTrace, min_n: int, max_n: int, m: int, on_set
     while stats.N < total:
         tree = drafter.draft_tree(tokens[-1], m, width, budget or m)
         rows.append(len(tree))
-        node, accepted = 0, 0
-        while stats.N < total:                      # down the tree along the trace, to the first miss or a leaf
-            children = tree.children(node)
-            if not children:
-                stats.N += 1                        # the path held: the target's next token comes free
-                break
-            hit = next((c for c in children if tree.token(c) == trace.tokens[stats.N]), None)
-            source = tree.proposals[(hit or children[0]) - 1].source
-            stats.verified(source, hit is not None)
-            if on_settle:
-                on_settle(stats.N, hit is not None, source)
-            stats.N += 1
-            if hit is None:
-                break
-            node, accepted = hit, accepted + 1
-        stats.cycles += 1
-        stats.accepted += accepted
-        stats.accepted_per_cycle.append(accepted)
+        walk_trace(tree, stats, trace.tokens, on_settle)
         tokens = list(trace.prompt_ids) + trace.tokens[: stats.N]
         drafter.verified(None, tokens)
     return {"stats": stats, "rows_per_cycle": rows, "min_target_margin": min(trace.margins)}

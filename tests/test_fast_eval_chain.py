@@ -10,7 +10,7 @@ from spd.drafters.eagle3 import Eagle3Drafter
 from spd.eagle3_module import Eagle3Module
 from spd.eval.traces import TraceCache
 from spd.fast_eval import record_greedy_trace
-from spd.fast_eval_chain import fast_chain_stats, replay_chain
+from spd.fast_eval_chain import fast_chain_stats, fast_tree_stats, replay_chain
 from spd.layout import needed_layers
 from spd.runtime.chain import ChainDecoder
 from spd.targets.loading import load_target
@@ -95,3 +95,55 @@ def test_one_trace_recording_serves_other_layouts_and_eagle3(tiny_target_dir, tm
     assert lone.directory != shared.directory
     # another max_new_tokens never reuses it
     assert TraceCache(str(tmp_path), loaded, n2, 13).directory != shared.directory
+
+
+def tree_summary(stats):
+    return stats.N, stats.cycles, stats.accepted, stats.accepted_per_cycle, stats.drafted
+
+
+class TreeTableDrafter(Eagle3Drafter):
+    """Runs the real dynamic tree (its state and work stay real), then drafts a tree of its own: at each depth W
+    children, the target's next token at a random rank among them or absent, and the next depth below it — so
+    cycles accept 0..m nodes, first and later children."""
+
+    def __init__(self, module, embed, seq, vocab, seed):
+        super().__init__(module, embed)
+        self.seq, self.vocab, self.g = seq, vocab, torch.Generator().manual_seed(seed)
+
+    def draft_tree(self, root, m, width, budget, propose):
+        from spd.tree import DraftTree
+
+        super().draft_tree(root, m, width, budget, propose)
+        tree, parent = DraftTree(root), 0
+        for depth in range(1, m + 1):
+            true = self.seq[self.rows + depth] if self.rows + depth < len(self.seq) else 0
+            rank = int(torch.randint(width + 2, (), generator=self.g))     # >= width: absent
+            wrong = iter((true + k) % self.vocab for k in range(1, width + 1))
+            nodes = [tree.add(parent, Proposal(true if i == rank else next(wrong))) for i in range(width)]
+            if rank >= width:
+                break
+            parent = nodes[rank]
+        return tree
+
+
+@pytest.mark.parametrize("width", [4])
+def test_fast_tree_stats_equal_the_tree_runtime(family_model, width):
+    """EAGLE-3's trees (issue 23): the replay over a greedy trace settles the cycles the chain runtime does — with
+    trees that accept at every depth and child (a table drafter), and with the real dynamic tree of a random
+    module, whose verified states the replay feeds from the trace."""
+    family, model = family_model
+    staged = StagedTarget(model, 1)
+    m, budget = 4, 4 * width
+    module = Eagle3Module.from_target(staged, seed=1).eval()
+    p = prompt(70)
+    trace = record_greedy_trace(staged, p, 40, frozenset(), module.layers_needed())
+    seq = p + trace.tokens
+    accepted = []
+    for make in (lambda: TreeTableDrafter(module, staged.embed, seq, model.config.vocab_size, seed=width),
+                 lambda: Eagle3Drafter(module, staged.embed)):
+        out = ChainDecoder(staged, make(), frozenset(), m, width, budget).generate(p, Request(40, GREEDY))
+        assert out.token_ids == trace.tokens, family
+        fast = fast_tree_stats(make(), trace, m, width, budget)
+        assert tree_summary(fast["stats"]) == tree_summary(out.stats), family
+        accepted.append(out.stats.accepted_per_cycle)
+    assert 0 in accepted[0] and max(accepted[0]) >= 2     # the table's trees: misses and paths of several nodes

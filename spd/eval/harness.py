@@ -3,8 +3,8 @@ T=1/top-k 50/top-p 1.0, a fixed seed per prompt), per-sample JSONL, pooled summa
 
 Greedy runs use the exact fast evaluator by default: the target's greedy trace (cached) plus batched module passes
 give every N and K the step-by-step runtime would (bench/fast_eval_check.py proves it on the eval prompts; EAGLE-3's
-chain and the lookup chain have theirs, `spd.fast_eval_chain`, checked the same way);
-`exact_trace=true` runs the runtime itself, and then plain AR as well, checking every sample token for token.
+chain and tree and the lookup chain have theirs, `spd.fast_eval_chain`, checked the same way; SPD's pipeline trees,
+W > 1, run step by step: their branches' states are not in a greedy trace); `exact_trace=true` runs the runtime itself, and then plain AR as well, checking every sample token for token.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from spd.eval.output import EvalOutput, check_output_dir, write_json
 from spd.eval.summary import METHOD_NAMES, summarise
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
-from spd.fast_eval_chain import fast_chain_stats, fast_lookup_stats
+from spd.fast_eval_chain import fast_chain_stats, fast_lookup_stats, fast_tree_stats
 from spd.methods import LOOKUP_MODULE, METHODS
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import Session, open_session
@@ -47,7 +47,7 @@ def uses_fast_evaluator(cfg) -> bool:
     """Greedy, in-process, eager runs are scored from cached traces; the others run the step-by-step runtime."""
     evaluable = cfg.method is None or METHODS[cfg.method].fast_eval   # None: a checkpoint's module
     return evaluable and cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local" and \
-        not cfg.cuda_graphs and (cfg.W == 1 or cfg.method == "lookup")   # EAGLE-3's trees have no replay yet
+        not cfg.cuda_graphs and (cfg.W == 1 or cfg.method in ("lookup", "eagle3"))   # SPD's trees: no replay
 
 
 def prompt_seed(seed: int, dataset: str, question_id) -> int:
@@ -58,7 +58,9 @@ def prompt_seed(seed: int, dataset: str, question_id) -> int:
 def fast_sample(session: Session, cfg, traces: TraceCache, dataset: str, question_id, prompt_ids) -> dict:
     trace, info = traces.get(dataset, question_id, prompt_ids)
     start = time.perf_counter()
-    if session.method == "eagle3":
+    if session.method == "eagle3" and session.width > 1:
+        result = fast_tree_stats(session.drafter(), trace, session.draft_length, session.width, session.tree_nodes)
+    elif session.method == "eagle3":
         result = fast_chain_stats(session.module, trace, session.draft_length)
     elif session.method == "lookup":
         result = fast_lookup_stats(trace, *session.lookup_ngrams, session.draft_length, width=session.width,
