@@ -46,8 +46,8 @@ def row_for(label, ds, qid, tokens, stats, trace, max_new_tokens, seconds) -> di
     return {"label": label, "dataset": ds, "question_id": qid, "tokens": len(tokens), "equal": first is None,
             "first_difference": first,
             "target_margin": None if first is None or first >= len(trace["margins"]) else trace["margins"][first],
-            "N": stats.N, "K": stats.K, "rollbacks": stats.rollbacks,
-            "restarts": getattr(stats, "restarts", None), "seconds": seconds}
+            "N": stats.N, "seconds": seconds,     # a pipeline's steps, rollbacks and restarts; a chain's cycles
+            **{key: getattr(stats, key, None) for key in ("K", "rollbacks", "restarts", "cycles", "accepted")}}
 
 
 def summarise(rows: list[dict], label: str, overrides: list[str]) -> dict:
@@ -60,8 +60,8 @@ def summarise(rows: list[dict], label: str, overrides: list[str]) -> dict:
         entry["prompts"] += 1
         entry["equal"] += r["equal"]
     return {"overrides": overrides, "prompts": len(mine), "equal": len(mine) - len(differences),
-            "tokens": sum(r["tokens"] for r in mine), "rollbacks": sum(r["rollbacks"] or 0 for r in mine),
-            "restarts": sum(r["restarts"] or 0 for r in mine), "seconds": round(sum(r["seconds"] for r in mine), 1),
+            "tokens": sum(r["tokens"] for r in mine), "seconds": round(sum(r["seconds"] for r in mine), 1),
+            **{key: sum(r.get(key) or 0 for r in mine) for key in ("rollbacks", "restarts", "cycles", "accepted")},
             "per_dataset": per_dataset, "differences": differences, "unexplained_differences": len(unexplained)}
 
 
