@@ -8,6 +8,7 @@ tokens must equal the target's greedy trace. A difference is acceptable only whe
         --limit 10 --max-new-tokens 64
     python bench/fast_eval_check_chain.py --method lookup --ms 7 --limit 80 --max-new-tokens 16 \
         --out docs/results/fast_eval_check_chain_lookup.json
+    python bench/fast_eval_check_chain.py --checkpoint CKPT --ms 5 --width 4 --tree-nodes 16   # EAGLE-3's trees
 Resumable: finished (m, prompt) rows are kept in <out>l and skipped. Writes docs/results/fast_eval_check_chain.json.
 """
 
@@ -26,7 +27,7 @@ from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.lookup import LookupDrafter
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
-from spd.fast_eval_chain import fast_chain_stats, fast_lookup_stats
+from spd.fast_eval_chain import fast_chain_stats, fast_lookup_stats, fast_tree_stats
 from spd.runtime.chain import ChainDecoder
 from spd.sampling import SamplingParams
 from spd.targets.loading import load_target
@@ -45,6 +46,8 @@ def main() -> int:
     ap.add_argument("--checkpoint", help="a trained EAGLE-3 module (method=eagle3)")
     ap.add_argument("--lookup-ngrams", default="2,8", help="method=lookup: shortest,longest suffix matched")
     ap.add_argument("--ms", default="3,5,7", help="draft lengths m")
+    ap.add_argument("--width", type=int, default=1, help="W > 1: EAGLE-3's dynamic tree (fast_tree_stats)")
+    ap.add_argument("--tree-nodes", type=int, default=16, help="W > 1: drafted nodes per cycle")
     ap.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--cache-dir", default="outputs/cache/traces")
@@ -63,17 +66,24 @@ def main() -> int:
     with open(rows_path, "a") as sink:
         for m in [int(x) for x in args.ms.split(",")]:
             drafter = Eagle3Drafter(module, staged.embed) if module else LookupDrafter(*lookup)
-            runtime = ChainDecoder(staged, drafter, traces.eos, m)
+            tree = args.width > 1
+            runtime = ChainDecoder(staged, drafter, traces.eos, m, args.width, args.tree_nodes if tree else None)
             for ds, qid, ids in tqdm(prompts, desc=f"m={m} runtime vs fast", mininterval=30):
                 if (m, ds, str(qid)) in done:
                     continue
                 trace, _ = traces.get(ds, qid, ids)
                 with torch.no_grad():
-                    fast = fast_chain_stats(module, trace, m) if module else \
-                        {**fast_lookup_stats(trace, *lookup, m), "min_module_margin": None}
+                    if tree and module:    # the replay has no margins of its own; the target's still decide
+                        fast = {**fast_tree_stats(Eagle3Drafter(module, staged.embed), trace, m, args.width,
+                                                  args.tree_nodes), "min_module_margin": None}
+                    elif module:
+                        fast = fast_chain_stats(module, trace, m)
+                    else:
+                        fast = {**fast_lookup_stats(trace, *lookup, m, width=args.width,
+                                                    budget=args.tree_nodes if tree else None), "min_module_margin": None}
                     slow = runtime.generate(ids, Request(args.max_new_tokens, SamplingParams()))
                 f, s = summary(fast["stats"]), summary(slow.stats)
-                row = {"m": m, "dataset": ds, "question_id": qid, "checkpoint": args.checkpoint, "method": args.method,
+                row = {"m": m, "W": args.width, "dataset": ds, "question_id": qid, "checkpoint": args.checkpoint, "method": args.method,
                        "fast": f, "runtime": s, "equal": f == s, "accepted_drafts": slow.stats.accepted,
                        "runtime_equals_target": slow.token_ids == trace.tokens,
                        "min_module_margin": fast["min_module_margin"], "min_target_margin": fast["min_target_margin"]}
