@@ -44,15 +44,3 @@ def untied_target_dir(tmp_path_factory):
     save_tiny_target(str(path), "llama", seed=0, tied=False)
     return str(path)
 
-
-# Modules holding the longest tests (30-120 s each on 2 cores) run first. pytest-xdist's worksteal hands each
-# worker a contiguous half of the collection and idle workers steal from the end of a queue, so long tests left at
-# the end (alphabetical order put test_train, test_stream_chat and test_smollm2 there) leave a worker idle while the
-# other finishes them. Modules stay whole, so their module-scoped fixtures are built once.
-LONGEST_FIRST = ("test_lossless_sampling.py", "test_smollm2.py", "test_distributed.py", "test_train.py",
-                 "test_distributed_cli.py", "test_stream_chat.py", "test_serve.py", "test_bad_input.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))   # stable: order inside a module kept
