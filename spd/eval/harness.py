@@ -4,7 +4,8 @@ T=1/top-k 50/top-p 1.0, a fixed seed per prompt), per-sample JSONL, pooled summa
 Greedy runs use the exact fast evaluator by default: the target's greedy trace (cached) plus batched module passes
 give every N and K the step-by-step runtime would (bench/fast_eval_check.py proves it on the eval prompts; EAGLE-3's
 chain and tree and the lookup chain have theirs, `spd.fast_eval_chain`, checked the same way; SPD's pipeline trees,
-W > 1, run step by step: their branches' states are not in a greedy trace); `exact_trace=true` runs the runtime itself, and then plain AR as well, checking every sample token for token.
+W > 1, run step by step: their branches' states are not in a greedy trace); `exact_trace=true` runs the runtime
+itself, and then plain AR as well, checking every sample token for token.
 """
 
 from __future__ import annotations
