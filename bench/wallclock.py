@@ -36,6 +36,7 @@ from spd.config import GenerateConfig, load_config
 from spd.decoding import Request, eos_ids_of
 from spd.drafters.base import Drafter, WrappedDrafter
 from spd.eval.calibrate import calibrate, measured_cost_speedup, step_time
+from spd.engine import pick_decoder
 from spd.eval.output import write_json
 from spd.drafters.lookup import LookupDrafter
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
@@ -198,8 +199,7 @@ def eagle3_rows(args, prompts, cores: int) -> list[dict]:
         cfg = load_config(GenerateConfig, None, [f"target={args.target}", "method=eagle3", f"checkpoint={args.eagle3}",
                                                  f"W={width}", f"tree_nodes={args.tree_nodes}"])
         session = open_session(cfg)
-        decoder = ChainDecoder(session.staged, session.drafter(), session.eos_ids, session.draft_length, width,
-                               session.tree_nodes if width > 1 else None)
+        decoder = pick_decoder("eagle3", cfg, session, None, session.drafter())   # the chain, or the tree at W > 1
         for temperature in args.temperatures:
             result = decode_all(prompts, lambda key, ids: decoder.generate(
                 ids, Request(args.max_new_tokens, params_for(temperature), seed_of(key))))
