@@ -20,6 +20,7 @@ from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 
 from helpers import load_train_main, snapshot
+from launch import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(ROOT, "configs", "train", "debug.yaml")
@@ -161,9 +162,8 @@ def test_trainer_refuses_a_non_empty_output_dir(capsys, work):
 def test_malformed_jsonl_names_the_line(work):
     bad = work / "bad.jsonl"
     bad.write_text('{"conversations": [{"from": "human", "value": "hi"}]}\n{"conversations": [\n')
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train", "run.py"), "--config", DEBUG,
-                           "output_dir=out", f"data.path={bad}", "wandb.mode=disabled"],
-                          capture_output=True, text=True, env=ENV, cwd=work, timeout=600)
+    proc = run_python([os.path.join(ROOT, "train", "run.py"), "--config", DEBUG, "output_dir=out", f"data.path={bad}",
+                       "wandb.mode=disabled"], env=ENV, cwd=work, timeout=600)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "line 2: not JSON" in lines[-1] and lines[-1].startswith("train/run.py: error:")
@@ -193,11 +193,10 @@ def test_trainer_ctrl_c_resume_and_metrics(tmp_path):
     assert (out / "ds_state" / "latest").read_text().strip() == f"step{stopped}"
     with open(metrics, "a") as f:  # as if the run had got further than its last checkpoint
         f.write(json.dumps({"step": stopped + 1, "train/loss": 0.0}) + "\n")
-    done = subprocess.run(cmd + ["resume=true"], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
+    done = run_python(cmd[1:] + ["resume=true"], env=ENV, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, 21))
-    again = subprocess.run(cmd + ["overwrite=true", "optim.steps=2"], capture_output=True, text=True, env=ENV,
-                           cwd=ROOT, timeout=600)
+    again = run_python(cmd[1:] + ["overwrite=true", "optim.steps=2"], env=ENV, cwd=ROOT, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]

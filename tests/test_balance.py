@@ -5,8 +5,6 @@ needs."""
 
 import itertools
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -15,6 +13,7 @@ from spd.runtime.balance import balanced_bounds, controller_costs, profile_costs
 from spd.runtime.stages import hosts_first_stage, threads_for
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
+from launch import run_python
 
 
 def brute_force(costs, n, first_extra_s=0.0):
@@ -88,8 +87,7 @@ def test_balanced_run_reports_its_bounds_and_refuses_a_module_for_other_bounds(t
 
     args = ["target=tiny-llama", "prompt=What is 12*7?", "max_new_tokens=8", "json=true", "n=2",
             "stage_bounds=balanced", "runtime=distributed", "threads_per_stage=1"]
-    out = subprocess.run([sys.executable, "-m", "spd.cli", "generate", *args], capture_output=True, text=True,
-                         timeout=240)
+    out = run_python(["-m", "spd.cli", "generate", *args], timeout=240)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     balance = result["balance"]
@@ -100,8 +98,7 @@ def test_balanced_run_reports_its_bounds_and_refuses_a_module_for_other_bounds(t
     other = [0, 1, 10] if balance["stage_bounds"] != [0, 1, 10] else [0, 2, 10]
     module = SpeculationModule.from_target(StagedTarget(loaded.model, 2, other), 1)
     save_checkpoint(module, loaded, str(tmp_path / "ckpt"))
-    refused = subprocess.run([sys.executable, "-m", "spd.cli", "generate", *args, f"checkpoint={tmp_path / 'ckpt'}"],
-                             capture_output=True, text=True, timeout=240)
+    refused = run_python(["-m", "spd.cli", "generate", *args, f"checkpoint={tmp_path / 'ckpt'}"], timeout=240)
     assert refused.returncode == 2
     line = refused.stderr.strip().splitlines()[-1]
     assert line.startswith("spd-infer: error:") and f"stage_bounds={other}" in line

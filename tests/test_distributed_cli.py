@@ -15,6 +15,7 @@ from spd.checkpoint import save_checkpoint
 from spd.module import SpeculationModule
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
+from launch import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -22,8 +23,7 @@ COMMON = ["target=tiny-llama", "prompt=What is 12*7?", "max_new_tokens=24", "jso
 
 
 def spd_infer(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "spd.cli", "generate", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return run_python(["-m", "spd.cli", "generate", *args], timeout=timeout, cwd=ROOT)
 
 
 def stage_workers() -> set[int]:
@@ -138,8 +138,7 @@ def test_eval_through_the_distributed_runtime(tmp_path, untied_target_dir):
     for runtime in ("local", "distributed"):
         out = tmp_path / runtime
         extra = ["exact_trace=true"] if runtime == "local" else ["threads_per_stage=1", "ar_baseline=false"]
-        done = subprocess.run([sys.executable, "-m", "spd.cli", *common, f"runtime={runtime}", f"output_dir={out}",
-                               *extra], capture_output=True, text=True, timeout=300)
+        done = run_python(["-m", "spd.cli", *common, f"runtime={runtime}", f"output_dir={out}", *extra], timeout=300)
         assert done.returncode == 0, done.stderr
         with open(out / "samples.jsonl") as f:
             rows[runtime] = [json.loads(line) for line in f]
@@ -157,10 +156,9 @@ def test_chat_turns_through_the_distributed_runtime_equal_local(untied_target_di
     turns = "Hi.\nPlease write a long detailed paragraph about foxes, then list five of them.\nAnd dogs?\n"
     answers = {}
     for runtime in ("local", "distributed"):
-        proc = subprocess.run([sys.executable, "-m", "spd.cli", "chat", f"target={untied_target_dir}", "n=2",
-                               "checkpoint=random", "max_new_tokens=16", "json=true", f"runtime={runtime}",
-                               "threads_per_stage=1"], input=turns, capture_output=True, text=True, timeout=300,
-                              cwd=ROOT)
+        proc = run_python(["-m", "spd.cli", "chat", f"target={untied_target_dir}", "n=2", "checkpoint=random",
+                           "max_new_tokens=16", "json=true", f"runtime={runtime}", "threads_per_stage=1"],
+                          input=turns, timeout=300, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr
         answers[runtime] = [json.loads(line) for line in proc.stdout.strip().splitlines()]
     assert len(answers["local"]) == 3

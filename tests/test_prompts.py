@@ -4,8 +4,6 @@ in-process; the ids the CLI decoded from (json `prompt_token_ids`) must equal th
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given, settings
@@ -16,6 +14,7 @@ from spd.cli import main
 from spd.config import GenerateConfig, load_config
 from spd.eval.config import EvalConfig
 from spd.targets.tiny import save_tiny_target
+from launch import run_python
 
 CLASSES = {
     "colon": "Translate: hello",
@@ -52,8 +51,8 @@ COMMON = ["max_new_tokens=1", "method=ar", "json=true", "chat_template=false"]
 
 
 def spawn(target, *args, stdin: bytes | None = None):
-    proc = subprocess.run([sys.executable, "-m", "spd.cli", "generate", f"target={target}", *COMMON, *args],
-                          input=stdin if stdin is not None else b"", capture_output=True, timeout=300)
+    proc = run_python(["-m", "spd.cli", "generate", f"target={target}", *COMMON, *args], input=stdin, text=False,
+                      timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()
     assert proc.stderr == b""
     return json.loads(proc.stdout)
@@ -140,15 +139,14 @@ def test_non_utf8_prompt_file_and_stdin(target, tmp_path):
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("café".encode("latin-1"))
     for args, stdin in [([f"prompt_file={bad}"], b""), (["-"], "café".encode("latin-1"))]:
-        proc = subprocess.run([sys.executable, "-m", "spd.cli", "generate", f"target={target}", *COMMON, *args],
-                              input=stdin, capture_output=True, timeout=120)
+        proc = run_python(["-m", "spd.cli", "generate", f"target={target}", *COMMON, *args], input=stdin,
+                          text=False, timeout=120)
         lines = proc.stderr.decode().strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and "not UTF-8" in lines[0], proc.stderr
 
 
 def test_empty_stdin_and_no_prompt(target):
-    proc = subprocess.run([sys.executable, "-m", "spd.cli", "generate", f"target={target}", *COMMON],
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    proc = run_python(["-m", "spd.cli", "generate", f"target={target}", *COMMON], timeout=120)  # stdin: empty
     assert proc.returncode == 2 and "the prompt is empty" in proc.stderr
 
 

@@ -10,6 +10,8 @@ import time
 from transformers import AutoTokenizer
 
 from spd.cli import main
+from spd.targets.tiny import save_tiny_target
+from launch import run_python
 
 CLI = [sys.executable, "-m", "spd.cli"]
 
@@ -35,8 +37,8 @@ def test_text_streams_before_decoding_ends(capsys, tiny_target_dir, tmp_path):
 
 
 def chat(target, text, *args):
-    proc = subprocess.run([*CLI, "chat", f"target={target}", "max_new_tokens=12", "n=3", *args], input=text,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_python([*CLI[1:], "chat", f"target={target}", "max_new_tokens=12", "n=3", *args], input=text,
+                      timeout=300)
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -63,21 +65,23 @@ def test_chat_streams_text_with_a_stats_line_per_answer(tiny_target_dir):
     assert proc.stdout.count("\n") >= 2
 
 
-def test_chat_reset_and_context_overflow(tiny_target_dir):
+def test_chat_reset_and_context_overflow(tiny_target_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
     proc = chat(tiny_target_dir, "first\n/reset\nsecond\n", "json=true")
     answers = [json.loads(line) for line in proc.stdout.strip().splitlines()]
     assert answers[1]["prompt_token_ids"] == template(tok, [{"role": "user", "content": "second"}])
-    # A 512-token window: 300 new tokens per answer leave no room for the first exchange in the second turn.
-    proc = chat(tiny_target_dir, "first\nsecond\n", "json=true", "max_new_tokens=300")
+    # A 96-token window: 40 new tokens per answer leave no room for the first exchange in the second turn.
+    short = tmp_path / "short_window"
+    save_tiny_target(str(short), "llama", seed=0, max_position_embeddings=96)
+    proc = chat(str(short), "first\nsecond\n", "json=true", "max_new_tokens=40")
     answers = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert len(answers[0]["token_ids"]) == 40 and len(answers[0]["prompt_token_ids"]) + 2 * 40 > 96
     assert "oldest exchange is forgotten" in proc.stderr
     assert answers[1]["prompt_token_ids"] == template(tok, [{"role": "user", "content": "second"}])
 
 
 def test_chat_refuses_a_prompt_and_leaves_on_ctrl_c(tiny_target_dir):
-    proc = subprocess.run([*CLI, "chat", f"target={tiny_target_dir}", "Hi"], capture_output=True, text=True,
-                          timeout=120)
+    proc = run_python([*CLI[1:], "chat", f"target={tiny_target_dir}", "Hi"], timeout=120)
     assert proc.returncode == 2 and "standard input" in proc.stderr
     # A child that starts with SIGINT ignored never gets Python's KeyboardInterrupt handler (and then rightly
     # ignores Ctrl-C, as under nohup). In full runs only, this test has seen the chat exit 0 after SIGINT, which is

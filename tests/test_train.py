@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from spd.errors import UserError
+from launch import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(ROOT, "configs", "train", "debug.yaml")
@@ -25,7 +26,7 @@ def train_cmd(out, *overrides):
 
 
 def run_train(out, *overrides, check=True):
-    proc = subprocess.run(train_cmd(out, *overrides), capture_output=True, text=True, env=ENV, cwd=ROOT)
+    proc = run_python(train_cmd(out, *overrides)[1:], env=ENV, cwd=ROOT)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -163,8 +164,7 @@ def test_resume_with_different_config_is_refused(tmp_path):
 def test_local_rank_argument_is_accepted(tmp_path):
     proc = run_train(tmp_path / "lr", "optim.steps=1", check=False)
     assert proc.returncode == 0
-    proc = subprocess.run([*train_cmd(tmp_path / "lr2", "optim.steps=1"), "--local_rank=0"], capture_output=True,
-                          text=True, env=ENV, cwd=ROOT)
+    proc = run_python([*train_cmd(tmp_path / "lr2", "optim.steps=1")[1:], "--local_rank=0"], env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

@@ -4,8 +4,6 @@ second load; a damaged or half-written cache is detected and rebuilt, never load
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from spd.targets.loaded import read_source
 from spd.targets.loading import load_target
 from spd.targets.source import resolve_source
 from spd.targets.tiny import save_tiny_target
+from launch import run_python
 
 
 @pytest.fixture
@@ -141,13 +140,13 @@ def test_key_follows_content_not_timestamps(cache, tmp_path, source_reads):
 
 
 def test_cli_rebuilds_a_damaged_cache(cache, tiny_target_dir):
-    args = [sys.executable, "-m", "spd.cli", "generate", f"target={tiny_target_dir}", "Hi", "max_new_tokens=4",
+    args = ["-m", "spd.cli", "generate", f"target={tiny_target_dir}", "Hi", "max_new_tokens=4",
             "method=ar", "json=true"]
     env = {**os.environ, "SPD_CACHE_DIR": str(cache)}
-    good = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    good = run_python(args, env=env, timeout=120)
     assert good.returncode == 0 and good.stderr == ""
     (path,) = glob.glob(f"{cache}/targets/*/")
     flip_byte(path.rstrip("/"))
-    again = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    again = run_python(args, env=env, timeout=120)
     assert again.returncode == 0 and json.loads(again.stdout)["token_ids"] == json.loads(good.stdout)["token_ids"]
     assert "damaged" in again.stderr and "rebuilding" in again.stderr
