@@ -74,8 +74,9 @@ def _child(argv: list[str], env: dict, cwd: str, stdin_path: str, out_path: str,
         traceback.print_exc()
         code = 1
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if not stream.closed:  # a program may close its own stdout; the interpreter's exit then skips it too
+            stream.flush()
     os._exit(code)
 
 
