@@ -161,13 +161,10 @@ def at_least(cfg, key: str, low: float, what: str = "") -> None:
 
 
 def check_tree(cfg) -> None:
-    """W > 1: which methods and runtimes draft trees so far."""
+    """W > 1: which methods draft trees."""
     trees = ", ".join(name for name, m in METHODS.items() if m.decoder != AR)
     if cfg.method is None or METHODS[cfg.method].decoder == AR:
         raise UserError(f"W={cfg.W}: draft trees need a drafting method; add method= one of {trees}, or use W=1")
-    if METHODS[cfg.method].pipelined and cfg.draft_source != MODULE:
-        raise UserError(f"W={cfg.W}: {cfg.method}'s pipeline trees draft with draft_source=module so far; use it, "
-                        "or W=1")
 
 
 def check_decoding(cfg) -> None:

@@ -86,7 +86,6 @@ BAD = [
     (["method=eagle3", "W=4", "tree_nodes=0"], "tree_nodes=0"),
     (["W=4"], "draft trees need a drafting method"),
     (["method=ar", "W=4"], "draft trees need a drafting method"),
-    (["method=ppsd", "W=2", "draft_source=lookup+module"], "pipeline trees draft with draft_source=module"),
 ]
 
 

@@ -224,6 +224,20 @@ def test_pipeline_trees_sample_the_target_distribution(small_vocab_model):
     assert chi2_pvalue(counts, dist, SHORT) > ALPHA
 
 
+@pytest.mark.slow
+def test_lookup_module_trees_sample_the_target_distribution(small_vocab_model):
+    """draft_source=lookup+module at W = 4: a tip whose branch ends in a match gets the lookup's one point-mass
+    child, the others the module's top-4; one rule verifies both kinds of node."""
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    sources, extra = {}, []
+    counts, rollbacks = sample_spd(small_vocab_model, n=2, samples=SHORT, seed=11, lookup=True, sources=sources,
+                                   width=4, extra=extra)
+    verified, accepted = sources["lookup"]
+    assert accepted > SHORT * 0.1 and verified - accepted > SHORT * 0.1      # lookup children kept and rejected
+    assert sources["module"][0] > SHORT * 0.1 and sum(e > 0 for e in extra) > SHORT * 0.1   # and real trees
+    assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
 def test_a_tree_verifier_that_keeps_the_first_child_is_caught(small_vocab_model, monkeypatch):
     import spd.runtime.pipeline
 

@@ -14,6 +14,7 @@ from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import PipelineDecoder
 from spd.targets.kv_cache import LayerKVCache
 from spd.targets.stages import StagedTarget
+from spd.targets.tiny import FAMILIES, tiny_model
 
 from helpers import RankedDrafter, ar_run, prompt
 
@@ -67,13 +68,32 @@ def test_w1_flight_is_the_chain(family_model):
 
 
 def test_chains_only_where_trees_are_not_built(family_model):
-    from spd.drafters.hybrid import LookupThenModule
+    from spd.drafters.reference import ReferenceDrafter
 
     _, model = family_model
     staged = StagedTarget(model, 2)
-    drafter = ModuleDrafter(SpeculationModule.from_target(staged, 1))
     with pytest.raises(ValueError, match="chains only"):
-        PipelineDecoder(staged, LookupThenModule(drafter, 1, 2), frozenset(), 4)
+        PipelineDecoder(staged, ReferenceDrafter([1, 2, 3], 128), frozenset(), 4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["spd", "ppsd"])
+def test_greedy_lookup_module_trees_equal_plain_decoding(family, method, kept_children):
+    """draft_source=lookup+module at W = 4: a branch whose own context ends in a match gets the lookup's child,
+    the others the module's (ranked as in the tests above); lookup children are kept and rejected, module children
+    kept first and later, and the output is plain decoding's."""
+    from spd.drafters.hybrid import LookupThenModule
+
+    model = tiny_model(family, tied=False)    # its answers depend on the context: the lookup is right and wrong
+    ids = prompt(0, 10)
+    staged = StagedTarget(model, 3)
+    module = ModuleDrafter(SpeculationModule.from_target(staged, 1, seed=1, method=method))
+    ranked = RankedDrafter(module, model, [0, 1, 3, 0, 2, 7])   # the module's side keeps later children too
+    out = PipelineDecoder(staged, LookupThenModule(ranked, 2, 4), frozenset(), 4).generate(ids, Request(40))
+    assert out.token_ids == ar_run(model, ids, 40).token_ids
+    sources = out.stats.sources                                 # source -> [verified, accepted]
+    assert sources["lookup"][0] > sources["lookup"][1] > 0 and sources["module"][0] > 0, sources
+    assert None in kept_children and any(k is not None and k >= 1 for k in kept_children)
 
 
 class CheckedStages(LocalStages):

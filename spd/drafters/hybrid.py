@@ -5,6 +5,9 @@ when the context — prompt, verified tokens and the drafts in flight — ends w
 The module keeps its state either way: its memory grows as positions leave the last stage (`finalize`), which the
 lookup never skips; only its forward for the draft is saved when the lookup answers. A lookup draft is a point
 mass (q = None), verified like any other draft (spd.sampling), so the output stays the target's.
+
+In a draft tree (W > 1) each branch tip asks on its own context: the lookup's one child where the branch's context
+ends in a match, and the module's W likeliest children otherwise (one batched pass for those tips).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ class LookupThenModule(Drafter):
         self.module = module
         self.min_n, self.max_n = min_n, max_n
         self.after_step = module.after_step
+        self.branches = module.branches
 
     def layers_needed(self, bounds):
         return self.module.layers_needed(bounds)
@@ -38,6 +42,29 @@ class LookupThenModule(Drafter):
         if n:
             return Proposal(self.index.continuation(start, 1)[0], source="lookup")
         return self.module.draft(view, propose)
+
+    def draft_branches(self, views: list[StepView], propose) -> list:
+        """W > 1. Branches differ in their drafts in flight, so here the index holds only what they all share — the
+        tokens before the oldest level in flight, and that level's one node (its token is settled) — and each branch
+        adds its own newer tokens for its lookup, then takes them back. A lookup child scores log 1: a match is
+        trusted as in the chain, and its branch is kept among the W."""
+        shared = views[0].in_flight[0]
+        assert all(view.in_flight[0].node == shared.node for view in views), "the oldest level is one node"
+        if len(self.index) == shared.pos:          # it settled since the last step (or is the first token)
+            self.index.extend([shared.token])
+        assert len(self.index) == shared.pos + 1, (len(self.index), shared.pos)
+        children: list = [None] * len(views)
+        for i, view in enumerate(views):
+            self.index.extend([item.token for item in view.in_flight[1:]])
+            n, start = self.index.match()
+            if n:
+                children[i] = [(Proposal(self.index.continuation(start, 1)[0], source="lookup"), 0.0)]
+            self.index.truncate(shared.pos + 1)
+        rest = [i for i, found in enumerate(children) if found is None]
+        if rest:
+            for i, drafted in zip(rest, self.module.draft_branches([views[i] for i in rest], propose)):
+                children[i] = drafted
+        return children
 
     def finalize(self, pos, hidden):
         self.module.finalize(pos, hidden)
