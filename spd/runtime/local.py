@@ -62,9 +62,11 @@ class LocalStages(StageExecutor):
             rows = self.rows[stage]
             if flight is not None:
                 rows.fold(flight)
-            hidden = entering if stage == 0 else torch.cat([self.hidden.pop(node) for node in nodes], 1)
-            visible = None if flight is None else level_mask(rows, nodes, flight, self.device)
+            # the stage's inputs are made on its own stream (runtime=streams): made on the caller's, after the
+            # stage's stream was told to wait for it, they could be read before they are written
             with self._stream(stage):
+                hidden = entering if stage == 0 else torch.cat([self.hidden.pop(node) for node in nodes], 1)
+                visible = None if flight is None else level_mask(rows, nodes, flight, self.device)
                 if visible is None:
                     hidden, captured, logits = self._run(stage, hidden, pos)
                 else:
@@ -77,7 +79,12 @@ class LocalStages(StageExecutor):
             if logits is not None:                   # step.exiting: it leaves the pipeline with its logits
                 assert len(nodes) == 1, "the oldest level in flight is one verified node"
                 out.exit_logits = logits
+            self._handoff(stage, nodes, out)
         self._out = out
+
+    def _handoff(self, stage: int, nodes: list[int], out: StepOutput) -> None:
+        """`stage` just ran `nodes` (keyed by node id, as `out.features` and `self.hidden` are): where stages run on
+        streams of their own, what it made is marked as read by the streams that read it."""
 
     def collect(self) -> StepOutput:
         out, self._out = self._out, None

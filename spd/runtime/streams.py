@@ -75,16 +75,20 @@ class StreamStages(GraphStages):
         if entering is not None:
             entering.record_stream(self.streams[0])
         super().launch(step, entering, flight)
-        # a tensor made on one stream and used on another must not be reused by the allocator before that use
-        for stage, pos in enumerate(step.work):
-            if not step.runs(stage):
-                continue
-            for h in self._out.features.get(pos, {}).values():
+
+    def _handoff(self, stage, nodes, out):
+        if self.streams is None:
+            return
+        # a tensor made on one stream and read on another must not be handed out again by the allocator before
+        # that read: features and exiting logits are read on the caller's stream, a hidden state by the next stage
+        caller = torch.cuda.current_stream()
+        for node in nodes:
+            for h in out.features.get(node, {}).values():
                 h.record_stream(caller)
-            if pos in self.hidden:                 # not the last stage's: it is read by the next stage
-                self.hidden[pos].record_stream(self.streams[stage + 1])
-        if self._out.exit_logits is not None:
-            self._out.exit_logits.record_stream(caller)
+            if node in self.hidden:
+                self.hidden[node].record_stream(self.streams[stage + 1])
+        if out.exit_logits is not None:
+            out.exit_logits.record_stream(caller)
 
     def collect(self) -> StepOutput:
         if self.streams is not None:
