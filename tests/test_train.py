@@ -207,3 +207,17 @@ def test_one_teacher_cache_entry_serves_other_layouts_and_methods(tmp_path):
     assert len(os.listdir(own)) == 2  # neither of them had a superset entry to share there
     proc = run_train(tmp_path / "bad", *opts, f"teacher_cache_dir={shared}", "teacher_cache_layers=[11]", check=False)
     assert proc.returncode == 2 and "teacher_cache_layers" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_tokenizing_over_processes_equals_one_process(monkeypatch):
+    """Many conversations are rendered by forked workers (a GPU machine's cores): same examples, same order."""
+    import spd.train.data as data
+    from spd.targets.loading import load_target
+
+    tok = load_target("tiny-llama").tokenizer
+    convs = data.load_conversations(DATA, 64)
+    convs = convs + [[{"role": "user", "content": "no reply"}]] + convs[:3]   # a conversation with nothing to learn
+    serial = data.tokenize_conversations(tok, convs, 256, log=lambda m: None, processes=1)
+    monkeypatch.setattr(data, "PARALLEL_FROM", 8)
+    forked = data.tokenize_conversations(tok, convs, 256, log=lambda m: None, processes=2)
+    assert forked == serial and len(serial) > 40
