@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -54,6 +55,17 @@ def checkpoint_config(module: SpeculationModule | Eagle3Module, target: LoadedTa
         "fc_bias": module.fc_bias,
         **(extra or {}),
     }
+
+
+# kept at their own precision when a checkpoint is stored in float16: the draft-vocabulary map (int64) and the
+# feature standardisation (float32, a scale that float16 would round)
+FLOAT16_KEYS_SKIP = ("draft_to_target", "feature_shift", "feature_scale")
+
+
+def float16_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights in float16 for shipping (load_checkpoint widens them to the run's dtype)."""
+    return {k: (v if k in FLOAT16_KEYS_SKIP or not v.is_floating_point() else v.to(torch.float16)).contiguous()
+            for k, v in state.items()}
 
 
 def save_checkpoint(module: SpeculationModule, target: LoadedTarget, path: str, extra: dict | None = None) -> None:

@@ -15,9 +15,6 @@ import shutil
 import sys
 import tempfile
 
-FLOAT16_KEYS_SKIP = ("draft_to_target", "feature_shift", "feature_scale")
-
-
 def measured_of(path: str, command: str) -> dict:
     with open(path) as f:
         data = json.load(f)
@@ -40,17 +37,16 @@ def main(argv=None) -> int:
     ap.add_argument("--measured-command", required=True, help="the command that wrote --measured")
     args = ap.parse_args(argv)
 
-    import torch
     from safetensors.torch import load_file, save_file
 
+    from spd.checkpoint import float16_state
     from spd.shipped import SHIPPED_DIR
 
     with open(os.path.join(args.checkpoint, "config.json")) as f:
         config = json.load(f)
     training = config.get("training") or {}
     state = load_file(os.path.join(args.checkpoint, "model.safetensors"))
-    small = {k: (v if k in FLOAT16_KEYS_SKIP or not v.is_floating_point() else v.to(torch.float16)).contiguous()
-             for k, v in state.items()}
+    small = float16_state(state)
     config["provenance"] = {"command": training.get("command"), "data_sha256": training.get("data_sha256"),
                             "train_tokens": config.get("train_tokens"), "steps": config.get("step"),
                             "measured": measured_of(args.measured, args.measured_command)}

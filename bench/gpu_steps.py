@@ -1,0 +1,308 @@
+"""The steps of a GPU visit (bench/gpu_session.py runs each in its own process, under its own time box).
+
+    python bench/gpu_steps.py env|correctness|speed|eval --plan PLAN.json --deadline EPOCH --result OUT.json
+    python bench/gpu_steps.py export --plan PLAN.json --checkpoint DIR --name n5 --result OUT.json
+    python bench/gpu_steps.py tiny --plan PLAN.json           # the dry run's random target, saved as an HF directory
+
+Each step writes its JSON result after every row, atomically, so a step killed at its deadline still leaves what it
+finished. A row that raises records its traceback and the step goes on with the next row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/gpu.py's rows
+
+from spd.ar import ARDecoder
+from spd.config import GenerateConfig, load_config
+from spd.decoding import Request
+from spd.engine import pick_decoder
+from spd.eval.output import write_json
+from spd.methods import METHODS
+from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.runtime.local import LocalStages
+from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
+from spd.runtime.streams import GraphStages, StreamStages
+from spd.sampling import SamplingParams
+from spd.session import open_session
+from spd.targets.stages import StagedTarget
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=1.0, top_k=50)
+MIB = 2**20
+SHARD_BYTES = 16 * MIB - 4096   # the device tool returns files of at most 16 MiB
+
+
+class Result:
+    """A step's JSON, rewritten after every change."""
+
+    def __init__(self, path: str, step: str):
+        self.path, self.data = path, {"step": step, "rows": []}
+
+    def add(self, row: dict) -> None:
+        self.data["rows"].append(row)
+        self.save()
+
+    def save(self) -> None:
+        write_json(self.path, self.data)
+
+
+def guarded(result: Result, name: str, deadline: float, fn) -> None:
+    """One row: skipped past the deadline, its traceback recorded if it raises."""
+    if time.time() > deadline:
+        result.add({"name": name, "status": "skipped", "why": "the step's time box ran out"})
+        return
+    start = time.perf_counter()
+    try:
+        row = fn()
+        row.update(name=name, status=row.get("status", "ok"), seconds=time.perf_counter() - start)
+    except Exception:
+        row = {"name": name, "status": "error", "traceback": traceback.format_exc(),
+               "seconds": time.perf_counter() - start}
+    result.add(row)
+    print(f"[{result.data['step']}] {name}: {row['status']} ({row['seconds']:.1f} s)"
+          + (f" {row.get('summary', '')}" if row.get("summary") else ""), flush=True)
+
+
+def session_for(plan: dict, dtype: str, overrides: list[str]):
+    keys = [f"target={plan['target']}", f"device={plan['device']}", f"dtype={dtype}", *overrides]
+    return open_session(load_config(GenerateConfig, None, keys))
+
+
+def prompts_of(tokenizer, per_set: int) -> list[list[int]]:
+    return [chat_prompt_ids(tokenizer, q["turns"][0]) for ds in DATASETS for q in load_questions(ds)[:per_set]]
+
+
+# --- env -----------------------------------------------------------------------------------------------------
+
+def step_env(plan: dict, deadline: float, result: Result) -> None:
+    import platform
+    from importlib.metadata import version
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+            "cuda_available": torch.cuda.is_available()}
+    for name in ("transformers", "tokenizers", "safetensors", "deepspeed", "datasets", "omegaconf", "gguf"):
+        try:
+            info[name] = version(name)
+        except Exception as exc:
+            info[name] = f"missing: {exc}"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(memory_gib=props.total_memory / 2**30, multiprocessors=props.multi_processor_count)
+    result.data["env"] = info
+
+    def warm_target():
+        from spd.targets.loading import load_target
+
+        start = time.perf_counter()
+        loaded = load_target(plan["target"], torch.float32, "cpu")   # converts the GGUF into the weight cache once
+        return {"summary": loaded.name, "load_s": time.perf_counter() - start, "target": loaded.name,
+                "fingerprint": loaded.fingerprint}
+    guarded(result, "target_weight_cache", deadline, warm_target)
+
+
+# --- correctness ---------------------------------------------------------------------------------------------
+
+PIPELINE_EXECUTORS = {"local_eager": lambda staged: LocalStages(staged),
+                      "local_graphs": lambda staged: GraphStages(staged, cuda_graphs=True),
+                      "streams_eager": lambda staged: StreamStages(staged, cuda_graphs=False),
+                      "streams_graphs": lambda staged: StreamStages(staged, cuda_graphs=True)}
+
+
+def correctness_rows(plan: dict) -> list[tuple[str, list[str], str | None, int]]:
+    """(row name, config keys, pipeline executor or None for a chain, W)."""
+    spd = ["method=spd", f"checkpoint={plan['spd_checkpoint']}"]
+    rows = [(f"spd_{kind}_w{w}", spd + [f"W={w}"], kind, w) for w in (1, 4) for kind in PIPELINE_EXECUTORS]
+    rows += [("ppsd_local_eager_w1", ["method=ppsd", "checkpoint=random"], "local_eager", 1),
+             ("lookup_chain", ["method=lookup"], None, 1),
+             ("eagle3_chain", ["method=eagle3", "checkpoint=random"], None, 1),
+             ("eagle3_tree_w4", ["method=eagle3", "checkpoint=random", "W=4"], None, 4)]
+    return rows
+
+
+def top2(staged_whole: StagedTarget, ids: list[int]) -> tuple[float, float]:
+    """The target's top-2 logit gap after `ids` (how near a tie the greedy choice there was) and its top logit."""
+    with torch.no_grad():
+        hidden, _ = staged_whole.forward_all(torch.tensor([ids], device=staged_whole.device), None)
+        top = torch.topk(staged_whole.logits(hidden[0, -1]).float(), 2).values
+    return float(top[0] - top[1]), float(top[0])
+
+
+def near_tie(margin: float, top: float, dtype: str) -> bool:
+    """Within 8 roundings of the top logit in this dtype: two kernels that sum in another order may flip it."""
+    return margin <= 8 * torch.finfo(getattr(torch, dtype)).eps * max(1.0, abs(top))
+
+
+def decode_row(plan: dict, dtype: str, keys: list[str], executor: str | None, width: int) -> dict:
+    cfg = plan["correctness"]
+    session = session_for(plan, dtype, keys)
+    eos = session.eos_ids
+    drafter = session.drafter()
+    whole = StagedTarget(session.loaded.model, 1)
+    if executor is None:        # a chain: the target verifies whole; AR eager is its reference
+        decoder = pick_decoder(session.method, load_config(GenerateConfig, None, []), session, None, drafter)
+        reference = ARDecoder(whole, eos)
+    else:
+        stages = PIPELINE_EXECUTORS[executor](session.staged)
+        decoder = PipelineDecoder(stages, drafter, eos, width)
+        # the same kind of step: eager stages against eager AR, fixed-shape against AR through fixed-shape steps
+        reference = ARDecoder(whole, eos) if executor.endswith("eager") else \
+            PipelineARDecoder(GraphStages(whole, cuda_graphs=executor.endswith("graphs")), eos)
+    prompts = prompts_of(session.loaded.tokenizer, cfg["prompts_per_set"])
+    max_new = cfg["max_new_tokens"]
+    equal, diverged, tokens, rollbacks, sampled = 0, [], 0, 0, []
+    for i, ids in enumerate(prompts):
+        out = decoder.generate(ids, Request(max_new, GREEDY))
+        ref = reference.generate(ids, Request(max_new, GREEDY)).token_ids
+        tokens += len(out.token_ids)
+        rollbacks += getattr(out.stats, "rollbacks", 0) or 0
+        if out.token_ids == ref:
+            equal += 1
+        else:
+            at = next((j for j, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), min(len(ref), len(out.token_ids)))
+            margin, top = top2(whole, ids + ref[:at]) if at < len(ref) else (None, None)
+            diverged.append({"prompt": i, "position": at, "decoded": out.token_ids[at: at + 3], "ar": ref[at: at + 3],
+                             "ar_top2_margin": margin, "near_tie": margin is not None and near_tie(margin, top, dtype)})
+        t1 = decoder.generate(ids, Request(max_new, SAMPLED, seed=i))
+        sampled.append(len(t1.token_ids))
+    summary = f"greedy = AR {equal}/{len(prompts)}, T=1 ran {len(sampled)}"
+    return {"dtype": dtype, "W": width, "prompts": len(prompts), "greedy_equal": equal, "diverged": diverged,
+            "tokens": tokens, "rollbacks": rollbacks, "sampled_tokens": sampled, "summary": summary,
+            "status": "ok" if equal == len(prompts) else "mismatch"}
+
+
+def step_correctness(plan: dict, deadline: float, result: Result) -> None:
+    for dtype in plan["dtypes"]:
+        for name, keys, executor, width in correctness_rows(plan):
+            guarded(result, f"{name}_{dtype}", deadline,
+                    lambda keys=keys, executor=executor, width=width, dtype=dtype:
+                    decode_row(plan, dtype, keys, executor, width))
+
+
+# --- speed ---------------------------------------------------------------------------------------------------
+
+def step_speed(plan: dict, deadline: float, result: Result) -> None:
+    import gpu
+
+    cfg = plan["speed"]
+    device = torch.device(plan["device"])
+    result.data["copy_bandwidth_bytes_per_s"] = gpu.copy_bandwidth(device, mib=cfg.get("copy_mib", 512))
+    for dtype in cfg["dtypes"]:
+        session = session_for(plan, dtype, ["method=spd", f"checkpoint={plan['spd_checkpoint']}"])
+        prompts = prompts_of(session.loaded.tokenizer, cfg["prompts_per_set"])
+        weight_bytes = sum(p.numel() * p.element_size() for p in session.loaded.model.parameters())
+        roofline = result.data["copy_bandwidth_bytes_per_s"] / weight_bytes
+        run = {"weight_bytes": weight_bytes, "roofline_tokens_per_s": roofline, "n": session.staged.n,
+               "checkpoint": session.checkpoint, "prompts": len(prompts), "max_new_tokens": cfg["max_new_tokens"]}
+        result.data.setdefault("runs", {})[dtype] = run
+        rows, executors = gpu.suite_rows(session, prompts, cfg["max_new_tokens"], device, deadline=deadline)
+        run["rows"] = rows
+        result.save()
+        if time.time() < deadline and "spd_streams_graphs" in executors:
+            run["stage_overlap"] = gpu.stage_overlap(executors["spd_streams_graphs"], session.staged, prompts[0],
+                                                     device)
+            result.save()
+        rows.update(gpu.hf_rows(session.loaded.model, prompts, cfg["max_new_tokens"], device, cfg["compile"],
+                                session.eos_ids, deadline=deadline))
+        for row in rows.values():
+            if "tokens_per_s" in row:
+                row["fraction_of_roofline"] = row["tokens_per_s"] / roofline
+        result.save()
+        print(f"[speed] {dtype}: roofline {roofline:.0f} tok/s; " + ", ".join(
+            f"{k} {v['tokens_per_s']:.1f}" for k, v in rows.items() if "tokens_per_s" in v), flush=True)
+
+
+# --- eval ----------------------------------------------------------------------------------------------------
+
+def step_eval(plan: dict, deadline: float, result: Result) -> None:
+    from spd.eval.config import EvalConfig
+    from spd.eval.harness import run_eval
+
+    cfg = plan["eval"]
+    for label, checkpoint in cfg["modules"].items():
+        def one(label=label, checkpoint=checkpoint):
+            keys = [f"target={plan['target']}", f"checkpoint={checkpoint}", f"limit={cfg['limit']}",
+                    f"max_new_tokens={cfg['max_new_tokens']}", f"device={plan['device']}", "dtype=float32",
+                    "calibrate=false", f"output_dir={os.path.join(plan['work'], 'eval', label)}", "resume=false",
+                    f"trace_cache_dir={os.path.join(plan['work'], 'traces')}", "wandb.mode=disabled"]
+            summary = run_eval(load_config(EvalConfig, None, keys), log=lambda m: print(f"[eval] {m}", flush=True))
+            pooled = summary["overall"]["eal_pooled"]
+            return {"label": label, "checkpoint": checkpoint, "eal_pooled": pooled,
+                    "eal_per_dataset": {name: ds["eal_pooled"] for name, ds in summary["datasets"].items()},
+                    "samples": summary["overall"]["samples"], "limit": cfg["limit"],
+                    "max_new_tokens": cfg["max_new_tokens"], "summary": f"L'acc {pooled:.3f}"}
+        guarded(result, f"eval_{label}", deadline, one)
+
+
+# --- export: a checkpoint in float16, cut into files the device tool returns --------------------------------
+
+def step_export(plan: dict, checkpoint: str, name: str, result: Result) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from spd.checkpoint import float16_state
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    state = float16_state(load_file(os.path.join(checkpoint, "model.safetensors")))
+    out = plan["out"]
+    tmp = os.path.join(plan["work"], f"{name}.fp16.safetensors")
+    save_file(state, tmp, metadata={"format": config.get("format", "spd-speculation-module")})
+    with open(tmp, "rb") as f:
+        blob = f.read()
+    shards = []
+    for k in range(0, len(blob), SHARD_BYTES):
+        shard = f"{name}.safetensors.part{k // SHARD_BYTES + 1}"
+        with open(os.path.join(out, shard + ".tmp"), "wb") as g:
+            g.write(blob[k: k + SHARD_BYTES])
+        os.replace(os.path.join(out, shard + ".tmp"), os.path.join(out, shard))
+        shards.append(shard)
+    result.data.update(name=name, config=config, shards=shards, sha256=hashlib.sha256(blob).hexdigest(),
+                       bytes=len(blob))
+    result.save()
+    print(f"[export] {name}: step {config.get('step')}, {config.get('train_tokens')} tokens -> {len(shards)} files",
+          flush=True)
+
+
+def step_tiny(plan: dict) -> None:
+    from spd.targets.tiny import save_tiny_target
+
+    save_tiny_target(plan["target"], "llama", seed=0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/gpu_steps.py")
+    ap.add_argument("step", choices=["env", "correctness", "speed", "eval", "export", "tiny"])
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--deadline", type=float, default=float("inf"))
+    ap.add_argument("--result")
+    ap.add_argument("--checkpoint")
+    ap.add_argument("--name")
+    args = ap.parse_args(argv)
+    with open(args.plan) as f:
+        plan = json.load(f)
+    if args.step == "tiny":
+        step_tiny(plan)
+        return 0
+    result = Result(args.result, args.step)
+    if args.step == "export":
+        step_export(plan, args.checkpoint, args.name, result)
+        return 0
+    {"env": step_env, "correctness": step_correctness, "speed": step_speed, "eval": step_eval}[args.step](
+        plan, args.deadline, result)
+    result.data["finished"] = True
+    result.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""bench/gpu_session.py, the prepared GPU visit, cannot rot: its dry run (a tiny random target on CPU) goes through
+every step the visit runs — parts stashed and assembled, correctness rows, speed rows, a probe-planned training run
+ended by SIGINT at its box with checkpoints exported as float16 parts, the fast evaluator, the returned files — and
+`gpu_pack.py unpack` rebuilds the trained module from what came back."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "bench")
+sys.path.insert(0, BENCH)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_dry")
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_session.py"), "--device", "cpu", "--dry-run",
+                           "--out", str(root / "out"), "--work", str(root / "work")],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(root / "out" / "session.json") as f:
+        return root, json.load(f)
+
+
+def test_dry_run_goes_through_every_step(dry_run):
+    _, session = dry_run
+    steps = session["steps"]
+    assert [steps[s]["status"] for s in ("setup", "env", "correctness", "speed", "train_n5", "eval")] == ["ok"] * 6
+    rows = steps["correctness"]["rows"]
+    names = {r["name"] for r in rows}
+    for kind in ("local_eager", "local_graphs", "streams_eager", "streams_graphs"):
+        for w in (1, 4):
+            assert {f"spd_{kind}_w{w}_float32", f"spd_{kind}_w{w}_bfloat16"} <= names
+    assert {"ppsd_local_eager_w1_float32", "lookup_chain_bfloat16", "eagle3_chain_float32",
+            "eagle3_tree_w4_bfloat16"} <= names and len(rows) == 24
+    for r in rows:
+        assert r["status"] == "ok" and r["greedy_equal"] == r["prompts"] == 3, r
+        assert len(r["sampled_tokens"]) == 3 and min(r["sampled_tokens"]) >= 1
+    speed = steps["speed"]["runs"]["float32"]["rows"]
+    for name in ("suite_ar_eager", "suite_ar_graphs", "spd_local_eager", "spd_local_graphs", "spd_streams_eager",
+                 "spd_streams_graphs", "hf_dynamic"):
+        assert speed[name]["tokens_per_s"] > 0
+    assert all(speed[name]["ar_match"] == 3 for name in speed if name.startswith("spd_"))
+    assert steps["speed"]["runs"]["float32"]["stage_overlap"]["together_s"] > 0
+    train = steps["train_n5"]
+    assert train["stopped_by_box"] and train["rc"] == 130 and train["steps_done"] >= 2     # SIGINT saved it
+    assert train["probe"]["tokens_per_s"] > 0 and train["planned_steps"] >= 2
+    evals = {r["label"]: r for r in steps["eval"]["rows"]}
+    assert set(evals) == {"random_n5", "gpu_n5"} and all(r["status"] == "ok" for r in evals.values())
+    assert all(1 <= r["eal_pooled"] <= 5 and r["samples"] == 3 for r in evals.values())
+    returned = session["returned"]
+    assert returned["within_limits"] and len(returned["files"]) <= 8
+    assert set(returned["files"]) == {"session.json", "log.txt", *session["modules"]["n5"]["shards"]}
+
+
+def test_unpack_rebuilds_the_trained_module(dry_run, tmp_path):
+    from safetensors.torch import load_file
+
+    from spd.checkpoint import float16_state
+
+    root, session = dry_run
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_pack.py"), "unpack", str(root / "out")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    module = tmp_path / "outputs" / "gpu" / session["stamp"] / "n5"
+    got = load_file(module / "model.safetensors")
+    trained = float16_state(load_file(root / "work" / "train_n5" / "checkpoint" / "model.safetensors"))
+    assert got.keys() == trained.keys() and all(torch.equal(got[k], trained[k]) for k in got)
+    assert json.loads((module / "config.json").read_text())["n"] == 5
+    assert (tmp_path / "docs" / "results" / "gpu" / session["stamp"] / "session.json").is_file()
+
+
+def test_a_failing_row_is_recorded_and_the_step_goes_on(tmp_path):
+    import time
+
+    from gpu_steps import Result, guarded
+
+    result = Result(str(tmp_path / "r.json"), "correctness")
+    guarded(result, "boom", time.time() + 60, lambda: {"x": 1 / 0})
+    guarded(result, "fine", time.time() + 60, lambda: {"summary": "ok"})
+    guarded(result, "late", time.time() - 1, lambda: {"summary": "never run"})
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["error", "ok", "skipped"]
+    assert "ZeroDivisionError" in rows[0]["traceback"]
+
+
+def test_a_step_that_overruns_its_box_is_killed(tmp_path):
+    from types import SimpleNamespace
+
+    from gpu_session import Visit
+
+    visit = Visit(SimpleNamespace(dry_run=True, minutes=1, out=str(tmp_path / "out"), work=str(tmp_path / "w"),
+                                  device="cpu"))
+    rc, seconds = visit.run_process([sys.executable, "-c", "import time; time.sleep(60)"], 1.0)
+    assert rc == "killed at its time box" and seconds < 30
+
+
+def test_parts_assemble_only_when_all_are_there_and_verified(tmp_path):
+    import shutil
+
+    from gpu_pack import split_payload, stash_and_assemble
+
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "x.bin").write_bytes(os.urandom(30_000))
+    (src / "y.txt").write_text("payload")
+    manifest = split_payload(str(src), str(tmp_path / "pack"), 12_000)
+    assert len(manifest["parts"]) >= 3
+    stash = tmp_path / "stash"
+    for i, part in enumerate(manifest["parts"]):
+        call = tmp_path / f"call{i}"
+        shutil.copytree(tmp_path / "pack" / part["name"], call / part["name"])
+        got = stash_and_assemble(str(call), str(stash), log=lambda m: None)
+        assert (got is None) == (i < len(manifest["parts"]) - 1)
+    assert (stash / "payload" / "a" / "x.bin").read_bytes() == (src / "a" / "x.bin").read_bytes()
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "pack" / "part1", bad / "part1")
+    with open(bad / "part1" / "payload.tar.1", "r+b") as f:
+        f.write(b"corrupted")
+    with pytest.raises(RuntimeError, match="does not match"):
+        stash_and_assemble(str(bad), str(tmp_path / "stash2"), log=lambda m: None)
+
+
+def test_help_names_every_step_and_its_minutes():
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_session.py"), "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0
+    for step in ("setup", "correctness", "speed", "train", "eval"):
+        assert step in proc.stdout
+    assert "9 minutes" in proc.stdout or "(default 9)" in proc.stdout
