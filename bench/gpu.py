@@ -34,6 +34,9 @@ from spd.session import open_session
 from spd.targets.stages import StagedTarget
 
 GREEDY = SamplingParams()
+# each SPD row's lossless reference: AR through the same kind of step (sliced eager, fixed-shape eager, graphs)
+REFERENCE = {"spd_local_eager": "suite_ar_eager", "spd_local_graphs": "suite_ar_graphs",
+             "spd_streams_eager": "suite_ar_fixed_eager", "spd_streams_graphs": "suite_ar_graphs"}
 
 
 def sync(device: torch.device) -> None:
@@ -92,9 +95,11 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None)
     staged, eos = session.staged, session.eos_ids
     whole = StagedTarget(session.loaded.model, 1)
     ar_eager, ar_graphs = ARDecoder(whole, eos), PipelineARDecoder(GraphStages(whole), eos)
+    ar_fixed = PipelineARDecoder(GraphStages(whole, cuda_graphs=False), eos)   # fixed-shape steps, no graphs
     request = Request(max_new, GREEDY)
     runs = {
         "suite_ar_eager": lambda ids: ar_eager.generate(ids, request).token_ids,
+        "suite_ar_fixed_eager": lambda ids: ar_fixed.generate(ids, request).token_ids,
         "suite_ar_graphs": lambda ids: ar_graphs.generate(ids, request).token_ids,
     }
     executors = {"spd_local_eager": LocalStages(staged), "spd_local_graphs": GraphStages(staged),
@@ -128,7 +133,7 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None)
             K = sum(s.K for s in stats[name])
             rows[name]["eal"] = N / K * staged.n if K else None
     for name in executors:   # lossless: each SPD row against the suite's AR with the same kind of step
-        reference = outputs.get("suite_ar_eager" if name.endswith("eager") else "suite_ar_graphs")
+        reference = outputs.get(REFERENCE[name])
         if name not in outputs or reference is None:
             continue
         rows[name]["ar_match"] = sum(a == b for a, b in zip(outputs[name], reference))
@@ -136,31 +141,41 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None)
     return rows, executors
 
 
-def stage_overlap(executor: StreamStages, staged: StagedTarget, prompt_ids: list[int], device, repeats: int = 50):
-    """Seconds per step of each stage alone, and of all stages launched together on their streams."""
-    executor.prefill(prompt_ids, frozenset(), len(prompt_ids) + 8)
+def capture_of(session) -> frozenset[int]:
+    """The layers SPD's drafter reads: what the decoder's stage steps capture."""
+    return frozenset(session.drafter().layers_needed(session.staged.bounds))
+
+
+def stage_overlap(executor: StreamStages, staged: StagedTarget, prompt_ids: list[int], device, capture=frozenset(),
+                  repeats: int = 50):
+    """Seconds per step of each stage alone, and of all stages launched together on their streams, each repeat
+    fenced as the decoder fences a step (the stages wait for the caller's stream, the caller waits for them, and
+    the host waits for the verdict). capture: the layers the decoder's drafter reads (the steps timed are its
+    steps, with their captured-layer copies)."""
+    executor.prefill(prompt_ids, frozenset(capture), len(prompt_ids) + 8)
     pos = len(prompt_ids)
     entering = [torch.zeros(1, 1, staged.config.hidden_size, device=device, dtype=staged.dtype)] * staged.n
+    streams = executor.streams or []
 
-    def one(stage):
-        with executor._stream(stage):
-            executor.steps[stage](entering[stage], pos)
+    def step(stages):
+        caller = torch.cuda.current_stream(device) if streams else None
+        for stream in streams:                    # what launch does: the stages wait for the caller's work
+            stream.wait_stream(caller)
+        for stage in stages:
+            with executor._stream(stage):
+                executor.steps[stage](entering[stage], pos)
+        for stream in streams:                    # what collect does
+            caller.wait_stream(stream)
+        sync(device)                              # the verdict read: one host sync per step
 
     alone = []
     for stage in range(staged.n):
-        one(stage)
-        _, s = timed(device, lambda: [one(stage) for _ in range(repeats)])
+        step([stage])
+        _, s = timed(device, lambda: [step([stage]) for _ in range(repeats)])
         alone.append(s / repeats)
-
-    def together():
-        for _ in range(repeats):
-            for stage in range(staged.n):
-                one(stage)
-            if executor.streams is not None:
-                for stream in executor.streams:
-                    torch.cuda.current_stream().wait_stream(stream)
-    together()
-    _, s = timed(device, together)
+    everything = list(range(staged.n))
+    step(everything)
+    _, s = timed(device, lambda: [step(everything) for _ in range(repeats)])
     return {"stage_alone_s": alone, "sum_alone_s": sum(alone), "together_s": s / repeats,
             "overlap": sum(alone) / (s / repeats)}
 
@@ -195,7 +210,7 @@ def main() -> int:
                                  "n": session.staged.n, "stage_bounds": session.staged.bounds,
                                  "checkpoint": session.checkpoint,
                                  "stage_overlap": stage_overlap(executors["spd_streams_graphs"], session.staged,
-                                                                prompts[0], device)}
+                                                                prompts[0], device, capture_of(session))}
         print(f"[gpu] {dtype}: roofline {roofline:.0f} tok/s; " +
               ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in rows.items()), flush=True)
     out = args.out or f"docs/results/gpu_{device.type}_{args.dtypes.replace(',', '_')}.json"

@@ -38,11 +38,12 @@ CALL_LIMIT = 64 * MIB           # the device tool's limit on what one call carri
 MARGIN = 2 * MIB                # for files this session adds to the tree before the visit
 PACK_DIR = ".gpu"               # ignored (.gitignore); each part is carried as .gpu/partK
 AWAY = ("spd/assets/modules", "docs")   # tracked, needed on no GPU call, too large to travel
-EXCLUDE_MARK = "# bench/gpu_pack.py travel"
-# what the GPU image (docs/gpu.md: torch 2.11, transformers 5.17, no omegaconf/deepspeed/datasets) lacks, pinned to
-# this machine's versions so both sides run the same library code
-WHEELS = ("transformers", "omegaconf", "gguf", "datasets", "dill", "multiprocess", "hjson", "pydantic",
-          "pydantic-core", "annotated-types", "typing-inspection")
+EXCLUDE_BEGIN, EXCLUDE_END = "# bench/gpu_pack.py travel: begin\n", "# bench/gpu_pack.py travel: end\n"
+# what the GPU image (docs/gpu.md: torch 2.11, transformers 5.17, no omegaconf/deepspeed/datasets) lacks or may have
+# outside our libraries' pins (datasets: fsspec <= 2026.9; transformers: regex >= 2025.10), pinned to this
+# machine's versions so both sides run the same library code
+WHEELS = ("transformers", "omegaconf", "gguf", "datasets", "dill", "multiprocess", "fsspec", "regex", "hjson",
+          "pydantic", "pydantic-core", "annotated-types", "typing-inspection")
 SDIST_WHEELS = ("deepspeed",)   # published as a source distribution only: built here into a pure-Python wheel
 SHAREGPT_RESERVED = 1000        # the file's last conversations: never packed, kept for held-out sets
 DATA_NAME = "sharegpt_gpu.jsonl.xz"
@@ -277,9 +278,10 @@ def travel(args) -> int:
     exclude = os.path.join(git("rev-parse", "--git-dir").strip(), "info", "exclude")
     os.makedirs(os.path.dirname(exclude), exist_ok=True)
     text = open(exclude).read() if os.path.isfile(exclude) else ""
-    if EXCLUDE_MARK not in text:
+    if EXCLUDE_BEGIN not in text:
         with open(exclude, "a") as f:
-            f.write("".join(f"/{p}/ {EXCLUDE_MARK}\n" for p in AWAY))
+            f.write(("" if not text or text.endswith("\n") else "\n") + EXCLUDE_BEGIN +
+                    "".join(f"/{p}/\n" for p in AWAY) + EXCLUDE_END)
     for path in AWAY:
         if tracked(path):
             git("rm", "-r", "-q", "--cached", "--", path)
@@ -289,9 +291,11 @@ def travel(args) -> int:
 def home(args) -> int:
     exclude = os.path.join(git("rev-parse", "--git-dir").strip(), "info", "exclude")
     if os.path.isfile(exclude):
-        lines = [line for line in open(exclude) if EXCLUDE_MARK not in line]
-        with open(exclude, "w") as f:
-            f.writelines(lines)
+        text = open(exclude).read()
+        if EXCLUDE_BEGIN in text and EXCLUDE_END in text:
+            begin, end = text.index(EXCLUDE_BEGIN), text.index(EXCLUDE_END) + len(EXCLUDE_END)
+            with open(exclude, "w") as f:
+                f.write(text[:begin] + text[end:])
     git("reset", "-q", "--", *AWAY)
     left = git("status", "--porcelain", "--", *AWAY).strip()
     print("index restored" + (f"; still differing from HEAD:\n{left}" if left else ""))

@@ -157,7 +157,9 @@ class Visit:
                     return False
                 site = os.path.join(self.args.stash, "site")
                 wheels = sorted(os.path.join(payload, "wheels", w) for w in os.listdir(os.path.join(payload, "wheels")))
-                if not os.path.isdir(site):
+                if self.args.no_install:
+                    os.makedirs(site, exist_ok=True)
+                elif not os.path.isdir(site):
                     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                                     "--no-compile", "--no-cache-dir", "--upgrade", "--target", site + ".tmp",
                                     *wheels], check=True)
@@ -249,7 +251,7 @@ class Visit:
         config = os.path.join(REPO, "configs", "train", "gpu_n5.yaml")
         run_py = os.path.join(REPO, "train", "run.py")
         probe_dir = os.path.join(self.work, f"probe_{name}")
-        probe_steps = 4 if self.dry else 8
+        probe_steps = 4 if self.dry else self.args.probe_steps
         rc, probe_s = self.run_process([sys.executable, run_py, "--config", config, *self.train_keys(name),
                                         f"output_dir={probe_dir}", f"optim.steps={probe_steps}",
                                         "data.max_conversations=64" if self.dry else "data.max_conversations=512",
@@ -392,6 +394,9 @@ def main(argv=None) -> int:
     ap.add_argument("--train", default="n5", help="modules to train in order, e.g. n5,n2 (default n5)")
     ap.add_argument("--stash", default="/tmp/spd_gpu_stash", help="where carried parts wait for the others")
     ap.add_argument("--work", default=None, help="scratch directory (default: beside --out)")
+    ap.add_argument("--probe-steps", type=int, default=8, help="training steps that measure tokens/s (default 8)")
+    ap.add_argument("--no-install", action="store_true",
+                    help="use this interpreter's packages, not the carried wheels (a CPU rehearsal of a visit)")
     args = ap.parse_args(argv)
     if not args.out:
         ap.error("--out is needed where $OUT is not set")

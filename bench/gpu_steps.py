@@ -155,8 +155,9 @@ def decode_row(plan: dict, dtype: str, keys: list[str], executor: str | None, wi
     else:
         stages = PIPELINE_EXECUTORS[executor](session.staged)
         decoder = PipelineDecoder(stages, drafter, eos, width)
-        # the same kind of step: eager stages against eager AR, fixed-shape against AR through fixed-shape steps
-        reference = ARDecoder(whole, eos) if executor.endswith("eager") else \
+        # the same kind of step: sliced eager stages against eager AR, fixed-shape steps (graphs or not) against AR
+        # through the same fixed-shape steps
+        reference = ARDecoder(whole, eos) if executor == "local_eager" else \
             PipelineARDecoder(GraphStages(whole, cuda_graphs=executor.endswith("graphs")), eos)
     prompts = prompts_of(session.loaded.tokenizer, cfg["prompts_per_set"])
     max_new = cfg["max_new_tokens"]
@@ -210,7 +211,7 @@ def step_speed(plan: dict, deadline: float, result: Result) -> None:
         result.save()
         if time.time() < deadline and "spd_streams_graphs" in executors:
             run["stage_overlap"] = gpu.stage_overlap(executors["spd_streams_graphs"], session.staged, prompts[0],
-                                                     device)
+                                                     device, gpu.capture_of(session))
             result.save()
         rows.update(gpu.hf_rows(session.loaded.model, prompts, cfg["max_new_tokens"], device, cfg["compile"],
                                 session.eos_ids, deadline=deadline))

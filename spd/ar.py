@@ -32,6 +32,6 @@ class ARDecoder(Decoder):
             yield token
             if is_final(token, produced, request.max_new_tokens, self.eos_ids):
                 return
-            ids = torch.tensor([[token]], device=target.device)
+            ids = torch.full((1, 1), token, dtype=torch.long, device=target.device)
             hidden, captured = target.forward_all(ids, cache, len(prompt_ids) + produced - 1, self.capture)
 

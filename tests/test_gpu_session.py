@@ -42,8 +42,8 @@ def test_dry_run_goes_through_every_step(dry_run):
         assert r["status"] == "ok" and r["greedy_equal"] == r["prompts"] == 3, r
         assert len(r["sampled_tokens"]) == 3 and min(r["sampled_tokens"]) >= 1
     speed = steps["speed"]["runs"]["float32"]["rows"]
-    for name in ("suite_ar_eager", "suite_ar_graphs", "spd_local_eager", "spd_local_graphs", "spd_streams_eager",
-                 "spd_streams_graphs", "hf_dynamic"):
+    for name in ("suite_ar_eager", "suite_ar_fixed_eager", "suite_ar_graphs", "spd_local_eager", "spd_local_graphs",
+                 "spd_streams_eager", "spd_streams_graphs", "hf_dynamic"):
         assert speed[name]["tokens_per_s"] > 0
     assert all(speed[name]["ar_match"] == 3 for name in speed if name.startswith("spd_"))
     assert steps["speed"]["runs"]["float32"]["stage_overlap"]["together_s"] > 0

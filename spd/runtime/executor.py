@@ -31,7 +31,16 @@ def level_mask(rows: StageRows, nodes: list[int], flight: Flight, device) -> tup
     if rows.sees_all(nodes, flight):
         return None
     visible, keys = rows.visible(nodes, flight)
-    return torch.tensor(visible, device=device), torch.tensor(keys, device=device)
+    return to_device(visible, torch.bool, device), to_device(keys, torch.long, device)
+
+
+def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list on `device` without a sync: through pinned memory and an asynchronous copy on CUDA (a plain
+    `torch.tensor(..., device=cuda)` waits for the copy, stalling the host mid-step)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 class StageExecutor(ABC):

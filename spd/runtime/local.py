@@ -27,7 +27,8 @@ class LocalStages(StageExecutor):
         self.device = target.device
 
     def embed(self, token: int) -> torch.Tensor:
-        return self.target.embed(torch.tensor([[token]], device=self.device))
+        # a fill, not a host-to-device copy: nothing waits for the stages still running on their streams
+        return self.target.embed(torch.full((1, 1), token, dtype=torch.long, device=self.device))
 
     def prefill(self, prompt_ids, capture, max_length=None, argmax_exit=False):
         self.capture = frozenset(capture)

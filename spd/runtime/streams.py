@@ -69,7 +69,7 @@ class StreamStages(GraphStages):
     def launch(self, step: Step, entering, flight=None):
         if self.streams is None:
             return super().launch(step, entering, flight)
-        caller = torch.cuda.current_stream()
+        caller = torch.cuda.current_stream(self.device)
         for stream in self.streams:              # the entering embedding, the drafter's reads, a rollback's crop
             stream.wait_stream(caller)
         if entering is not None:
@@ -81,7 +81,7 @@ class StreamStages(GraphStages):
             return
         # a tensor made on one stream and read on another must not be handed out again by the allocator before
         # that read: features and exiting logits are read on the caller's stream, a hidden state by the next stage
-        caller = torch.cuda.current_stream()
+        caller = torch.cuda.current_stream(self.device)
         for node in nodes:
             for h in out.features.get(node, {}).values():
                 h.record_stream(caller)
@@ -92,7 +92,7 @@ class StreamStages(GraphStages):
 
     def collect(self) -> StepOutput:
         if self.streams is not None:
-            caller = torch.cuda.current_stream()
+            caller = torch.cuda.current_stream(self.device)
             for stream in self.streams:
                 caller.wait_stream(stream)
         return super().collect()

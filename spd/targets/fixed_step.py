@@ -47,15 +47,17 @@ class FixedStep:
         return hidden, captured, self.target.logits(hidden[0, -1]) if self.with_logits else None
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self._run()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._outputs = self._run()
+        device = self.target.device     # cuda:N: streams and the capture on that device, not the current one
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    self._run()
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._outputs = self._run()
 
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor, position: int):

@@ -83,11 +83,13 @@ class LayerKVCache:
             for layer in layers:           # a chain's path: nothing moves
                 self.lengths[layer] = min(self.lengths[layer], start + count)
             return
+        index = None   # one host-to-device copy per keep, not per layer
         for layer in layers:
             keys = self._keys[layer]
             if keys is None or self.lengths[layer] <= start:
                 continue
-            index = torch.tensor(slots, device=keys.device)
+            if index is None:
+                index = torch.tensor(slots, device=keys.device)
             keys[:, :, start: start + count] = keys.index_select(2, index)
             values = self._values[layer]
             values[:, :, start: start + count] = values.index_select(2, index)

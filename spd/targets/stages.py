@@ -118,7 +118,8 @@ class StagedTarget:
         captured: dict[int, torch.Tensor] = {}
         rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         masks: dict[str, torch.Tensor | None] = {}
-        key_len = int(positions[-1]) + 1 if mask_keys is None else None
+        # read back only on the sliced path, the one that needs it (a host sync on CUDA)
+        key_len = int(positions[-1]) + 1 if mask_keys is None and visible is None else None
         for index in range(start, end):
             layer_type = self.layer_types[index]
             if layer_type not in rope:
