@@ -126,7 +126,7 @@ def sharegpt_extract(dest: str, max_length: int, budget_bytes: int, log=print) -
         line = json.dumps({"id": index, "conversations": [{"from": "human" if m["role"] == "user" else
                                                             m["role"] if m["role"] == "system" else "gpt",
                                                             "value": m["content"]} for m in msgs[:best]]},
-                          ensure_ascii=False) + "\n"
+                          ensure_ascii=True) + "\n"
         chunk = packer.compress(line.encode())
         raw.write(chunk)
         written += len(chunk)

@@ -20,6 +20,7 @@ from spd.errors import UserError
 from spd.eagle3_module import Eagle3Module
 from spd.methods import TRAINED_METHODS
 from spd.module import SpeculationModule
+from spd.targets.loaded import reduced_fingerprints
 from spd.targets.loading import LoadedTarget
 from spd.targets.stages import StagedTarget
 
@@ -33,7 +34,8 @@ def checkpoint_config(module: SpeculationModule | Eagle3Module, target: LoadedTa
     head = {
         "format": FORMAT,
         "format_version": 1,
-        "target": {"name": target.name, "fingerprint": target.fingerprint, "model_type": cfg.model_type,
+        "target": {"name": target.name, "fingerprint": target.fingerprint,
+                   "fingerprints": reduced_fingerprints(target.model), "model_type": cfg.model_type,
                    "num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
     }
     draft_vocab = None if module.draft_to_target is None else int(module.draft_to_target.numel())
@@ -123,7 +125,8 @@ def checkpoint_method(path: str, cfg: dict) -> str:
 def check_target(path: str, cfg: dict, target: LoadedTarget) -> None:
     """A checkpoint runs only on the target it was trained for (checked before anything about n or bounds)."""
     ident = cfg["target"]
-    if ident["fingerprint"] != target.fingerprint:
+    # the same weights in bfloat16 / float16 (a GPU run of a module trained in float32) are the same target
+    if target.fingerprint not in (ident["fingerprint"], *(ident.get("fingerprints") or {}).values()):
         raise UserError(f"checkpoint {path!r} was trained for target {ident['name']!r} (fingerprint "
                         f"{ident['fingerprint']}), not {target.name!r} ({target.fingerprint}); use the matching target=")
 

@@ -43,11 +43,14 @@ def test_which_module_a_run_gets():
 @pytest.mark.slow
 @pytest.mark.parametrize("module", SHIPPED, ids=lambda m: m["path"].rsplit("/", 1)[-1])
 def test_shipped_module_loads_on_the_default_target_and_is_lossless(module):
+    from spd.targets.loaded import reduced_fingerprints
     from spd.targets.loading import load_target
 
     loaded = load_target("smollm2")
     cfg = read_checkpoint_config(module["path"])
     assert cfg["target"]["fingerprint"] == loaded.fingerprint
+    # the same weights as a bfloat16 / float16 load gives them: the module drafts for GPU runs in those dtypes
+    assert cfg["target"]["fingerprints"] == reduced_fingerprints(loaded.model)
     staged = StagedTarget(loaded.model, cfg["n"], cfg["stage_bounds"])
     drafter_module = load_checkpoint(module["path"], staged, loaded).eval()
     assert drafter_module.head.weight.dtype == torch.float32     # stored in float16, widened on load

@@ -221,3 +221,17 @@ def test_tokenizing_over_processes_equals_one_process(monkeypatch):
     monkeypatch.setattr(data, "PARALLEL_FROM", 8)
     forked = data.tokenize_conversations(tok, convs, 256, log=lambda m: None, processes=2)
     assert forked == serial and len(serial) > 40
+
+
+def test_json_lines_with_unicode_line_separators_inside_strings_load(tmp_path):
+    """JSON allows U+2028 / U+0085 unescaped inside a string; a JSONL line holding one is one line, not two."""
+    import json
+
+    from spd.train.data import load_conversations
+
+    path = tmp_path / "convs.jsonl"
+    rows = [{"conversations": [{"from": "human", "value": f"a\u2028b\u0085c {i}"}, {"from": "gpt", "value": "ok"}]}
+            for i in range(3)]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    convs = load_conversations(str(path), 10)
+    assert len(convs) == 3 and convs[0][0]["content"] == "a\u2028b\u0085c 0"

@@ -21,15 +21,31 @@ class LoadedTarget:
     fingerprint: str   # hash of the weights, stored in checkpoints to refuse foreign targets
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """Cheap but weight-sensitive: shapes plus the first 4096 values of every parameter, hashed."""
+def weights_fingerprint(model: torch.nn.Module, as_dtype: torch.dtype | None = None) -> str:
+    """Cheap but weight-sensitive: shapes plus the first 4096 values of every parameter, hashed. as_dtype: the
+    fingerprint the same weights have when loaded in that dtype (each value rounded to it first)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
-        flat = tensor.detach().reshape(-1)[:4096].to(torch.float32).cpu().contiguous()
+        flat = tensor.detach().reshape(-1)[:4096]
+        if as_dtype is not None and flat.is_floating_point():
+            flat = flat.to(as_dtype)
+        flat = flat.to(torch.float32).cpu().contiguous()
         digest.update(name.encode())
         digest.update(json.dumps(list(tensor.shape)).encode())
         digest.update(flat.numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+REDUCED = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def reduced_fingerprints(model: torch.nn.Module) -> dict[str, str]:
+    """{dtype: fingerprint} of a float32 target's weights as a bfloat16 / float16 load of the same source gives them
+    (a source is read in float32 and cast once, so the rounding is the same): a module trained on the float32
+    target is recognised when it drafts for a reduced-precision one. Empty for a target not in float32."""
+    if next(model.parameters()).dtype != torch.float32:
+        return {}
+    return {name: weights_fingerprint(model, dtype) for name, dtype in REDUCED.items()}
 
 
 def read_source(source: Source, dtype: torch.dtype) -> LoadedTarget:

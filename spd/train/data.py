@@ -82,7 +82,9 @@ def check_json_lines(path: str) -> None:
         return
     except json.JSONDecodeError:
         pass
-    for number, line in enumerate(text.splitlines(), 1):
+    # JSON Lines are split at "\n" only: str.splitlines would also split inside a string at U+2028, U+0085, ...,
+    # which JSON allows there unescaped
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
