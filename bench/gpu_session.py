@@ -248,7 +248,8 @@ class Visit:
     def train(self, name: str, box: float) -> dict:
         """Probe, plan, train until the box ends (SIGINT: the trainer saves), exporting every checkpoint."""
         record = self.session["steps"][f"train_{name}"] = {"status": "running", "box_s": box}
-        deadline = time.time() + box
+        started = time.time()
+        deadline = started + box
         config = os.path.join(REPO, "configs", "train", "gpu_n5.yaml")
         run_py = os.path.join(REPO, "train", "run.py")
         probe_dir = os.path.join(self.work, f"probe_{name}")
@@ -303,7 +304,7 @@ class Visit:
             rc = proc.wait()
         self.export_if_new(name, out_dir, exported)
         metrics = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
-        record.update(rc=rc, steps_done=len(metrics), stopped_by_box=stopped is not None,
+        record.update(rc=rc, seconds=time.time() - started, steps_done=len(metrics), stopped_by_box=stopped is not None,
                       last=metrics[-1] if metrics else None,
                       curve=[{k: m.get(k) for k in ("step", "train/loss", "train/top1", "tokens_per_s",
                                                      "train/tokens_seen")} for m in metrics[:: max(1, len(metrics) // 40)]],
