@@ -23,7 +23,7 @@ from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.sampling import SamplingParams
-from spd.session import DTYPES
+from spd.targets.loaded import DTYPES
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

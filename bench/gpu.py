@@ -32,16 +32,12 @@ from spd.runtime.streams import GraphStages, StreamStages
 from spd.sampling import SamplingParams
 from spd.session import open_session
 from spd.targets.stages import StagedTarget
+from spd.timing import sync
 
 GREEDY = SamplingParams()
 # each SPD row's lossless reference: AR through the same kind of step (sliced eager, fixed-shape eager, graphs)
 REFERENCE = {"spd_local_eager": "suite_ar_eager", "spd_local_graphs": "suite_ar_graphs",
              "spd_streams_eager": "suite_ar_fixed_eager", "spd_streams_graphs": "suite_ar_graphs"}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(device: torch.device, mib: int = 512, repeats: int = 10) -> float:

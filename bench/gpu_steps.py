@@ -27,7 +27,6 @@ from spd.config import GenerateConfig, load_config
 from spd.decoding import Request
 from spd.engine import pick_decoder
 from spd.eval.output import write_json
-from spd.methods import METHODS
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from spd.eval.calibrate import _median_seconds
+from spd.timing import median_seconds
 from spd.eval.output import write_json
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
@@ -41,11 +41,11 @@ def time_split(loaded, n: int, context: int, repeats: int) -> dict:
     cache.crop(context)
     position = torch.tensor([context])
     rewind = lambda: cache.crop(context)  # noqa: E731
-    stage_s = [_median_seconds(lambda s=s: staged.run_stage(s, hidden[staged.bounds[s]][:, context:], position, cache),
+    stage_s = [median_seconds(lambda s=s: staged.run_stage(s, hidden[staged.bounds[s]][:, context:], position, cache),
                                repeats, staged.device, reset=rewind) for s in range(n)]
-    whole_s = _median_seconds(lambda: staged.forward_all(ids[:, context:], cache, context), repeats, staged.device,
+    whole_s = median_seconds(lambda: staged.forward_all(ids[:, context:], cache, context), repeats, staged.device,
                               reset=rewind)
-    head_s = _median_seconds(lambda: staged.logits(final[0, -1]), repeats, staged.device)
+    head_s = median_seconds(lambda: staged.logits(final[0, -1]), repeats, staged.device)
     return {"bounds": staged.bounds, "stage_s": stage_s, "sum_stages_s": sum(stage_s), "whole_forward_s": whole_s,
             "head_s": head_s, "ar_by_stages_s": sum(stage_s) + head_s, "ar_whole_s": whole_s + head_s}
 

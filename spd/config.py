@@ -14,6 +14,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from spd.runtime import RUNTIMES        # torch-free packages: the names only
+from spd.targets import DTYPE_NAMES
 from spd.errors import UserError
 from spd.methods import AR, DECODING_METHODS, DRAFT_SOURCES, METHODS, MODULE
 
@@ -135,8 +137,6 @@ def split_override(item: str) -> tuple[str, str]:
 OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-RUNTIMES = ("local", "distributed", "streams")
 CONTROLLERS = ("auto", "own_process", "first_stage")
 DEVICE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
 

@@ -22,11 +22,11 @@ from spd.prompts import conversation_ids
 from spd.sampling import SamplingParams
 from spd.shipped import DEFAULT_N, checkpoint_for
 from spd.runtime.stages import check_runtime
+from spd.targets.loaded import DTYPES
 from spd.targets.loading import LoadedTarget, load_target
 from spd.targets.weight_cache import load_parts, materialize
 from spd.targets.stages import StagedTarget
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass

@@ -35,9 +35,6 @@ Cost model:
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
-from typing import Callable
 
 import torch
 
@@ -49,6 +46,7 @@ from spd.runtime.chain import ChainDecoder
 from spd.runtime.schedule import spd_step
 from spd.sampling import Proposal, SamplingParams, propose, propose_children, settle, settle_children
 from spd.targets.stages import StagedTarget
+from spd.timing import median_seconds
 
 LAST = "last stage + head + verify"
 
@@ -97,29 +95,6 @@ def formula_speedup(alpha: float, n: int, after_step: bool = False, num_layers: 
     return eal * num_layers / (module_layers * n + num_layers) if after_step else eal
 
 
-# ---------------------------------------------------------------- timing
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device,
-                    reset: Callable[[], None] = lambda: None, warmup: int = 3) -> float:
-    """Median wall time of fn(); `reset` runs after every call, outside the timer (e.g. a cache crop)."""
-    for _ in range(warmup):
-        fn()
-        reset()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-        reset()
-    return statistics.median(times)
-
-
 def tree_rows(n: int, width: int) -> list[int]:
     """Rows each stage runs in a steady tree step: the last two stages run the exiting node and its kept child
     (one each), the others a level of W nodes."""
@@ -159,7 +134,7 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
         out = []
         for s in range(n):
             stage_in = hidden[staged.bounds[s]][:, context: context + 1]     # [1, 1, d] H^{b_s} of the new token
-            out.append(_median_seconds(lambda: _stage_rows(staged, s, stage_in, rows[s], context, cache), repeats,
+            out.append(median_seconds(lambda: _stage_rows(staged, s, stage_in, rows[s], context, cache), repeats,
                                        device, reset=lambda: cache.crop(context)))  # the context length stays fixed
         return out
 
@@ -168,7 +143,7 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
     stage_s = one_row_s if width == 1 else time_stages(rows)
 
     last_row = final[0, -1]                                                  # [d] H^L of the new token
-    head_s = _median_seconds(lambda: staged.logits(last_row), repeats, device)
+    head_s = median_seconds(lambda: staged.logits(last_row), repeats, device)
 
     # Steady state: positions 0..context-n are final (depth n), the n newest are in flight at depths n-1..0
     # (one deeper each when the module drafts after the step).
@@ -194,15 +169,15 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
     def draft_tips() -> list:             # every tip of the level drafts its W children, in one batched pass
         return drafter.draft_branches(branches, lambda logits: propose_children(logits, width))
 
-    module_s = _median_seconds(draft if width == 1 else draft_tips, repeats, device)
+    module_s = median_seconds(draft if width == 1 else draft_tips, repeats, device)
 
     target_logits = staged.logits(last_row)                                  # [V]
     if width == 1:
         token, q, _ = draft()
-        verify_s = _median_seconds(lambda: settle(target_logits, token, q, params, generator), repeats, device)
+        verify_s = median_seconds(lambda: settle(target_logits, token, q, params, generator), repeats, device)
     else:
         children = [child for child, _ in draft_tips()[0]]
-        verify_s = _median_seconds(lambda: settle_children(target_logits, children, params, generator), repeats,
+        verify_s = median_seconds(lambda: settle_children(target_logits, children, params, generator), repeats,
                                    device)
 
     step_s, bottleneck = step_time(stage_s, head_s, verify_s, module_s, after)
@@ -230,11 +205,11 @@ def calibrate_chain(staged: StagedTarget, drafter, params: SamplingParams, m: in
         out, _ = staged.forward_all(ids[:, context: context + 1], cache, context)
         return propose(staged.logits(out[0, -1]), params, generator).token
 
-    ar_token_s = _median_seconds(ar_token, repeats, device, reset=rewind)
+    ar_token_s = median_seconds(ar_token, repeats, device, reset=rewind)
     decoder = ChainDecoder(staged, drafter, frozenset(), m, width, budget if width > 1 else None)
     choose = lambda logits: propose(logits, params, generator)          # noqa: E731
     trees = []
-    drafts_s = _median_seconds(
+    drafts_s = median_seconds(
         lambda: trees.append(drafter.draft_tree(int(ids[0, context]), m, width, decoder.budget, choose)),
         repeats, device)
     tree = trees[-1]
@@ -249,10 +224,10 @@ def calibrate_chain(staged: StagedTarget, drafter, params: SamplingParams, m: in
         propose(logits[node], params, generator)                           # the token after the last node
         return hidden
 
-    verify_s = _median_seconds(verify, repeats, device, reset=rewind)
+    verify_s = median_seconds(verify, repeats, device, reset=rewind)
     hidden = verify()
     rewind()
-    update_s = _median_seconds(
+    update_s = median_seconds(
         lambda: drafter.verified({layer: h[:, :1] for layer, h in hidden.items()}, ids[0, : context + 2].tolist()),
         repeats, device, reset=lambda: drafter.rewind(context))
     cycle_s = drafts_s + verify_s + update_s

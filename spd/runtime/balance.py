@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from spd.eval.calibrate import _median_seconds
+from spd.timing import median_seconds
 from spd.targets.stages import StagedTarget
 
 
@@ -31,12 +31,12 @@ def profile_costs(staged: StagedTarget, context: int = 64, repeats: int = 15) ->
     layer_s = []
     for layer in range(staged.num_layers):
         entering = hidden[layer][:, context:]                                 # [1, 1, d]
-        layer_s.append(_median_seconds(lambda: staged.run_layers(entering, position, layer, layer + 1, cache),
+        layer_s.append(median_seconds(lambda: staged.run_layers(entering, position, layer, layer + 1, cache),
                                        repeats, device, reset=lambda: cache.crop(context)))
     row = final[0, -1]                                                       # [d]
     token = ids[:, context:]
-    return {"layer_s": layer_s, "head_s": _median_seconds(lambda: staged.logits(row), repeats, device),
-            "embed_s": _median_seconds(lambda: staged.embed(token), repeats, device),
+    return {"layer_s": layer_s, "head_s": median_seconds(lambda: staged.logits(row), repeats, device),
+            "embed_s": median_seconds(lambda: staged.embed(token), repeats, device),
             "context": context, "threads": torch.get_num_threads(), "dtype": str(staged.dtype), "device": str(device)}
 
 

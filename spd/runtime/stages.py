@@ -14,7 +14,7 @@ from spd.runtime.executor import StageExecutor
 from spd.runtime.local import LocalStages
 from spd.targets.stages import StagedTarget
 
-from spd.config import RUNTIMES
+from spd.runtime import RUNTIMES
 
 
 def check_runtime(runtime: str) -> None:

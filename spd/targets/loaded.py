@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from spd.errors import UserError
+from spd.targets import DTYPE_NAMES
 from spd.targets.source import Source
 
 
@@ -36,7 +37,9 @@ def weights_fingerprint(model: torch.nn.Module, as_dtype: torch.dtype | None = N
     return digest.hexdigest()[:16]
 
 
-REDUCED = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# the dtypes a target may be loaded in (`dtype=`), by name
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+REDUCED = {name: dtype for name, dtype in DTYPES.items() if name != "float32"}
 
 
 def reduced_fingerprints(model: torch.nn.Module) -> dict[str, str]:

@@ -18,7 +18,7 @@ from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, PROBE, STEP, 
 from spd.runtime.executor import level_mask
 from spd.runtime.flight import Flight, StageRows
 from spd.runtime.schedule import IDLE
-from spd.session import DTYPES
+from spd.targets.loaded import DTYPES
 from spd.targets.weight_cache import load_parts
 from spd.targets.stages import StagedTarget
 
