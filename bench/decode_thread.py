@@ -27,18 +27,15 @@ def main() -> int:
     ap.add_argument("keys", nargs="*", help="spd-infer keys (default: the fastest configuration here)")
     args = ap.parse_args()
 
-    from omegaconf import OmegaConf, read_write
-
     from spd.cli import quiet_libraries
     from spd.config import GenerateConfig, load_config
     from spd.engine import open_engine
-    from spd.fastest import fastest_default
+    from spd.fastest import apply_fastest_default
     from spd.session import encode_chat
 
     quiet_libraries()
     cfg = load_config(GenerateConfig, None, [*args.keys, f"max_new_tokens={args.max_tokens}"])
-    with read_write(cfg):
-        cfg.update(fastest_default(cfg, OmegaConf.structured(GenerateConfig), {k.split("=")[0] for k in args.keys}))
+    apply_fastest_default(cfg, GenerateConfig, args.keys)
     with open_engine(cfg) as engine:
         ids = encode_chat(engine.session, [{"role": "user", "content": PROMPT}], args.max_tokens)
         engine.run(ids)   # warm, in the main thread (as the server warms itself)

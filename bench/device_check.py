@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from spd.ar import ARDecoder
 from spd.decoding import Request, eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
+from spd.engine import build_decoder
+from spd.methods import AR, PIPELINE
 from spd.module import SpeculationModule
-from spd.runtime.pipeline import PipelineDecoder
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.sampling import SamplingParams
 from spd.targets.loaded import DTYPES
@@ -47,10 +47,10 @@ def main() -> int:
         staged = StagedTarget(loaded.model, n)
         module = SpeculationModule.from_target(staged, 1, seed=0).to(DTYPES[args.dtype]).eval()
         for i, ids in enumerate(prompts):
-            ar = ARDecoder(staged, eos).generate(ids, Request(args.max_new_tokens, greedy))
-            spd = PipelineDecoder(staged, ModuleDrafter(module), eos).generate(ids, Request(args.max_new_tokens,
+            ar = build_decoder(AR, staged, eos).generate(ids, Request(args.max_new_tokens, greedy))
+            spd = build_decoder(PIPELINE, staged, eos, ModuleDrafter(module)).generate(ids, Request(args.max_new_tokens,
                                                                                              greedy))
-            t1 = PipelineDecoder(staged, ModuleDrafter(module), eos).generate(ids, Request(args.max_new_tokens,
+            t1 = build_decoder(PIPELINE, staged, eos, ModuleDrafter(module)).generate(ids, Request(args.max_new_tokens,
                                                                                             sampled, seed=i))
             rows.append({"n": n, "prompt": i, "identical": spd.token_ids == ar.token_ids, "N": len(spd.token_ids),
                          "K": spd.stats.K, "rollbacks": spd.stats.rollbacks, "sampled_N": len(t1.token_ids),

@@ -27,11 +27,11 @@ from spd.checkpoint import load_checkpoint, read_checkpoint_config
 from spd.decoding import Request
 from spd.drafters.hybrid import LookupThenModule
 from spd.drafters.spd_module import ModuleDrafter
+from spd.engine import build_decoder
 from spd.eval.traces import TraceCache
 from spd.fast_eval import fast_greedy_stats
-from spd.methods import DRAFT_SOURCES, LOOKUP_MODULE
+from spd.methods import DRAFT_SOURCES, LOOKUP_MODULE, PIPELINE
 from spd.module import SpeculationModule
-from spd.runtime.pipeline import PipelineDecoder
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.sampling import SamplingParams
 from spd.targets.loading import load_target
@@ -95,7 +95,7 @@ def main() -> int:
             module.eval()
             traces = TraceCache(args.cache_dir, loaded, staged, args.max_new_tokens)
             drafter = ModuleDrafter(module)
-            runtime = PipelineDecoder(staged, LookupThenModule(drafter, *lookup) if lookup else drafter, traces.eos)
+            runtime = build_decoder(PIPELINE, staged, traces.eos, LookupThenModule(drafter, *lookup) if lookup else drafter)
             for ds, qid, ids in tqdm(prompts, desc=f"n={n} runtime vs fast", mininterval=30):
                 if (n, ds, str(qid)) in done:
                     continue

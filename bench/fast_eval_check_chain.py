@@ -25,10 +25,11 @@ from spd.checkpoint import load_checkpoint
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.lookup import LookupDrafter
+from spd.engine import build_decoder
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
 from spd.fast_eval_chain import fast_chain_stats, fast_lookup_stats, fast_tree_stats
-from spd.runtime.chain import ChainDecoder
+from spd.methods import CHAIN
 from spd.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
@@ -67,7 +68,8 @@ def main() -> int:
         for m in [int(x) for x in args.ms.split(",")]:
             drafter = Eagle3Drafter(module, staged.embed) if module else LookupDrafter(*lookup)
             tree = args.width > 1
-            runtime = ChainDecoder(staged, drafter, traces.eos, m, args.width, args.tree_nodes if tree else None)
+            runtime = build_decoder(CHAIN, staged, traces.eos, drafter, width=args.width, draft_length=m,
+                                    tree_nodes=args.tree_nodes if tree else None)
             for ds, qid, ids in tqdm(prompts, desc=f"m={m} runtime vs fast", mininterval=30):
                 if (m, ds, str(qid)) in done:
                     continue

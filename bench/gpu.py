@@ -20,15 +20,15 @@ import time
 
 import torch
 
-from spd.ar import ARDecoder
 from spd.config import GenerateConfig, load_config
 from spd.decoding import Request
+from spd.engine import build_decoder
 from spd.eval.harness import machine
 from spd.eval.output import write_json
+from spd.methods import AR, PIPELINE
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.runtime.local import LocalStages
-from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
-from spd.runtime.streams import GraphStages, StreamStages
+from spd.runtime.stages import stage_executor
+from spd.runtime.streams import StreamStages
 from spd.sampling import SamplingParams
 from spd.session import open_session
 from spd.targets.stages import StagedTarget
@@ -90,20 +90,21 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None)
     """deadline (time.time()): rows not started by then are marked skipped."""
     staged, eos = session.staged, session.eos_ids
     whole = StagedTarget(session.loaded.model, 1)
-    ar_eager, ar_graphs = ARDecoder(whole, eos), PipelineARDecoder(GraphStages(whole), eos)
-    ar_fixed = PipelineARDecoder(GraphStages(whole, cuda_graphs=False), eos)   # fixed-shape steps, no graphs
+    ar_eager = build_decoder(AR, whole, eos)
+    ar_fixed = build_decoder(AR, whole, eos, stages=stage_executor("fixed", whole))   # fixed-shape steps, no graphs
+    ar_graphs = build_decoder(AR, whole, eos, stages=stage_executor("graphs", whole))
     request = Request(max_new, GREEDY)
     runs = {
         "suite_ar_eager": lambda ids: ar_eager.generate(ids, request).token_ids,
         "suite_ar_fixed_eager": lambda ids: ar_fixed.generate(ids, request).token_ids,
         "suite_ar_graphs": lambda ids: ar_graphs.generate(ids, request).token_ids,
     }
-    executors = {"spd_local_eager": LocalStages(staged), "spd_local_graphs": GraphStages(staged),
-                 "spd_streams_eager": StreamStages(staged, cuda_graphs=False),
-                 "spd_streams_graphs": StreamStages(staged, cuda_graphs=True)}
+    executors = {f"spd_{name}": stage_executor(kind, staged) for name, kind in
+                 (("local_eager", "local"), ("local_graphs", "graphs"), ("streams_eager", "streams"),
+                  ("streams_graphs", "streams_graphs"))}
     stats = {}
     for name, ex in executors.items():
-        decoder = PipelineDecoder(ex, session.drafter(True), eos)
+        decoder = build_decoder(PIPELINE, staged, eos, session.drafter(True), stages=ex)
         stats[name] = []
 
         def run(ids, decoder=decoder, name=name):

@@ -184,6 +184,8 @@ class Visit:
                 self.env["SPD_CACHE_DIR"] = os.path.join(self.args.stash, "cache")
             self.env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                             TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1")   # training: TF32 matmuls on the GPU
+            if self.dry:   # tiny models: one thread, so a busy machine (a test run's other worker) cannot spin them
+                self.env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
             self.plan = self.make_plan(target, spd_checkpoint, data)
             self.plan_path = os.path.join(self.work, "plan.json")
             with open(self.plan_path, "w") as f:

@@ -22,15 +22,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/gpu.py's rows
 
-from spd.ar import ARDecoder
 from spd.config import GenerateConfig, load_config
 from spd.decoding import Request
-from spd.engine import pick_decoder
+from spd.engine import build_decoder, pick_decoder
 from spd.eval.output import write_json
+from spd.methods import AR, PIPELINE
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.runtime.local import LocalStages
-from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
-from spd.runtime.streams import GraphStages, StreamStages
+from spd.runtime.stages import stage_executor
 from spd.sampling import SamplingParams
 from spd.session import open_session
 from spd.targets.stages import StagedTarget
@@ -122,10 +120,9 @@ def step_env(plan: dict, deadline: float, result: Result) -> None:
 
 # --- correctness ---------------------------------------------------------------------------------------------
 
-PIPELINE_EXECUTORS = {"local_eager": lambda staged: LocalStages(staged),
-                      "local_graphs": lambda staged: GraphStages(staged, cuda_graphs=True),
-                      "streams_eager": lambda staged: StreamStages(staged, cuda_graphs=False),
-                      "streams_graphs": lambda staged: StreamStages(staged, cuda_graphs=True)}
+# row name -> spd.runtime.stages executor kind
+PIPELINE_EXECUTORS = {"local_eager": "local", "local_graphs": "graphs", "streams_eager": "streams",
+                      "streams_graphs": "streams_graphs"}
 
 
 def correctness_rows(plan: dict) -> list[tuple[str, list[str], str | None, int]]:
@@ -165,14 +162,14 @@ def decode_row(plan: dict, dtype: str, keys: list[str], executor: str | None, wi
     whole = StagedTarget(session.loaded.model, 1)
     if executor is None:        # a chain: the target verifies whole; AR eager is its reference
         decoder = pick_decoder(session.method, load_config(GenerateConfig, None, []), session, None, drafter)
-        reference = ARDecoder(whole, eos)
+        reference = build_decoder(AR, whole, eos)
     else:
-        stages = PIPELINE_EXECUTORS[executor](session.staged)
-        decoder = PipelineDecoder(stages, drafter, eos, width)
+        stages = stage_executor(PIPELINE_EXECUTORS[executor], session.staged)
+        decoder = build_decoder(PIPELINE, session.staged, eos, drafter, stages=stages, width=width)
         # the same kind of step: sliced eager stages against eager AR, fixed-shape steps (graphs or not) against AR
         # through the same fixed-shape steps
-        reference = ARDecoder(whole, eos) if executor == "local_eager" else \
-            PipelineARDecoder(GraphStages(whole, cuda_graphs=executor.endswith("graphs")), eos)
+        reference = build_decoder(AR, whole, eos) if executor == "local_eager" else build_decoder(
+            AR, whole, eos, stages=stage_executor("graphs" if executor.endswith("graphs") else "fixed", whole))
     prompts = prompts_of(session.loaded.tokenizer, 1)[: cfg["prompts"]]
     max_new = cfg["max_new_tokens"]
     equal, diverged, tokens, rollbacks, sampled = 0, [], 0, 0, []

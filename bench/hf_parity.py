@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from spd.decoding import Request, eos_ids_of
 from spd.drafters.reference import ReferenceDrafter
-from spd.runtime.pipeline import PipelineDecoder
+from spd.engine import build_decoder
+from spd.methods import PIPELINE
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.sampling import SamplingParams
 from spd.targets.loading import load_target
@@ -60,7 +61,7 @@ def main() -> int:
             hf_tokens = hf.sequences[0, len(ids):].tolist()
             margins = [float(torch.topk(step[0].float(), 2).values.diff().abs()) for step in hf.logits]
             drafter = ReferenceDrafter(ids + hf_tokens + [0] * (args.n + 1), model.config.vocab_size)
-            spd = PipelineDecoder(staged, drafter, eos).generate(ids, Request(args.max_new_tokens, SamplingParams()))
+            spd = build_decoder(PIPELINE, staged, eos, drafter).generate(ids, Request(args.max_new_tokens, SamplingParams()))
             first = next((i for i, (a, b) in enumerate(zip(spd.token_ids, hf_tokens)) if a != b), None)
             if first is None and len(spd.token_ids) != len(hf_tokens):
                 first = min(len(spd.token_ids), len(hf_tokens))

@@ -72,18 +72,15 @@ def main() -> int:
     ap.add_argument("keys", nargs="*", help="spd-infer serve keys, e.g. method=spd n=2 runtime=distributed")
     args = ap.parse_args()
 
-    from omegaconf import OmegaConf, read_write
-
     from spd.cli import quiet_libraries
     from spd.config import ServeConfig, load_config
     from spd.engine import open_engine
-    from spd.fastest import fastest_default
+    from spd.fastest import apply_fastest_default
     from spd.session import encode_chat
 
     quiet_libraries()
     cfg = load_config(ServeConfig, None, [*args.keys, f"max_new_tokens={args.max_tokens}"])
-    with read_write(cfg):
-        cfg.update(fastest_default(cfg, OmegaConf.structured(ServeConfig), {k.split("=")[0] for k in args.keys}))
+    apply_fastest_default(cfg, ServeConfig, args.keys)
     proc, url = start_server(args.keys)
     try:
         with open_engine(cfg) as engine:

@@ -19,13 +19,13 @@ import time
 
 import torch
 
-from spd.ar import ARDecoder
 from spd.decoding import Request, prefill
 from spd.drafters.base import step_view
 from spd.drafters.spd_module import ModuleDrafter
+from spd.engine import build_decoder
 from spd.layout import needed_layers
+from spd.methods import AR, PIPELINE
 from spd.module import SpeculationModule
-from spd.runtime.pipeline import PipelineDecoder
 from spd.runtime.schedule import first_step
 from spd.sampling import SamplingParams
 from spd.targets.loading import load_target
@@ -66,12 +66,12 @@ def main() -> int:
             return model.generate(prompt_t, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
 
     def ar():
-        return ARDecoder(staged, no_eos).generate(ids, Request(args.tokens, greedy))
+        return build_decoder(AR, staged, no_eos).generate(ids, Request(args.tokens, greedy))
 
     module = SpeculationModule.from_target(staged, 1).eval()
 
     def spd():
-        return PipelineDecoder(staged, ModuleDrafter(module), no_eos).generate(ids, Request(args.tokens, greedy))
+        return build_decoder(PIPELINE, staged, no_eos, ModuleDrafter(module)).generate(ids, Request(args.tokens, greedy))
 
     # Warm up each path once, then interleave so drift hits all of them alike.
     hf(), ar(), spd()
@@ -115,7 +115,7 @@ def main() -> int:
     def spd_full():
         inner = ModuleDrafter(module)
         oracle = ReferenceDrafter(ids + ar_res.token_ids + [0] * args.n, model.config.vocab_size, inner=inner)
-        return PipelineDecoder(staged, oracle, no_eos).generate(ids, Request(args.tokens, greedy))
+        return build_decoder(PIPELINE, staged, no_eos, oracle).generate(ids, Request(args.tokens, greedy))
 
     spd_full()
     full_runs = [best_of(spd_full, 1) for _ in range(args.repeats)]

@@ -30,18 +30,16 @@ import zlib
 
 import torch
 
-from spd.ar import ARDecoder
 from spd.checkpoint import read_checkpoint_config
 from spd.config import GenerateConfig, load_config
 from spd.decoding import Request, eos_ids_of
 from spd.drafters.base import Drafter, WrappedDrafter
+from spd.engine import build_decoder, pick_decoder
 from spd.eval.calibrate import calibrate, measured_cost_speedup, step_time
-from spd.engine import pick_decoder
 from spd.eval.output import write_json
 from spd.drafters.lookup import LookupDrafter
+from spd.methods import AR, CHAIN, PIPELINE
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.runtime.chain import ChainDecoder
-from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.stages import open_stages, threads_for
 from spd.sampling import SamplingParams
 from spd.session import open_session
@@ -142,7 +140,7 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model, c
             params = params_for(temperature)
             session.draft_source = source
             drafter = TimedDrafter(session.drafter())
-            decoder = PipelineDecoder(stages, drafter, session.eos_ids)
+            decoder = build_decoder(PIPELINE, session.staged, session.eos_ids, drafter, stages=stages)
             result = decode_all(prompts, lambda key, ids: decoder.generate(
                 ids, Request(args.max_new_tokens, params, seed_of(key))))
             cal = calibration[temperature]
@@ -161,7 +159,7 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model, c
             print(json.dumps({k: rows[-1][k] for k in ("n", "bounds", "draft_source", "temperature", "tokens_per_s",
                                                         "eal", "sources")}), file=sys.stderr)
         if 0 in args.temperatures and not args.skip_pipeline_ar:
-            decoder = PipelineARDecoder(stages, session.eos_ids)
+            decoder = build_decoder(AR, session.staged, session.eos_ids, stages=stages)
             result = decode_all(prompts, lambda key, ids: decoder.generate(
                 ids, Request(args.max_new_tokens, params_for(0))))
             rows.append({**base, **comm, "method": "ar", "runtime": "distributed", "temperature": 0, **result})
@@ -179,7 +177,8 @@ def local_spd_rows(args, prompts, cores: int) -> list[dict]:
         with open_stages(session.staged, cfg, session.drafter().layers_needed(session.staged.bounds),
                          session.cache_dir) as stages:
             for temperature in args.temperatures:
-                decoder = PipelineDecoder(stages, session.drafter(), session.eos_ids, session.width)
+                decoder = build_decoder(PIPELINE, session.staged, session.eos_ids, session.drafter(), stages=stages,
+                                        width=session.width)
                 result = decode_all(prompts, lambda key, ids: decoder.generate(
                     ids, Request(args.max_new_tokens, params_for(temperature), seed_of(key))))
                 n = session.staged.n
@@ -232,7 +231,7 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
                                         pad_token_id=loaded.tokenizer.pad_token_id or 0, **sample)
             return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
 
-        ar = ARDecoder(staged, eos)
+        ar = build_decoder(AR, staged, eos)
         result = decode_all(prompts, lambda key, ids: ar.generate(ids, Request(args.max_new_tokens, params,
                                                                                 seed_of(key))))
         rows.append({"method": "ar", **base, "temperature": temperature, **result})
@@ -246,7 +245,7 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
                          "draft_length": args.hf_lookup_tokens, **result})
         lo, hi = args.lookup_ngrams
         for m in args.draft_length:
-            decoder = ChainDecoder(staged, LookupDrafter(lo, hi), eos, m)
+            decoder = build_decoder(CHAIN, staged, eos, LookupDrafter(lo, hi), draft_length=m)
             result = decode_all(prompts, lambda key, ids: decoder.generate(
                 ids, Request(args.max_new_tokens, params, seed_of(key))))
             rows.append({"method": "lookup", **base, "temperature": temperature, "draft_length": m,

@@ -10,26 +10,39 @@ from typing import Iterator
 
 from spd.ar import ARDecoder
 from spd.decoding import Decoder, GenerationResult, Request
-from spd.methods import AR, METHODS
+from spd.methods import AR, CHAIN, METHODS
 from spd.runtime.chain import ChainDecoder
+from spd.runtime.executor import StageExecutor
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.stages import open_stages
+from spd.targets.stages import StagedTarget
 from spd.sampling import SamplingParams
 from spd.session import Session, open_session
+
+
+def build_decoder(kind: str, staged: StagedTarget, eos_ids: frozenset[int], drafter=None, *,
+                  stages: StageExecutor | None = None, width: int = 1, draft_length: int | None = None,
+                  tree_nodes: int | None = None, capture=frozenset(), observe=None) -> Decoder:
+    """Every decoder of the suite is built here. kind: a method's decoding kind (spd.methods: PIPELINE, CHAIN, AR).
+    stages: the executor a pipeline runs on (None: `staged` in this process, stage after stage); for AR, stages
+    given means AR relayed through them (fixed-shape steps, stage processes), None means the plain eager loop, whose
+    `capture` / `observe` record a greedy trace (spd.fast_eval). A chain verifies on `staged` whole: draft_length
+    drafts a cycle, or a tree of tree_nodes nodes of up to `width` children each."""
+    if kind == AR:
+        return ARDecoder(staged, eos_ids, capture, observe) if stages is None else PipelineARDecoder(stages, eos_ids)
+    if kind == CHAIN:
+        return ChainDecoder(staged, drafter, eos_ids, draft_length, width, tree_nodes if width > 1 else None)
+    return PipelineDecoder(stages if stages is not None else staged, drafter, eos_ids, width)
 
 
 def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder:
     """The decoder for `method` over this session's stages (AR where the method drafts nothing)."""
     s = session
-    if METHODS[method].decoder == AR:
-        if cfg.runtime == "local" and not getattr(cfg, "cuda_graphs", False):
-            return ARDecoder(s.staged, s.eos_ids)
-        # distributed: this process holds no decoder layer; graphs / streams: AR through the same fixed-shape steps
-        return PipelineARDecoder(stages, s.eos_ids)
-    if METHODS[method].chain:
-        return ChainDecoder(s.staged, drafter, s.eos_ids, s.draft_length, s.width,
-                            s.tree_nodes if s.width > 1 else None)
-    return PipelineDecoder(stages, drafter, s.eos_ids, s.width)
+    kind = METHODS[method].decoder
+    if kind == AR and cfg.runtime == "local" and not getattr(cfg, "cuda_graphs", False):
+        stages = None            # the plain loop; elsewhere AR relays through the same fixed-shape or remote steps
+    return build_decoder(kind, s.staged, s.eos_ids, drafter, stages=stages, width=s.width,
+                         draft_length=s.draft_length, tree_nodes=s.tree_nodes)
 
 
 class Engine:

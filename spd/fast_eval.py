@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from spd.ar import ARDecoder
+from spd.engine import build_decoder
+from spd.methods import AR
 from spd.decoding import Request
 from spd.drafters.lookup import NgramIndex
 from spd.layout import needed_layers
@@ -52,7 +53,7 @@ def record_greedy_trace(staged: StagedTarget, prompt_ids: list[int], max_new_tok
         for layer, h in captured.items():
             parts[layer].append(h)
 
-    decoder = ARDecoder(staged, eos_ids, capture, observe)
+    decoder = build_decoder(AR, staged, eos_ids, capture=capture, observe=observe)
     tokens = list(decoder.stream(prompt_ids, Request(max_new_tokens)))
     return GreedyTrace(list(prompt_ids), tokens, {k: torch.cat(v, 1) for k, v in parts.items()}, margins)
 

@@ -27,3 +27,16 @@ def fastest_default(cfg, defaults, given: set[str]) -> dict:
     if any(key in given or cfg[key] != defaults[key] for key in CHOOSING_KEYS):
         return {}
     return dict(FASTEST.get(device_type(cfg.device), {}))
+
+
+def apply_fastest_default(cfg, schema: type, overrides: list[str]) -> bool:
+    """Set the fastest configuration's keys on `cfg` (a config of `schema`, read-only as load_config returns it)
+    unless the user chose; True when it did (the stats line says so). overrides: the command line's key=value words.
+    Every entry point that decodes with "the default" resolves it here."""
+    from omegaconf import OmegaConf, read_write
+
+    given = {word.split("=", 1)[0] for word in overrides}
+    chosen = fastest_default(cfg, OmegaConf.structured(schema), given)
+    with read_write(cfg):
+        cfg.update(chosen)
+    return bool(chosen)

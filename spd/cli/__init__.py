@@ -53,11 +53,9 @@ def quiet_libraries() -> None:
 
 def decode_command(command: str, words: list[str], parser: argparse.ArgumentParser) -> int:
     """generate / chat: the words are read by spd.cli.args (argparse would take a prompt like `-x` for an option)."""
-    from omegaconf import OmegaConf, read_write
-
     from spd.cli.args import prompt_text, resolve_prompt, split_command_line
     from spd.config import GenerateConfig, load_config
-    from spd.fastest import fastest_default
+    from spd.fastest import apply_fastest_default
     from spd.targets.source import resolve_source
 
     line = split_command_line(words, GenerateConfig, command)
@@ -70,37 +68,29 @@ def decode_command(command: str, words: list[str], parser: argparse.ArgumentPars
         raise UserError("chat reads its turns from standard input; drop prompt/prompt_file from the config")
     prompt = resolve_prompt(cfg) if command == "generate" else None
     resolve_source(cfg.target)  # a bad target= is refused before torch is imported
-    given = {word.split("=", 1)[0] for word in line.overrides}
-    chosen = fastest_default(cfg, OmegaConf.structured(GenerateConfig), given)
-    with read_write(cfg):
-        cfg.update(chosen)
+    default = apply_fastest_default(cfg, GenerateConfig, line.overrides)
     quiet_libraries()
     if command == "chat":
         from spd.cli.chat import chat
 
-        return chat(cfg, default=bool(chosen))
+        return chat(cfg, default=default)
     from spd.cli.generate import generate
 
-    return generate(cfg, prompt, default=bool(chosen))
+    return generate(cfg, prompt, default=default)
 
 
 def serve_command(args) -> int:
-    from omegaconf import OmegaConf, read_write
-
     from spd.config import ServeConfig, load_config
-    from spd.fastest import fastest_default
+    from spd.fastest import apply_fastest_default
     from spd.targets.source import resolve_source
 
     cfg = load_config(ServeConfig, args.config, args.overrides)
     resolve_source(cfg.target)
-    given = {word.split("=", 1)[0] for word in args.overrides}
-    chosen = fastest_default(cfg, OmegaConf.structured(ServeConfig), given)
-    with read_write(cfg):
-        cfg.update(chosen)
+    default = apply_fastest_default(cfg, ServeConfig, args.overrides)
     quiet_libraries()
     from spd.cli.serve import serve
 
-    return serve(cfg, default=bool(chosen))
+    return serve(cfg, default=default)
 
 
 def main(argv: list[str] | None = None) -> int:

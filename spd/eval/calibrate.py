@@ -41,8 +41,9 @@ import torch
 from spd.drafters.base import StepView, step_view
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import needed_layers
+from spd.engine import build_decoder
+from spd.methods import CHAIN
 from spd.module import SpeculationModule
-from spd.runtime.chain import ChainDecoder
 from spd.runtime.schedule import spd_step
 from spd.sampling import Proposal, SamplingParams, propose, propose_children, settle, settle_children
 from spd.targets.stages import StagedTarget
@@ -206,7 +207,7 @@ def calibrate_chain(staged: StagedTarget, drafter, params: SamplingParams, m: in
         return propose(staged.logits(out[0, -1]), params, generator).token
 
     ar_token_s = median_seconds(ar_token, repeats, device, reset=rewind)
-    decoder = ChainDecoder(staged, drafter, frozenset(), m, width, budget if width > 1 else None)
+    decoder = build_decoder(CHAIN, staged, frozenset(), drafter, width=width, draft_length=m, tree_nodes=budget)
     choose = lambda logits: propose(logits, params, generator)          # noqa: E731
     trees = []
     drafts_s = median_seconds(

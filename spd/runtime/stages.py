@@ -69,22 +69,37 @@ def threads_for(n: int, threads_per_stage: int | None, hosted: bool = False) -> 
     return max(1, cores() // (n if hosted else n + 1))
 
 
+# the in-process executors, by what their stage steps are: sliced eager steps (the reference), fixed-shape steps run
+# eagerly or as CUDA graphs, one after another or each stage on its own CUDA stream (off CUDA: eagerly, in turn)
+EXECUTORS = ("local", "fixed", "graphs", "streams", "streams_graphs")
+
+
+def stage_executor(kind: str, staged: StagedTarget) -> StageExecutor:
+    """An in-process executor of `kind` (EXECUTORS) over `staged`."""
+    if kind == "local":
+        return LocalStages(staged)
+    from spd.runtime.streams import GraphStages, StreamStages
+
+    if kind in ("fixed", "graphs"):
+        return GraphStages(staged, cuda_graphs=kind == "graphs")
+    if kind in ("streams", "streams_graphs"):
+        return StreamStages(staged, cuda_graphs=kind == "streams_graphs")
+    raise ValueError(f"executor {kind!r} is not one of {', '.join(EXECUTORS)}")
+
+
+def executor_kind(runtime: str, cuda_graphs: bool) -> str:
+    """What `runtime=` and `cuda_graphs=` of an in-process run ask for."""
+    if runtime == "streams":
+        return "streams_graphs" if cuda_graphs else "streams"
+    return "graphs" if cuda_graphs else "local"
+
+
 @contextmanager
 def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | None = None):
     """Yield a StageExecutor for `staged` (in-process) or for stage processes loading `cache_dir`'s target."""
     check_runtime(cfg.runtime)
-    if cfg.runtime == "streams":
-        from spd.runtime.streams import StreamStages
-
-        yield StreamStages(staged, cfg.cuda_graphs)
-        return
-    if cfg.runtime == "local":
-        if getattr(cfg, "cuda_graphs", False):
-            from spd.runtime.streams import GraphStages
-
-            yield GraphStages(staged)
-        else:
-            yield LocalStages(staged)
+    if cfg.runtime in ("local", "streams"):
+        yield stage_executor(executor_kind(cfg.runtime, getattr(cfg, "cuda_graphs", False)), staged)
         return
     import torch.distributed as dist
 

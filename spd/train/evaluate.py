@@ -9,7 +9,8 @@ from spd.decoding import Request, eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import sample_occupancy
 from spd.metrics import DecodeStats, pooled_eal
-from spd.runtime.pipeline import PipelineDecoder
+from spd.engine import build_decoder
+from spd.methods import PIPELINE
 from spd.prompts import chat_prompt_ids
 from spd.train.objective import collate, kd_loss, teacher_pass
 
@@ -41,7 +42,7 @@ def evaluate(module, staged, tokenizer, heldout_examples, heldout_convs, draft_t
         kls.append(float(kl))
         agree.append(top1)
     stats: list[DecodeStats] = decode_heldout(
-        lambda eos: PipelineDecoder(staged, ModuleDrafter(module), eos), staged, tokenizer,
+        lambda eos: build_decoder(PIPELINE, staged, eos, ModuleDrafter(module)), staged, tokenizer,
         heldout_convs, cfg)
     module.train()
     top1 = torch.cat(agree).mean().item() if agree else float("nan")

@@ -84,7 +84,8 @@ class Eagle3Objective:
 
     @torch.no_grad()
     def evaluate(self, module, staged, tokenizer, held, held_convs, draft) -> dict:
-        from spd.runtime.chain import ChainDecoder
+        from spd.engine import build_decoder
+        from spd.methods import CHAIN
         from spd.train.objective import collate, teacher_pass
 
         module.eval()
@@ -96,8 +97,8 @@ class Eagle3Objective:
             kls.append(float(loss))
             first.append(agreement[0])
         whole = StagedTarget(staged.model, 1)
-        stats = decode_heldout(lambda eos: ChainDecoder(whole, Eagle3Drafter(module, whole.embed), eos,
-                                                        m=TTT_STEPS), staged, tokenizer, held_convs, self.cfg)
+        stats = decode_heldout(lambda eos: build_decoder(CHAIN, whole, eos, Eagle3Drafter(module, whole.embed),
+                                                         draft_length=TTT_STEPS), staged, tokenizer, held_convs, self.cfg)
         module.train()
         cycles = sum(s.cycles for s in stats)
         return {"eval/ttt_loss": sum(kls) / max(1, len(kls)),
