@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from spd.errors import UserError
 from spd.eagle3_module import Eagle3Module
-from spd.methods import TRAINED_METHODS
+from spd.methods import METHODS, TRAINED_METHODS, module_class
 from spd.module import SpeculationModule
 from spd.targets.loaded import reduced_fingerprints
 from spd.targets.loading import LoadedTarget
@@ -38,25 +38,7 @@ def checkpoint_config(module: SpeculationModule | Eagle3Module, target: LoadedTa
                    "fingerprints": reduced_fingerprints(target.model), "model_type": cfg.model_type,
                    "num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
     }
-    draft_vocab = None if module.draft_to_target is None else int(module.draft_to_target.numel())
-    if isinstance(module, Eagle3Module):   # no pipeline: the chain runs the target whole (n = 1)
-        return {**head, "method": "eagle3", "n": 1, "stage_bounds": [0, cfg.num_hidden_layers],
-                "fused_layers": list(module.fused), "module_layers": 1, "draft_vocab_size": draft_vocab,
-                **(extra or {})}
-    return {
-        **head,
-        "n": module.n,
-        "stage_bounds": module.bounds,
-        "method": module.plan.method,
-        # indexed by depth k; null where the method reads no feature of that depth
-        "feature_layers": [list(module.feature_layers[k]) if k in module.feature_layers else None
-                           for k in range(module.n + 1)],
-        "module_layers": len(module.layers),
-        "draft_vocab_size": draft_vocab,
-        "feature_norm": module.feature_norm,
-        "fc_bias": module.fc_bias,
-        **(extra or {}),
-    }
+    return {**head, **module.checkpoint_fields(cfg.num_hidden_layers), **(extra or {})}
 
 
 # kept at their own precision when a checkpoint is stored in float16: the draft-vocabulary map (int64) and the
@@ -147,12 +129,7 @@ def load_checkpoint(path: str, staged: StagedTarget, target: LoadedTarget) -> Sp
         raise UserError(f"{weights} is corrupt ({str(exc).splitlines()[0]}); re-save or re-train the checkpoint") from None
     draft_map = state.get("draft_to_target")
     method = checkpoint_method(path, cfg)
-    if method == "eagle3":
-        module = Eagle3Module.from_target(staged, draft_to_target=draft_map)
-    else:
-        module = SpeculationModule.from_target(staged, cfg["module_layers"], draft_to_target=draft_map,
-                                               feature_norm=cfg.get("feature_norm", "none"),
-                                               fc_bias=cfg.get("fc_bias", False), method=method)
+    module = module_class(METHODS[method].module).from_checkpoint_config(staged, method, cfg, draft_map)
     try:
         module.load_state_dict(state, strict=True)
     except RuntimeError as exc:

@@ -55,6 +55,23 @@ class Eagle3Module(DraftHead, nn.Module):
         self.build_head(d, target_config, draft_to_target)
 
     @classmethod
+    def untrained(cls, target: StagedTarget, method: str = "eagle3", num_layers: int = 1, seed: int = 0) -> "Eagle3Module":
+        """A random EAGLE-3 module (one layer, whatever num_layers says) for a run without a checkpoint."""
+        return cls.from_target(target, seed=seed)
+
+    @classmethod
+    def from_checkpoint_config(cls, target: StagedTarget, method: str, config: dict,
+                               draft_to_target: torch.Tensor | None) -> "Eagle3Module":
+        """The module a checkpoint's config.json describes, its weights still to be loaded."""
+        return cls.from_target(target, draft_to_target=draft_to_target)
+
+    def checkpoint_fields(self, num_layers: int) -> dict:
+        """What config.json records beside the target's identity: no pipeline, the chain runs the target whole."""
+        return {"method": "eagle3", "n": 1, "stage_bounds": [0, num_layers], "fused_layers": list(self.fused),
+                "module_layers": 1,
+                "draft_vocab_size": None if self.draft_to_target is None else int(self.draft_to_target.numel())}
+
+    @classmethod
     def from_target(cls, target: StagedTarget, draft_to_target: torch.Tensor | None = None,
                     seed: int = 0) -> "Eagle3Module":
         """Random FC and layer; head and final norm copied from the target (head rows of the draft vocabulary)."""

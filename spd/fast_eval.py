@@ -142,3 +142,12 @@ def fast_greedy_stats(module: SpeculationModule, trace: GreedyTrace,
     return {"stats": stats, "decisive_occupancy": dict(sorted(decisive.items())),
             "min_module_margin": float(margins.min()) if margins.numel() else None,
             "min_target_margin": min(trace.margins)}
+
+
+def fast_pipeline_eval(trace: GreedyTrace, *, module: SpeculationModule, draft_source: str,
+                       ngrams: tuple[int, int], **_) -> dict:
+    """A pipelined method's exact greedy replay (spd.methods): the module's drafts, the lookup's in front of them
+    where draft_source says so."""
+    from spd.methods import LOOKUP_MODULE
+
+    return fast_greedy_stats(module, trace, ngrams if draft_source == LOOKUP_MODULE else None)

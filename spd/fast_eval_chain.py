@@ -136,3 +136,18 @@ def fast_lookup_stats(trace: GreedyTrace, min_n: int, max_n: int, m: int, on_set
         tokens = list(trace.prompt_ids) + trace.tokens[: stats.N]
         drafter.verified(None, tokens)
     return {"stats": stats, "rows_per_cycle": rows, "min_target_margin": min(trace.margins)}
+
+
+def fast_eagle3_eval(trace: GreedyTrace, *, module: Eagle3Module, make_drafter, draft_length: int, width: int,
+                     tree_nodes: int, **_) -> dict:
+    """EAGLE-3's exact greedy replay (spd.methods): its chain, or at W > 1 its dynamic tree drafted by the
+    runtime's own drafter (make_drafter())."""
+    if width > 1:
+        return fast_tree_stats(make_drafter(), trace, draft_length, width, tree_nodes)
+    return fast_chain_stats(module, trace, draft_length)
+
+
+def fast_lookup_eval(trace: GreedyTrace, *, ngrams: tuple[int, int], draft_length: int, width: int,
+                     tree_nodes: int, **_) -> dict:
+    """The context lookup's exact greedy replay (spd.methods), chain or tree."""
+    return fast_lookup_stats(trace, *ngrams, draft_length, width=width, budget=tree_nodes if width > 1 else None)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spd.methods import METHODS
+
 
 def depth(t: int, i: int, a: int, n: int, shift: int = 0) -> int:
     """Depth of the feature position i contributes when the step for position t begins with occupancy a.
@@ -144,11 +146,9 @@ class FeaturePlan:
         return sorted({layer for layers in self.feature_layers(bounds).values() for layer in layers})
 
 
-PLANS = {
-    "spd": FeaturePlan("spd", shift=0, single=None, after_step=False),
-    "spd_output_state": FeaturePlan("spd_output_state", shift=1, single=None, after_step=True),
-    "ppsd": FeaturePlan("ppsd", shift=0, single=1, after_step=True),
-}
+# every pipelined method's plan, from its registry entry (spd.methods)
+PLANS = {name: FeaturePlan(name, shift=m.plan.shift, single=m.plan.single, after_step=m.plan.after_step)
+         for name, m in METHODS.items() if m.plan is not None}
 
 
 def plan_for(method: str) -> FeaturePlan:

@@ -1,13 +1,31 @@
 """Every decoding method, once: its name, the label tables and plots use, how it decodes (a drafter beside the
-pipeline, a draft-then-verify chain, or plain AR) and which module, if any, it drafts with. Config checks, the
-session, the CLI, eval, reports, checkpoints and the trainer read it here, so a method is added in one place.
-Torch-free: config checks read it before any model loads."""
+pipeline, a draft-then-verify chain, or plain AR), which module, if any, it drafts with, and what it does — its
+drafter, its features, its exact fast evaluator, its training objective. Config checks, the session, the CLI, eval,
+reports, checkpoints and the trainer read it here, so a method is added in one place and nothing else branches on
+method names.
+
+Torch-free: config checks read it before any model loads. Behaviour is named as "module:attribute" and imported
+when first used (`behaviour`), as vLLM's model registry names its classes."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 PIPELINE, CHAIN, AR = "pipeline", "chain", "ar"
+
+# the module classes, by the name a Method's `module` and a checkpoint's config give them
+MODULE_CLASSES = {"speculation": "spd.module:SpeculationModule", "eagle3": "spd.eagle3_module:Eagle3Module"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which features a pipelined method's module reads (spd.layout.FeaturePlan): every depth shifted by `shift`
+    (1: the step's output states), or depth `single` alone (PPSD: stage 1's output); after_step: it drafts after the
+    pipeline step instead of concurrently with it."""
+    shift: int = 0
+    single: int | None = None
+    after_step: bool = False
 
 
 @dataclass(frozen=True)
@@ -15,9 +33,18 @@ class Method:
     name: str
     label: str               # in tables, plots and run labels
     decoder: str             # PIPELINE (spd.runtime.pipeline), CHAIN (spd.runtime.chain) or AR
-    module: str | None       # "speculation" (spd.module), "eagle3" (spd.eagle3_module), None: drafts without one
-    fast_eval: bool          # greedy eval can score it from the target's cached traces (spd.fast_eval*)
+    module: str | None       # a MODULE_CLASSES key: "speculation" (spd.module), "eagle3"; None: drafts without one
+    fast_evaluator: str | None = None   # "module:function" scoring greedy eval from the target's cached traces
     draft_length: int | None = None   # a chain's drafts per target forward when draft_length= is not given
+    drafter: str | None = None        # "module:function" building its drafter (keyword arguments, see Session)
+    plan: Plan | None = None          # a pipelined method's features
+    objective: str | None = None      # "module:class" of its training objective (spd.train.methods)
+    replays_trees: bool = False       # its fast evaluator also replays draft trees (W > 1) exactly
+
+    @property
+    def fast_eval(self) -> bool:
+        """Greedy eval can score it from the target's cached traces (spd.fast_eval*)."""
+        return self.fast_evaluator is not None
 
     @property
     def pipelined(self) -> bool:
@@ -33,15 +60,21 @@ class Method:
         return self.module is not None
 
 
+_PIPELINED = dict(module="speculation", fast_evaluator="spd.fast_eval:fast_pipeline_eval",
+                  drafter="spd.drafters.hybrid:pipelined_drafter", objective="spd.train.methods:PipelinedObjective")
+
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("spd", "SPD", PIPELINE, "speculation", fast_eval=True),
-    Method("ppsd", "PPSD", PIPELINE, "speculation", fast_eval=True),
-    Method("spd_output_state", "SPD output states", PIPELINE, "speculation", fast_eval=True),
-    Method("eagle3", "EAGLE-3", CHAIN, "eagle3", fast_eval=True, draft_length=5),
+    Method("spd", "SPD", PIPELINE, plan=Plan(), **_PIPELINED),
+    Method("ppsd", "PPSD", PIPELINE, plan=Plan(single=1, after_step=True), **_PIPELINED),
+    Method("spd_output_state", "SPD output states", PIPELINE, plan=Plan(shift=1, after_step=True), **_PIPELINED),
+    Method("eagle3", "EAGLE-3", CHAIN, "eagle3", fast_evaluator="spd.fast_eval_chain:fast_eagle3_eval",
+           draft_length=5, drafter="spd.drafters.eagle3:chain_drafter", objective="spd.train.methods:Eagle3Objective",
+           replays_trees=True),
     # 7: 8 target rows a cycle, which a CPU computes faster than 7 (bench/lookup_grid.py); m = 15 measured within
     # 4% of it on 256-token answers (docs/results.md) and costs more on a miss
-    Method("lookup", "Context lookup", CHAIN, None, fast_eval=True, draft_length=7),
-    Method("ar", "AR", AR, None, fast_eval=False),
+    Method("lookup", "Context lookup", CHAIN, None, fast_evaluator="spd.fast_eval_chain:fast_lookup_eval",
+           draft_length=7, drafter="spd.drafters.lookup:chain_drafter", replays_trees=True),
+    Method("ar", "AR", AR, None),
 )}
 
 DECODING_METHODS = tuple(METHODS)
@@ -58,3 +91,14 @@ DRAFT_SOURCES = (MODULE, LOOKUP_MODULE)
 def method(name: str) -> Method:
     """The registry entry; callers pass names that passed the config's check."""
     return METHODS[name]
+
+
+def behaviour(path: str):
+    """The function or class a "module:attribute" name of this registry refers to, imported on first use."""
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def module_class(kind: str):
+    """SpeculationModule or Eagle3Module, by a Method's (or a checkpoint's) module kind."""
+    return behaviour(MODULE_CLASSES[kind])

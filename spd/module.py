@@ -63,6 +63,34 @@ class SpeculationModule(DraftHead, nn.Module):
         self.build_head(d, target_config, draft_to_target)
 
     @classmethod
+    def untrained(cls, target: StagedTarget, method: str, num_layers: int = 1, seed: int = 0) -> "SpeculationModule":
+        """A random module of `method` (spd, ppsd, spd_output_state) for a run without a checkpoint."""
+        return cls.from_target(target, num_layers, seed=seed, method=method)
+
+    @classmethod
+    def from_checkpoint_config(cls, target: StagedTarget, method: str, config: dict,
+                               draft_to_target: torch.Tensor | None) -> "SpeculationModule":
+        """The module a checkpoint's config.json describes, its weights still to be loaded."""
+        return cls.from_target(target, config["module_layers"], draft_to_target=draft_to_target,
+                               feature_norm=config.get("feature_norm", "none"), fc_bias=config.get("fc_bias", False),
+                               method=method)
+
+    def checkpoint_fields(self, num_layers: int) -> dict:
+        """What config.json records of this module beside the target's identity (spd.checkpoint)."""
+        return {
+            "n": self.n,
+            "stage_bounds": self.bounds,
+            "method": self.plan.method,
+            # indexed by depth k; null where the method reads no feature of that depth
+            "feature_layers": [list(self.feature_layers[k]) if k in self.feature_layers else None
+                               for k in range(self.n + 1)],
+            "module_layers": len(self.layers),
+            "draft_vocab_size": None if self.draft_to_target is None else int(self.draft_to_target.numel()),
+            "feature_norm": self.feature_norm,
+            "fc_bias": self.fc_bias,
+        }
+
+    @classmethod
     def from_target(cls, target: StagedTarget, num_layers: int = 1, draft_to_target: torch.Tensor | None = None,
                     seed: int = 0, feature_norm: str = "none", fc_bias: bool = False,
                     method: str = "spd") -> "SpeculationModule":

@@ -10,13 +10,9 @@ import torch
 from spd.checkpoint import check_target, checkpoint_method, load_checkpoint, read_checkpoint_config
 from spd.decoding import eos_ids_of
 from spd.drafters.base import ChainDrafter, Drafter
-from spd.drafters.eagle3 import Eagle3Drafter
-from spd.drafters.hybrid import with_draft_source
-from spd.drafters.lookup import LookupDrafter
-from spd.drafters.spd_module import ModuleDrafter
 from spd.eagle3_module import Eagle3Module
 from spd.errors import UserError
-from spd.methods import METHODS, MODULE
+from spd.methods import METHODS, MODULE, behaviour, module_class
 from spd.module import SpeculationModule
 from spd.prompts import conversation_ids
 from spd.sampling import SamplingParams
@@ -46,12 +42,13 @@ class Session:
     width: int = 1                     # chain methods: draft-tree width W (1 = a chain)
     tree_nodes: int = 16               # W > 1: drafted nodes per verification
 
-    def drafter(self, use_cache: bool = True) -> Drafter | ChainDrafter:
-        if self.method == "lookup":
-            return LookupDrafter(*self.lookup_ngrams)
-        if self.method == "eagle3":
-            return Eagle3Drafter(self.module, self.staged.embed)
-        return with_draft_source(ModuleDrafter(self.module, use_cache), self.draft_source, *self.lookup_ngrams)
+    def drafter(self, use_cache: bool = True) -> Drafter | ChainDrafter | None:
+        """The method's drafter (spd.methods names its factory); None for plain AR."""
+        make = METHODS[self.method].drafter
+        if make is None:
+            return None
+        return behaviour(make)(module=self.module, embed=self.staged.embed, draft_source=self.draft_source,
+                               ngrams=self.lookup_ngrams, use_cache=use_cache)
 
     @property
     def drafts_with(self) -> str:
@@ -127,8 +124,7 @@ def open_session(cfg) -> Session:
             raise UserError(f"module_layers={cfg.module_layers} must be >= 1")
         with warnings.catch_warnings():
             warnings.simplefilter("always")
-            module = Eagle3Module.from_target(staged, seed=cfg.seed) if METHODS[method].module == "eagle3" else \
-                SpeculationModule.from_target(staged, cfg.module_layers, seed=cfg.seed, method=method)
+            module = module_class(METHODS[method].module).untrained(staged, method, cfg.module_layers, seed=cfg.seed)
     return Session(loaded, staged, module.eval() if module else None, params,
                    eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
                    method, (getattr(cfg, "lookup_min_ngram", 2), getattr(cfg, "lookup_max_ngram", 8)),

@@ -145,3 +145,8 @@ class Eagle3Drafter(ChainDrafter):
         for c in sorted(chosen, key=lambda c: (cands[c][3], -cands[c][0], c)):
             node_of[c] = tree.add(node_of[cands[c][1]], Proposal(cands[c][2]))
         return tree
+
+
+def chain_drafter(*, module: Eagle3Module, embed, **_) -> Eagle3Drafter:
+    """EAGLE-3's drafter (spd.methods): its module, fed the target's embedding of each drafted token."""
+    return Eagle3Drafter(module, embed)

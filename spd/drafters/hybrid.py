@@ -81,3 +81,11 @@ def with_draft_source(module_drafter: Drafter, source: str, min_n: int, max_n: i
     if source == LOOKUP_MODULE:
         return LookupThenModule(module_drafter, min_n, max_n)
     raise ValueError(f"draft source {source!r}: one of {', '.join(DRAFT_SOURCES)}")
+
+
+def pipelined_drafter(*, module, draft_source: str, ngrams: tuple[int, int], use_cache: bool = True, **_) -> Drafter:
+    """SPD's, PPSD's and the output-state ablation's drafter (spd.methods): the module, the lookup in front where
+    draft_source says so."""
+    from spd.drafters.spd_module import ModuleDrafter
+
+    return with_draft_source(ModuleDrafter(module, use_cache), draft_source, *ngrams)

@@ -138,3 +138,8 @@ class LookupDrafter(ChainDrafter):
                     child = node_of[(node, token)] = tree.add(node, Proposal(token, source="lookup"))
                 node = child
         return tree
+
+
+def chain_drafter(*, ngrams: tuple[int, int], **_) -> LookupDrafter:
+    """The context lookup's drafter (spd.methods): suffixes of ngrams[0]..ngrams[1] tokens matched earlier."""
+    return LookupDrafter(*ngrams)

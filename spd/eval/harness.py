@@ -27,15 +27,13 @@ from spd.eval.calibrate import (calibrate, calibrate_chain, chain_measured_cost_
 from spd.eval.output import EvalOutput, check_output_dir, write_json
 from spd.eval.summary import METHOD_NAMES, summarise
 from spd.eval.traces import TraceCache
-from spd.fast_eval import fast_greedy_stats
-from spd.fast_eval_chain import fast_chain_stats, fast_lookup_stats, fast_tree_stats
-from spd.methods import LOOKUP_MODULE, METHODS
+from spd.methods import DRAFTING_METHODS, LOOKUP_MODULE, METHODS, behaviour
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import Session, open_session
 
 
 def validate(cfg) -> None:
-    if cfg.method == "ar":
+    if cfg.method is not None and cfg.method not in DRAFTING_METHODS:
         raise UserError("method=ar drafts nothing to evaluate; eval runs a drafter (spd, ppsd, spd_output_state, "
                         "eagle3, lookup) and plain AR beside it (ar_baseline=true)")
     unknown = [ds for ds in cfg.datasets if ds not in DATASETS]
@@ -48,7 +46,7 @@ def uses_fast_evaluator(cfg) -> bool:
     """Greedy, in-process, eager runs are scored from cached traces; the others run the step-by-step runtime."""
     evaluable = cfg.method is None or METHODS[cfg.method].fast_eval   # None: a checkpoint's module
     return evaluable and cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local" and \
-        not cfg.cuda_graphs and (cfg.W == 1 or cfg.method in ("lookup", "eagle3"))   # SPD's trees: no replay
+        not cfg.cuda_graphs and (cfg.W == 1 or cfg.method is not None and METHODS[cfg.method].replays_trees)
 
 
 def prompt_seed(seed: int, dataset: str, question_id) -> int:
@@ -59,16 +57,10 @@ def prompt_seed(seed: int, dataset: str, question_id) -> int:
 def fast_sample(session: Session, cfg, traces: TraceCache, dataset: str, question_id, prompt_ids) -> dict:
     trace, info = traces.get(dataset, question_id, prompt_ids)
     start = time.perf_counter()
-    if session.method == "eagle3" and session.width > 1:
-        result = fast_tree_stats(session.drafter(), trace, session.draft_length, session.width, session.tree_nodes)
-    elif session.method == "eagle3":
-        result = fast_chain_stats(session.module, trace, session.draft_length)
-    elif session.method == "lookup":
-        result = fast_lookup_stats(trace, *session.lookup_ngrams, session.draft_length, width=session.width,
-                                   budget=session.tree_nodes if session.width > 1 else None)
-    else:
-        lookup = session.lookup_ngrams if session.draft_source == LOOKUP_MODULE else None
-        result = fast_greedy_stats(session.module, trace, lookup)
+    evaluate = behaviour(METHODS[session.method].fast_evaluator)
+    result = evaluate(trace, module=session.module, make_drafter=session.drafter, draft_source=session.draft_source,
+                      ngrams=session.lookup_ngrams, draft_length=session.draft_length, width=session.width,
+                      tree_nodes=session.tree_nodes)
     seconds = time.perf_counter() - start
     stats = result["stats"]
     return {"mode": "fast", "token_ids": trace.tokens, **stats.as_dict(), "ar_match": None,

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 from spd.config import WandbSection, at_least, one_of
 from spd.errors import UserError
-from spd.methods import TRAINED_METHODS
+from spd.methods import METHODS, TRAINED_METHODS
 
 
 @dataclass
@@ -124,7 +124,7 @@ class TrainConfig:
     @staticmethod
     def check(cfg) -> None:
         one_of(cfg, "method", TRAINED_METHODS)
-        if cfg.method == "eagle3":
+        if not METHODS[cfg.method].pipelined:     # the keys below shape a pipelined method's module
             m = cfg.model
             pipelined_only = {"model.module_layers": m.module_layers != 1, "model.init_fc": m.init_fc != "random",
                               "model.init_layers": m.init_layers is not None, "model.fc_bias": m.fc_bias,

@@ -107,4 +107,7 @@ class Eagle3Objective:
 
 
 def objective_for(cfg):
-    return Eagle3Objective(cfg) if cfg.method == "eagle3" else PipelinedObjective(cfg)
+    """The training objective spd.methods names for cfg.method."""
+    from spd.methods import METHODS, behaviour
+
+    return behaviour(METHODS[cfg.method].objective)(cfg)
