@@ -395,7 +395,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench/gpu_session.py", description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where the returned files go (default: $OUT)")
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default="cuda", help="cuda (a visit) or cpu (the dry run, a rehearsal)")
     ap.add_argument("--minutes", type=float, default=9.0, help="the whole visit (default 9)")
     ap.add_argument("--dry-run", action="store_true", help="a tiny random target, small boxes: checks the script")
     ap.add_argument("--train", default="n5", help="modules to train in order, e.g. n5,n2 (default n5)")
