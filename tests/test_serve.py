@@ -53,11 +53,20 @@ def test_chat_and_completion_equal_generate_streamed_or_not(server, tiny_target_
     done = client.completions.create(model=tiny_target_dir, prompt="Once upon a time", max_tokens=24, temperature=0)
     assert done.model_extra["spd"]["token_ids"] == plain["token_ids"] and done.choices[0].text == plain["text"]
     streamed = list(client.completions.create(model=tiny_target_dir, prompt="Once upon a time", max_tokens=24,
-                                              temperature=0, stream=True))
+                                              temperature=0, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == plain["text"]
     last = streamed[-1]
     assert last.usage.completion_tokens == len(plain["token_ids"])
     assert last.model_extra["spd"]["token_ids"] == plain["token_ids"]
+    assert not last.choices and all(c.choices and c.usage is None for c in streamed[:-1])
+    # without stream_options no chunk has empty choices (naive clients read choices[0]), and none has usage
+    for stream in (client.completions.create(model=tiny_target_dir, prompt="Once upon a time", max_tokens=24,
+                                             temperature=0, stream=True),
+                   client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], model=tiny_target_dir,
+                                                  max_tokens=8, temperature=0, stream=True)):
+        chunks = list(stream)
+        assert all(len(c.choices) == 1 and c.usage is None for c in chunks)
+        assert chunks[-1].choices[0].finish_reason is not None and chunks[-1].model_extra["spd"]["N"] >= 1
     assert [m.id for m in client.models.list().data] == [chat.model]
 
 
@@ -109,7 +118,7 @@ def test_many_clients_share_one_pipeline(server):
                 out.append((p, r.choices[0].text, r.usage.completion_tokens))
             else:
                 chunks = list(client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0,
-                                                        stream=True))
+                                                        stream=True, stream_options={"include_usage": True}))
                 out.append((p, "".join(ch.choices[0].text for ch in chunks if ch.choices),
                             chunks[-1].usage.completion_tokens))
         return out

@@ -191,7 +191,9 @@ def build_app(service: Service) -> FastAPI:
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": service.model}
         if body.stream:
-            return StreamingResponse(sse(job, ids, head, baseline, endpoint, chat), media_type="text/event-stream",
+            with_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse(job, ids, head, baseline, endpoint, chat, with_usage),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         pieces = []
         try:
@@ -212,18 +214,21 @@ def build_app(service: Service) -> FastAPI:
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         return {**head, "choices": [choice], "usage": usage(ids, value), "spd": service.spd_object(value, baseline)}
 
-    async def sse(job: Job, ids, head: dict, baseline: bool, endpoint: str, chat: bool):
+    async def sse(job: Job, ids, head: dict, baseline: bool, endpoint: str, chat: bool, with_usage: bool):
+        """Server-sent events as OpenAI and vLLM send them: every chunk has one choice, the last its finish_reason
+        and the suite's `spd` object; only when the request asked (stream_options.include_usage) does a final chunk
+        with empty `choices` carry the usage, every other chunk then holding "usage": null."""
         object_name = "chat.completion.chunk" if chat else "text_completion"
-        head = {**head, "object": object_name}
+        head = {**head, "object": object_name} | ({"usage": None} if with_usage else {})
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(text: str | None, finish: str | None, first: bool = False, extra: dict | None = None) -> str:
             if chat:
                 delta = ({"role": "assistant", "content": ""} if first else {}) | \
                     ({"content": text} if text is not None else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+            return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
 
         try:
             if chat:
@@ -239,9 +244,11 @@ def build_app(service: Service) -> FastAPI:
                     log.warning("%s %d: %s", endpoint, error.status, error.message)
                     yield f"data: {json.dumps(error.body())}\n\n"
                     break
-                yield chunk(None, value["finish_reason"])
-                final = {**head, "choices": [], "usage": usage(ids, value), "spd": service.spd_object(value, baseline)}
-                yield f"data: {json.dumps(final)}\n\n"
+                spd = service.spd_object(value, baseline)
+                yield chunk(None, value["finish_reason"], extra={"spd": spd})
+                if with_usage:
+                    final = {**head, "choices": [], "usage": usage(ids, value), "spd": spd}
+                    yield f"data: {json.dumps(final)}\n\n"
                 metrics.latency.labels(endpoint).observe(time.perf_counter() - job.enqueued)
                 metrics.requests.labels(endpoint, "200").inc()
                 break
