@@ -26,8 +26,8 @@ WANDB_MODES = ("offline", "online", "disabled")
 @dataclass
 class WandbSection:
     mode: str = "offline"               # offline | online | disabled (never a login call in code)
-    project: str = "spd"
-    name: Optional[str] = None
+    project: str = "spd"                # the W&B project a run is logged to
+    name: Optional[str] = None          # the run's name (None: W&B picks one)
 
     @staticmethod
     def check(section) -> None:
@@ -58,13 +58,13 @@ class GenerateConfig:
     stage_bounds: Any = None             # explicit inner boundaries b_1..b_{n-1}, or "balanced" (by measured cost)
     module_layers: int = 1               # L_s of a randomly initialised module
     module_cache: bool = True            # cache K/V of depth-n memory rows (exact: they never change)
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128            # at most this many tokens after the prompt (end of sequence stops sooner)
     temperature: float = 0.0             # 0 = greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
+    top_k: int = 0                       # sample among the k likeliest tokens (0 = off)
+    top_p: float = 1.0                   # sample within the smallest set of probability >= top_p (1 = off)
+    seed: int = 0                        # sampling's seed (greedy ignores it)
+    dtype: str = "float32"               # float32 | bfloat16 | float16: the target's and the module's weights
+    device: str = "cpu"                  # cpu | cuda | cuda:N | mps
     json: bool = False                   # print one JSON object instead of text + a stats line
     runtime: str = "local"               # local (stages one after another, the reference) | distributed |
                                          # streams (one CUDA stream per stage, launched together; CUDA only)
@@ -335,3 +335,68 @@ def check_numbers(cfg, prefix: str = "") -> None:
 
 def to_yaml(cfg) -> str:
     return OmegaConf.to_yaml(cfg)
+
+
+_FIELD = re.compile(r"^\s+(\w+)\s*:[^#]*?(?:#\s?(.*))?$")
+_COMMENT = re.compile(r"^\s+#\s?(.*)$")
+
+
+def _field_comments(schema: type) -> dict[str, str]:
+    """{field: the comment written beside it in the schema's source, with its continuation lines, or else the comment
+    block right above it}: the configs' documentation is those comments, so the help is generated from them and
+    cannot drift from the code."""
+    import inspect
+
+    notes: dict[str, str] = {}
+    for cls in reversed([c for c in schema.__mro__ if dataclasses.is_dataclass(c)]):
+        last, above = None, []
+        for line in inspect.getsource(cls).splitlines()[1:]:
+            field_line, comment = _FIELD.match(line), _COMMENT.match(line)
+            if comment:   # indented past the fields: a trailing comment's next line; level with them: above the next
+                continued = len(line) - len(line.lstrip()) > 4
+                if continued and last is not None and notes.get(last):
+                    notes[last] += " " + comment.group(1).strip()
+                else:
+                    above.append(comment.group(1).strip())
+                continue
+            if field_line and not line.lstrip().startswith(("def ", "@", "return", "if ", "raise")):
+                last = field_line.group(1)
+                notes[last] = (field_line.group(2) or "").strip() or " ".join(above)
+            else:
+                last = None
+            above = []
+    return notes
+
+
+def key_help(schema: type, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, meaning) for every key of a structured config, nested sections as section.key."""
+    notes = _field_comments(schema)
+    rows = []
+    for f in dataclasses.fields(schema):
+        default = f.default if f.default is not dataclasses.MISSING else \
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            rows += key_help(type(default), f"{prefix}{f.name}.")
+            continue
+        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+        rows.append((prefix + f.name, shown, notes.get(f.name, "")))
+    return rows
+
+
+def keys_epilog(schema: type, width: int = 118) -> str:
+    """The `--help` list of a command's keys: name, default, and the schema's own comment on it, wrapped."""
+    import textwrap
+
+    rows = key_help(schema)
+    name_w = max(len(k) for k, _, _ in rows) + 2
+    default_w = 12
+    lines = ["keys (key=value on the command line or in --config's YAML; unknown keys are refused):"]
+    for key, default, meaning in rows:
+        head = f"  {key:<{name_w}}{default:<{default_w - 1}} "
+        if len(head) > 2 + name_w + default_w and meaning:   # a long default: the meaning on the next line
+            lines.append(head.rstrip())
+            head = " " * (2 + name_w + default_w)
+        wrapped = textwrap.wrap(meaning, width - len(head)) or [""]
+        lines.append((head + wrapped[0]).rstrip())
+        lines += [" " * len(head) + more for more in wrapped[1:]]
+    return "\n".join(lines)

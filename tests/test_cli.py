@@ -215,3 +215,26 @@ def test_console_script_exit_code_and_no_traceback(tiny_target_dir):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("spd-infer: error: n=0")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "eval"])
+def test_help_lists_every_key_with_its_default_and_meaning(capsys, command):
+    """A newcomer finds method=, n=, runtime=, temperature=... in `spd-infer <command> --help`: every key of the
+    command's structured config, its default and the config's own comment on it (generated, so it cannot drift)."""
+    from spd.cli import main
+    from spd.config import GenerateConfig, ServeConfig, key_help
+    from spd.eval.config import EvalConfig
+
+    schema = {"generate": GenerateConfig, "chat": GenerateConfig, "serve": ServeConfig, "eval": EvalConfig}[command]
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    rows = key_help(schema)
+    assert {"method", "n", "runtime", "temperature", "max_new_tokens"} <= {key for key, _, _ in rows}
+    for key, default, meaning in rows:
+        assert meaning, f"{schema.__name__}.{key} has no comment to document it"
+        lines = out.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.split()[:1] == [key])
+        shown = " ".join(lines[at: at + 2])        # a long default puts the meaning on the next line
+        assert default in lines[at] and meaning.split()[0] in shown, shown

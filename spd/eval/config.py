@@ -21,36 +21,36 @@ class EvalConfig:
     draft_source: str = "module"        # pipelined methods: module | lookup+module (spd.drafters.hybrid)
     lookup_min_ngram: int = 2           # lookup, lookup+module: shortest suffix of the context that may match earlier
     lookup_max_ngram: int = 8           # lookup, lookup+module: longest suffix compared
-    datasets: List[str] = field(default_factory=lambda: ["mt_bench", "gsm8k", "humaneval"])
+    datasets: List[str] = field(default_factory=lambda: ["mt_bench", "gsm8k", "humaneval"])  # first turns, in order
     limit: Optional[int] = None         # the first `limit` prompts of each dataset; None = all 80
     n: Optional[int] = None             # None = the checkpoint's n, else 5
     stage_bounds: Any = None            # inner boundaries b_1..b_{n-1}, or "balanced" (by measured cost)
     module_layers: int = 1              # L_s of a randomly initialised module
-    module_cache: bool = True
+    module_cache: bool = True           # cache K/V of depth-n memory rows (exact: they never change)
     max_new_tokens: int = 512           # the paper's protocol
     temperature: float = 0.0            # 0 = greedy; the paper's sampled setting is T=1, top-k 50, top-p 1.0
     top_k: int = 50                     # used when temperature > 0
-    top_p: float = 1.0
+    top_p: float = 1.0                  # used when temperature > 0 (1 = off)
     seed: int = 0                       # each prompt's generator is seeded from (seed, dataset, question_id)
     exact_trace: bool = False           # T=0: run the step-by-step runtime instead of the exact fast evaluator
     ar_baseline: bool = True            # runtime samples: also decode with plain AR (lossless check + tokens/s)
     calibrate: bool = True              # measure stage/module/head/verify times for the measured-cost speedup
-    dtype: str = "float32"
-    device: str = "cpu"
-    output_dir: str = "outputs/eval/run"
+    dtype: str = "float32"              # float32 | bfloat16 | float16
+    device: str = "cpu"                 # cpu | cuda | cuda:N | mps
+    output_dir: str = "outputs/eval/run"  # samples.jsonl, summary.json, table.md, plots
     resume: bool = True                 # skip samples already in output_dir/samples.jsonl (same config only)
-    trace_cache_dir: str = "outputs/cache/traces"
+    trace_cache_dir: str = "outputs/cache/traces"  # the target's greedy decodes, reused across evals
     # H^l to record beside the run's own when a trace directory is made, so evals at other n and EAGLE-3's reuse
     # the same greedy decodes (a trace directory that stores a run's layers serves it, whatever its layout)
     trace_layers: List[int] = field(default_factory=list)
     runtime: str = "local"              # local | distributed (one process per stage; always the step-by-step runtime)
                                         # | streams (one CUDA stream per stage; CUDA only)
     cuda_graphs: bool = False           # stage steps (and the AR baseline) as CUDA graphs (CUDA only)
-    threads_per_stage: Optional[int] = None
+    threads_per_stage: Optional[int] = None  # distributed: intra-op threads per process (None: cores // processes)
     controller: str = "auto"            # distributed: own_process | first_stage | auto (as for generate)
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
-    timeout_s: float = 20.0
+    master_addr: str = "127.0.0.1"      # distributed: where the controller hosts the rendezvous
+    master_port: int = 0                # distributed: 0 = any free port
+    timeout_s: float = 20.0             # distributed: longest wait for any message inside a generation
     wandb: WandbSection = field(default_factory=WandbSection)
 
     @staticmethod
