@@ -106,7 +106,7 @@ class Visit:
     def box(self, step: str) -> float:
         return BOXES[step][self.i]
 
-    def run_process(self, argv: list[str], timeout: float, stdin=None) -> tuple[int | str, float]:
+    def run_process(self, argv: list[str], timeout: float) -> tuple[int | str, float]:
         start = time.time()
         with open(self.log_path, "a") as log:
             proc = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
@@ -132,6 +132,8 @@ class Visit:
             with open(result) as f:
                 record.update(json.load(f))
         record["status"] = "ok" if rc == 0 and record.get("finished") else "failed" if rc != 0 else "incomplete"
+        rows = [r.get("status") for r in record.get("rows", [])]
+        record["rows_by_status"] = {s: rows.count(s) for s in sorted(set(rows), key=str)}   # ok, mismatch, error...
         self.session["steps"][name] = record
         self.save()
         self.log(f"step {name}: {record['status']} in {seconds:.0f} s (rc {rc})")

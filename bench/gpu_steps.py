@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/gpu.py'
 
 from spd.config import GenerateConfig, load_config
 from spd.decoding import Request
-from spd.engine import build_decoder, pick_decoder
+from spd.engine import build_decoder
 from spd.eval.output import write_json
-from spd.methods import AR, PIPELINE
+from spd.methods import AR, CHAIN, PIPELINE
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.runtime.stages import stage_executor
 from spd.sampling import SamplingParams
@@ -161,7 +161,8 @@ def decode_row(plan: dict, dtype: str, keys: list[str], executor: str | None, wi
     drafter = session.drafter()
     whole = StagedTarget(session.loaded.model, 1)
     if executor is None:        # a chain: the target verifies whole; AR eager is its reference
-        decoder = pick_decoder(session.method, load_config(GenerateConfig, None, []), session, None, drafter)
+        decoder = build_decoder(CHAIN, session.staged, eos, drafter, width=session.width,
+                                draft_length=session.draft_length, tree_nodes=session.tree_nodes)
         reference = build_decoder(AR, whole, eos)
     else:
         stages = stage_executor(PIPELINE_EXECUTORS[executor], session.staged)
