@@ -18,7 +18,7 @@ killed and what it finished stays), so a slow one cannot starve the rest:
     train        4.4+ the rest: distillation of an n = 5 module (recipe of configs/train/gpu_n5.yaml) on the carried
                       ShareGPT extract; a short probe measures tokens/s, the run's steps and lr schedule are
                       planned from it, checkpoints every minute leave as float16 files of <= 16 MiB; Ctrl-C (SIGINT)
-                      at the box's end saves the last state
+                      25 s before the box's end saves the last state
     eval         0.75 the exact fast evaluator (spd-infer eval) on 2 prompts per set x 128 tokens for the shipped
                       module and the GPU-trained one, on the same traces
     (n = 2 is trained after n = 5 only with --train n5,n2 and time left: at 9 minutes there is none)
@@ -272,7 +272,7 @@ class Visit:
         tps = sorted(m["tokens_per_s"] for m in steady)[len(steady) // 2]
         per_step = (metrics[-1]["train/tokens_seen"] - metrics[0]["train/tokens_seen"]) / (len(metrics) - 1)
         startup_s = probe_s - sum(per_step / m["tokens_per_s"] for m in metrics)
-        left = deadline - time.time() - 1.5 * startup_s - 10
+        left = deadline - time.time() - 1.5 * startup_s - 25 - 10
         steps = max(2, int(left * tps / per_step))
         if self.dry:        # far more steps than the box holds: the dry run's box always ends the run by SIGINT
             steps = max(steps, 10**5)
@@ -295,14 +295,16 @@ class Visit:
             while proc.poll() is None:
                 # the dry run stops only a run that has saved once: its box is too short to be sure of reaching the
                 # loop, and SIGINT during start-up would kill it without the save this path is there to check
-                due = time.time() > deadline and (not self.dry or exported is not None or time.time() > deadline + 60)
+                # SIGINT 25 s before the box ends: the step in flight, the save and the last export fit inside it
+                stop_at = deadline - (0 if self.dry else 25)
+                due = time.time() > stop_at and (not self.dry or exported is not None or time.time() > stop_at + 60)
                 if due and stopped is None:
                     proc.send_signal(signal.SIGINT)          # finish the step, save, exit 130
                     stopped = time.time()
                     self.log(f"train {name}: the box ended, SIGINT sent")
-                if stopped is not None and time.time() > stopped + (15 if self.dry else 45):
+                if stopped is not None and time.time() > stopped + (15 if self.dry else 30):
                     proc.kill()
-                    self.log(f"train {name}: killed 45 s after SIGINT")
+                    self.log(f"train {name}: killed, no exit after SIGINT")
                 exported = self.export_if_new(name, out_dir, exported)
                 time.sleep(1 if self.dry else 5)
             rc = proc.wait()
