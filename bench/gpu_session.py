@@ -261,7 +261,12 @@ class Visit:
         rc, probe_s = self.run_process([sys.executable, run_py, "--config", config, *self.train_keys(name),
                                         f"output_dir={probe_dir}", f"optim.steps={probe_steps}",
                                         "data.max_conversations=64" if self.dry else "data.max_conversations=512",
-                                        "eval_decodes=0", "save_every=0"], deadline - time.time())
+                                        "eval_decodes=0", "save_every=0"],
+                                       # the dry run's box is short; a fresh machine's first DeepSpeed start builds
+                                       # an op first (~20 s), so its probe may take longer and the box starts after
+                                       300 if self.dry else deadline - time.time())
+        if self.dry:
+            deadline = max(deadline, time.time() + DRY_TRAIN_S / 2)
         metrics = read_metrics(os.path.join(probe_dir, "metrics.jsonl"))
         if rc != 0 or len(metrics) < 3:
             record.update(status="failed", why=f"the probe run ended with {rc} after {len(metrics)} steps",
