@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from spd.engine import build_decoder
-from spd.methods import AR
+from spd.methods import AR, LOOKUP_MODULE
 from spd.decoding import Request
 from spd.drafters.lookup import NgramIndex
 from spd.layout import needed_layers
@@ -148,6 +148,4 @@ def fast_pipeline_eval(trace: GreedyTrace, *, module: SpeculationModule, draft_s
                        ngrams: tuple[int, int], **_) -> dict:
     """A pipelined method's exact greedy replay (spd.methods): the module's drafts, the lookup's in front of them
     where draft_source says so."""
-    from spd.methods import LOOKUP_MODULE
-
     return fast_greedy_stats(module, trace, ngrams if draft_source == LOOKUP_MODULE else None)

@@ -9,6 +9,7 @@ occupancy counting that token (1 <= a <= n).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -147,8 +148,7 @@ class FeaturePlan:
 
 
 # every pipelined method's plan, from its registry entry (spd.methods)
-PLANS = {name: FeaturePlan(name, shift=m.plan.shift, single=m.plan.single, after_step=m.plan.after_step)
-         for name, m in METHODS.items() if m.plan is not None}
+PLANS = {name: FeaturePlan(name, **dataclasses.asdict(m.plan)) for name, m in METHODS.items() if m.plan is not None}
 
 
 def plan_for(method: str) -> FeaturePlan:

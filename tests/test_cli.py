@@ -222,7 +222,8 @@ def test_help_lists_every_key_with_its_default_and_meaning(capsys, command):
     """A newcomer finds method=, n=, runtime=, temperature=... in `spd-infer <command> --help`: every key of the
     command's structured config, its default and the config's own comment on it (generated, so it cannot drift)."""
     from spd.cli import main
-    from spd.config import GenerateConfig, ServeConfig, key_help
+    from spd.cli.keys import key_help
+    from spd.config import GenerateConfig, ServeConfig
     from spd.eval.config import EvalConfig
 
     schema = {"generate": GenerateConfig, "chat": GenerateConfig, "serve": ServeConfig, "eval": EvalConfig}[command]

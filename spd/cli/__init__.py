@@ -19,29 +19,28 @@ PROMPT_HELP = ("the prompt, verbatim: a positional argument, prompt=TEXT (never 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spd.config import GenerateConfig, ServeConfig, keys_epilog
+    from spd.cli.keys import KeysParser
+    from spd.config import GenerateConfig, ServeConfig
     from spd.eval.config import EvalConfig
 
     # every command's --help ends with its keys, defaults and meanings, generated from the structured configs
-    keyed = dict(formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser = argparse.ArgumentParser(prog="spd-infer", description="Speculative Pipeline Decoding")
+    parser = KeysParser(prog="spd-infer", description="Speculative Pipeline Decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in [("generate", "decode one prompt (the fastest lossless method here, or method=spd|ar|...), "
                                     "streaming the text"),
                        ("chat", "a multi-turn conversation on standard input (/exit leaves, /reset starts over)")]:
-        cmd = sub.add_parser(name, help=text, description=text, epilog=keys_epilog(GenerateConfig), **keyed)
+        cmd = sub.add_parser(name, help=text, description=text, schema=GenerateConfig)
         cmd.add_argument("--config", default=None, help="YAML config (configs/infer/generate.yaml)")
         cmd.add_argument("words", nargs="*", metavar="key=value | PROMPT",
                          help="config overrides (e.g. n=5 max_new_tokens=64); " +
                          (PROMPT_HELP if name == "generate" else "the turns come from standard input"))
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) "
                                       "over one warm pipeline", description="generate's keys, plus host=, port=, "
-                                      "api_key=, max_queue=, shutdown_timeout_s=", epilog=keys_epilog(ServeConfig),
-                        **keyed)
+                                      "api_key=, max_queue=, shutdown_timeout_s=", schema=ServeConfig)
     sv.add_argument("--config", default=None, help="YAML config (configs/infer/serve.yaml)")
     sv.add_argument("overrides", nargs="*", help="key=value overrides, e.g. port=8000 method=spd n=2")
     ev = sub.add_parser("eval", help="MT-Bench / GSM8K / HumanEval: L′acc, speedups, JSONL, table, plots, W&B",
-                        epilog=keys_epilog(EvalConfig), **keyed)
+                        schema=EvalConfig)
     ev.add_argument("--config", default=None, help="YAML config (configs/eval/*.yaml)")
     ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. checkpoint=DIR limit=20 n=5")
     rep = sub.add_parser("report", help="rebuild the table and plots from one or more eval directories")

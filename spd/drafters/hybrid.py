@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from spd.drafters.base import Drafter, StepView
 from spd.drafters.lookup import NgramIndex
+from spd.drafters.spd_module import ModuleDrafter
 from spd.methods import DRAFT_SOURCES, LOOKUP_MODULE, MODULE
 from spd.sampling import Proposal
 
@@ -86,6 +87,4 @@ def with_draft_source(module_drafter: Drafter, source: str, min_n: int, max_n: i
 def pipelined_drafter(*, module, draft_source: str, ngrams: tuple[int, int], use_cache: bool = True, **_) -> Drafter:
     """SPD's, PPSD's and the output-state ablation's drafter (spd.methods): the module, the lookup in front where
     draft_source says so."""
-    from spd.drafters.spd_module import ModuleDrafter
-
     return with_draft_source(ModuleDrafter(module, use_cache), draft_source, *ngrams)
