@@ -27,7 +27,7 @@ from spd.eval.harness import machine
 from spd.eval.output import write_json
 from spd.methods import AR, PIPELINE
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.runtime.stages import stage_executor
+from spd.runtime.stages import reference_kind, stage_executor
 from spd.runtime.streams import StreamStages
 from spd.sampling import SamplingParams
 from spd.session import open_session
@@ -35,9 +35,10 @@ from spd.targets.stages import StagedTarget
 from spd.timing import sync
 
 GREEDY = SamplingParams()
-# each SPD row's lossless reference: AR through the same kind of step (sliced eager, fixed-shape eager, graphs)
-REFERENCE = {"spd_local_eager": "suite_ar_eager", "spd_local_graphs": "suite_ar_graphs",
-             "spd_streams_eager": "suite_ar_fixed_eager", "spd_streams_graphs": "suite_ar_graphs"}
+# the SPD rows' executors, and the AR row each is checked against (spd.runtime.stages.reference_kind)
+SPD_ROWS = {"spd_local_eager": "local", "spd_local_graphs": "graphs", "spd_streams_eager": "streams",
+            "spd_streams_graphs": "streams_graphs"}
+AR_ROWS = {None: "suite_ar_eager", "fixed": "suite_ar_fixed_eager", "graphs": "suite_ar_graphs"}
 
 
 def copy_bandwidth(device: torch.device, mib: int = 512, repeats: int = 10) -> float:
@@ -99,9 +100,7 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None)
         "suite_ar_fixed_eager": lambda ids: ar_fixed.generate(ids, request).token_ids,
         "suite_ar_graphs": lambda ids: ar_graphs.generate(ids, request).token_ids,
     }
-    executors = {f"spd_{name}": stage_executor(kind, staged) for name, kind in
-                 (("local_eager", "local"), ("local_graphs", "graphs"), ("streams_eager", "streams"),
-                  ("streams_graphs", "streams_graphs"))}
+    executors = {name: stage_executor(kind, staged) for name, kind in SPD_ROWS.items()}
     stats = {}
     for name, ex in executors.items():
         decoder = build_decoder(PIPELINE, staged, eos, session.drafter(True), stages=ex)
@@ -130,7 +129,7 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None)
             K = sum(s.K for s in stats[name])
             rows[name]["eal"] = N / K * staged.n if K else None
     for name in executors:   # lossless: each SPD row against the suite's AR with the same kind of step
-        reference = outputs.get(REFERENCE[name])
+        reference = outputs.get(AR_ROWS[reference_kind(SPD_ROWS[name])])
         if name not in outputs or reference is None:
             continue
         rows[name]["ar_match"] = sum(a == b for a, b in zip(outputs[name], reference))

@@ -28,7 +28,7 @@ from spd.engine import build_decoder
 from spd.eval.output import write_json
 from spd.methods import AR, CHAIN, PIPELINE
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.runtime.stages import stage_executor
+from spd.runtime.stages import reference_kind, stage_executor
 from spd.sampling import SamplingParams
 from spd.session import open_session
 from spd.targets.stages import StagedTarget
@@ -167,10 +167,8 @@ def decode_row(plan: dict, dtype: str, keys: list[str], executor: str | None, wi
     else:
         stages = stage_executor(PIPELINE_EXECUTORS[executor], session.staged)
         decoder = build_decoder(PIPELINE, session.staged, eos, drafter, stages=stages, width=width)
-        # the same kind of step: sliced eager stages against eager AR, fixed-shape steps (graphs or not) against AR
-        # through the same fixed-shape steps
-        reference = build_decoder(AR, whole, eos) if executor == "local_eager" else build_decoder(
-            AR, whole, eos, stages=stage_executor("graphs" if executor.endswith("graphs") else "fixed", whole))
+        ref_kind = reference_kind(PIPELINE_EXECUTORS[executor])
+        reference = build_decoder(AR, whole, eos, stages=ref_kind and stage_executor(ref_kind, whole))
     prompts = prompts_of(session.loaded.tokenizer, 1)[: cfg["prompts"]]
     max_new = cfg["max_new_tokens"]
     equal, diverged, tokens, rollbacks, sampled = 0, [], 0, 0, []

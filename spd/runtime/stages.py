@@ -87,6 +87,12 @@ def stage_executor(kind: str, staged: StagedTarget) -> StageExecutor:
     raise ValueError(f"executor {kind!r} is not one of {', '.join(EXECUTORS)}")
 
 
+def reference_kind(kind: str) -> str | None:
+    """The executor plain AR relays through to check an executor of `kind` losslessly: the same kind of stage step
+    (fixed-shape, as graphs or not); None for the sliced steps, whose reference is the plain eager AR loop."""
+    return None if kind == "local" else "graphs" if kind.endswith("graphs") else "fixed"
+
+
 def executor_kind(runtime: str, cuda_graphs: bool) -> str:
     """What `runtime=` and `cuda_graphs=` of an in-process run ask for."""
     if runtime == "streams":
