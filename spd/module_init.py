@@ -53,8 +53,8 @@ def init_previous_token_head(module: SpeculationModule, offset: float = 6.0, sha
     # score(t, s) = scaling * offset^2 * sum_j a^2 cos((s - t + 1) theta_j): the key is the query's pattern
     # turned by one position, so the sum peaks at s = t - 1
     a = (sharpness / (attn.scaling * offset ** 2)) ** 0.5
-    q_pattern = torch.zeros(hd, dtype=u.dtype)
-    k_pattern = torch.zeros(hd, dtype=u.dtype)
+    q_pattern = torch.zeros(hd, dtype=u.dtype, device=u.device)
+    k_pattern = torch.zeros(hd, dtype=u.dtype, device=u.device)
     q_pattern[:pairs] = a
     k_pattern[:pairs] = a * torch.cos(theta)
     k_pattern[hd // 2: hd // 2 + pairs] = a * torch.sin(theta)
