@@ -246,7 +246,7 @@ def step_eval(plan: dict, deadline: float, result: Result) -> None:
         def one(label=label, checkpoint=checkpoint):
             keys = [f"target={plan['target']}", f"checkpoint={checkpoint}", f"limit={cfg['limit']}",
                     f"max_new_tokens={cfg['max_new_tokens']}", f"device={plan['device']}", "dtype=float32",
-                    "calibrate=false", f"output_dir={os.path.join(plan['work'], 'eval', label)}", "resume=false",
+                    "calibrate=false", f"output_dir={os.path.join(plan['work'], 'eval', plan['stamp'], label)}", "resume=false",
                     f"trace_cache_dir={os.path.join(plan['work'], 'traces')}", "wandb.mode=disabled"]
             summary = run_eval(load_config(EvalConfig, None, keys), log=lambda m: print(f"[eval] {m}", flush=True))
             pooled = summary["overall"]["eal_pooled"]

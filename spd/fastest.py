@@ -8,9 +8,10 @@ a YAML file, means the user chose, and nothing is changed: `runtime=local` alone
 
 from __future__ import annotations
 
-# device type -> the keys of the fastest lossless row. Only 2-core CPUs were measured (every machine of this
-# project); on a CUDA device the paper's method stays the default, unmeasured here.
-FASTEST = {"cpu": {"method": "lookup"}}
+# device type -> the keys of the fastest lossless row: 2-core CPUs (bench/wallclock.py); on CUDA the H200 visit's
+# bfloat16 table (docs/results.md, "The first prepared visit"), where AR through CUDA graphs ran 242 tokens/s and
+# SPD with graphs 47 (the lookup chain was not measured there)
+FASTEST = {"cpu": {"method": "lookup"}, "cuda": {"method": "ar", "cuda_graphs": True}}
 
 # keys that ask for SPD's pipeline or a module: a user who sets one of them gets what they asked for
 CHOOSING_KEYS = ("method", "checkpoint", "n", "stage_bounds", "runtime", "draft_source", "module_layers",
