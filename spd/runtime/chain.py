@@ -4,6 +4,7 @@ proposes a chain of up to m tokens (W = 1) or a tree (W > 1), the whole target c
 own token at the first miss (or after the path's last node) comes free. No pipeline: the target runs unsplit. A
 drafter with nothing to propose makes the cycle a plain AR step.
 
+The walk and its statistics are one request's `ChainSequence` (spd.runtime.sequence), shared with the batched decoder.
 Verification walks down from the root, one node at a time, with `spd.sampling.settle_children`: greedy descends into
 the child that is the target's argmax; sampling keeps a chain's draft x ~ q with probability min(1, p(x)/q(x)) (a
 deterministic draft: p(x)) and otherwise draws from norm(max(0, p - q)), and a node with several children keeps
@@ -14,10 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from spd.decoding import Decoder, Request, context_length, is_final, prefill
+from spd.decoding import Decoder, Request
 from spd.drafters.base import ChainDrafter
-from spd.metrics import ChainStats
-from spd.sampling import next_token, propose, settle_children
+from spd.runtime.sequence import ChainSequence
 from spd.targets.stages import StagedTarget
 from spd.tree import DraftTree
 
@@ -46,44 +46,10 @@ class ChainDecoder(Decoder):
 
     @torch.no_grad()
     def stream(self, prompt_ids: list[int], request: Request):
-        target, params, max_new = self.target, request.params, request.max_new_tokens
-        generator = request.generator(target.device)
-        stats = self.stats = ChainStats(m=self.m)
-        length = context_length(len(prompt_ids), max_new, self.budget)   # the last cycle feeds its tree past it
-        cache, hidden, captured = prefill(target, prompt_ids, self.capture, length)
-        tokens = list(prompt_ids) + [next_token(target.logits(hidden[0, -1]), params, generator)]
-        stats.N = 1
-        yield tokens[-1]
-        self.drafter.start(captured, tokens)
-        done = is_final(tokens[-1], stats.N, max_new, self.eos_ids)
-        choose = lambda logits: propose(logits, params, generator)     # noqa: E731
-        while not done:
-            fed = len(tokens) - 1                 # position of the newest token: settled, not yet through the target
-            tree = self.drafter.draft_tree(tokens[-1], self.m, self.width, self.budget, choose)
-            logits, captured = self.forward_tree(tree, cache, fed)   # row i: the target's p after node i's path
-            stats.cycles += 1
-            stats.drafted += len(tree) - 1
-            stats.drafting_cycles += len(tree) > 1
-            path, verified = [0], []
-            while True:
-                children = tree.children(path[-1])
-                if children:
-                    index, token = settle_children(logits[path[-1]], [tree.proposals[c - 1] for c in children],
-                                                   params, generator)
-                    stats.verified(tree.proposals[children[index or 0] - 1].source, index is not None)
-                else:                             # the path's last node held: the target's next token comes free
-                    index, token = None, next_token(logits[path[-1]], params, generator)
-                tokens.append(token)
-                verified.append(token)
-                stats.N += 1
-                done = is_final(token, stats.N, max_new, self.eos_ids)
-                if index is not None:
-                    path.append(children[index])
-                if done or index is None:
-                    break
-            stats.accepted += len(path) - 1
-            stats.accepted_per_cycle.append(len(path) - 1)
-            cache.keep(fed, [fed + node for node in path])    # the verified path's rows, at their positions
-            if not done:
-                self.drafter.verified({layer: h[:, path] for layer, h in captured.items()}, tokens)
-            yield from verified                   # the cycle's state is settled before its tokens go out
+        seq = ChainSequence(self.target, self.drafter, self.eos_ids, prompt_ids, request, self.m, self.width,
+                            self.budget)
+        self.stats = seq.stats
+        yield from seq.prefill()
+        while not seq.done:
+            logits, captured = self.forward_tree(seq.draft(), seq.cache, seq.fed)
+            yield from seq.settle(logits, captured)       # the cycle's state is settled before its tokens go out

@@ -112,19 +112,24 @@ class StagedTarget:
         capture: frozenset[int] | set[int] = frozenset(),
         mask_keys: torch.Tensor | None = None,  # [1, S] arange(S): fixed shapes over a static cache of S positions
         visible: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, S] bool, key positions [S]): explicit
+        ragged=None,                      # spd.targets.ragged.RaggedCache: several sequences' rows, masked per sequence
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run layers start..end-1; return H^end and {l: H^l} for captured l in (start, end]. With `visible` the
-        rows attend where it says (a tree's rows sit at prefix + depth, appended to the cache in node order)."""
+        rows attend where it says (a tree's rows sit at prefix + depth, appended to the cache in node order); with
+        `ragged` each sequence's rows attend to its own cache (`cache` is then that RaggedCache)."""
         captured: dict[int, torch.Tensor] = {}
         rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         masks: dict[str, torch.Tensor | None] = {}
         # read back only on the sliced path, the one that needs it (a host sync on CUDA)
-        key_len = int(positions[-1]) + 1 if mask_keys is None and visible is None else None
+        key_len = int(positions[-1]) + 1 if mask_keys is None and visible is None and ragged is None else None
+        extra = {} if ragged is None else {"ragged": ragged}
         for index in range(start, end):
             layer_type = self.layer_types[index]
             if layer_type not in rope:
                 rope[layer_type] = self._position_embeddings(hidden, positions, layer_type)
-                if visible is not None:
+                if ragged is not None:
+                    masks[layer_type] = None          # the ragged kernel masks each sequence itself
+                elif visible is not None:
                     masks[layer_type] = self.explicit_mask(visible[0], positions, visible[1], layer_type)
                 elif mask_keys is None:
                     masks[layer_type] = self._mask(positions, key_len, layer_type)
@@ -136,6 +141,7 @@ class StagedTarget:
                 position_ids=positions.view(1, -1),
                 cache=cache,   # transformers >= 5.24 (the old past_key_values= goes in 5.40)
                 position_embeddings=rope[layer_type],
+                **extra,
             )
             if index + 1 in capture:
                 captured[index + 1] = hidden

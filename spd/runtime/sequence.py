@@ -1,0 +1,105 @@
+"""One request's draft-then-verify decode as a state machine: prefill, then cycles of (draft a tree, the target's
+logits for its rows, settle). Whoever owns the forward drives it — `ChainDecoder` one sequence at a time over
+`forward_all`, `BatchDecoder` many sequences per ragged forward — so both decode by the same walk and the same
+statistics. A sequence without a drafter drafts nothing: each cycle is a plain AR step (what a batch of AR requests
+runs).
+
+Verification walks down from the root, one node at a time, with `spd.sampling.settle_children` (spd.runtime.chain
+says why that keeps the target's distribution at every W).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spd.decoding import Request, context_length, is_final, prefill
+from spd.drafters.base import ChainDrafter
+from spd.metrics import ChainStats
+from spd.sampling import next_token, propose, settle_children
+from spd.targets.stages import StagedTarget
+from spd.tree import DraftTree
+
+
+class ChainSequence:
+    def __init__(self, target: StagedTarget, drafter: ChainDrafter | None, eos_ids: frozenset[int],
+                 prompt_ids: list[int], request: Request, m: int = 1, width: int = 1, budget: int | None = None,
+                 capture=frozenset(), observe=None):
+        """m: draft depth per cycle; width: children per node (W); budget: drafted nodes per cycle (None: m).
+        observe(logits [V], {l: H^l}) sees the target's logits of each settled position, with the states of the
+        layers in `capture`, before its token is chosen (the trace recorder; AR, where a cycle settles one position)."""
+        self.target, self.drafter, self.eos_ids, self.request = target, drafter, eos_ids, request
+        self.prompt_ids = list(prompt_ids)
+        self.m, self.width, self.budget = m, width, budget or m
+        self.observe = observe
+        self.drafter_layers = frozenset(drafter.layers_needed()) if drafter else frozenset()
+        self.capture = self.drafter_layers | frozenset(capture)     # what every forward of this sequence keeps
+        self.generator = request.generator(target.device)
+        self.stats = ChainStats(m=m)
+        self.done = False
+        self.cache = None
+        self.tokens: list[int] = []
+        self.tree: DraftTree | None = None
+        self.fed = 0
+
+    def context_length(self) -> int:
+        return context_length(len(self.prompt_ids), self.request.max_new_tokens, self.budget if self.drafter else 0)
+
+    def prefill(self) -> list[int]:
+        """The prompt through the target alone (a fresh static cache); returns the first token."""
+        self.cache, hidden, captured = prefill(self.target, self.prompt_ids, self.capture, self.context_length())
+        return self.start(self.target.logits(hidden[0, -1]), captured)
+
+    def start(self, logits: torch.Tensor, captured: dict[int, torch.Tensor]) -> list[int]:
+        if self.observe:
+            self.observe(logits, captured)
+        token = next_token(logits, self.request.params, self.generator)
+        self.tokens = self.prompt_ids + [token]
+        self.stats.N = 1
+        if self.drafter:
+            self.drafter.start({layer: captured[layer] for layer in self.drafter_layers}, self.tokens)
+        self.done = is_final(token, 1, self.request.max_new_tokens, self.eos_ids)
+        return [token]
+
+    def draft(self) -> DraftTree:
+        """This cycle's rows: the newest token (not yet through the target, at position `fed`) and its drafts."""
+        self.fed = len(self.tokens) - 1
+        params, generator = self.request.params, self.generator
+        if self.drafter is None:
+            self.tree = DraftTree(self.tokens[-1])
+        else:
+            self.tree = self.drafter.draft_tree(self.tokens[-1], self.m, self.width, self.budget,
+                                                lambda logits: propose(logits, params, generator))
+        return self.tree
+
+    def settle(self, logits: torch.Tensor, captured: dict[int, torch.Tensor]) -> list[int]:
+        """logits [T, V] (row i: the target's p after node i's path), captured {l: H^l [1, T, d]}: walk the tree,
+        keep the verified path's cache rows, tell the drafter; returns the tokens verified this cycle."""
+        tree, stats, params, generator = self.tree, self.stats, self.request.params, self.generator
+        stats.cycles += 1
+        stats.drafted += len(tree) - 1
+        stats.drafting_cycles += len(tree) > 1
+        path, verified = [0], []
+        while True:
+            children = tree.children(path[-1])
+            if children:
+                index, token = settle_children(logits[path[-1]], [tree.proposals[c - 1] for c in children],
+                                               params, generator)
+                stats.verified(tree.proposals[children[index or 0] - 1].source, index is not None)
+            else:                             # the path's last node held: the target's next token comes free
+                if self.observe:
+                    self.observe(logits[path[-1]], {layer: h[:, path[-1:]] for layer, h in captured.items()})
+                index, token = None, next_token(logits[path[-1]], params, generator)
+            self.tokens.append(token)
+            verified.append(token)
+            stats.N += 1
+            self.done = is_final(token, stats.N, self.request.max_new_tokens, self.eos_ids)
+            if index is not None:
+                path.append(children[index])
+            if self.done or index is None:
+                break
+        stats.accepted += len(path) - 1
+        stats.accepted_per_cycle.append(len(path) - 1)
+        self.cache.keep(self.fed, [self.fed + node for node in path])   # the verified path's rows, at their positions
+        if not self.done and self.drafter:
+            self.drafter.verified({layer: captured[layer][:, path] for layer in self.drafter_layers}, self.tokens)
+        return verified
