@@ -11,6 +11,7 @@ from typing import Iterator
 from spd.ar import ARDecoder
 from spd.decoding import Decoder, GenerationResult, Request
 from spd.methods import AR, CHAIN, METHODS
+from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.executor import StageExecutor
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
@@ -33,6 +34,20 @@ def build_decoder(kind: str, staged: StagedTarget, eos_ids: frozenset[int], draf
     if kind == CHAIN:
         return ChainDecoder(staged, drafter, eos_ids, draft_length, width, tree_nodes if width > 1 else None)
     return PipelineDecoder(stages if stages is not None else staged, drafter, eos_ids, width)
+
+
+def build_batch_decoder(kind: str, staged: StagedTarget, eos_ids: frozenset[int], new_drafter=None, *,
+                        max_batch: int, width: int = 1, draft_length: int | None = None,
+                        tree_nodes: int | None = None, capture=frozenset()) -> BatchDecoder:
+    """Many requests per target forward (spd.runtime.batch) for the kinds that decode on the whole target: AR and
+    the chains. new_drafter() makes each request's own drafter; capture: layers every request keeps for its
+    observe (the trace recorder's)."""
+    if kind not in (AR, CHAIN):
+        raise ValueError(f"batched decoding covers AR and the chains, not the {kind} kind")
+    if kind == AR:
+        return BatchDecoder(staged, eos_ids, max_batch=max_batch, capture=capture)
+    return BatchDecoder(staged, eos_ids, new_drafter, draft_length, width, tree_nodes if width > 1 else None,
+                        max_batch, capture)
 
 
 def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder:

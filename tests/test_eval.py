@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from spd.checkpoint import save_checkpoint
 from spd.cli import main
@@ -156,6 +157,31 @@ def test_trace_cache_keys_and_invalidation(tiny_target_dir, tmp_path):
     assert not info["recorded_now"] and same.tokens == first.tokens
     _, info = cache.get("gsm8k", 1, [5, 6, 8])  # the prompt changed: recorded again
     assert info["recorded_now"]
+
+
+def test_traces_recorded_in_batches_equal_one_at_a_time(capsys, tiny_target_dir, tmp_path):
+    """batch_size=4 records every trace of the run (tokens, margins, hidden states) as one-at-a-time recording does,
+    and the eval's samples are the same; its traces report no one-sequence AR speed (their time was shared)."""
+    common = ["n=3", "limit=3", "calibrate=false"]
+    one, four = str(tmp_path / "one"), str(tmp_path / "four")
+    assert run_eval(capsys, tiny_target_dir, one, *common)[0] == 0
+    code, err = run_eval(capsys, tiny_target_dir, four, *common, "batch_size=4")
+    assert code == 0, err
+    for a, b in zip(samples(one), samples(four)):
+        assert a["ar_tokens_per_s"] is not None and b["ar_tokens_per_s"] is None
+        a.pop("wall_s"), b.pop("wall_s"), a.pop("ar_tokens_per_s"), b.pop("ar_tokens_per_s")
+        assert a == b
+    files = sorted(glob.glob(os.path.join(one + "-traces", "*", "*.pt")))
+    assert len(files) == 9
+    for path in files:
+        solo = torch.load(path)
+        batched = torch.load(path.replace(one + "-traces", four + "-traces"))
+        assert batched["batch_size"] == 4 and solo["tokens"] == batched["tokens"]
+        assert solo["margins"] == pytest.approx(batched["margins"], abs=1e-5)
+        for layer, h in solo["hidden"].items():
+            torch.testing.assert_close(batched["hidden"][layer], h, rtol=1e-5, atol=1e-5)
+    code, err = run_eval(capsys, tiny_target_dir, str(tmp_path / "bad"), *common, "batch_size=0")
+    assert code == 2 and "batch_size=0" in err and err.count("\n") == 1 and not os.path.exists(tmp_path / "bad")
 
 
 @pytest.fixture(scope="module")

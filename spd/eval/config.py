@@ -40,6 +40,8 @@ class EvalConfig:
     output_dir: str = "outputs/eval/run"  # samples.jsonl, summary.json, table.md, plots
     resume: bool = True                 # skip samples already in output_dir/samples.jsonl (same config only)
     trace_cache_dir: str = "outputs/cache/traces"  # the target's greedy decodes, reused across evals
+    batch_size: int = 1                 # greedy traces recorded this many prompts per target forward (1: one at a
+                                        # time, whose recording also gives each sample's AR tokens/s)
     # H^l to record beside the run's own when a trace directory is made, so evals at other n and EAGLE-3's reuse
     # the same greedy decodes (a trace directory that stores a run's layers serves it, whatever its layout)
     trace_layers: List[int] = field(default_factory=list)
@@ -57,3 +59,4 @@ class EvalConfig:
     def check(cfg) -> None:
         check_decoding(cfg)
         at_least(cfg, "limit", 1, " (prompts per dataset; null = all)")
+        at_least(cfg, "batch_size", 1, " (prompts per forward when recording traces)")

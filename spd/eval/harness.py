@@ -140,6 +140,10 @@ def run_eval(cfg, log=print) -> dict:
     L_s = module_layers(session.module)
     log(f"{len(work)} prompts, {len(work) - len(todo)} already done; "
         f"{'fast evaluator (greedy)' if fast else 'step-by-step runtime'}")
+    if fast and cfg.batch_size > 1:
+        items = [(ds, q["question_id"], chat_prompt_ids(tok, q["turns"][0])) for ds, q in todo]
+        with tqdm(total=sum(not traces.has(ds, qid) for ds, qid, _ in items), desc="traces", unit="prompt") as bar:
+            traces.record_missing(items, cfg.batch_size, bar.update)
     with open_engine(cfg, session=session) as engine:
         for ds, q in tqdm(todo, desc="eval", unit="prompt", disable=False):  # explicit: the CLI mutes other bars
             ids = chat_prompt_ids(tok, q["turns"][0])

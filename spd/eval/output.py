@@ -10,7 +10,7 @@ from spd.paths import check_writable_dir, read_run_config
 
 CONFIG_FILE, SAMPLES_FILE = "config.json", "samples.jsonl"
 # keys that may change between a run and its resumption: they select work or outputs, not the numbers
-RESUMABLE_KEYS = {"limit", "datasets", "resume", "output_dir", "wandb", "calibrate", "trace_cache_dir"}
+RESUMABLE_KEYS = {"limit", "datasets", "resume", "output_dir", "wandb", "calibrate", "trace_cache_dir", "batch_size"}
 
 
 def write_json(path: str, payload) -> None:

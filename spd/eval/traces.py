@@ -17,7 +17,7 @@ import time
 import torch
 
 from spd.decoding import eos_ids_of
-from spd.fast_eval import GreedyTrace, record_greedy_trace
+from spd.fast_eval import GreedyTrace, record_greedy_trace, record_greedy_traces
 from spd.layout import needed_layers
 from spd.targets.loading import LoadedTarget
 from spd.targets.stages import StagedTarget
@@ -104,11 +104,28 @@ class TraceCache:
         start = time.perf_counter()
         trace = record_greedy_trace(self.staged, list(prompt_ids), self.max_new_tokens, self.eos, self.stored)
         seconds = time.perf_counter() - start
-        torch.save({"prompt_ids": trace.prompt_ids, "tokens": trace.tokens, "hidden": trace.hidden,
-                    "margins": trace.margins, "seconds": seconds}, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        self._write(path, trace, seconds)
         trace.hidden = self._read(trace.hidden)
         return trace, {"seconds": seconds, "recorded_now": True}
+
+    def record_missing(self, items: list[tuple[str, object, list[int]]], batch_size: int, progress=None) -> int:
+        """Record the traces of (dataset, question_id, prompt_ids) not on disk yet, batch_size prompts per forward;
+        returns how many. Their times are shared with the batch, so `get` reports no one-sequence speed for them.
+        progress(): called once per trace written."""
+        missing = [item for item in items if not self.has(item[0], item[1])]
+        for index, trace, seconds in record_greedy_traces(self.staged, [list(ids) for _, _, ids in missing],
+                                                          self.max_new_tokens, self.eos, self.stored, batch_size):
+            dataset, question_id, _ = missing[index]
+            self._write(self._path(dataset, question_id), trace, seconds, batch_size)
+            if progress:
+                progress()
+        return len(missing)
+
+    @staticmethod
+    def _write(path: str, trace: GreedyTrace, seconds: float, batch_size: int = 1) -> None:
+        torch.save({"prompt_ids": trace.prompt_ids, "tokens": trace.tokens, "hidden": trace.hidden,
+                    "margins": trace.margins, "seconds": seconds, "batch_size": batch_size}, path + ".tmp")
+        os.replace(path + ".tmp", path)
 
     def _read(self, hidden: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         return {layer: hidden[layer] for layer in self.layers}
