@@ -41,6 +41,11 @@ class GenerateConfig:
     checkpoint: Optional[str] = None     # module directory; None = the shipped one for the run's n, random = untrained
     prompt: Optional[str] = None         # taken verbatim; or prompt_file=, a positional argument, standard input
     prompt_file: Optional[str] = None    # a UTF-8 text file whose whole content is the prompt
+    prompts_file: Optional[str] = None   # many prompts: one per line, or JSONL objects with a "prompt" field; one
+                                         # JSON record per prompt on standard output, in order
+    max_batch: int = 8                   # prompts_file (generate) or requests (serve) decoded together, one forward
+                                         # per cycle: AR and the chains, runtime=local; 1 = one at a time (SPD's
+                                         # pipeline always decodes one)
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
     method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | ar (plain autoregressive
                                          # through the same stage runner); None = the checkpoint's, and where no key
@@ -80,6 +85,7 @@ class GenerateConfig:
     @staticmethod
     def check(cfg) -> None:
         check_decoding(cfg)
+        at_least(cfg, "max_batch", 1, " (sequences decoded together; 1 = one at a time)")
 
 
 @dataclass
@@ -93,9 +99,9 @@ class ServeConfig(GenerateConfig):
 
     @staticmethod
     def check(cfg) -> None:
-        check_decoding(cfg)
-        if cfg.prompt is not None or cfg.prompt_file is not None:
-            raise UserError("serve takes its prompts from requests; drop prompt/prompt_file")
+        GenerateConfig.check(cfg)
+        if cfg.prompt is not None or cfg.prompt_file is not None or cfg.prompts_file is not None:
+            raise UserError("serve takes its prompts from requests; drop prompt/prompt_file/prompts_file")
         if not 0 <= cfg.port <= 65535:
             raise UserError(f"port={cfg.port} must be in [0, 65535] (0 = any free port)")
         at_least(cfg, "max_queue", 1, " (requests that may wait)")

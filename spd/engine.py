@@ -79,6 +79,16 @@ class Engine:
                 pick_decoder("ar", self.cfg, self.session, self.stages, None)
         return self._baseline
 
+    def batch_decoder(self, max_batch: int) -> BatchDecoder | None:
+        """Many requests per forward with this engine's method (AR and the chains, in this process); None where the
+        method runs a pipeline or the stages live elsewhere (those decode one request at a time)."""
+        s, kind = self.session, METHODS[self.session.method].decoder
+        if kind not in (AR, CHAIN) or self.cfg.runtime != "local" or getattr(self.cfg, "cuda_graphs", False):
+            return None
+        new_drafter = (lambda: s.drafter(getattr(self.cfg, "module_cache", True))) if kind == CHAIN else None
+        return build_batch_decoder(kind, s.staged, s.eos_ids, new_drafter, max_batch=max_batch, width=s.width,
+                                   draft_length=s.draft_length, tree_nodes=s.tree_nodes)
+
     def request(self, max_new_tokens: int | None = None, params: SamplingParams | None = None,
                 seed: int | None = None) -> Request:
         """A request with the configuration's values where the caller gives none."""

@@ -37,10 +37,10 @@ def test_ragged_rows_equal_each_sequence_alone(family_model):
             cache = staged.new_cache(40)
             staged.forward_all(torch.tensor([p]), cache, 0)
             caches.append(cache)
-    segments = [Segment(ids, together[i], len(prompts[i]), t.depths() if t else None, t.visibility() if t else None)
+    segments = [Segment.tree(together[i], len(prompts[i]), t or DraftTree.chain(ids[0], [Proposal(x) for x in ids[1:]]))
                 for i, (ids, t) in enumerate(feeds)]
     layers = staged.num_layers
-    hidden, captured, bounds = forward_segments(staged, segments, frozenset({0, 2, layers}))
+    hidden, captured, bounds = forward_segments(staged, [ids for ids, _ in feeds], segments, frozenset({0, 2, layers}))
     for i, (ids, t) in enumerate(feeds):
         extra = dict(offsets=torch.tensor(t.depths()), visible=t.visibility()) if t else {}
         ref, ref_captured = staged.forward_all(torch.tensor([ids]), alone[i], len(prompts[i]), frozenset({0, 2}),
@@ -174,3 +174,36 @@ def test_batched_samples_follow_the_target_distribution(small_vocab_model, kind)
     if kind == "lookup":
         assert drafted > SHORT / 2
     assert chi2_pvalue(counts, exact_distribution(small_vocab_model, PARAMS), SHORT) > ALPHA
+
+
+def test_generate_decodes_a_prompts_file_in_batches(capsys, tiny_target_dir, tmp_path):
+    """prompts_file: plain lines or JSONL; each record equals generate's of that prompt alone, in the file's order;
+    a bad file is one line and exit 2."""
+    import json
+
+    from spd.cli import main
+
+    prompts = ["What is 2+2?", "Name a colour.", "Count to five.", "Say hi.", "Why is the sky blue?"]
+    common = [f"target={tiny_target_dir}", "method=lookup", "max_new_tokens=16"]
+    solo = []
+    for p in prompts:
+        assert main(["generate", *common, f"prompt={p}", "json=true"]) == 0
+        solo.append(json.loads(capsys.readouterr().out))
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("\n".join(prompts) + "\n\n")
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"prompt": p, "id": i}) for i, p in enumerate(prompts)))
+    for path in (lines, jsonl):
+        assert main(["generate", *common, f"prompts_file={path}", "max_batch=3"]) == 0
+        records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [r["token_ids"] for r in records] == [s["token_ids"] for s in solo]
+        assert [r["text"] for r in records] == [s["text"] for s in solo]
+        assert all(r["max_batch"] == 3 and r["method"] == "lookup" for r in records)
+        assert [r["cycles"] for r in records] == [s["cycles"] for s in solo]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    for args, needle in ([f"prompts_file={bad}"], "line 2"), ([f"prompts_file={tmp_path / 'none'}"], "cannot be read"), \
+            ([f"prompts_file={lines}", "prompt=x"], "give it alone"), ([f"prompts_file={lines}", "max_batch=0"], "max_batch=0"):
+        assert main(["generate", *common, *args]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err

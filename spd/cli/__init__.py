@@ -59,7 +59,7 @@ def quiet_libraries() -> None:
 
 def decode_command(command: str, words: list[str], parser: argparse.ArgumentParser) -> int:
     """generate / chat: the words are read by spd.cli.args (argparse would take a prompt like `-x` for an option)."""
-    from spd.cli.args import prompt_text, resolve_prompt, split_command_line
+    from spd.cli.args import prompt_text, read_prompts_file, resolve_prompt, split_command_line
     from spd.config import GenerateConfig, load_config
     from spd.fastest import apply_fastest_default
     from spd.targets.source import resolve_source
@@ -72,7 +72,11 @@ def decode_command(command: str, words: list[str], parser: argparse.ArgumentPars
     cfg = load_config(GenerateConfig, line.config, line.overrides, prompt_text(line, command))
     if command == "chat" and (cfg.prompt is not None or cfg.prompt_file is not None):
         raise UserError("chat reads its turns from standard input; drop prompt/prompt_file from the config")
-    prompt = resolve_prompt(cfg) if command == "generate" else None
+    if cfg.prompts_file is not None and (command == "chat" or cfg.prompt is not None or cfg.prompt_file is not None):
+        raise UserError("prompts_file= decodes many prompts with generate; give it alone, without prompt/prompt_file"
+                        if command == "generate" else "chat reads its turns from standard input; drop prompts_file")
+    many = read_prompts_file(cfg.prompts_file) if cfg.prompts_file is not None else None
+    prompt = resolve_prompt(cfg) if command == "generate" and many is None else None
     resolve_source(cfg.target)  # a bad target= is refused before torch is imported
     default = apply_fastest_default(cfg, GenerateConfig, line.overrides)
     quiet_libraries()
@@ -80,9 +84,9 @@ def decode_command(command: str, words: list[str], parser: argparse.ArgumentPars
         from spd.cli.chat import chat
 
         return chat(cfg, default=default)
-    from spd.cli.generate import generate
+    from spd.cli.generate import generate, generate_many
 
-    return generate(cfg, prompt, default=default)
+    return generate_many(cfg, many, default=default) if many is not None else generate(cfg, prompt, default=default)
 
 
 def serve_command(args) -> int:

@@ -7,6 +7,8 @@ every word is prompt text. `--config FILE` and `--help` are the only options.
 
 from __future__ import annotations
 
+import json
+
 import re
 import sys
 from dataclasses import dataclass, field
@@ -130,3 +132,29 @@ def resolve_prompt(cfg) -> str:
         raise UserError("the prompt is empty; give it as an argument (spd-infer generate \"...\"), prompt=..., "
                         "prompt_file=PATH or on standard input")
     return text
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """prompts_file=: one prompt per non-empty line, or, when every such line is a JSON object, each one's "prompt"."""
+    try:
+        with open(path, "rb") as f:
+            text = decode_utf8(f.read(), f"prompts_file={path}")
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        raise UserError(f"prompts_file={path!r} cannot be read ({exc.strerror}); give a text or JSONL file") from None
+    lines = [(number, line) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+    if not lines:
+        raise UserError(f"prompts_file={path!r} holds no prompt; give one per line")
+    if not all(line.lstrip().startswith("{") for _, line in lines):
+        return [line.rstrip("\r") for _, line in lines]
+    prompts = []
+    for number, line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise UserError(f"prompts_file={path!r} line {number} is not valid JSON ({exc}); one object per "
+                            "line") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+            raise UserError(f"prompts_file={path!r} line {number} has no \"prompt\" text; write "
+                            "{\"prompt\": \"...\"} on every line")
+        prompts.append(record["prompt"])
+    return prompts

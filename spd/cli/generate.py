@@ -67,3 +67,36 @@ def generate(cfg, prompt: str, default: bool = False) -> int:
         stream.end()
     print(stats_line(out), file=sys.stderr)
     return 0
+
+
+def generate_many(cfg, prompts: list[str], default: bool = False) -> int:
+    """prompts_file=: every prompt decoded, up to max_batch per forward where the method allows (AR, the chains),
+    else one after another; one JSON record per prompt on standard output, in the file's order, each as soon as it
+    and those before it are done. The records' seconds are each decode's own (admission to last token)."""
+    from tqdm import tqdm
+
+    from spd.decoding import GenerationResult
+
+    with open_engine(cfg, default) as engine:
+        ids = [encode_prompt(engine.session, p, cfg.chat_template, cfg.max_new_tokens) for p in prompts]
+        batch = engine.batch_decoder(cfg.max_batch) if cfg.max_batch > 1 else None
+        bar = tqdm(total=len(ids), desc="generate", unit="prompt", disable=None, file=sys.stderr)
+        if batch is None:
+            for prompt_ids in ids:
+                print(json.dumps(engine.run(prompt_ids)), flush=True)
+                bar.update()
+            bar.close()
+            return 0
+        tickets = [batch.submit(prompt_ids, engine.request()) for prompt_ids in ids]
+        printed = 0
+        while printed < len(tickets):
+            batch.step()
+            while printed < len(tickets) and tickets[printed].done:
+                t = tickets[printed]
+                record = engine.record(t.prompt_ids, GenerationResult(t.tokens, t.seconds, t.stats))
+                print(json.dumps({**record, "max_batch": cfg.max_batch}), flush=True)
+                printed += 1
+            bar.n = sum(t.done for t in tickets)
+            bar.refresh()
+        bar.close()
+    return 0

@@ -19,6 +19,7 @@ from spd.errors import UserError
 from spd.methods import METHODS
 from spd.serve.app import Service, build_app
 from spd.serve.metrics import ServerMetrics
+from spd.serve.batching import BatchWorker
 from spd.serve.worker import DecodeWorker
 
 
@@ -88,14 +89,22 @@ def serve(cfg, default: bool = False) -> int:
     try:
         with open_engine(cfg, default) as engine:
             warm_up(engine)
-            worker = DecodeWorker(engine, ServerMetrics(engine.session.staged.n), cfg.max_queue,
-                                  on_fatal=lambda message: server.fail(message))
+            batch = engine.batch_decoder(cfg.max_batch) if cfg.max_batch > 1 else None
+            metrics = ServerMetrics(engine.session.staged.n)
+            if batch is not None:
+                for _ in batch.stream(list(engine.session.loaded.tokenizer("Hello")["input_ids"]) or [0],
+                                      engine.request(max_new_tokens=4)):
+                    pass
+                worker = BatchWorker(engine, metrics, cfg.max_queue, batch, on_fatal=lambda m: server.fail(m))
+            else:
+                worker = DecodeWorker(engine, metrics, cfg.max_queue, on_fatal=lambda message: server.fail(message))
             service = Service(engine, worker, cfg)
             host, port = sock.getsockname()[:2]
             s = engine.session
             how = f"{s.method} n={s.staged.n}, {s.draft_source}" if METHODS[s.method].pipelined else s.method
-            ready = (f"[serve] {service.model} ({how}{', the default here' if default else ''}, runtime={cfg.runtime}) "
-                     f"at http://{host}:{port}/v1 — ready")
+            together = f", up to {cfg.max_batch} requests per forward" if batch is not None else ""
+            ready = (f"[serve] {service.model} ({how}{', the default here' if default else ''}, runtime={cfg.runtime}"
+                     f"{together}) at http://{host}:{port}/v1 — ready")
             config = uvicorn.Config(build_app(service), log_level="warning", lifespan="off",
                                     timeout_graceful_shutdown=cfg.shutdown_timeout_s + 10)   # a backstop
             server = Server(config, service, ready)

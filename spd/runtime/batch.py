@@ -46,6 +46,7 @@ class Ticket:
     first_token_at: float | None = None
     finished_at: float | None = None
     sequence: ChainSequence | None = None
+    plain: bool = False
     _cancel: bool = False
 
     def cancel(self) -> None:
@@ -84,8 +85,10 @@ class BatchDecoder(Decoder):
         self.forwards = 0                       # batched forwards so far, and the rows they carried
         self.rows = 0
 
-    def submit(self, prompt_ids: list[int], request: Request, observe=None, on_tokens=None) -> Ticket:
-        ticket = Ticket(list(prompt_ids), request, observe, on_tokens)
+    def submit(self, prompt_ids: list[int], request: Request, observe=None, on_tokens=None,
+               plain: bool = False) -> Ticket:
+        """plain: this request drafts nothing (plain AR beside the others, e.g. a server request for method=ar)."""
+        ticket = Ticket(list(prompt_ids), request, observe, on_tokens, plain=plain)
         with self.lock:
             self.waiting.append(ticket)
         return ticket
@@ -119,7 +122,7 @@ class BatchDecoder(Decoder):
                 self._finish(ticket, "cancelled")
                 continue
             ticket.started_at = time.perf_counter()
-            drafter = self.new_drafter() if self.new_drafter else None
+            drafter = self.new_drafter() if self.new_drafter and not ticket.plain else None
             ticket.sequence = ChainSequence(self.target, drafter, self.eos_ids, ticket.prompt_ids, ticket.request,
                                             self.m, self.width, self.budget, self.capture, ticket.observe)
             self._deliver(ticket, ticket.sequence.prefill())
@@ -136,15 +139,14 @@ class BatchDecoder(Decoder):
         self._admit()
         if not self.running:
             return
-        segments = []
+        ids, segments = [], []
         for ticket in self.running:
             seq = ticket.sequence
             tree = seq.draft()
-            chain = tree.is_chain()
-            segments.append(Segment(tree.tokens(), seq.cache, seq.fed, None if chain else tree.depths(),
-                                    None if chain else tree.visibility()))
+            ids.append(tree.tokens())
+            segments.append(Segment.tree(seq.cache, seq.fed, tree))
         capture = frozenset().union(*(t.sequence.capture for t in self.running))
-        hidden, captured, bounds = forward_segments(self.target, segments, capture)
+        hidden, captured, bounds = forward_segments(self.target, ids, segments, capture)
         logits = self.target.logits(hidden[0])                 # [R, V]: one head product for every row
         self.forwards += 1
         self.rows += bounds[-1]

@@ -45,6 +45,7 @@ def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
 
 class StageExecutor(ABC):
     trees = False   # True: runs tree levels of several nodes (W > 1) under their masks, and prunes them
+    shared = False  # True: one sequence's view of stages that run several sequences' rows together (spd.runtime.seed)
     n: int
     bounds: list[int]
     device: torch.device

@@ -59,29 +59,37 @@ class LocalStages(StageExecutor):
         for stage, pos in enumerate(step.work):
             if not step.runs(stage):
                 continue
-            nodes = [pos] if flight is None else flight.level(pos)
-            rows = self.rows[stage]
-            if flight is not None:
-                rows.fold(flight)
             # the stage's inputs are made on its own stream (runtime=streams): made on the caller's, after the
             # stage's stream was told to wait for it, they could be read before they are written
             with self._stream(stage):
-                hidden = entering if stage == 0 else torch.cat([self.hidden.pop(node) for node in nodes], 1)
-                visible = None if flight is None else level_mask(rows, nodes, flight, self.device)
+                nodes, hidden, visible = self._inputs(stage, pos, entering, flight)
                 if visible is None:
                     hidden, captured, logits = self._run(stage, hidden, pos)
                 else:
                     hidden, captured, logits = self._run_tree(stage, hidden, pos, visible)
-            rows.append(nodes, pos)
-            for i, node in enumerate(nodes):
-                out.features[node] = {layer: h[:, i: i + 1] for layer, h in captured.items()}
-                if logits is None:
-                    self.hidden[node] = hidden[:, i: i + 1]
-            if logits is not None:                   # step.exiting: it leaves the pipeline with its logits
-                assert len(nodes) == 1, "the oldest level in flight is one verified node"
-                out.exit_logits = logits
-            self._handoff(stage, nodes, out)
+            self._outputs(stage, pos, nodes, hidden, captured, logits, out)
         self._out = out
+
+    def _inputs(self, stage: int, pos: int, entering, flight: Flight | None):
+        """What `stage` runs at `pos`: (its nodes, their residual streams [1, k, d], level_mask's mask or None)."""
+        nodes = [pos] if flight is None else flight.level(pos)
+        if flight is not None:
+            self.rows[stage].fold(flight)
+        hidden = entering if stage == 0 else torch.cat([self.hidden.pop(node) for node in nodes], 1)
+        visible = None if flight is None else level_mask(self.rows[stage], nodes, flight, self.device)
+        return nodes, hidden, visible
+
+    def _outputs(self, stage: int, pos: int, nodes: list[int], hidden, captured, logits, out: StepOutput) -> None:
+        """Book what `stage` made for `nodes`: states for the next stage, the drafter's features, the exit logits."""
+        self.rows[stage].append(nodes, pos)
+        for i, node in enumerate(nodes):
+            out.features[node] = {layer: h[:, i: i + 1] for layer, h in captured.items()}
+            if logits is None:
+                self.hidden[node] = hidden[:, i: i + 1]
+        if logits is not None:                   # step.exiting: it leaves the pipeline with its logits
+            assert len(nodes) == 1, "the oldest level in flight is one verified node"
+            out.exit_logits = logits
+        self._handoff(stage, nodes, out)
 
     def _handoff(self, stage: int, nodes: list[int], out: StepOutput) -> None:
         """`stage` just ran `nodes` (keyed by node id, as `out.features` and `self.hidden` are): where stages run on

@@ -27,6 +27,9 @@ from spd.sampling import Proposal, next_token, propose, propose_children, settle
 from spd.targets.stages import StagedTarget
 
 
+SHARED_STEP = object()   # in a shared pipeline's stream: this sequence's step is launched, waiting for the others'
+
+
 def as_executor(stages: StagedTarget | StageExecutor) -> StageExecutor:
     return LocalStages(stages) if isinstance(stages, StagedTarget) else stages
 
@@ -124,6 +127,8 @@ class PipelineDecoder(Decoder):
             stats.ran([len(flight.level(pos)) if step.runs(s) else 0 for s, pos in enumerate(step.work)])
             if not self.drafter.after_step:
                 options = self._draft(step, flight, features, choose)
+            if ex.shared:
+                yield SHARED_STEP     # other sequences launch theirs; spd.runtime.seed runs every stage's rows at once
             out = ex.collect()
             for node, captured in out.features.items():
                 features[node].update(captured)

@@ -158,7 +158,7 @@ def build_app(service: Service) -> FastAPI:
         state = "failed" if failure else ("shutting_down" if service.shutting_down else "ok")
         body = {"status": state, "model": service.model, "method": service.engine.session.method,
                 "runtime": service.cfg.runtime, "queue": service.worker.waiting,
-                "running": service.worker.current is not None, "error": failure}
+                "running": service.worker.busy, "error": failure}
         return JSONResponse(body, status_code=200 if state == "ok" else 503)
 
     @app.get("/metrics")

@@ -5,8 +5,8 @@ thread — on these 2-core CPUs the same decode ran ~25% slower in a second thre
 chain, SmolLM2, 128 tokens: 11.4-12.3 s against 8.5-9.8 s) — and posts each released piece of text
 back to the event loop. A job whose client went away, or whose text hit a stop string, has
 its stream closed at the next verified token, which leaves the executor clean for the next job (spd.decoding).
-Batching is not offered: the pipeline's stages each advance one sequence's tokens, and SPD's speedup comes from
-overlapping the stages of that one sequence, not from sharing a step between requests."""
+With `max_batch` > 1 and a method that decodes on the whole target (AR, the chains), spd.serve.batching's worker
+runs up to that many jobs per forward instead; SPD's pipeline decodes one request at a time here."""
 
 from __future__ import annotations
 
@@ -53,6 +53,11 @@ class DecodeWorker:
         self.current: Job | None = None
         self.mean_s = 1.0                   # running mean of a job's time, for Retry-After
         self.lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        """A decode is running (/health)."""
+        return self.current is not None
 
     def submit(self, job: Job) -> None:
         with self.lock:

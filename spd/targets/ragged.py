@@ -30,30 +30,36 @@ KERNEL = "spd_ragged"
 
 @dataclass
 class Segment:
-    """One sequence's rows in a ragged forward."""
-    ids: list[int]                        # the tokens fed, in cache order
-    cache: LayerKVCache                   # the sequence's own cache; the rows are appended at its current length
-    start: int                            # position of the first row (= the cache's length)
-    offsets: list[int] | None = None      # a tree's rows: each row's position minus start (None: contiguous)
-    visible: torch.Tensor | None = None   # [T, T] bool, a tree's ancestor mask among its rows (None: causal)
+    """One sequence's rows in a ragged forward: they are appended to its own cache, in order."""
+    cache: LayerKVCache
+    positions: list[int]                  # each row's position (contiguous after the cache, unless `visible`)
+    visible: tuple[torch.Tensor, torch.Tensor] | None = None   # a tree's rows: ([T, S] bool, which of the cache's S
+                                                               # rows after the append each sees; their positions [S])
+
+    @classmethod
+    def tree(cls, cache: LayerKVCache, start: int, tree) -> "Segment":
+        """A draft tree's nodes (spd.tree.DraftTree) after `start` cached positions, as `forward_all` feeds them."""
+        positions = [start + depth for depth in tree.depths()]
+        if tree.is_chain():
+            return cls(cache, positions)
+        t = len(tree)
+        visible = torch.cat([torch.ones(t, start, dtype=torch.bool), tree.visibility()], 1)
+        return cls(cache, positions, (visible, torch.tensor([*range(start), *positions])))
 
 
 class RaggedCache:
     """What the layers see as their cache during a ragged forward: it routes each sequence's K/V to its own cache and
     keeps the views the kernel attends to."""
 
-    def __init__(self, target: StagedTarget, segments: list[Segment]):
-        for segment in segments:
-            if segment.cache.lengths[0] != segment.start:
-                raise ValueError(f"a segment starts at {segment.start} but its cache holds {segment.cache.lengths[0]}")
+    def __init__(self, target: StagedTarget, segments: list[Segment], first_layer: int = 0):
         self.segments = segments
         self.bounds = [0]
         for segment in segments:
-            self.bounds.append(self.bounds[-1] + len(segment.ids))
+            self.bounds.append(self.bounds[-1] + len(segment.positions))
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.layer_types = target.layer_types
         self.masks: dict[str, list[torch.Tensor | None]] = {
-            layer_type: [segment_mask(target, s, layer_type) for s in segments]
+            layer_type: [segment_mask(target, s, first_layer, layer_type) for s in segments]
             for layer_type in set(target.layer_types)}
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -63,17 +69,17 @@ class RaggedCache:
         return key, value
 
 
-def segment_mask(target: StagedTarget, s: Segment, layer_type: str) -> torch.Tensor | None:
-    """The mask `forward_all` would make for this segment's rows alone ([1, 1, T, start + T] bool or None)."""
-    t = len(s.ids)
+def segment_mask(target: StagedTarget, s: Segment, layer: int, layer_type: str) -> torch.Tensor | None:
+    """The mask the one-sequence path makes for these rows ([1, 1, T, S] bool, or None: every cached key visible)."""
     device = target.device
+    positions = torch.tensor(s.positions, device=device)
     if s.visible is None:
-        positions = torch.arange(s.start, s.start + t, device=device)
-        return target._mask(positions, s.start + t, layer_type)
-    positions = s.start + torch.tensor(s.offsets, device=device)
-    prefix = torch.ones(t, s.start, dtype=torch.bool, device=device)
-    key_positions = torch.cat([torch.arange(s.start, device=device), positions])
-    return target.explicit_mask(torch.cat([prefix, s.visible.to(device)], 1), positions, key_positions, layer_type)
+        length = s.cache.get_seq_length(layer)
+        if s.positions[0] != length:
+            raise ValueError(f"rows start at position {s.positions[0]} but the cache holds {length}")
+        return target._mask(positions, length + len(s.positions), layer_type)
+    visible, keys = s.visible
+    return target.explicit_mask(visible.to(device), positions, keys.to(device), layer_type)
 
 
 def ragged_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, ragged=None,
@@ -102,17 +108,22 @@ def use_ragged_kernel(target: StagedTarget) -> None:
         target.model.set_attn_implementation(KERNEL)
 
 
-def forward_segments(target: StagedTarget, segments: list[Segment], capture=frozenset()):
-    """Every layer over every segment's rows in one pass. Returns H^L [1, R, d], {l: H^l [1, R, d]} and the row
-    bounds (segment i's rows are bounds[i]..bounds[i + 1] - 1)."""
+def run_segments(target: StagedTarget, hidden: torch.Tensor, segments: list[Segment], start: int, end: int,
+                 capture=frozenset()):
+    """Layers start..end-1 over every segment's rows, hidden [1, R, d] (segment i's rows at bounds[i]..bounds[i+1]-1).
+    Returns H^end [1, R, d], {l: H^l [1, R, d]} for captured l in (start, end], and the bounds."""
     use_ragged_kernel(target)
-    device = target.device
-    ids = torch.tensor([[token for s in segments for token in s.ids]], device=device)
-    positions = torch.tensor([s.start + (s.offsets[j] if s.offsets is not None else j)
-                              for s in segments for j in range(len(s.ids))], device=device)
-    ragged = RaggedCache(target, segments)
-    h0 = target.embed(ids)
-    hidden, captured = target.run_layers(h0, positions, 0, target.num_layers, ragged, capture, ragged=ragged)
+    positions = torch.tensor([p for s in segments for p in s.positions], device=target.device)
+    ragged = RaggedCache(target, segments, start)
+    out, captured = target.run_layers(hidden, positions, start, end, ragged, capture, ragged=ragged)
+    return out, captured, ragged.bounds
+
+
+def forward_segments(target: StagedTarget, ids: list[list[int]], segments: list[Segment], capture=frozenset()):
+    """Every layer over every segment's tokens ids[i]. Returns H^L [1, R, d], {l: H^l [1, R, d]} (l = 0: the
+    embeddings) and the row bounds."""
+    h0 = target.embed(torch.tensor([[t for row in ids for t in row]], device=target.device))
+    hidden, captured, bounds = run_segments(target, h0, segments, 0, target.num_layers, capture)
     if 0 in capture:
         captured[0] = h0
-    return hidden, captured, ragged.bounds
+    return hidden, captured, bounds

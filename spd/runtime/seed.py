@@ -1,0 +1,189 @@
+"""Several sequences in one SPD pipeline (SEED's scheduled speculation, paper 003, adapted to a pipelined target).
+
+Each sequence is an ordinary `PipelineDecoder` — its own drafter, schedule, flight, caches, sampling, seed and
+statistics — over a `SequenceStages`, its view of the shared stages: a launch prepares the sequence's rows for every
+stage that runs (the same inputs `LocalStages` makes) and hands them to the `StageHub` instead of running them. Once
+every sequence has launched its step, the hub runs each stage once over the rows of all of them (a ragged forward,
+spd.targets.ragged: one matrix product per layer, attention per sequence), and each sequence collects, verifies and
+rolls back on its own. So a stage advances every sequence that has a position at it: after one sequence's rollback
+its stages 2..n would sit idle until its correction refills them, and the other sequences' rows run there instead.
+
+Where this differs from SEED (§4.2 of its paper): SEED's drafters run in parallel and a single target verifies the
+drafts of one sequence at a time, in FCFS order of the queue of finished drafts (its "rounds"); here every ready
+sequence is verified in the same pipeline step, so there is no verification queue to order — FCFS governs admission
+(`max_batch` running, the rest waiting in arrival order) and a round is one pipeline step of every running sequence.
+Verifying one sequence at a time would leave the stages' matrix products at one row, which is what batching buys on
+these CPUs (design §9).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from spd.decoding import Decoder, Request
+from spd.drafters.base import Drafter
+from spd.runtime.batch import Ticket
+from spd.runtime.executor import StepOutput
+from spd.runtime.flight import Flight
+from spd.runtime.local import LocalStages
+from spd.runtime.pipeline import SHARED_STEP, PipelineDecoder
+from spd.runtime.schedule import Step
+from spd.targets.ragged import Segment, run_segments
+from spd.targets.stages import StagedTarget
+
+
+@dataclass
+class Work:
+    """One sequence's rows at one stage in this step."""
+    stages: "SequenceStages"
+    stage: int
+    pos: int
+    nodes: list[int]
+    hidden: torch.Tensor                  # [1, k, d] entering the stage
+    visible: tuple | None                 # a tree level's mask (level_mask), None for a chain's one row
+
+
+class StageHub:
+    """The stages every sequence shares: collects each sequence's work of a step, runs it stage by stage."""
+
+    def __init__(self, target: StagedTarget):
+        self.target = target
+        self.works: list[Work] = []
+        self.forwards = 0                 # stage forwards run, and the rows they carried
+        self.rows = 0
+
+    def discard(self, stages: "SequenceStages") -> None:
+        self.works = [w for w in self.works if w.stages is not stages]
+
+    @torch.no_grad()
+    def run(self) -> None:
+        target, works, self.works = self.target, self.works, []
+        for stage in sorted({w.stage for w in works}):
+            group = [w for w in works if w.stage == stage]
+            segments = [Segment(w.stages.cache, [w.pos] * len(w.nodes), w.visible) for w in group]
+            capture = frozenset().union(*(w.stages.capture for w in group))
+            hidden = torch.cat([w.hidden for w in group], 1)
+            start, end = target.bounds[stage], target.bounds[stage + 1]
+            out, captured, bounds = run_segments(target, hidden, segments, start, end, capture)
+            last = stage == target.n - 1
+            self.forwards += 1
+            self.rows += bounds[-1]
+            for w, lo, hi in zip(group, bounds, bounds[1:]):
+                own = {layer: captured[layer][:, lo:hi] for layer in w.stages.capture if layer in captured}
+                logits = target.logits(out[0, hi - 1]) if last else None
+                w.stages._outputs(stage, w.pos, w.nodes, out[:, lo:hi], own, logits, w.stages._out)
+
+
+class SequenceStages(LocalStages):
+    """One sequence's stages in a shared pipeline: its own cache and rows; its launches run in the hub."""
+    shared = True
+
+    def __init__(self, target: StagedTarget, hub: StageHub):
+        super().__init__(target)
+        self.hub = hub
+
+    def launch(self, step: Step, entering, flight: Flight | None = None):
+        self._out = StepOutput()
+        for stage, pos in enumerate(step.work):
+            if step.runs(stage):
+                nodes, hidden, visible = self._inputs(stage, pos, entering, flight)
+                self.hub.works.append(Work(self, stage, pos, nodes, hidden, visible))
+
+
+class SeedDecoder(Decoder):
+    """Up to `max_batch` requests in one SPD pipeline (local, in this process), FIFO admission, each decoding as it
+    would alone."""
+
+    def __init__(self, target: StagedTarget, new_drafter: Callable[[], Drafter], eos_ids: frozenset[int],
+                 width: int = 1, max_batch: int = 4):
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} must be >= 1")
+        self.target, self.new_drafter, self.eos_ids = target, new_drafter, eos_ids
+        self.width, self.max_batch = width, max_batch
+        self.hub = StageHub(target)
+        self.waiting: deque[Ticket] = deque()
+        self.running: list[Ticket] = []
+        self.streams: dict[Ticket, object] = {}
+
+    def submit(self, prompt_ids: list[int], request: Request, on_tokens=None) -> Ticket:
+        ticket = Ticket(list(prompt_ids), request, on_tokens=on_tokens)
+        self.waiting.append(ticket)
+        return ticket
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def _advance(self, ticket: Ticket) -> None:
+        """Run the sequence until its next step is launched (or it ends), delivering the tokens it settles."""
+        tokens, stream = [], self.streams[ticket]
+        finished = False
+        try:
+            while (item := next(stream)) is not SHARED_STEP:
+                tokens.append(item)
+        except StopIteration:
+            finished = True
+        if tokens:
+            if ticket.first_token_at is None:
+                ticket.first_token_at = time.perf_counter()
+            ticket.tokens.extend(tokens)
+            if ticket.on_tokens:
+                ticket.on_tokens(ticket, tokens)
+        if finished:
+            self._finish(ticket, "stop" if ticket.tokens and ticket.tokens[-1] in self.eos_ids else "length")
+
+    def _finish(self, ticket: Ticket, reason: str) -> None:
+        ticket.finish, ticket.finished_at = reason, time.perf_counter()
+        stream = self.streams.pop(ticket, None)
+        if stream is not None:
+            stream.close()                                     # a cancelled one: its stages finish at a settled token
+        stages = ticket.sequence.executor
+        self.hub.discard(stages)
+        stages.cache = None                                   # the memory goes with the request
+
+    def step(self) -> None:
+        """One pipeline step of every running sequence; then the finished and cancelled leave, the waiting join."""
+        self.hub.run()
+        for ticket in self.running:
+            if ticket._cancel:
+                self._finish(ticket, "cancelled")
+            else:
+                self._advance(ticket)
+        self.running = [t for t in self.running if not t.done]
+        while self.waiting and len(self.running) < self.max_batch:
+            ticket = self.waiting.popleft()
+            if ticket._cancel:
+                ticket.finish, ticket.finished_at = "cancelled", time.perf_counter()
+                continue
+            ticket.started_at = time.perf_counter()
+            ticket.sequence = PipelineDecoder(SequenceStages(self.target, self.hub), self.new_drafter(),
+                                              self.eos_ids, self.width)
+            self.streams[ticket] = ticket.sequence.stream(ticket.prompt_ids, ticket.request)
+            self._advance(ticket)                              # prefill, the first token, the first step launched
+            if not ticket.done:
+                self.running.append(ticket)
+
+    def run(self) -> None:
+        while self.busy:
+            self.step()
+
+    def stream(self, prompt_ids: list[int], request: Request):
+        ticket = self.submit(prompt_ids, request)
+        sent = 0
+        try:
+            while True:
+                if sent < len(ticket.tokens):
+                    self.stats = ticket.stats
+                    yield from ticket.tokens[sent:]
+                    sent = len(ticket.tokens)
+                if ticket.done:
+                    return
+                self.step()
+        finally:
+            if not ticket.done:
+                ticket.cancel()
