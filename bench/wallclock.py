@@ -253,6 +253,49 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
     return rows
 
 
+def batched_rows(args, prompts, cores: int, loaded) -> list[dict]:
+    """Every prompt submitted at once to a batched decoder of max_batch = b (issue 35): plain AR and the lookup chain
+    on the whole target (spd.runtime.batch), with --local-spd SPD's shipped n = 5 module in one pipeline under SEED's
+    schedule (spd.runtime.seed), once per --draft-sources entry. tokens/s is the aggregate: all tokens over the wall
+    time of the whole batch run."""
+    from spd.engine import build_batch_decoder
+
+    torch.set_num_threads(cores)
+    eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
+    staged = StagedTarget(loaded.model, 1)
+    lo, hi = args.lookup_ngrams
+    makers = {"ar": lambda b: build_batch_decoder(AR, staged, eos, max_batch=b),
+              "lookup": lambda b: build_batch_decoder(CHAIN, staged, eos, lambda: LookupDrafter(lo, hi), max_batch=b,
+                                                      draft_length=args.draft_length[0])}
+    if args.local_spd:
+        for source in args.draft_sources:
+            cfg = load_config(GenerateConfig, None, [f"target={args.target}", "method=spd", f"draft_source={source}"])
+            session = open_session(cfg)
+            makers[f"spd/{source}"] = lambda b, s=session: build_batch_decoder(PIPELINE, s.staged, s.eos_ids,
+                                                                               s.drafter, max_batch=b)
+    rows = []
+    for b in args.batch:
+        for temperature in args.temperatures:
+            params = params_for(temperature)
+            for name, make in makers.items():
+                decoder = make(b)
+                start = time.perf_counter()
+                tickets = {key: decoder.submit(ids, Request(args.max_new_tokens, params, seed_of(key)))
+                           for key, ids in prompts}
+                decoder.run()
+                seconds = time.perf_counter() - start
+                tokens = sum(len(t.tokens) for t in tickets.values())
+                method, _, source = name.partition("/")
+                rows.append({"method": method, "draft_source": source or None, "runtime": "batched", "max_batch": b,
+                             "processes": 1, "threads_per_process": cores, "temperature": temperature,
+                             "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                             "outputs": {key: t.tokens for key, t in tickets.items()},
+                             **({"draft_length": args.draft_length[0]} if method == "lookup" else {})})
+                print(f"batched {name} max_batch={b} T={temperature:g}: {tokens / seconds:.1f} tokens/s",
+                      file=sys.stderr)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2")
@@ -277,6 +320,7 @@ def main() -> int:
     ap.add_argument("--eagle3", help="also EAGLE-3 with this trained module (the chain, and trees per --widths)")
     ap.add_argument("--widths", default="1", help="draft-tree widths W for --local-spd and --eagle3 rows")
     ap.add_argument("--tree-nodes", type=int, default=16, help="EAGLE-3's drafted nodes per verification at W > 1")
+    ap.add_argument("--batch", default="", help="e.g. 1,2,4,8: batched rows at these max_batch (issue 35)")
     ap.add_argument("--out", default="docs/results/wallclock.json")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -284,6 +328,7 @@ def main() -> int:
     args.draft_sources = args.draft_sources.split(",")
     args.draft_length = [int(m) for m in args.draft_length.split(",")]
     args.widths = [int(w) for w in args.widths.split(",")]
+    args.batch = [int(b) for b in args.batch.split(",") if b]
     loaded = load_target(args.target)
     prompts = [(f"{ds}/{q['question_id']}", chat_prompt_ids(loaded.tokenizer, q["turns"][0]))
                for ds in DATASETS for q in load_questions(ds)[: args.limit]]
@@ -292,6 +337,8 @@ def main() -> int:
         rows += local_spd_rows(args, prompts, args.cores)
     if args.eagle3:
         rows += eagle3_rows(args, prompts, args.cores)
+    if args.batch:
+        rows += batched_rows(args, prompts, args.cores, loaded)
     for n in [int(x) for x in args.ns.split(",") if x]:          # --ns "": single-process rows only
         kinds = args.bounds.split(",") if n > 1 else ["even"]  # one stage: nothing to balance
         controllers = [c for c in args.controllers.split(",") if n > 1 or c == "own_process"]
@@ -321,6 +368,8 @@ def per_source(row: dict) -> str:
 
 
 def label(row: dict) -> str:
+    if row.get("runtime") == "batched":
+        return f"{row['method']}{', ' + row['draft_source'] if row.get('draft_source') else ''}, batched {row['max_batch']}"
     if row["method"] == "lookup":
         return f"lookup m={row['draft_length']}, n-grams {row['ngrams'][0]}..{row['ngrams'][1]}"
     if row["method"] == "hf_prompt_lookup":

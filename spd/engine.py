@@ -10,11 +10,12 @@ from typing import Iterator
 
 from spd.ar import ARDecoder
 from spd.decoding import Decoder, GenerationResult, Request
-from spd.methods import AR, CHAIN, METHODS
+from spd.methods import AR, CHAIN, METHODS, PIPELINE
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.executor import StageExecutor
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
+from spd.runtime.seed import SeedDecoder
 from spd.runtime.stages import open_stages
 from spd.targets.stages import StagedTarget
 from spd.sampling import SamplingParams
@@ -38,12 +39,12 @@ def build_decoder(kind: str, staged: StagedTarget, eos_ids: frozenset[int], draf
 
 def build_batch_decoder(kind: str, staged: StagedTarget, eos_ids: frozenset[int], new_drafter=None, *,
                         max_batch: int, width: int = 1, draft_length: int | None = None,
-                        tree_nodes: int | None = None, capture=frozenset()) -> BatchDecoder:
-    """Many requests per target forward (spd.runtime.batch) for the kinds that decode on the whole target: AR and
-    the chains. new_drafter() makes each request's own drafter; capture: layers every request keeps for its
-    observe (the trace recorder's)."""
-    if kind not in (AR, CHAIN):
-        raise ValueError(f"batched decoding covers AR and the chains, not the {kind} kind")
+                        tree_nodes: int | None = None, capture=frozenset()) -> BatchDecoder | SeedDecoder:
+    """Many requests per target forward, in this process: AR and the chains on the whole target
+    (spd.runtime.batch), a pipelined method's sequences sharing its stages (spd.runtime.seed). new_drafter() makes
+    each request's own drafter; capture: layers every request keeps for its observe (AR's trace recorder)."""
+    if kind == PIPELINE:
+        return SeedDecoder(staged, new_drafter, eos_ids, width, max_batch)
     if kind == AR:
         return BatchDecoder(staged, eos_ids, max_batch=max_batch, capture=capture)
     return BatchDecoder(staged, eos_ids, new_drafter, draft_length, width, tree_nodes if width > 1 else None,
@@ -79,13 +80,17 @@ class Engine:
                 pick_decoder("ar", self.cfg, self.session, self.stages, None)
         return self._baseline
 
-    def batch_decoder(self, max_batch: int) -> BatchDecoder | None:
-        """Many requests per forward with this engine's method (AR and the chains, in this process); None where the
-        method runs a pipeline or the stages live elsewhere (those decode one request at a time)."""
-        s, kind = self.session, METHODS[self.session.method].decoder
-        if kind not in (AR, CHAIN) or self.cfg.runtime != "local" or getattr(self.cfg, "cuda_graphs", False):
+    def batch_decoder(self, max_batch: int, method: str | None = None) -> BatchDecoder | SeedDecoder | None:
+        """Many requests decoded together with this engine's method (or `method`, e.g. "ar" for a server's
+        per-request baseline), in this process; None where the stages live elsewhere or run as fixed-shape steps
+        (runtime=distributed, streams, cuda_graphs: one request at a time there)."""
+        s = self.session
+        method = method or s.method
+        kind = METHODS[method].decoder
+        if self.cfg.runtime != "local" or getattr(self.cfg, "cuda_graphs", False):
             return None
-        new_drafter = (lambda: s.drafter(getattr(self.cfg, "module_cache", True))) if kind == CHAIN else None
+        use_cache = getattr(self.cfg, "module_cache", True)
+        new_drafter = None if kind == AR else (lambda: s.drafter(use_cache))
         return build_batch_decoder(kind, s.staged, s.eos_ids, new_drafter, max_batch=max_batch, width=s.width,
                                    draft_length=s.draft_length, tree_nodes=s.tree_nodes)
 

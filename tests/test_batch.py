@@ -207,3 +207,71 @@ def test_generate_decodes_a_prompts_file_in_batches(capsys, tiny_target_dir, tmp
         assert main(["generate", *common, *args]) == 2
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1, err
+
+
+def pipeline_drafter(staged, kind):
+    from spd.drafters.hybrid import LookupThenModule
+    from spd.drafters.spd_module import ModuleDrafter
+    from spd.module import SpeculationModule
+
+    module = EAGLE.setdefault(("spd", staged), SpeculationModule.from_target(staged, 1, seed=0))   # random
+    if kind == "lookup+module":
+        return lambda: LookupThenModule(ModuleDrafter(module), 1, 3)
+    return lambda: ModuleDrafter(module)
+
+
+@pytest.mark.parametrize("kind,width", [("module", 1), ("lookup+module", 1), ("module", 2)])
+def test_each_sequence_in_a_shared_pipeline_decodes_as_it_would_alone(family_model, untied_target_dir, kind, width):
+    """SEED's schedule (spd.runtime.seed), n = 3: a random module rolls back almost every step, the lookup accepts
+    long runs on the tied targets; W = 2 keeps two branches in flight. Tokens and statistics per sequence."""
+    from spd.runtime.pipeline import PipelineDecoder
+    from spd.runtime.seed import SeedDecoder
+    from spd.targets.loading import load_target
+
+    family, model = family_model
+    targets = [(family, model)] + ([("untied", load_target(untied_target_dir).model)] if family == "llama" else [])
+    for name, target in targets:
+        staged = StagedTarget(target, 3)
+        make = pipeline_drafter(staged, kind)
+        vocab = target.config.vocab_size
+        prompts = [prompt(20 + i, length, vocab) for i, length in enumerate([5, 12, 8, 3, 9])]
+        lengths = [20, 40, 30, 14, 18]
+        solo = [PipelineDecoder(staged, make(), frozenset(), width).generate(p, Request(n, GREEDY))
+                for p, n in zip(prompts, lengths)]
+        seed = SeedDecoder(staged, make, frozenset(), width, max_batch=3)
+        tickets = [seed.submit(p, Request(n, GREEDY)) for p, n in zip(prompts[:3], lengths[:3])]
+        seed.step()
+        seed.step()
+        tickets[1].cancel()
+        tickets += [seed.submit(p, Request(n, GREEDY)) for p, n in zip(prompts[3:], lengths[3:])]
+        seed.run()
+        assert seed.hub.rows > seed.hub.forwards                        # stages ran several sequences' rows
+        for i, (ticket, ref) in enumerate(zip(tickets, solo)):
+            if i == 1:
+                assert ticket.finish == "cancelled" and ticket.tokens == ref.token_ids[:len(ticket.tokens)]
+                continue
+            assert ticket.tokens == ref.token_ids, (name, kind, width, i)
+            ours, theirs = ticket.stats.as_dict(), ref.stats.as_dict()
+            assert ours == theirs, (name, i)
+        if kind == "module":
+            assert sum(t.stats.rollbacks for t in tickets) > 10
+
+
+def test_shared_pipeline_samples_follow_the_target_distribution(small_vocab_model):
+    """T = 1 through SEED's schedule, n = 2, a random module (rejections and resampling everywhere): 8 samples of
+    PROMPT beside a companion with another prompt in every step."""
+    from spd.runtime.seed import SeedDecoder
+
+    staged = StagedTarget(small_vocab_model, 2)
+    seed = SeedDecoder(staged, pipeline_drafter(staged, "module"), frozenset(), max_batch=9)
+    counts, rollbacks = {}, 0
+    for base in range(0, SHORT, 8):
+        companion = seed.submit([2, 7, 1, 8, 2, 8, 1], Request(6, PARAMS, 99 + base))
+        tickets = [seed.submit(PROMPT, Request(LENGTH, PARAMS, 7_000_003 + i)) for i in range(base, min(base + 8, SHORT))]
+        seed.run()
+        assert companion.finish == "length"
+        for t in tickets:
+            counts[tuple(t.tokens)] = counts.get(tuple(t.tokens), 0) + 1
+            rollbacks += t.stats.rollbacks
+    assert rollbacks > SHORT / 4
+    assert chi2_pvalue(counts, exact_distribution(small_vocab_model, PARAMS), SHORT) > ALPHA

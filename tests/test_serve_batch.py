@@ -115,7 +115,7 @@ def test_beyond_the_batch_and_the_queue_requests_get_429(tiny_target_dir):
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda _: srv.post("/v1/completions", body), range(8)))
         codes = sorted(r.status_code for r in answers)
-        assert codes.count(200) >= 3 and 429 in codes, codes                # 2 decoding + 1 waiting, at least
+        assert 1 <= codes.count(200) <= 3 and 429 in codes, codes           # 2 decoding + 1 waiting, at most
         refused = next(r for r in answers if r.status_code == 429)
         assert int(refused.headers["Retry-After"]) >= 1
         assert srv.stop() == 0

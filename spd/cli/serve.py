@@ -92,10 +92,12 @@ def serve(cfg, default: bool = False) -> int:
             batch = engine.batch_decoder(cfg.max_batch) if cfg.max_batch > 1 else None
             metrics = ServerMetrics(engine.session.staged.n)
             if batch is not None:
-                for _ in batch.stream(list(engine.session.loaded.tokenizer("Hello")["input_ids"]) or [0],
-                                      engine.request(max_new_tokens=4)):
-                    pass
-                worker = BatchWorker(engine, metrics, cfg.max_queue, batch, on_fatal=lambda m: server.fail(m))
+                plain = engine.batch_decoder(cfg.max_batch, "ar") if engine.session.method != "ar" else None
+                hello = list(engine.session.loaded.tokenizer("Hello")["input_ids"]) or [0]
+                for decoder in filter(None, (batch, plain)):
+                    for _ in decoder.stream(hello, engine.request(max_new_tokens=4)):
+                        pass
+                worker = BatchWorker(engine, metrics, cfg.max_queue, batch, plain, on_fatal=lambda m: server.fail(m))
             else:
                 worker = DecodeWorker(engine, metrics, cfg.max_queue, on_fatal=lambda message: server.fail(message))
             service = Service(engine, worker, cfg)

@@ -40,8 +40,9 @@ class EvalConfig:
     output_dir: str = "outputs/eval/run"  # samples.jsonl, summary.json, table.md, plots
     resume: bool = True                 # skip samples already in output_dir/samples.jsonl (same config only)
     trace_cache_dir: str = "outputs/cache/traces"  # the target's greedy decodes, reused across evals
-    batch_size: int = 1                 # greedy traces recorded this many prompts per target forward (1: one at a
-                                        # time, whose recording also gives each sample's AR tokens/s)
+    batch_size: int = 1                 # prompts per target forward: the greedy traces' recording, and the
+                                        # step-by-step samples with their AR references (runtime=local); 1: one at a
+                                        # time, the only way each sample's tokens/s is measured
     # H^l to record beside the run's own when a trace directory is made, so evals at other n and EAGLE-3's reuse
     # the same greedy decodes (a trace directory that stores a run's layers serves it, whatever its layout)
     trace_layers: List[int] = field(default_factory=list)

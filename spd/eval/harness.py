@@ -81,6 +81,30 @@ def runtime_sample(engine: Engine, seed: int, prompt_ids) -> dict:
     return record
 
 
+def batched_samples(engine: Engine, batched, cfg, items: list):
+    """The step-by-step samples of `items` ((dataset, question, prompt ids)), batch_size prompts at a time through
+    the engine's batched decoder, and their plain AR references batched the same way; yields each sample's record
+    in order. Their time is shared with the batch, so no tokens/s is reported (latency is measured one at a time)."""
+    baseline = engine.batch_decoder(cfg.batch_size, "ar") if cfg.ar_baseline else None
+    for lo in range(0, len(items), cfg.batch_size):
+        chunk = items[lo: lo + cfg.batch_size]
+        seeds = [prompt_seed(cfg.seed, ds, q["question_id"]) for ds, q, _ in chunk]
+        tickets = [batched.submit(ids, engine.request(seed=seed)) for (_, _, ids), seed in zip(chunk, seeds)]
+        references = [baseline.submit(ids, engine.request(seed=seed)) for (_, _, ids), seed in zip(chunk, seeds)] \
+            if baseline else []
+        with torch.no_grad():
+            batched.run()
+            if baseline:
+                baseline.run()
+        for i, ticket in enumerate(tickets):
+            record = {"mode": "runtime", "token_ids": ticket.tokens, **ticket.stats.as_dict(), "ar_match": None,
+                      "wall_s": ticket.seconds, "tokens_per_s": None, "ar_tokens_per_s": None,
+                      "batch_size": cfg.batch_size}
+            if baseline and engine.session.params.greedy:
+                record["ar_match"] = references[i].tokens == ticket.tokens
+            yield record
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
@@ -145,12 +169,18 @@ def run_eval(cfg, log=print) -> dict:
         with tqdm(total=sum(not traces.has(ds, qid) for ds, qid, _ in items), desc="traces", unit="prompt") as bar:
             traces.record_missing(items, cfg.batch_size, bar.update)
     with open_engine(cfg, session=session) as engine:
+        batched = None if fast or cfg.batch_size == 1 else engine.batch_decoder(cfg.batch_size)
+        records = batched_samples(engine, batched, cfg, [(ds, q, chat_prompt_ids(tok, q["turns"][0])) for ds, q in todo]) \
+            if batched is not None else None
         for ds, q in tqdm(todo, desc="eval", unit="prompt", disable=False):  # explicit: the CLI mutes other bars
             ids = chat_prompt_ids(tok, q["turns"][0])
             seed = prompt_seed(cfg.seed, ds, q["question_id"])
             with torch.no_grad():
-                rec = fast_sample(session, cfg, traces, ds, q["question_id"], ids) if fast else \
-                    runtime_sample(engine, seed, ids)
+                if records is not None:
+                    rec = next(records)
+                else:
+                    rec = fast_sample(session, cfg, traces, ds, q["question_id"], ids) if fast else \
+                        runtime_sample(engine, seed, ids)
             token_ids = rec.pop("token_ids")
             out.append({"question_id": q["question_id"], "dataset": ds, "method": session.method, "L_s": L_s,
                         "T": cfg.temperature, "top_k": session.params.top_k, "top_p": session.params.top_p,

@@ -26,7 +26,6 @@ import torch
 
 from spd.decoding import Decoder, Request
 from spd.drafters.base import ChainDrafter
-from spd.metrics import ChainStats
 from spd.runtime.sequence import ChainSequence
 from spd.targets.ragged import Segment, forward_segments
 from spd.targets.stages import StagedTarget
@@ -45,8 +44,7 @@ class Ticket:
     started_at: float | None = None            # admitted (its prefill began)
     first_token_at: float | None = None
     finished_at: float | None = None
-    sequence: ChainSequence | None = None
-    plain: bool = False
+    sequence: object = None                    # the request's decode: a ChainSequence, or a pipeline's decoder
     _cancel: bool = False
 
     def cancel(self) -> None:
@@ -58,7 +56,8 @@ class Ticket:
         return self.finish is not None
 
     @property
-    def stats(self) -> ChainStats | None:
+    def stats(self):
+        """The decode's statistics (ChainStats; a pipeline's DecodeStats)."""
         return self.sequence.stats if self.sequence else None
 
     @property
@@ -85,10 +84,8 @@ class BatchDecoder(Decoder):
         self.forwards = 0                       # batched forwards so far, and the rows they carried
         self.rows = 0
 
-    def submit(self, prompt_ids: list[int], request: Request, observe=None, on_tokens=None,
-               plain: bool = False) -> Ticket:
-        """plain: this request drafts nothing (plain AR beside the others, e.g. a server request for method=ar)."""
-        ticket = Ticket(list(prompt_ids), request, observe, on_tokens, plain=plain)
+    def submit(self, prompt_ids: list[int], request: Request, observe=None, on_tokens=None) -> Ticket:
+        ticket = Ticket(list(prompt_ids), request, observe, on_tokens)
         with self.lock:
             self.waiting.append(ticket)
         return ticket
@@ -122,7 +119,7 @@ class BatchDecoder(Decoder):
                 self._finish(ticket, "cancelled")
                 continue
             ticket.started_at = time.perf_counter()
-            drafter = self.new_drafter() if self.new_drafter and not ticket.plain else None
+            drafter = self.new_drafter() if self.new_drafter else None
             ticket.sequence = ChainSequence(self.target, drafter, self.eos_ids, ticket.prompt_ids, ticket.request,
                                             self.m, self.width, self.budget, self.capture, ticket.observe)
             self._deliver(ticket, ticket.sequence.prefill())

@@ -1,5 +1,6 @@
-"""The server's decode loop when requests share forwards (`max_batch` > 1, AR and the chains): up to `max_batch`
-jobs run together in one `BatchDecoder` (spd.runtime.batch), admitted FIFO from the same queue as the one-at-a-time
+"""The server's decode loop when requests share forwards (`max_batch` > 1, runtime=local): up to `max_batch` jobs
+run together — AR and the chains in one `BatchDecoder` (spd.runtime.batch), a pipelined method's in one
+`SeedDecoder` (spd.runtime.seed), per-request method=ar beside them in a batch of its own — admitted FIFO from the same queue as the one-at-a-time
 worker (and refused with 429 beyond `max_queue`, as there). Each job's tokens go through its own stop strings and
 out to its own client as they settle; a job whose client left, whose text hit a stop string, or that shutdown
 cancels leaves the batch at the next cycle, and the others go on."""
@@ -23,9 +24,12 @@ class Running:
 
 
 class BatchWorker(DecodeWorker):
-    def __init__(self, engine, metrics, max_queue: int, batch, on_fatal=None):
+    def __init__(self, engine, metrics, max_queue: int, batch, plain=None, on_fatal=None):
+        """batch: the engine's method, batched (BatchDecoder or SeedDecoder); plain: batched AR for requests that ask
+        for method=ar (None: `batch` is AR already). The two step in turn; max_batch counts both."""
         super().__init__(engine, metrics, max_queue, on_fatal)
-        self.batch = batch                      # the engine's BatchDecoder
+        self.batch, self.plain = batch, plain or batch
+        self.max_batch = batch.max_batch
         self.running: dict = {}                 # ticket -> Running
 
     def cancel_all(self) -> None:
@@ -49,17 +53,20 @@ class BatchWorker(DecodeWorker):
                 continue
             self.metrics.running.set(len(self.running))
             try:
-                self.batch.step()
+                for decoder in {id(d): d for d in (self.batch, self.plain)}.values():
+                    if decoder.busy:
+                        decoder.step()
             except Exception as exc:     # noqa: BLE001 - every job in the batch is answered
                 self._fail(exc)
                 continue
             for ticket in [t for t in self.running if t.done]:
                 self._answer(ticket, self.running.pop(ticket))
+            self.metrics.running.set(len(self.running))
         self.metrics.running.set(0)
 
     def _admit(self, block: bool) -> bool:
         """Move queued jobs into the batch while it has room; True when `stop` was asked."""
-        while len(self.running) < self.batch.max_batch:
+        while len(self.running) < self.max_batch:
             try:
                 job = self.jobs.get(timeout=0.1) if block else self.jobs.get_nowait()
             except queue.Empty:
@@ -74,7 +81,8 @@ class BatchWorker(DecodeWorker):
                 job.post("error", {"status": 500, "message": self.failure})
                 continue
             run = Running(job, self.engine.session.loaded.tokenizer)
-            ticket = self.batch.submit(job.prompt_ids, job.request, on_tokens=self._on_tokens, plain=job.baseline)
+            ticket = (self.plain if job.baseline else self.batch).submit(job.prompt_ids, job.request,
+                                                                         on_tokens=self._on_tokens)
             self.running[ticket] = run
         return False
 
@@ -94,7 +102,7 @@ class BatchWorker(DecodeWorker):
             ticket.cancel()
 
     def _answer(self, ticket, run: Running) -> None:
-        stats = None if ticket.plain else ticket.stats
+        stats = None if run.job.baseline or self.engine.session.method == "ar" else ticket.stats
         self.metrics.decoded(stats)
         piece = run.text.finish()
         if piece:
@@ -113,5 +121,6 @@ class BatchWorker(DecodeWorker):
             ticket.cancel()
             run.job.post("error", {"status": 500, "message": message})
         self.running.clear()
-        self.batch.running.clear()
-        self.batch.waiting.clear()
+        for decoder in (self.batch, self.plain):
+            decoder.running.clear()
+            decoder.waiting.clear()
