@@ -7,8 +7,7 @@ cache, of its own length. The target's own decoder layers still run (every famil
 kernel changes, through transformers' public `AttentionInterface`: the cache handed to the layers
 (`RaggedCache`) appends each sequence's slice of the new K/V to that sequence's `LayerKVCache`, and the registered
 kernel (`spd_ragged`) attends each slice of queries to its own cache under its own mask, with the same SDPA call the
-target makes for one sequence. Without a `ragged=` argument the kernel is that SDPA call, so registering it changes
-nothing for one-sequence forwards.
+target makes for one sequence. The kernel is switched on for the ragged forward only (`ragged_kernel`).
 
 Per sequence the numbers equal `StagedTarget.forward_all` over its rows alone up to the rounding of a matrix product
 with more rows (the greedy decodes are compared in tests/test_batch.py).
@@ -16,6 +15,7 @@ with more rows (the greedy decodes are compared in tests/test_batch.py).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -102,20 +102,27 @@ def ragged_attention(module, query, key, value, attention_mask, dropout: float =
 AttentionInterface.register(KERNEL, ragged_attention)
 
 
-def use_ragged_kernel(target: StagedTarget) -> None:
-    """Make the target's layers call `ragged_attention` (once; plain SDPA for every other forward)."""
-    if target.config._attn_implementation != KERNEL:
-        target.model.set_attn_implementation(KERNEL)
+@contextmanager
+def ragged_kernel(target: StagedTarget):
+    """The target's layers call `ragged_attention` inside, their own kernel again after: transformers builds its own
+    masks by the implementation's name, so a model left on an unknown name would mask its next HF forward
+    differently (Gemma 3's sliding layers did)."""
+    previous = target.config._attn_implementation
+    target.model.set_attn_implementation(KERNEL)
+    try:
+        yield
+    finally:
+        target.model.set_attn_implementation(previous)
 
 
 def run_segments(target: StagedTarget, hidden: torch.Tensor, segments: list[Segment], start: int, end: int,
                  capture=frozenset()):
     """Layers start..end-1 over every segment's rows, hidden [1, R, d] (segment i's rows at bounds[i]..bounds[i+1]-1).
     Returns H^end [1, R, d], {l: H^l [1, R, d]} for captured l in (start, end], and the bounds."""
-    use_ragged_kernel(target)
     positions = torch.tensor([p for s in segments for p in s.positions], device=target.device)
     ragged = RaggedCache(target, segments, start)
-    out, captured = target.run_layers(hidden, positions, start, end, ragged, capture, ragged=ragged)
+    with ragged_kernel(target):
+        out, captured = target.run_layers(hidden, positions, start, end, ragged, capture, ragged=ragged)
     return out, captured, ragged.bounds
 
 
