@@ -27,7 +27,7 @@ import torch
 from spd.decoding import Decoder, Request
 from spd.drafters.base import ChainDrafter
 from spd.runtime.sequence import ChainSequence
-from spd.targets.ragged import Segment, forward_segments
+from spd.targets.ragged import Segment, few_rows_products, forward_segments
 from spd.targets.stages import StagedTarget
 
 
@@ -144,7 +144,8 @@ class BatchDecoder(Decoder):
             segments.append(Segment.tree(seq.cache, seq.fed, tree))
         capture = frozenset().union(*(t.sequence.capture for t in self.running))
         hidden, captured, bounds = forward_segments(self.target, ids, segments, capture)
-        logits = self.target.logits(hidden[0])                 # [R, V]: one head product for every row
+        with few_rows_products():
+            logits = self.target.logits(hidden[0])             # [R, V]: one head product for every row
         self.forwards += 1
         self.rows += bounds[-1]
         for ticket, lo, hi in zip(self.running, bounds, bounds[1:]):

@@ -33,7 +33,7 @@ from spd.runtime.flight import Flight
 from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import SHARED_STEP, PipelineDecoder
 from spd.runtime.schedule import Step
-from spd.targets.ragged import Segment, run_segments
+from spd.targets.ragged import Segment, few_rows_products, run_segments
 from spd.targets.stages import StagedTarget
 
 
@@ -70,12 +70,15 @@ class StageHub:
             hidden = torch.cat([w.hidden for w in group], 1)
             start, end = target.bounds[stage], target.bounds[stage + 1]
             out, captured, bounds = run_segments(target, hidden, segments, start, end, capture)
-            last = stage == target.n - 1
+            exits = None
+            if stage == target.n - 1:                      # every sequence's exiting token, one head product
+                with few_rows_products():
+                    exits = target.logits(out[0, [hi - 1 for hi in bounds[1:]]])
             self.forwards += 1
             self.rows += bounds[-1]
-            for w, lo, hi in zip(group, bounds, bounds[1:]):
+            for i, (w, lo, hi) in enumerate(zip(group, bounds, bounds[1:])):
                 own = {layer: captured[layer][:, lo:hi] for layer in w.stages.capture if layer in captured}
-                logits = target.logits(out[0, hi - 1]) if last else None
+                logits = exits[i] if exits is not None else None
                 w.stages._outputs(stage, w.pos, w.nodes, out[:, lo:hi], own, logits, w.stages._out)
 
 

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -102,6 +103,33 @@ def ragged_attention(module, query, key, value, attention_mask, dropout: float =
 AttentionInterface.register(KERNEL, ragged_attention)
 
 
+_LINEAR = F.linear
+FEW_ROWS = range(2, 65)     # where the product below measured faster (bench/batch_cost.py, docs/results.md)
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for x [..., d_in] of 2..64 rows, computed as (W x^T)^T. The same product; on these CPUs' torch
+    (MKL) `F.linear` runs 2 or 3 rows as 2 or 3 one-row products (2 rows of SmolLM2's MLP: 94 µs against 48 for
+    one, the head 16 ms against 7), which would leave a batch of 2 no cheaper per row than decoding alone; with the
+    weight as the left operand the same rows cost 60 µs and 2.6 ms. One row keeps `F.linear` (the solo path)."""
+    rows = x.numel() // x.shape[-1]
+    if rows not in FEW_ROWS or x.device.type != "cpu":
+        return _LINEAR(x, weight, bias)
+    out = (weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+@contextmanager
+def few_rows_products():
+    """Every nn.Linear inside computes few rows with `few_rows_linear` (the decode loop is one thread: nothing else
+    runs a Linear meanwhile)."""
+    F.linear = few_rows_linear
+    try:
+        yield
+    finally:
+        F.linear = _LINEAR
+
+
 @contextmanager
 def ragged_kernel(target: StagedTarget):
     """The target's layers call `ragged_attention` inside, their own kernel again after: transformers builds its own
@@ -110,7 +138,8 @@ def ragged_kernel(target: StagedTarget):
     previous = target.config._attn_implementation
     target.model.set_attn_implementation(KERNEL)
     try:
-        yield
+        with few_rows_products():
+            yield
     finally:
         target.model.set_attn_implementation(previous)
 

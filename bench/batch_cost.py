@@ -1,0 +1,63 @@
+"""What one batched decoding step costs against its number of rows on this machine: `BatchDecoder.step` of plain AR
+with B sequences of the same prompt (each its own cache), timed after warm-up steps, for each B.
+
+    OMP_NUM_THREADS=2 python bench/batch_cost.py --out docs/results/batch_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from spd.decoding import Request  # noqa: E402
+from spd.engine import build_batch_decoder  # noqa: E402
+from spd.methods import AR  # noqa: E402
+from spd.prompts import chat_prompt_ids  # noqa: E402
+from spd.targets.loading import load_target  # noqa: E402
+from spd.targets.stages import StagedTarget  # noqa: E402
+
+PROMPT = "Write a long essay about the history of the Roman empire and its fall."
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--warm", type=int, default=40, help="steps before the timed ones (the contexts grow meanwhile)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    loaded = load_target(args.target)
+    staged = StagedTarget(loaded.model, 1)
+    prompt = chat_prompt_ids(loaded.tokenizer, PROMPT)
+    rows = []
+    for b in (int(x) for x in args.rows.split(",")):
+        decoder = build_batch_decoder(AR, staged, frozenset(), max_batch=b)
+        for _ in range(b):
+            decoder.submit(prompt, Request(args.warm + args.steps + 10))
+        for _ in range(args.warm):
+            decoder.step()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            decoder.step()
+        step_s = (time.perf_counter() - start) / args.steps
+        rows.append({"rows": b, "step_ms": step_s * 1e3, "tokens_per_s": b / step_s})
+        print(f"{b} rows: {step_s * 1e3:.1f} ms per step, {b / step_s:.1f} tokens/s", file=sys.stderr)
+    for row in rows:
+        row["step_vs_one_row"] = row["step_ms"] / rows[0]["step_ms"]
+    with open(args.out, "w") as f:
+        json.dump({"command": " ".join(["python", *sys.argv]), "target": loaded.name, "prompt_tokens": len(prompt),
+                   "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
