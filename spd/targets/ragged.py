@@ -104,11 +104,13 @@ AttentionInterface.register(KERNEL, ragged_attention)
 
 
 _LINEAR = F.linear
-FEW_ROWS = range(2, 65)     # where the product below measured faster (bench/batch_cost.py, docs/results.md)
+# where the product below made a whole batched step faster (docs/results.md, "Many sequences at once": 2 rows 34 ms
+# against 68, 8 rows 65 against 73; at 16 rows mixed, at 32 slower)
+FEW_ROWS = range(2, 9)
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b for x [..., d_in] of 2..64 rows, computed as (W x^T)^T. The same product; on these CPUs' torch
+    """x W^T + b for x [..., d_in] of 2..8 rows, computed as (W x^T)^T. The same product; on these CPUs' torch
     (MKL) `F.linear` runs 2 or 3 rows as 2 or 3 one-row products (2 rows of SmolLM2's MLP: 94 µs against 48 for
     one, the head 16 ms against 7), which would leave a batch of 2 no cheaper per row than decoding alone; with the
     weight as the left operand the same rows cost 60 µs and 2.6 ms. One row keeps `F.linear` (the solo path)."""
