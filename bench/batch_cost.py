@@ -26,35 +26,44 @@ from spd.targets.stages import StagedTarget  # noqa: E402
 PROMPT = "Write a long essay about the history of the Roman empire and its fall."
 
 
+def setup(target: str = "smollm2"):
+    """(the whole target staged once, the prompt's ids, the target's name)."""
+    torch.set_grad_enabled(False)
+    loaded = load_target(target)
+    return StagedTarget(loaded.model, 1), chat_prompt_ids(loaded.tokenizer, PROMPT), loaded.name
+
+
+def step_seconds(staged, prompt: list[int], rows: int, warm: int, steps: int) -> float:
+    """Seconds per step of `rows` sequences decoding `prompt`, after `warm` steps (their contexts grow meanwhile)."""
+    decoder = build_batch_decoder(AR, staged, frozenset(), max_batch=rows)
+    for _ in range(rows):
+        decoder.submit(prompt, Request(warm + steps + 10))
+    for _ in range(warm):
+        decoder.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        decoder.step()
+    return (time.perf_counter() - start) / steps
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--rows", default="1,2,4,8,16,32")
-    ap.add_argument("--warm", type=int, default=40, help="steps before the timed ones (the contexts grow meanwhile)")
+    ap.add_argument("--warm", type=int, default=40)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    torch.set_grad_enabled(False)
-    loaded = load_target(args.target)
-    staged = StagedTarget(loaded.model, 1)
-    prompt = chat_prompt_ids(loaded.tokenizer, PROMPT)
+    staged, prompt, name = setup(args.target)
     rows = []
     for b in (int(x) for x in args.rows.split(",")):
-        decoder = build_batch_decoder(AR, staged, frozenset(), max_batch=b)
-        for _ in range(b):
-            decoder.submit(prompt, Request(args.warm + args.steps + 10))
-        for _ in range(args.warm):
-            decoder.step()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            decoder.step()
-        step_s = (time.perf_counter() - start) / args.steps
+        step_s = step_seconds(staged, prompt, b, args.warm, args.steps)
         rows.append({"rows": b, "step_ms": step_s * 1e3, "tokens_per_s": b / step_s})
         print(f"{b} rows: {step_s * 1e3:.1f} ms per step, {b / step_s:.1f} tokens/s", file=sys.stderr)
     for row in rows:
         row["step_vs_one_row"] = row["step_ms"] / rows[0]["step_ms"]
     with open(args.out, "w") as f:
-        json.dump({"command": " ".join(["python", *sys.argv]), "target": loaded.name, "prompt_tokens": len(prompt),
+        json.dump({"command": " ".join(["python", *sys.argv]), "target": name, "prompt_tokens": len(prompt),
                    "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
     return 0
 

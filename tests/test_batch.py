@@ -155,6 +155,21 @@ def small_vocab_model():
     return tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
 
 
+def sample_in_company(decoder, seed: int):
+    """SHORT seeded samples of PROMPT, 8 per run beside a companion request of another prompt and length; their
+    counts and statistics."""
+    counts, stats = {}, []
+    for base in range(0, SHORT, 8):
+        companion = decoder.submit([2, 7, 1, 8, 2, 8, 1], Request(6, PARAMS, 99 + base))
+        tickets = [decoder.submit(PROMPT, Request(LENGTH, PARAMS, seed + i)) for i in range(base, min(base + 8, SHORT))]
+        decoder.run()
+        assert companion.finish == "length"
+        for t in tickets:
+            counts[tuple(t.tokens)] = counts.get(tuple(t.tokens), 0) + 1
+            stats.append(t.stats)
+    return counts, stats
+
+
 @pytest.mark.parametrize("kind", ["ar", "lookup"])
 def test_batched_samples_follow_the_target_distribution(small_vocab_model, kind):
     """SHORT seeded samples of PROMPT, decoded 8 at a time beside a request with another prompt and length in every
@@ -162,17 +177,9 @@ def test_batched_samples_follow_the_target_distribution(small_vocab_model, kind)
     staged = StagedTarget(small_vocab_model, 1)
     new = None if kind == "ar" else (lambda: LookupDrafter(min_n=1, max_n=2))
     batch = BatchDecoder(staged, frozenset(), new, 3, max_batch=9)
-    counts, drafted = {}, 0
-    for base in range(0, SHORT, 8):
-        companion = batch.submit([2, 7, 1, 8, 2, 8, 1], Request(6, PARAMS, 99 + base))
-        tickets = [batch.submit(PROMPT, Request(LENGTH, PARAMS, 5_000_011 + i)) for i in range(base, min(base + 8, SHORT))]
-        batch.run()
-        assert companion.finish == "length"
-        for t in tickets:
-            counts[tuple(t.tokens)] = counts.get(tuple(t.tokens), 0) + 1
-            drafted += t.stats.drafted
+    counts, stats = sample_in_company(batch, 5_000_011)
     if kind == "lookup":
-        assert drafted > SHORT / 2
+        assert sum(s.drafted for s in stats) > SHORT / 2
     assert chi2_pvalue(counts, exact_distribution(small_vocab_model, PARAMS), SHORT) > ALPHA
 
 
@@ -264,14 +271,6 @@ def test_shared_pipeline_samples_follow_the_target_distribution(small_vocab_mode
 
     staged = StagedTarget(small_vocab_model, 2)
     seed = SeedDecoder(staged, pipeline_drafter(staged, "module"), frozenset(), max_batch=9)
-    counts, rollbacks = {}, 0
-    for base in range(0, SHORT, 8):
-        companion = seed.submit([2, 7, 1, 8, 2, 8, 1], Request(6, PARAMS, 99 + base))
-        tickets = [seed.submit(PROMPT, Request(LENGTH, PARAMS, 7_000_003 + i)) for i in range(base, min(base + 8, SHORT))]
-        seed.run()
-        assert companion.finish == "length"
-        for t in tickets:
-            counts[tuple(t.tokens)] = counts.get(tuple(t.tokens), 0) + 1
-            rollbacks += t.stats.rollbacks
-    assert rollbacks > SHORT / 4
+    counts, stats = sample_in_company(seed, 7_000_003)
+    assert sum(s.rollbacks for s in stats) > SHORT / 4
     assert chi2_pvalue(counts, exact_distribution(small_vocab_model, PARAMS), SHORT) > ALPHA

@@ -67,7 +67,41 @@ class Ticket:
         return end - self.started_at if self.started_at else 0.0
 
 
-class BatchDecoder(Decoder):
+class ManySequences(Decoder):
+    """What every decoder of many requests offers besides `submit` and `step`: run to the end, or one request as a
+    stream (the others submitted to it advance in the same steps)."""
+    waiting: deque
+    running: list
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def run(self) -> None:
+        """Step until every submitted request has finished."""
+        while self.busy:
+            self.step()
+
+    def stream(self, prompt_ids: list[int], request: Request) -> Iterator[int]:
+        """One request's tokens; closing the stream cancels it."""
+        ticket = self.submit(prompt_ids, request)
+        self.stats = None
+        sent = 0
+        try:
+            while True:
+                if sent < len(ticket.tokens):
+                    self.stats = ticket.stats
+                    yield from ticket.tokens[sent:]
+                    sent = len(ticket.tokens)
+                if ticket.done:
+                    return
+                self.step()
+        finally:
+            if not ticket.done:
+                ticket.cancel()
+
+
+class BatchDecoder(ManySequences):
     def __init__(self, target: StagedTarget, eos_ids: frozenset[int], new_drafter: Callable[[], ChainDrafter] | None
                  = None, m: int = 1, width: int = 1, budget: int | None = None, max_batch: int = 8,
                  capture=frozenset()):
@@ -89,10 +123,6 @@ class BatchDecoder(Decoder):
         with self.lock:
             self.waiting.append(ticket)
         return ticket
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.running or self.waiting)
 
     def _finish(self, ticket: Ticket, reason: str) -> None:
         ticket.finish = reason
@@ -153,26 +183,3 @@ class BatchDecoder(Decoder):
             own = {layer: captured[layer][:, lo:hi] for layer in seq.capture}
             self._deliver(ticket, seq.settle(logits[lo:hi], own))
         self.running = [t for t in self.running if not t.done]
-
-    def run(self) -> None:
-        """Step until every submitted request has finished."""
-        while self.busy:
-            self.step()
-
-    def stream(self, prompt_ids: list[int], request: Request) -> Iterator[int]:
-        """One request's tokens (others submitted to this decoder advance with it); closing the stream cancels it."""
-        ticket = self.submit(prompt_ids, request)
-        self.stats = None
-        sent = 0
-        try:
-            while True:
-                if sent < len(ticket.tokens):
-                    self.stats = ticket.stats
-                    yield from ticket.tokens[sent:]
-                    sent = len(ticket.tokens)
-                if ticket.done:
-                    return
-                self.step()
-        finally:
-            if not ticket.done:
-                ticket.cancel()

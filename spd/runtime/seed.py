@@ -25,9 +25,9 @@ from typing import Callable
 
 import torch
 
-from spd.decoding import Decoder, Request
+from spd.decoding import Request
 from spd.drafters.base import Drafter
-from spd.runtime.batch import Ticket
+from spd.runtime.batch import ManySequences, Ticket
 from spd.runtime.executor import StepOutput
 from spd.runtime.flight import Flight
 from spd.runtime.local import LocalStages
@@ -98,7 +98,7 @@ class SequenceStages(LocalStages):
                 self.hub.works.append(Work(self, stage, pos, nodes, hidden, visible))
 
 
-class SeedDecoder(Decoder):
+class SeedDecoder(ManySequences):
     """Up to `max_batch` requests in one SPD pipeline (local, in this process), FIFO admission, each decoding as it
     would alone."""
 
@@ -117,10 +117,6 @@ class SeedDecoder(Decoder):
         ticket = Ticket(list(prompt_ids), request, on_tokens=on_tokens)
         self.waiting.append(ticket)
         return ticket
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.running or self.waiting)
 
     def _advance(self, ticket: Ticket) -> None:
         """Run the sequence until its next step is launched (or it ends), delivering the tokens it settles."""
@@ -170,23 +166,3 @@ class SeedDecoder(Decoder):
             self._advance(ticket)                              # prefill, the first token, the first step launched
             if not ticket.done:
                 self.running.append(ticket)
-
-    def run(self) -> None:
-        while self.busy:
-            self.step()
-
-    def stream(self, prompt_ids: list[int], request: Request):
-        ticket = self.submit(prompt_ids, request)
-        sent = 0
-        try:
-            while True:
-                if sent < len(ticket.tokens):
-                    self.stats = ticket.stats
-                    yield from ticket.tokens[sent:]
-                    sent = len(ticket.tokens)
-                if ticket.done:
-                    return
-                self.step()
-        finally:
-            if not ticket.done:
-                ticket.cancel()
