@@ -82,15 +82,18 @@ class Engine:
 
     def batch_decoder(self, max_batch: int, method: str | None = None) -> BatchDecoder | SeedDecoder | None:
         """Many requests decoded together with this engine's method (or `method`, e.g. "ar" for a server's
-        per-request baseline), in this process; None where the stages live elsewhere or run as fixed-shape steps
-        (runtime=distributed, streams, cuda_graphs: one request at a time there)."""
+        per-request baseline): in this process, or a pipelined method's sequences in the stage processes
+        (runtime=distributed); None where the stages run as fixed-shape steps (streams, cuda_graphs) or AR would
+        relay through stage processes (one request at a time there)."""
         s = self.session
         method = method or s.method
         kind = METHODS[method].decoder
-        if self.cfg.runtime != "local" or getattr(self.cfg, "cuda_graphs", False):
-            return None
         use_cache = getattr(self.cfg, "module_cache", True)
         new_drafter = None if kind == AR else (lambda: s.drafter(use_cache))
+        if self.cfg.runtime == "distributed" and kind == PIPELINE:
+            return SeedDecoder(self.stages, new_drafter, s.eos_ids, s.width, max_batch)
+        if self.cfg.runtime != "local" or getattr(self.cfg, "cuda_graphs", False):
+            return None
         return build_batch_decoder(kind, s.staged, s.eos_ids, new_drafter, max_batch=max_batch, width=s.width,
                                    draft_length=s.draft_length, tree_nodes=s.tree_nodes)
 

@@ -241,3 +241,50 @@ def test_distributed_trees_equal_local(tiny, n, controller, source):
         assert local[0].stats.rollbacks > 0
     else:   # the tied tiny target repeats itself: greedy, the lookup is always right; sampled, it is not
         assert local[0].stats.sources["lookup"][0] > 0 and local[1].stats.rollbacks > 0
+
+
+@pytest.mark.parametrize("controller, width, source", [("own_process", 1, "module"), ("first_stage", 1, "lookup+module"),
+                                                       ("first_stage", 2, "module")])
+def test_sequences_sharing_the_stage_processes_decode_as_each_would_alone(tiny, controller, width, source):
+    """SEED's schedule over runtime=distributed, n = 3, max_batch = 3: five requests whose prompts and lengths differ,
+    greedy beside seeded T = 1 in the same steps (one sending its exit's argmax, the others their logits), two
+    joining as others leave, one cancelled mid-decode, one ending on its end-of-sequence token. Each one's tokens and
+    statistics equal its solo decode in this process, and the stage processes carried several sequences per step."""
+    from spd.runtime.seed import SeedDecoder
+
+    n = 3
+    staged = StagedTarget(tiny.model, n)
+    module = SpeculationModule.from_target(staged, 1, seed=n).eval()
+    vocab = tiny.model.config.vocab_size
+
+    def drafter():
+        ranked = RankedDrafter(ModuleDrafter(module), tiny.model, [0, 1, 3, 0, 2, 7])
+        return with_draft_source(ranked, source, 2, 4)
+
+    prompts = [prompt(30 + i, length, vocab) for i, length in enumerate([5, 12, 8, 3, 9])]
+    requests = [Request(20, GREEDY), Request(40, SAMPLED, 1), Request(30, SAMPLED, 2), Request(14, GREEDY),
+                Request(18, SAMPLED, 3)]
+    eos = frozenset([PipelineDecoder(staged, drafter(), frozenset(), width).generate(prompts[3], requests[3])
+                     .token_ids[6]])
+    solo = [PipelineDecoder(staged, drafter(), eos, width).generate(p, r) for p, r in zip(prompts, requests)]
+    parts, cache = controller_parts("tiny-llama", n)
+    cfg = distributed_cfg(controller=controller, W=width, max_batch=3)
+    with open_stages(parts, cfg, module_layers(n, staged), cache) as stages:
+        seed = SeedDecoder(stages, drafter, eos, width, max_batch=3)
+        tickets = [seed.submit(p, r) for p, r in zip(prompts[:3], requests[:3])]
+        seed.step()
+        seed.step()
+        tickets[1].cancel()
+        tickets += [seed.submit(p, r) for p, r in zip(prompts[3:], requests[3:])]
+        seed.run()
+        assert stages.most == 3 and not stages.held
+        alone = PipelineDecoder(stages, drafter(), eos, width).generate(prompts[0], requests[0])   # slot 0, alone
+    assert alone.token_ids == solo[0].token_ids
+    for i, (ticket, ref) in enumerate(zip(tickets, solo)):
+        if i == 1:
+            assert ticket.finish == "cancelled" and ticket.tokens == ref.token_ids[:len(ticket.tokens)]
+            continue
+        assert ticket.tokens == ref.token_ids, (i, ticket.tokens, ref.token_ids)
+        assert ticket.stats.as_dict() == ref.stats.as_dict(), i
+    assert tickets[3].finish == "stop" and len(tickets[3].tokens) <= 7
+    assert sum(t.stats.rollbacks for t in tickets) > 5

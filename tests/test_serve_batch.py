@@ -155,3 +155,42 @@ def test_sigterm_with_a_full_batch_in_flight_exits_cleanly(tiny_target_dir):
         assert "Traceback" not in "".join(srv.lines), "".join(srv.lines)
     finally:
         kill_all(srv)
+
+
+def test_distributed_pipeline_serves_concurrent_clients_together(tiny_target_dir, capsys):
+    """runtime=distributed, spd n = 3 (a random module: rollbacks every few tokens), max_batch = 3: five clients at
+    once share the stage processes' steps (SEED's schedule), each gets runtime=local's solo answer, one hanging up
+    mid-stream leaves the others alone, per-request method=ar is refused in one line, and SIGTERM with requests in
+    flight exits cleanly."""
+    spd = ["method=spd", "n=3", "max_new_tokens=20", "threads_per_stage=1"]
+    srv = ServerProcess(f"target={tiny_target_dir}", *spd, "runtime=distributed", "max_batch=3", "max_queue=16",
+                        "shutdown_timeout_s=1")
+    try:
+        assert "up to 3 requests per forward" in "".join(srv.lines)
+        prompts = [f"Story {i}: once upon a time" for i in range(5)]
+        solo = {p: generate_json(capsys, f"target={tiny_target_dir}", *spd, "chat_template=false", f"prompt={p}")
+                for p in prompts}
+
+        def hang_up():
+            with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=60,
+                              json={"prompt": "A long story", "max_tokens": 400, "stream": True}) as r:
+                lines = r.iter_lines()
+                return [next(lines) for _ in range(3)]
+
+        with ThreadPoolExecutor(6) as pool:
+            left = pool.submit(hang_up)
+            answers = list(pool.map(lambda p: completion(srv, p, max_tokens=20), prompts))
+            assert left.result()
+        for p, body in zip(prompts, answers):
+            assert body["spd"]["token_ids"] == solo[p]["token_ids"], p
+            assert body["spd"]["rollbacks"] == solo[p]["rollbacks"]
+        refused = srv.post("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "method": "ar"})
+        assert refused.status_code == 422 and "max_batch=1" in refused.json()["error"]["message"]
+        streams = [threading.Thread(target=hang_up) for _ in range(2)]
+        for t in streams:
+            t.start()
+        time.sleep(1.0)
+        assert srv.stop(signal.SIGTERM, timeout=30) == 0, "".join(srv.lines)
+        assert "Traceback" not in "".join(srv.lines), "".join(srv.lines)
+    finally:
+        kill_all(srv)

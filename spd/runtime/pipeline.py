@@ -124,11 +124,13 @@ class PipelineDecoder(Decoder):
             t = step.t
             entering = torch.cat([features[node][0] for node in flight.level(t)], 1) if step.runs(0) else None
             ex.launch(step, entering, flight=flight)
+            if ex.shared:
+                # the other sequences launch theirs, then spd.runtime.seed starts every stage's rows at once; the
+                # draft below overlaps them where the stages run elsewhere (runtime=distributed)
+                yield SHARED_STEP
             stats.ran([len(flight.level(pos)) if step.runs(s) else 0 for s, pos in enumerate(step.work)])
             if not self.drafter.after_step:
                 options = self._draft(step, flight, features, choose)
-            if ex.shared:
-                yield SHARED_STEP     # other sequences launch theirs; spd.runtime.seed runs every stage's rows at once
             out = ex.collect()
             for node, captured in out.features.items():
                 features[node].update(captured)

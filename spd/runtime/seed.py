@@ -28,12 +28,12 @@ import torch
 from spd.decoding import Request
 from spd.drafters.base import Drafter
 from spd.runtime.batch import ManySequences, Ticket
-from spd.runtime.executor import StepOutput
+from spd.runtime.executor import StageExecutor, StepOutput
 from spd.runtime.flight import Flight
 from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import SHARED_STEP, PipelineDecoder
 from spd.runtime.schedule import Step
-from spd.targets.ragged import Segment, few_rows_products, run_segments
+from spd.targets.ragged import Segment, exit_logits, run_rows
 from spd.targets.stages import StagedTarget
 
 
@@ -49,13 +49,18 @@ class Work:
 
 
 class StageHub:
-    """The stages every sequence shares: collects each sequence's work of a step, runs it stage by stage."""
+    """The stages every sequence shares, in this process: collects each sequence's work of a step, runs it stage by
+    stage. (runtime=distributed: `DistributedStages` plays this part, its stage processes holding every sequence.)"""
 
     def __init__(self, target: StagedTarget):
         self.target = target
         self.works: list[Work] = []
         self.forwards = 0                 # stage forwards run, and the rows they carried
         self.rows = 0
+        self.most = 0                     # the most sequences one step carried
+
+    def sequence(self) -> "SequenceStages":
+        return SequenceStages(self.target, self)
 
     def discard(self, stages: "SequenceStages") -> None:
         self.works = [w for w in self.works if w.stages is not stages]
@@ -63,22 +68,20 @@ class StageHub:
     @torch.no_grad()
     def run(self) -> None:
         target, works, self.works = self.target, self.works, []
+        self.most = max(self.most, len({id(w.stages) for w in works}))
         for stage in sorted({w.stage for w in works}):
             group = [w for w in works if w.stage == stage]
             segments = [Segment(w.stages.cache, [w.pos] * len(w.nodes), w.visible) for w in group]
             capture = frozenset().union(*(w.stages.capture for w in group))
             hidden = torch.cat([w.hidden for w in group], 1)
             start, end = target.bounds[stage], target.bounds[stage + 1]
-            out, captured, bounds = run_segments(target, hidden, segments, start, end, capture)
-            exits = None
-            if stage == target.n - 1:                      # every sequence's exiting token, one head product
-                with few_rows_products():
-                    exits = target.logits(out[0, [hi - 1 for hi in bounds[1:]]])
+            out, captured, bounds = run_rows(target, hidden, segments, start, end, capture)
+            # every sequence's exiting token, one head product
+            exits = exit_logits(target, out, bounds) if stage == target.n - 1 else [None] * len(group)
             self.forwards += 1
             self.rows += bounds[-1]
-            for i, (w, lo, hi) in enumerate(zip(group, bounds, bounds[1:])):
+            for w, lo, hi, logits in zip(group, bounds, bounds[1:], exits):
                 own = {layer: captured[layer][:, lo:hi] for layer in w.stages.capture if layer in captured}
-                logits = exits[i] if exits is not None else None
                 w.stages._outputs(stage, w.pos, w.nodes, out[:, lo:hi], own, logits, w.stages._out)
 
 
@@ -97,18 +100,27 @@ class SequenceStages(LocalStages):
                 nodes, hidden, visible = self._inputs(stage, pos, entering, flight)
                 self.hub.works.append(Work(self, stage, pos, nodes, hidden, visible))
 
+    def finish(self) -> None:
+        """The sequence ended (or was cancelled): its work leaves the hub, its memory goes."""
+        self.hub.discard(self)
+        self.cache = None
+
 
 class SeedDecoder(ManySequences):
-    """Up to `max_batch` requests in one SPD pipeline (local, in this process), FIFO admission, each decoding as it
-    would alone."""
+    """Up to `max_batch` requests in one SPD pipeline, FIFO admission, each decoding as it would alone. stages: the
+    target, staged in this process, or the stage processes' controller (runtime=distributed, `Setup.slots` >=
+    max_batch)."""
 
-    def __init__(self, target: StagedTarget, new_drafter: Callable[[], Drafter], eos_ids: frozenset[int],
-                 width: int = 1, max_batch: int = 4):
+    def __init__(self, stages: StagedTarget | StageExecutor, new_drafter: Callable[[], Drafter],
+                 eos_ids: frozenset[int], width: int = 1, max_batch: int = 4):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
-        self.target, self.new_drafter, self.eos_ids = target, new_drafter, eos_ids
+        self.hub = StageHub(stages) if isinstance(stages, StagedTarget) else stages
+        if max_batch > getattr(self.hub, "capacity", max_batch):
+            raise ValueError(f"max_batch={max_batch} exceeds the {self.hub.capacity} sequences the stages were set "
+                             "up for")
+        self.new_drafter, self.eos_ids = new_drafter, eos_ids
         self.width, self.max_batch = width, max_batch
-        self.hub = StageHub(target)
         self.waiting: deque[Ticket] = deque()
         self.running: list[Ticket] = []
         self.streams: dict[Ticket, object] = {}
@@ -140,10 +152,7 @@ class SeedDecoder(ManySequences):
         ticket.finish, ticket.finished_at = reason, time.perf_counter()
         stream = self.streams.pop(ticket, None)
         if stream is not None:
-            stream.close()                                     # a cancelled one: its stages finish at a settled token
-        stages = ticket.sequence.executor
-        self.hub.discard(stages)
-        stages.cache = None                                   # the memory goes with the request
+            stream.close()                   # a cancelled one: its executor's finish frees its memory and work
 
     def step(self) -> None:
         """One pipeline step of every running sequence; then the finished and cancelled leave, the waiting join."""
@@ -160,8 +169,7 @@ class SeedDecoder(ManySequences):
                 ticket.finish, ticket.finished_at = "cancelled", time.perf_counter()
                 continue
             ticket.started_at = time.perf_counter()
-            ticket.sequence = PipelineDecoder(SequenceStages(self.target, self.hub), self.new_drafter(),
-                                              self.eos_ids, self.width)
+            ticket.sequence = PipelineDecoder(self.hub.sequence(), self.new_drafter(), self.eos_ids, self.width)
             self.streams[ticket] = ticket.sequence.stream(ticket.prompt_ids, ticket.request)
             self._advance(ticket)                              # prefill, the first token, the first step launched
             if not ticket.done:

@@ -100,6 +100,12 @@ def executor_kind(runtime: str, cuda_graphs: bool) -> str:
     return "graphs" if cuda_graphs else "local"
 
 
+def sequences_together(cfg) -> int:
+    """How many sequences the stages must hold at once: the command's batch (serve and generate's `max_batch`,
+    eval's `batch_size`), 1 where it has none."""
+    return max(getattr(cfg, "max_batch", 1), getattr(cfg, "batch_size", 1))
+
+
 @contextmanager
 def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | None = None):
     """Yield a StageExecutor for `staged` (in-process) or for stage processes loading `cache_dir`'s target."""
@@ -117,7 +123,7 @@ def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | 
     torch.set_num_threads(threads)
     setup = Setup(cache_dir=cache_dir, n=staged.n, bounds=staged.bounds, capture=sorted(set(capture) - {0}),
                   dtype=cfg.dtype, device=cfg.device, threads=threads, step_timeout_s=cfg.timeout_s, hosted=hosted,
-                  width=getattr(cfg, "W", 1))
+                  width=getattr(cfg, "W", 1), slots=sequences_together(cfg))
     executor: StageExecutor | None = None
     graceful = True
     try:

@@ -47,6 +47,10 @@ class Service:
         if body.method not in (None, method, "ar"):
             raise ApiError(422, f"method={body.method!r}: this server runs {method} (and plain decoding, method=ar); "
                            f"start it with method={body.method} to serve that", param="method")
+        if body.method == "ar" and method != "ar" and getattr(self.worker, "plain", True) is None:
+            raise ApiError(422, "method='ar': the stage processes decode several requests together here "
+                           "(runtime=distributed, max_batch > 1) and AR would relay one at a time; start the server "
+                           "with max_batch=1 to serve it", param="method")
         width = self.engine.session.width
         if body.W not in (None, width):
             raise ApiError(422, f"W={body.W}: this server drafts with W={width} (its pipeline is warm for that width); "

@@ -1,4 +1,4 @@
-"""The server's decode loop when requests share forwards (`max_batch` > 1, runtime=local): up to `max_batch` jobs
+"""The server's decode loop when requests share forwards (`max_batch` > 1): up to `max_batch` jobs
 run together — AR and the chains in one `BatchDecoder` (spd.runtime.batch), a pipelined method's in one
 `SeedDecoder` (spd.runtime.seed), per-request method=ar beside them in a batch of its own — admitted FIFO from the same queue as the one-at-a-time
 worker (and refused with 429 beyond `max_queue`, as there). Each job's tokens go through its own stop strings and
@@ -28,7 +28,9 @@ class BatchWorker(DecodeWorker):
         """batch: the engine's method, batched (BatchDecoder or SeedDecoder); plain: batched AR for requests that ask
         for method=ar (None: `batch` is AR already). The two step in turn; max_batch counts both."""
         super().__init__(engine, metrics, max_queue, on_fatal)
-        self.batch, self.plain = batch, plain or batch
+        self.batch = batch
+        # no batched AR beside a pipeline in stage processes (runtime=distributed): its AR relays one request
+        self.plain = plain if plain is not None else batch if engine.session.method == "ar" else None
         self.max_batch = batch.max_batch
         self.running: dict = {}                 # ticket -> Running
 
@@ -53,7 +55,7 @@ class BatchWorker(DecodeWorker):
                 continue
             self.metrics.running.set(len(self.running))
             try:
-                for decoder in {id(d): d for d in (self.batch, self.plain)}.values():
+                for decoder in {id(d): d for d in (self.batch, self.plain) if d is not None}.values():
                     if decoder.busy:
                         decoder.step()
             except Exception as exc:     # noqa: BLE001 - every job in the batch is answered
@@ -121,6 +123,6 @@ class BatchWorker(DecodeWorker):
             ticket.cancel()
             run.job.post("error", {"status": 500, "message": message})
         self.running.clear()
-        for decoder in (self.batch, self.plain):
+        for decoder in filter(None, (self.batch, self.plain)):
             decoder.running.clear()
             decoder.waiting.clear()

@@ -157,6 +157,27 @@ def run_segments(target: StagedTarget, hidden: torch.Tensor, segments: list[Segm
     return out, captured, ragged.bounds
 
 
+def run_rows(target: StagedTarget, hidden: torch.Tensor, segments: list[Segment], start: int, end: int,
+             capture=frozenset()):
+    """`run_segments`, except that one segment runs the one-sequence path (`run_layers` on its own cache): a
+    stage that runs one sequence's rows computes them as that sequence's solo decode would."""
+    if len(segments) > 1:
+        return run_segments(target, hidden, segments, start, end, capture)
+    (s,) = segments
+    positions = torch.tensor(s.positions, device=target.device)
+    out, captured = target.run_layers(hidden, positions, start, end, s.cache, capture, visible=s.visible)
+    return out, captured, [0, len(s.positions)]
+
+
+def exit_logits(target: StagedTarget, out: torch.Tensor, bounds: list[int]) -> list[torch.Tensor]:
+    """The target's logits [V] of each segment's last row of out [1, R, d], in one head product (one segment: the
+    one-sequence path's product)."""
+    if len(bounds) == 2:
+        return [target.logits(out[0, bounds[1] - 1])]
+    with few_rows_products():
+        return list(target.logits(out[0, [hi - 1 for hi in bounds[1:]]]))
+
+
 def forward_segments(target: StagedTarget, ids: list[list[int]], segments: list[Segment], capture=frozenset()):
     """Every layer over every segment's tokens ids[i]. Returns H^L [1, R, d], {l: H^l [1, R, d]} (l = 0: the
     embeddings) and the row bounds."""

@@ -10,11 +10,17 @@ last stage sends only the argmax (verification needs nothing else) instead of a 
 A hosted controller (`Setup.hosted`) also runs stage 0, so n stages take n processes: on a CPU with as many cores
 as stages, a separate controller would be one busy process too many. Stage 0 then runs at `launch`, before the
 drafter; `stage_bounds=balanced` gives it fewer layers for the controller's share of the step.
+
+Several sequences (SEED's schedule, spd.runtime.seed): each holds a slot (`sequence()` hands out a `SlotStages`,
+its executor); their launches queue, `run()` sends one step message for all of them, and the first `collect` after it
+receives every stage's payload and splits it per slot. `DistributedStages` itself is the executor of one sequence
+decoded alone, in slot 0.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -22,10 +28,12 @@ import torch.distributed as dist
 from spd.runtime.distributed import comm
 from spd.runtime.distributed.protocol import (ABORT, END, MAX_ARGMAX_VOCAB, PREFILL, PROBE, STEP, STOP, TAG_CONTROL,
                                               TAG_HIDDEN, TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Setup, control,
-                                              first_remote, rank_of, stage_capture, stage_layers, world_size)
+                                              first_remote, message, rank_of, stage_capture, stage_layers,
+                                              world_size)
 from spd.runtime.executor import StageExecutor, StepOutput, level_mask
 from spd.runtime.flight import Flight, StageRows
 from spd.runtime.schedule import Step, first_step, next_step
+from spd.targets.ragged import Segment, run_rows
 from spd.targets.stages import StagedTarget
 from spd.targets.weight_cache import load_parts
 
@@ -33,6 +41,24 @@ from spd.targets.weight_cache import load_parts
 def chain_flight(step: Step) -> Flight:
     """A chain's flight for a step (one node per position, ids = positions): what a call without one runs."""
     return Flight.restore(1, [(pos, pos, pos - 1) for pos, _ in step.in_flight()])
+
+
+@dataclass(eq=False)
+class Slot:
+    """One sequence's state on the controller's side; `index` names its caches in every stage process."""
+    index: int
+    active: bool = False            # prefilled and not yet ended
+    crop: int = -1                  # a rollback's length, sent with the slot's next row (-1: none)
+    capture_on: bool = False
+    argmax: bool = False
+    cache: object = None            # a hosted stage 0's KV cache of the sequence
+    rows0: StageRows | None = None  # and its rows
+    step: Step | None = None        # the step queued or in flight
+    flight: Flight | None = None
+    entering: torch.Tensor | None = None
+    probe: bool = False
+    levels: dict[int, list[int]] = field(default_factory=dict)   # stage -> the nodes it runs this step
+    out: StepOutput | None = None
 
 
 class DistributedStages(StageExecutor):
@@ -56,10 +82,14 @@ class DistributedStages(StageExecutor):
         self.hosted = setup.hosted
         self.remote = range(first_remote(setup.hosted), self.n)   # the stages that run in stage processes
         self.world = world_size(self.n, self.hosted)               # processes in all, this one included
+        self.capacity = setup.slots
+        self.solo = Slot(0)                 # a sequence decoded alone (this object as its executor)
+        self.held: set[int] = set()         # slots of the sequences decoding together (`sequence()`)
+        self.queued: list[Slot] = []
+        self.waiting: list[tuple[int, comm.Pending, list[Slot]]] = []   # payloads of the step in flight
+        self.steps = 0                      # step messages sent, and the most sequences one of them carried
+        self.most = 0
         self.sends = []
-        self.active = False
-        self.argmax = False
-        self.crop = -1
         self.closed = False
         dist.broadcast_object_list([setup], src=0)
         if self.hosted:  # while the stage processes load theirs
@@ -69,9 +99,6 @@ class DistributedStages(StageExecutor):
         for s in self.remote:
             comm.recv(1, torch.float32, rank_of(s, self.hosted), TAG_READY, load_timeout_s,
                       self._what(s, "loading its layers"))
-
-    def _control(self, cmd: int, **fields) -> torch.Tensor:
-        return control(cmd, self.n, self.setup.width, **fields)
 
     def _what(self, stage: int, action: str) -> str:
         return f"stage {stage + 1}/{self.n} (rank {rank_of(stage, self.hosted)}) {action}"
@@ -94,13 +121,19 @@ class DistributedStages(StageExecutor):
             self._fail(exc)
         self.sends = []
 
-    def _command(self, row: torch.Tensor) -> None:
+    def _command(self, rows: dict[int, torch.Tensor]) -> None:
+        """One control message (slot -> its row) to every stage process, after the step in flight is received."""
+        self.gather()
         self._flush_sends()
+        msg = message(rows, self.n, self.setup.width, self.capacity)
         try:
             for s in self.remote:
-                self.sends.append(comm.send(row, rank_of(s, self.hosted), TAG_CONTROL))
+                self.sends.append(comm.send(msg, rank_of(s, self.hosted), TAG_CONTROL))
         except comm.PipelineFailure as exc:
             self._fail(exc)
+
+    def _row(self, cmd: int, **fields) -> torch.Tensor:
+        return control(cmd, self.n, self.setup.width, **fields)
 
     def _payload_size(self, stage: int, length: int, capture: bool, argmax: bool = False) -> int:
         rows = len(self.capture_of[stage]) * length * self.d if capture else 0
@@ -116,48 +149,35 @@ class DistributedStages(StageExecutor):
             offset += size
         return flat[offset:].to(self.device) if stage == self.n - 1 else None
 
-    def _run_stage0(self, hidden: torch.Tensor, positions: torch.Tensor, sink: dict, probe: bool = False,
-                    prefill: bool = False, visible=None) -> None:
-        """The hosted stage 0 on hidden [1, T, d]: captured rows into sink, the output on to stage 1's process."""
-        capture = frozenset(self.capture_of[0]) if self.capture_on else frozenset()
-        if probe:
-            out, captured = hidden, {layer: hidden for layer in capture}
-        elif visible is not None:
-            out, captured = self.stage0.run_layers(hidden, positions.to(self.device), self.bounds[0], self.bounds[1],
-                                                   self.cache, capture, visible=visible)
-        else:
-            out, captured = self.stage0.run_stage(0, hidden, positions.to(self.device), self.cache, capture)
-        sink.update(captured)
-        self.sends.append(comm.send(out.float(), rank_of(1, hosted=True), TAG_PREFILL if prefill else TAG_HIDDEN))
-
-    # ---------------------------------------------------------------- StageExecutor
-    def embed(self, token: int) -> torch.Tensor:
-        return self.target.embed(torch.tensor([[token]], device=self.device))
-
-    def prefill(self, prompt_ids, capture, max_length=None, argmax_exit=False):
-        self.finish()   # also drops a crop left by a generation that ended on a rejection: it was for old caches
-        self.capture_on = bool(capture)
-        if self.capture_on and not set(capture) - {0} <= set(self.setup.capture):
+    # ---------------------------------------------------------------- one sequence's part
+    def _prefill(self, slot: Slot, prompt_ids, capture, max_length=None, argmax_exit=False):
+        slot.crop = -1
+        slot.capture_on = bool(capture)
+        if slot.capture_on and not set(capture) - {0} <= set(self.setup.capture):
             raise ValueError(f"capture {sorted(capture)} was not announced at setup ({self.setup.capture})")
-        self.argmax = argmax_exit and self.vocab <= MAX_ARGMAX_VOCAB
+        slot.argmax = argmax_exit and self.vocab <= MAX_ARGMAX_VOCAB
         length = len(prompt_ids)
-        self._command(self._control(PREFILL, length=length, capture=self.capture_on, context=max_length or 0))
+        self._command({slot.index: self._row(PREFILL, length=length, capture=slot.capture_on,
+                                             context=max_length or 0)})
         h0 = self.target.embed(torch.tensor([prompt_ids], device=self.device))   # [1, P, d]
         captured, logits = {}, None
         if self.hosted:
-            self.cache = self.stage0.new_cache(max_length)
-            self.rows0 = StageRows(length)
-            self._run_stage0(h0, torch.arange(length), captured, prefill=True)
+            slot.cache = self.stage0.new_cache(max_length)
+            slot.rows0 = StageRows(length)
+            stage0 = frozenset(self.capture_of[0]) if slot.capture_on else frozenset()
+            out, own = self.stage0.run_stage(0, h0, torch.arange(length, device=self.device), slot.cache, stage0)
+            captured.update(own)
+            self.sends.append(comm.send(out.float(), 1, TAG_PREFILL))
         else:
             self.sends.append(comm.send(h0.float(), 1, TAG_PREFILL))
-        self.active = True
+        slot.active = True
         try:
             for s in self.remote:
-                size = self._payload_size(s, length, self.capture_on)
+                size = self._payload_size(s, length, slot.capture_on)
                 if size:
                     flat = comm.recv(size, torch.float32, rank_of(s, self.hosted), TAG_PAYLOAD, self.timeout,
                                      self._what(s, "prefilling"))
-                    last_logits = self._unpack(s, flat, length, self.capture_on, captured)
+                    last_logits = self._unpack(s, flat, length, slot.capture_on, captured)
                     logits = last_logits if last_logits is not None else logits
         except comm.PipelineFailure as exc:
             self._fail(exc)
@@ -165,66 +185,148 @@ class DistributedStages(StageExecutor):
             captured[0] = h0
         return logits, {layer: h for layer, h in captured.items() if layer in capture}
 
-    def launch(self, step: Step, entering, flight=None, probe: bool = False):
-        flight = flight or chain_flight(step)
-        self._command(self._control(PROBE if probe else STEP, crop=self.crop, capture=self.capture_on,
-                                    work=step.work, argmax=self.argmax, flight=flight))
-        self.crop = -1
-        self.step = step
-        self.levels = {s: flight.level(pos) for s, pos in enumerate(step.work) if step.runs(s)}
-        self.waiting = [(s, comm.Pending(self._payload_size(s, len(self.levels[s]), self.capture_on, self.argmax),
-                                         torch.float32, rank_of(s, self.hosted), TAG_PAYLOAD,
-                                         self._what(s, "running a step")))
-                        for s in self.remote if step.runs(s) and self._payload_size(s, 1, self.capture_on)]
-        self.local = {}
-        if entering is None:
+    def queue(self, slot: Slot, step: Step, entering, flight: Flight, probe: bool = False) -> None:
+        """The slot's next step, sent with every other queued slot's by `run`."""
+        slot.step, slot.flight, slot.entering, slot.probe = step, flight, entering, probe
+        slot.levels = {s: flight.level(pos) for s, pos in enumerate(step.work) if step.runs(s)}
+        slot.out = StepOutput()
+        self.queued.append(slot)
+
+    def run(self) -> None:
+        """Send the queued slots' step: one control message, stage 0's rows (run here when hosted), and receives
+        posted for every stage's payload."""
+        queued, self.queued = sorted(self.queued, key=lambda slot: slot.index), []
+        if not queued:
             return
-        if self.hosted:   # the stage processes started on their control rows; stage 0 runs here meanwhile
-            nodes = self.levels[0]
-            visible = None
-            if not probe:
-                self.rows0.fold(flight)
-                visible = level_mask(self.rows0, nodes, flight, self.device)
-            self._run_stage0(entering, torch.full((len(nodes),), step.work[0]), self.local, probe, visible=visible)
-            if not probe:
-                self.rows0.append(nodes, step.work[0])
-        else:
-            try:
-                self.sends.append(comm.send(entering.float(), 1, TAG_HIDDEN))
-            except comm.PipelineFailure as exc:
-                self._fail(exc)
-
-    def _split(self, stage: int, rows: dict, out: StepOutput) -> None:
-        """{layer: [1, k, d]} of a level's k nodes -> out.features[node] = {layer: [1, 1, d]}."""
-        for i, node in enumerate(self.levels[stage]):
-            out.features[node] = {layer: h[:, i: i + 1] for layer, h in rows.items()}
-
-    def collect(self) -> StepOutput:
-        out = StepOutput()
-        if self.local or (self.hosted and self.step.runs(0)):
-            self._split(0, self.local, out)
+        self._command({slot.index: self._row(PROBE if slot.probe else STEP, crop=slot.crop, capture=slot.capture_on,
+                                             work=slot.step.work, argmax=slot.argmax, flight=slot.flight)
+                       for slot in queued})
+        self.steps += 1
+        self.most = max(self.most, len(queued))
+        for slot in queued:
+            slot.crop = -1
+        for s in self.remote:
+            slots = [slot for slot in queued if s in slot.levels]
+            size = sum(self._payload_size(s, len(slot.levels[s]), slot.capture_on, slot.argmax) for slot in slots)
+            if size:
+                self.waiting.append((s, comm.Pending(size, torch.float32, rank_of(s, self.hosted), TAG_PAYLOAD,
+                                                     self._what(s, "running a step")), slots))
+        entering = [slot for slot in queued if slot.entering is not None]
+        if not entering:
+            return
+        hidden = torch.cat([slot.entering for slot in entering], 1)
         try:
-            for s, pending in self.waiting:
-                flat = pending.get(self.timeout)
-                rows = {}
-                exit_row = self._unpack(s, flat, len(self.levels[s]), self.capture_on, rows)
-                self._split(s, rows, out)
-                if exit_row is None:
-                    continue
-                if self.argmax:
-                    out.exit_argmax = int(exit_row.item())
-                else:
-                    out.exit_logits = exit_row
+            if self.hosted:   # the stage processes started on their control rows; stage 0 runs here meanwhile
+                hidden = self._run_stage0(entering, hidden)
+            self.sends.append(comm.send(hidden.float(), 1, TAG_HIDDEN))   # rank 1 runs stage 0, or stage 1 when hosted
         except comm.PipelineFailure as exc:
             self._fail(exc)
-        self.waiting = []
+
+    def _run_stage0(self, slots: list[Slot], hidden: torch.Tensor) -> torch.Tensor:
+        """The hosted stage 0 on every slot's entering rows hidden [1, R, d]: each slot's captured rows into its
+        output; returns what goes on to stage 1."""
+        capture = frozenset(self.capture_of[0]) if any(slot.capture_on for slot in slots) else frozenset()
+        bounds = [0]
+        for slot in slots:
+            bounds.append(bounds[-1] + len(slot.levels[0]))
+        if slots[0].probe:
+            out, captured = hidden, {layer: hidden for layer in capture}
+        else:
+            segments = []
+            for slot in slots:
+                slot.rows0.fold(slot.flight)
+                visible = level_mask(slot.rows0, slot.levels[0], slot.flight, self.device)
+                segments.append(Segment(slot.cache, [slot.step.work[0]] * len(slot.levels[0]), visible))
+            out, captured, bounds = run_rows(self.stage0, hidden, segments, self.bounds[0], self.bounds[1], capture)
+            for slot in slots:
+                slot.rows0.append(slot.levels[0], slot.step.work[0])
+        for slot, lo, hi in zip(slots, bounds, bounds[1:]):
+            if slot.capture_on:
+                self._split(slot, 0, {layer: h[:, lo:hi] for layer, h in captured.items()})
         return out
+
+    def _split(self, slot: Slot, stage: int, rows: dict) -> None:
+        """{layer: [1, k, d]} of a level's k nodes -> slot.out.features[node] = {layer: [1, 1, d]}."""
+        for i, node in enumerate(slot.levels[stage]):
+            slot.out.features.setdefault(node, {}).update({layer: h[:, i: i + 1] for layer, h in rows.items()})
+
+    def gather(self) -> None:
+        """Receive the step in flight: every stage's payload, split into each slot's output."""
+        try:
+            for s, pending, slots in self.waiting:
+                flat, offset = pending.get(self.timeout), 0
+                for slot in slots:
+                    size = self._payload_size(s, len(slot.levels[s]), slot.capture_on, slot.argmax)
+                    rows = {}
+                    exit_row = self._unpack(s, flat[offset: offset + size], len(slot.levels[s]), slot.capture_on,
+                                            rows)
+                    offset += size
+                    self._split(slot, s, rows)
+                    if exit_row is None:
+                        continue
+                    if slot.argmax:
+                        slot.out.exit_argmax = int(exit_row.item())
+                    else:
+                        slot.out.exit_logits = exit_row
+        except comm.PipelineFailure as exc:
+            self._fail(exc)
+        finally:
+            self.waiting = []
+
+    def _rollback(self, slot: Slot, length: int) -> None:
+        slot.crop = length  # travels with the slot's next row, before any stage runs it again
+        if self.hosted:
+            slot.cache.crop(length)
+            slot.rows0.crop(length)
+
+    def _prune(self, slot: Slot, flight: Flight) -> None:
+        # the stage processes prune from the flight the slot's next row carries
+        if self.hosted:
+            moved = slot.rows0.prune(flight)
+            if moved is not None:
+                slot.cache.keep(*moved, layers=stage_layers(self.bounds, 0))
+
+    def _end(self, slot: Slot) -> None:
+        # A crop still pending belongs to the generation that just ended: sent with the next generation's first
+        # step it would cut that generation's fresh caches back to the old length (issue 21).
+        slot.crop = -1
+        if slot.active:
+            self._command({slot.index: self._row(END)})   # at once: stages with no sequence left wait idle
+            slot.active = False
+            slot.cache = slot.rows0 = None
+
+    # ---------------------------------------------------------------- several sequences
+    def sequence(self) -> "SlotStages":
+        """An executor for one more sequence decoding beside others (its slot is free again at its `finish`)."""
+        free = [i for i in range(self.capacity) if i not in self.held]
+        if not free or self.solo.active:
+            raise RuntimeError(f"all {self.capacity} slots of the pipeline are taken (Setup.slots)")
+        self.held.add(free[0])
+        return SlotStages(self, Slot(free[0]))
+
+    # ---------------------------------------------------------------- StageExecutor: one sequence, alone
+    def embed(self, token: int) -> torch.Tensor:
+        return self.target.embed(torch.tensor([[token]], device=self.device))
+
+    def prefill(self, prompt_ids, capture, max_length=None, argmax_exit=False):
+        if self.held:
+            raise RuntimeError("the pipeline's slots are decoding several sequences (spd.runtime.seed)")
+        self.finish()   # also drops a crop left by a generation that ended on a rejection: it was for old caches
+        return self._prefill(self.solo, prompt_ids, capture, max_length, argmax_exit)
+
+    def launch(self, step: Step, entering, flight=None, probe: bool = False):
+        self.queue(self.solo, step, entering, flight or chain_flight(step), probe)
+        self.run()
+
+    def collect(self) -> StepOutput:
+        self.gather()
+        return self.solo.out
 
     def time_messages(self, steps: int = 200, warmup: int = 20) -> list[float]:
         """Seconds per steady-state step spent on messages alone (every stage busy, no compute), one per step."""
         self.finish()
-        self.capture_on = bool(self.setup.capture)
-        self.argmax = False
+        self.solo.capture_on = bool(self.setup.capture)
+        self.solo.argmax = False
         entering = torch.zeros(1, 1, self.d)
         times = []
         step = first_step(0, self.n)  # fills like a decode, then every step is a full one
@@ -234,30 +336,18 @@ class DistributedStages(StageExecutor):
             self.collect()
             times.append(time.perf_counter() - start)
             step = next_step(step, None if step.exiting is None else True)
-        self.active = True
+        self.solo.active = True
         self.finish()
         return times[warmup:]
 
     def rollback(self, length):
-        self.crop = length  # travels with the next command, before any stage runs again
-        if self.hosted:
-            self.cache.crop(length)
-            self.rows0.crop(length)
+        self._rollback(self.solo, length)
 
     def prune(self, flight: Flight):
-        # the stage processes prune from the flight their next control row carries
-        if self.hosted:
-            moved = self.rows0.prune(flight)
-            if moved is not None:
-                self.cache.keep(*moved, layers=stage_layers(self.bounds, 0))
+        self._prune(self.solo, flight)
 
     def finish(self) -> None:
-        # A crop still pending belongs to the generation that just ended: sent with the next generation's first
-        # step it would cut that generation's fresh caches back to the old length (issue 21).
-        self.crop = -1
-        if self.active:
-            self._command(self._control(END))
-            self.active = False
+        self._end(self.solo)
 
     def abort(self) -> None:
         """After a failure: tell every stage still listening to stop (each says so in one line, exits non-zero)."""
@@ -265,9 +355,11 @@ class DistributedStages(StageExecutor):
             return
         self.closed = True
         works = []
+        msg = message({slot: self._row(ABORT) for slot in range(self.capacity)}, self.n, self.setup.width,
+                      self.capacity)
         for s in self.remote:
             try:
-                works.append(comm.send(self._control(ABORT), rank_of(s, self.hosted), TAG_CONTROL))
+                works.append(comm.send(msg, rank_of(s, self.hosted), TAG_CONTROL))
             except RuntimeError:
                 pass
         for work in works:
@@ -282,8 +374,45 @@ class DistributedStages(StageExecutor):
         self.closed = True
         try:
             self.finish()
-            self._command(self._control(STOP))
+            self._command({0: self._row(STOP)})
             self._flush_sends()
         finally:
             if self.processes is not None:
                 self.processes.join()
+
+
+class SlotStages(StageExecutor):
+    """One sequence's executor in a pipeline that decodes several (SEED's schedule): its launches wait for the
+    pipeline's `run`, which sends every sequence's step at once."""
+
+    trees = True
+    shared = True
+
+    def __init__(self, pipeline: DistributedStages, slot: Slot):
+        self.pipeline, self.slot = pipeline, slot
+        self.n, self.bounds, self.device = pipeline.n, pipeline.bounds, pipeline.device
+
+    def embed(self, token: int) -> torch.Tensor:
+        return self.pipeline.embed(token)
+
+    def prefill(self, prompt_ids, capture, max_length=None, argmax_exit=False):
+        return self.pipeline._prefill(self.slot, prompt_ids, capture, max_length, argmax_exit)
+
+    def launch(self, step: Step, entering, flight: Flight | None = None):
+        self.pipeline.queue(self.slot, step, entering, flight or chain_flight(step))
+
+    def collect(self) -> StepOutput:
+        self.pipeline.gather()
+        return self.slot.out
+
+    def rollback(self, length):
+        self.pipeline._rollback(self.slot, length)
+
+    def prune(self, flight: Flight):
+        self.pipeline._prune(self.slot, flight)
+
+    def finish(self) -> None:
+        """The sequence ended (or was cancelled): the stages drop its caches and the slot is free."""
+        self.pipeline.queued = [slot for slot in self.pipeline.queued if slot is not self.slot]
+        self.pipeline._end(self.slot)
+        self.pipeline.held.discard(self.slot.index)

@@ -15,6 +15,13 @@ instead). Stage s sends its output state to stage s + 1 (used next step,
 or dropped when the next control crops past it) and the controller its payload: the captured feature rows the
 drafter reads, and for the last stage the logits (or the argmax) of the exiting token. Tags keep the kinds of
 message apart.
+
+Several sequences (`Setup.slots` > 1, SEED's schedule, spd.runtime.seed): the control message is one such row per
+slot — a sequence's index in every stage process, which keeps a cache and rows per slot — each with its own command
+(NONE: the slot has nothing this message). A step's rows of every slot that runs a stage travel as one message, in
+slot order: the H^0 rows to stage 0, the output rows to the next stage, the payloads (each slot's captured rows,
+then its exit) to the controller; a stage runs them in one forward (spd.targets.ragged). PREFILL and END are per slot,
+STOP and ABORT for all.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch
 
 from spd.runtime.flight import Flight
 
-PREFILL, STEP, END, STOP, ABORT, PROBE = 1, 2, 3, 4, 5, 6  # PROBE: a STEP's messages, no compute
+NONE, PREFILL, STEP, END, STOP, ABORT, PROBE = 0, 1, 2, 3, 4, 5, 6  # PROBE: a STEP's messages, no compute
 TAG_CONTROL, TAG_HIDDEN, TAG_PREFILL, TAG_PAYLOAD, TAG_READY = 1, 2, 3, 4, 5
 HEADER = 6
 
@@ -46,6 +53,7 @@ class Setup:
     abort: str | None = None        # the controller refused the run: stages exit quietly
     hosted: bool = False            # the controller runs stage 0 itself (n processes, not n + 1)
     width: int = 1                  # W: tree levels of up to W nodes (the control rows are sized for it)
+    slots: int = 1                  # sequences the stages hold at once (one control row each)
     extra: dict = field(default_factory=dict)
 
 
@@ -74,6 +82,17 @@ def stage_capture(capture: list[int], bounds: list[int], stage: int) -> list[int
 def control_size(n: int, width: int) -> int:
     """Ints in a control row: the header, the work row, then the flight (up to n levels of W nodes, 3 ints each)."""
     return HEADER + n + 3 * n * width
+
+
+def message(rows: dict[int, torch.Tensor], n: int, width: int, slots: int) -> torch.Tensor:
+    """One control message: each slot's row (NONE where `rows` has none), in slot order."""
+    idle = control(NONE, n, width)
+    return torch.cat([rows.get(slot, idle) for slot in range(slots)])
+
+
+def parse_message(values: torch.Tensor, n: int, width: int, slots: int) -> list["Control"]:
+    size = control_size(n, width)
+    return [parse(values[slot * size: (slot + 1) * size], n, width) for slot in range(slots)]
 
 
 def control(cmd: int, n: int, width: int = 1, crop: int = -1, length: int = 0, capture: bool = True,

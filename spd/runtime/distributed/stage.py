@@ -3,7 +3,8 @@
 Each step it takes the state entering its stage (from the controller for stage 1, else the one the previous
 stage sent last step), runs its layers with its own KV cache, passes the output on, and sends the controller the
 feature rows the drafter reads (the last stage: plus the exiting token's logits, or only their argmax when the
-controller decodes greedily, since it holds the head).
+controller decodes greedily, since it holds the head). With several slots (SEED's schedule) it keeps a cache per
+sequence and runs every slot's rows of a step in one forward (spd.targets.ragged.run_rows).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import torch.distributed as dist
 
 from spd.runtime.distributed import comm
 from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, PROBE, STEP, STOP, TAG_CONTROL, TAG_HIDDEN,
-                                              TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Setup, control_size, first_remote,
-                                              parse, stage_capture, stage_layers)
+                                              TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Control, Setup, control_size,
+                                              first_remote, parse_message, stage_capture, stage_layers)
 from spd.runtime.executor import level_mask
-from spd.runtime.flight import Flight, StageRows
+from spd.runtime.flight import StageRows
 from spd.runtime.schedule import IDLE
+from spd.targets.ragged import Segment, exit_logits, run_rows
 from spd.targets.loaded import DTYPES
 from spd.targets.weight_cache import load_parts
 from spd.targets.stages import StagedTarget
@@ -49,99 +51,149 @@ class StageServer:
         self.d = parts.model.config.hidden_size
         self.sends = []
         self.pending: comm.Pending | None = None   # what the previous stage sends during the current step
+        self.caches: dict[int, object] = {}        # slot -> this stage's KV cache of that sequence
+        self.rows: dict[int, StageRows] = {}       # slot -> its rows in that cache
+        self.inbox: dict[int, tuple[torch.Tensor, list[int]]] = {}   # slot -> (rows [1, k, d], their nodes) from
+                                                                     # the previous stage, for the slot's next step
 
     def what(self, action: str) -> str:
         return f"stage {self.stage + 1}/{self.n} (rank {self.rank}) {action}"
 
-    def _run(self, hidden, positions, capture: list[int], probe: bool = False, argmax: bool = False,
-             prefill: bool = False, visible=None):
-        hidden = hidden.to(self.device, self.dtype)
-        if probe:  # the messages of a step without its compute: what communication alone costs per step
-            out, captured = hidden, {layer: hidden for layer in capture}
-        elif visible is not None:   # a tree level: each row sees the verified rows and its own ancestors
-            b = self.setup.bounds
-            out, captured = self.target.run_layers(hidden, positions.to(self.device), b[self.stage],
-                                                   b[self.stage + 1], self.cache, frozenset(capture),
-                                                   visible=visible)
-        else:
-            out, captured = self.target.run_stage(self.stage, hidden, positions.to(self.device), self.cache,
-                                                  frozenset(capture))
+    def _send_on(self, out: torch.Tensor, prefill: bool = False) -> None:
         if not self.last:
             # the tag says what the message is, not its length: a one-token prompt is still a prefill
             self.sends.append(comm.send(out.float(), self.rank + 1, TAG_PREFILL if prefill else TAG_HIDDEN))
-        parts = [captured[layer][0].reshape(-1) for layer in capture]    # each [T * d]
+
+    def _payload(self, captured: dict, lo: int, hi: int, capture: bool, exit_logits, argmax: bool) -> list:
+        """One slot's part of the payload: its captured rows lo..hi-1 (each [k * d]), then its exit."""
+        parts = [captured[layer][0, lo:hi].reshape(-1) for layer in (self.capture if capture else [])]
         if self.last:
-            logits = out.new_zeros(self.target.config.vocab_size) if probe else self.target.logits(out[0, -1])
             # greedy verification needs only the argmax: 4 bytes on the critical path instead of a [V] row
-            parts.append(logits.argmax().float().view(1) if argmax else logits.reshape(-1))
+            parts.append(exit_logits.argmax().float().view(1) if argmax else exit_logits.reshape(-1))
+        return parts
+
+    def _send_payload(self, parts: list) -> None:
         if parts:
             self.sends.append(comm.send(torch.cat(parts).float(), 0, TAG_PAYLOAD))
 
-    def _forget(self, crop: int, flight: Flight) -> None:
+    def _prefill(self, slot: int, c: Control) -> None:
+        s = self.setup
+        self.caches[slot] = self.target.new_cache(c.context or None)   # static: this stage's layers only
+        self.rows[slot] = StageRows(c.length)
+        self.inbox.pop(slot, None)
+        hidden = comm.recv((1, c.length, self.d), torch.float32, self.rank - 1, TAG_PREFILL, s.step_timeout_s,
+                           self.what("waiting for the prompt's states"))
+        hidden = hidden.to(self.device, self.dtype)
+        capture = frozenset(self.capture if c.capture else [])
+        out, captured = self.target.run_stage(self.stage, hidden, torch.arange(c.length, device=self.device),
+                                              self.caches[slot], capture)
+        self._send_on(out, prefill=True)
+        logits = self.target.logits(out[0, -1]) if self.last else None
+        self._send_payload(self._payload(captured, 0, c.length, c.capture, logits, False))
+
+    def _forget(self, slot: int, c: Control) -> None:
         """A rejection crops to `crop`; otherwise drop the rows of tree nodes the flight no longer holds."""
-        if crop >= 0:
-            self.cache.crop(crop)
-            self.rows.crop(crop)
+        cache, rows = self.caches[slot], self.rows[slot]
+        if c.crop >= 0:
+            cache.crop(c.crop)
+            rows.crop(c.crop)
             return
-        moved = self.rows.prune(flight)
+        moved = rows.prune(c.flight)
         if moved is not None:
-            self.cache.keep(*moved, layers=stage_layers(self.setup.bounds, self.stage))
+            cache.keep(*moved, layers=stage_layers(self.setup.bounds, self.stage))
+
+    def _step(self, steps: list[tuple[int, Control]]) -> None:
+        """One step of every slot in `steps`: the rows of those at this stage in one forward, in slot order."""
+        s = self.setup
+        probe = steps[0][1].cmd == PROBE
+        if not probe:
+            for slot, c in steps:
+                self._forget(slot, c)
+        if self.stage > 0:
+            before = [(slot, c.flight.level(c.work[self.stage - 1])) for slot, c in steps
+                      if c.work[self.stage - 1] != IDLE]
+            if before:
+                self.pending = comm.Pending((1, sum(len(nodes) for _, nodes in before), self.d), torch.float32,
+                                            self.rank - 1, TAG_HIDDEN, self.what("waiting for the previous stage"),
+                                            slots=before)
+        mine = [(slot, c, c.flight.level(c.work[self.stage])) for slot, c in steps if c.work[self.stage] != IDLE]
+        held = {slot: self.inbox.pop(slot, None) for slot, _ in steps}   # rows not taken now are stale
+        if not mine:
+            return
+        if self.stage == 0:
+            hidden = comm.recv((1, sum(len(nodes) for *_, nodes in mine), self.d), torch.float32, 0, TAG_HIDDEN,
+                               s.step_timeout_s, self.what("waiting for the entering token"))
+        else:
+            hidden = torch.cat([self._taken(held[slot], nodes, c.work[self.stage]) for slot, c, nodes in mine], 1)
+        hidden = hidden.to(self.device, self.dtype)
+        capture = frozenset(self.capture if any(c.capture for _, c, _ in mine) else [])
+        if probe:   # the messages of a step without its compute: what communication alone costs per step
+            out, captured = hidden, {layer: hidden for layer in capture}
+            bounds = [0]
+            for _, _, nodes in mine:
+                bounds.append(bounds[-1] + len(nodes))
+        else:
+            segments = [Segment(self.caches[slot], [c.work[self.stage]] * len(nodes),
+                                level_mask(self.rows[slot], nodes, c.flight, self.device)) for slot, c, nodes in mine]
+            b = s.bounds
+            out, captured, bounds = run_rows(self.target, hidden, segments, b[self.stage], b[self.stage + 1],
+                                             capture)
+        self._send_on(out)
+        exits = [None] * len(mine)
+        if self.last:
+            exits = [out.new_zeros(self.target.config.vocab_size)] * len(mine) if probe else \
+                exit_logits(self.target, out, bounds)
+        parts = []
+        for (slot, c, nodes), lo, hi, logits in zip(mine, bounds, bounds[1:], exits):
+            parts += self._payload(captured, lo, hi, c.capture, logits, c.argmax)
+            if not probe:
+                self.rows[slot].append(nodes, c.work[self.stage])
+        self._send_payload(parts)
+
+    def _taken(self, held, nodes: list[int], pos: int) -> torch.Tensor:
+        """The rows of `nodes` among what the previous stage sent (a prune may have dropped some), in their order."""
+        if held is None or not set(nodes) <= set(held[1]):
+            raise comm.PipelineFailure(self.what(f"expected nodes {nodes} at position {pos}, holds "
+                                                 f"{None if held is None else held[1]}"))
+        rows, sent = held
+        return rows if nodes == sent else rows[:, [sent.index(node) for node in nodes]]
+
+    def _drain(self) -> None:
+        """What the previous stage sent during the last step, into each slot's inbox: always received, so the
+        channel from the previous stage stays in step."""
+        if self.pending is None:
+            return
+        rows, start = self.pending.get(self.setup.step_timeout_s), 0
+        for slot, nodes in self.pending.info["slots"]:
+            self.inbox[slot] = (rows[:, start: start + len(nodes)], nodes)
+            start += len(nodes)
+        self.pending = None
 
     def serve(self) -> None:
         s = self.setup
         active = False
         self.sends.append(comm.send(torch.zeros(1), 0, TAG_READY))
         while True:
-            row = comm.recv(control_size(self.n, s.width), torch.long, 0, TAG_CONTROL,
-                            s.step_timeout_s if active else s.idle_timeout_s, self.what("waiting for the controller"))
-            c = parse(row, self.n, s.width)
-            cmd, work, flight = c.cmd, c.work, c.flight
-            if cmd == ABORT:
+            values = comm.recv(control_size(self.n, s.width) * s.slots, torch.long, 0, TAG_CONTROL,
+                               s.step_timeout_s if active else s.idle_timeout_s, self.what("waiting for the controller"))
+            controls = parse_message(values, self.n, s.width, s.slots)
+            cmds = {c.cmd for c in controls}
+            if ABORT in cmds:
                 raise comm.PipelineFailure(self.what("was stopped by the controller after a failure elsewhere"))
             for work_item in self.sends:
                 comm.wait(work_item, s.step_timeout_s, self.what("sending"))
             self.sends = []
-            inbox, inbox_nodes = None, None
-            if self.pending is not None:  # always drained, so the channel from the previous stage stays in step
-                inbox, inbox_nodes = self.pending.get(s.step_timeout_s), self.pending.info["nodes"]
-                self.pending = None
-            capture = self.capture if c.capture else []
-            if cmd == STOP:
+            self._drain()
+            if STOP in cmds:
                 return
-            if cmd == END:
-                active = False
-                continue
-            if cmd == PREFILL:
-                active = True
-                self.cache = self.target.new_cache(c.context or None)   # static: this stage's layers only
-                self.rows = StageRows(c.length)
-                hidden = comm.recv((1, c.length, self.d), torch.float32, self.rank - 1, TAG_PREFILL,
-                                   s.step_timeout_s, self.what("waiting for the prompt's states"))
-                self._run(hidden, torch.arange(c.length), capture, prefill=True)
-                continue
-            assert cmd in (STEP, PROBE), cmd
-            active = True
-            probe = cmd == PROBE
-            if not probe:
-                self._forget(c.crop, flight)
-            if self.stage > 0 and work[self.stage - 1] != IDLE:
-                before = flight.level(work[self.stage - 1])
-                self.pending = comm.Pending((1, len(before), self.d), torch.float32, self.rank - 1, TAG_HIDDEN,
-                                            self.what("waiting for the previous stage"), nodes=before)
-            pos = work[self.stage]
-            if pos == IDLE:
-                continue
-            nodes = flight.level(pos)
-            if self.stage == 0:
-                hidden = comm.recv((1, len(nodes), self.d), torch.float32, 0, TAG_HIDDEN, s.step_timeout_s,
-                                   self.what("waiting for the entering token"))
-            elif inbox_nodes is None or not set(nodes) <= set(inbox_nodes):
-                raise comm.PipelineFailure(self.what(f"expected nodes {nodes} at position {pos}, holds "
-                                                     f"{inbox_nodes}"))
-            else:   # the rows of the nodes a prune kept, in the level's order
-                hidden = inbox if nodes == inbox_nodes else inbox[:, [inbox_nodes.index(nd) for nd in nodes]]
-            visible = None if probe else level_mask(self.rows, nodes, flight, self.device)
-            self._run(hidden, torch.full((len(nodes),), pos), capture, probe=probe, argmax=c.argmax,
-                      visible=visible)
-            if not probe:
-                self.rows.append(nodes, pos)
+            for slot, c in enumerate(controls):
+                if c.cmd == END:   # the sequence ended: its memory goes
+                    self.caches.pop(slot, None)
+                    self.rows.pop(slot, None)
+                    self.inbox.pop(slot, None)
+                elif c.cmd == PREFILL:
+                    self._prefill(slot, c)
+            steps = [(slot, c) for slot, c in enumerate(controls) if c.cmd in (STEP, PROBE)]
+            if steps:
+                self._step(steps)
+            active = bool(self.caches) or PROBE in cmds
