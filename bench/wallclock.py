@@ -19,6 +19,7 @@ greedy and T=1 (top-k 50, top-p 1.0). Every greedy row is checked token for toke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -34,7 +35,7 @@ from spd.checkpoint import read_checkpoint_config
 from spd.config import GenerateConfig, load_config
 from spd.decoding import Request, eos_ids_of
 from spd.drafters.base import Drafter, WrappedDrafter
-from spd.engine import build_decoder, pick_decoder
+from spd.engine import build_decoder, open_engine, pick_decoder
 from spd.eval.calibrate import calibrate, measured_cost_speedup, step_time
 from spd.eval.output import write_json
 from spd.drafters.lookup import LookupDrafter
@@ -273,11 +274,24 @@ def batched_rows(args, prompts, cores: int, loaded) -> list[dict]:
             session = open_session(cfg)
             makers[f"spd/{source}"] = lambda b, s=session: build_batch_decoder(PIPELINE, s.staged, s.eos_ids,
                                                                                s.drafter, max_batch=b)
+    engines = contextlib.ExitStack()
+    threads = {}
+    if args.distributed_spd:   # the stage processes hold every sequence (Setup.slots = the largest batch)
+        for source in args.draft_sources:
+            cfg = load_config(GenerateConfig, None, [f"target={args.target}", "method=spd", f"draft_source={source}",
+                                                     f"n={args.distributed_spd}", "runtime=distributed",
+                                                     f"max_batch={max(args.batch)}"])
+            engine = engines.enter_context(open_engine(cfg))
+            name = f"spd/{source}/distributed"
+            makers[name] = lambda b, e=engine: e.batch_decoder(b)
+            threads[name] = (torch.get_num_threads(), engine.stages.world)
     rows = []
     for b in args.batch:
         for temperature in args.temperatures:
             params = params_for(temperature)
             for name, make in makers.items():
+                per_process, processes = threads.get(name, (cores, 1))
+                torch.set_num_threads(per_process)
                 decoder = make(b)
                 start = time.perf_counter()
                 tickets = {key: decoder.submit(ids, Request(args.max_new_tokens, params, seed_of(key)))
@@ -285,14 +299,17 @@ def batched_rows(args, prompts, cores: int, loaded) -> list[dict]:
                 decoder.run()
                 seconds = time.perf_counter() - start
                 tokens = sum(len(t.tokens) for t in tickets.values())
-                method, _, source = name.partition("/")
-                rows.append({"method": method, "draft_source": source or None, "runtime": "batched", "max_batch": b,
-                             "processes": 1, "threads_per_process": cores, "temperature": temperature,
+                method, source, where = (name.split("/") + ["", ""])[:3]
+                rows.append({"method": method, "draft_source": source or None,
+                             "runtime": f"{where} batched".strip(), "max_batch": b, "processes": processes,
+                             "threads_per_process": per_process, "temperature": temperature,
                              "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                              "outputs": {key: t.tokens for key, t in tickets.items()},
                              **({"draft_length": args.draft_length[0]} if method == "lookup" else {})})
                 print(f"batched {name} max_batch={b} T={temperature:g}: {tokens / seconds:.1f} tokens/s",
                       file=sys.stderr)
+    engines.close()
+    torch.set_num_threads(cores)
     return rows
 
 
@@ -321,6 +338,8 @@ def main() -> int:
     ap.add_argument("--widths", default="1", help="draft-tree widths W for --local-spd and --eagle3 rows")
     ap.add_argument("--tree-nodes", type=int, default=16, help="EAGLE-3's drafted nodes per verification at W > 1")
     ap.add_argument("--batch", default="", help="e.g. 1,2,4,8: batched rows at these max_batch (issue 35)")
+    ap.add_argument("--distributed-spd", type=int, default=0,
+                    help="with --batch: also SPD's pipeline of this n in stage processes under SEED's schedule")
     ap.add_argument("--out", default="docs/results/wallclock.json")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -368,8 +387,10 @@ def per_source(row: dict) -> str:
 
 
 def label(row: dict) -> str:
-    if row.get("runtime") == "batched":
-        return f"{row['method']}{', ' + row['draft_source'] if row.get('draft_source') else ''}, batched {row['max_batch']}"
+    if row.get("runtime", "").endswith("batched"):
+        where = f", {row['processes']} processes" if row["processes"] > 1 else ""
+        return (f"{row['method']}{', ' + row['draft_source'] if row.get('draft_source') else ''}{where}, batched "
+                f"{row['max_batch']}")
     if row["method"] == "lookup":
         return f"lookup m={row['draft_length']}, n-grams {row['ngrams'][0]}..{row['ngrams'][1]}"
     if row["method"] == "hf_prompt_lookup":

@@ -43,9 +43,9 @@ class GenerateConfig:
     prompt_file: Optional[str] = None    # a UTF-8 text file whose whole content is the prompt
     prompts_file: Optional[str] = None   # many prompts: one per line, or JSONL objects with a "prompt" field; one
                                          # JSON record per prompt on standard output, in order
-    max_batch: int = 8                   # prompts_file (generate) or requests (serve) decoded together, one forward
-                                         # per cycle: AR and the chains, runtime=local; 1 = one at a time (SPD's
-                                         # pipeline always decodes one)
+    max_batch: int = 8                   # prompts_file (generate) or requests (serve) decoded together: one forward
+                                         # per cycle (AR and the chains, runtime=local), one pipeline step (SPD's
+                                         # pipeline, local or distributed); 1 = one at a time
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
     method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | ar (plain autoregressive
                                          # through the same stage runner); None = the checkpoint's, and where no key

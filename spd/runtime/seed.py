@@ -8,6 +8,11 @@ spd.targets.ragged: one matrix product per layer, attention per sequence), and e
 rolls back on its own. So a stage advances every sequence that has a position at it: after one sequence's rollback
 its stages 2..n would sit idle until its correction refills them, and the other sequences' rows run there instead.
 
+Across processes (runtime=distributed) the stage processes are the hub: each sequence holds a slot, a step's
+control message carries a row per slot, every stage process keeps a cache per slot and runs all the slots' rows at
+its stage in one forward (spd.runtime.distributed). There the stages run while the controller drafts for every
+sequence, as a solo pipeline's do.
+
 Where this differs from SEED (§4.2 of its paper): SEED's drafters run in parallel and a single target verifies the
 drafts of one sequence at a time, in FCFS order of the queue of finished drafts (its "rounds"); here every ready
 sequence is verified in the same pipeline step, so there is no verification queue to order — FCFS governs admission

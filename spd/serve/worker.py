@@ -5,8 +5,8 @@ thread — on these 2-core CPUs the same decode ran ~25% slower in a second thre
 chain, SmolLM2, 128 tokens: 11.4-12.3 s against 8.5-9.8 s) — and posts each released piece of text
 back to the event loop. A job whose client went away, or whose text hit a stop string, has
 its stream closed at the next verified token, which leaves the executor clean for the next job (spd.decoding).
-With `max_batch` > 1 and a method that decodes on the whole target (AR, the chains), spd.serve.batching's worker
-runs up to that many jobs per forward instead; SPD's pipeline decodes one request at a time here."""
+With `max_batch` > 1, spd.serve.batching's worker runs up to that many jobs per forward (AR, the chains) or per
+pipeline step (SPD's pipeline) instead; this one serves where nothing batches (streams, CUDA graphs)."""
 
 from __future__ import annotations
 
