@@ -77,6 +77,11 @@ class ManySequences(Decoder):
     def busy(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def abandon(self) -> None:
+        """After a failed step: drop every request, running or waiting (their callers were answered)."""
+        self.running.clear()
+        self.waiting.clear()
+
     def run(self) -> None:
         """Step until every submitted request has finished."""
         while self.busy:

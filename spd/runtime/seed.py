@@ -159,6 +159,17 @@ class SeedDecoder(ManySequences):
         if stream is not None:
             stream.close()                   # a cancelled one: its executor's finish frees its memory and work
 
+    def abandon(self) -> None:
+        for ticket in self.running:
+            stream = self.streams.pop(ticket, None)
+            if stream is not None:
+                try:
+                    stream.close()           # each executor's finish: its queued work and memory go
+                except Exception:            # noqa: BLE001 - the stages that failed may fail this too
+                    pass
+        self.streams.clear()
+        super().abandon()
+
     def step(self) -> None:
         """One pipeline step of every running sequence; then the finished and cancelled leave, the waiting join."""
         self.hub.run()

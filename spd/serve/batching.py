@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import time
 
+from spd.errors import PipelineFailure
 from spd.serve.text import StopText
 from spd.serve.worker import DecodeWorker, Job
 
@@ -118,11 +119,16 @@ class BatchWorker(DecodeWorker):
                               "seconds": ticket.seconds, "cancelled": run.job.cancelled.is_set()})
 
     def _fail(self, exc: Exception) -> None:
+        """Every job in the batch is answered 500; a dead pipeline (stage processes) ends the server, as the
+        one-at-a-time worker's does."""
         message = f"the decode failed: {exc}".splitlines()[0]
         for ticket, run in self.running.items():
             ticket.cancel()
             run.job.post("error", {"status": 500, "message": message})
         self.running.clear()
         for decoder in filter(None, (self.batch, self.plain)):
-            decoder.running.clear()
-            decoder.waiting.clear()
+            decoder.abandon()
+        if isinstance(exc, PipelineFailure) or self.engine.cfg.runtime == "distributed":
+            self.failure = message
+            if self.on_fatal:
+                self.on_fatal(message)
