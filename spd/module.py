@@ -217,7 +217,7 @@ class SpeculationModule(DraftHead, nn.Module):
     def forward_step(
         self,
         query: torch.Tensor,          # [1, 1, d] the newest row (g_t^0 for SPD); [1, Q, d] with `visible`
-        t: int,
+        t: int | list[int],           # the queries' position (one per query: several sequences' queries)
         cached: list[tuple[torch.Tensor, torch.Tensor]] | None,  # per layer K/V [1, H_kv, S_c, hd] of cached rows
         rows: torch.Tensor,           # [1, S, d] memory rows not in the cache
         positions: torch.Tensor,      # [1, S]
@@ -226,7 +226,9 @@ class SpeculationModule(DraftHead, nn.Module):
     ) -> torch.Tensor:
         """Head logits [V_draft] predicting position t+1 from G_t ([Q, V_draft] for Q queries [1, Q, d], all at t)."""
         fresh = self.memory_kv_all_layers(rows, positions) if rows.shape[1] else None
-        cos, sin = self.rope(torch.full((1, query.shape[1]), t, device=query.device), query)
+        at = torch.full((1, query.shape[1]), t, device=query.device) if isinstance(t, int) else \
+            torch.tensor([t], device=query.device)
+        cos, sin = self.rope(at, query)
         hidden = query
         for index, layer in enumerate(self.layers):
             parts = []

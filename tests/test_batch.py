@@ -228,12 +228,25 @@ def pipeline_drafter(staged, kind):
 
 
 @pytest.mark.parametrize("kind,width", [("module", 1), ("lookup+module", 1), ("module", 2)])
-def test_each_sequence_in_a_shared_pipeline_decodes_as_it_would_alone(family_model, untied_target_dir, kind, width):
+def test_each_sequence_in_a_shared_pipeline_decodes_as_it_would_alone(family_model, untied_target_dir, kind, width,
+                                                                     monkeypatch):
     """SEED's schedule (spd.runtime.seed), n = 3: a random module rolls back almost every step, the lookup accepts
-    long runs on the tied targets; W = 2 keeps two branches in flight. Tokens and statistics per sequence."""
+    long runs on the tied targets; W = 2 keeps two branches in flight. Tokens and statistics per sequence — the
+    statistics equal only if every draft did, so the modules' drafts made together (W = 1: one pass for every
+    sequence the lookup leaves to the module) are each sequence's own."""
+    from spd.drafters.spd_module import ModuleDrafter
     from spd.runtime.pipeline import PipelineDecoder
     from spd.runtime.seed import SeedDecoder
     from spd.targets.loading import load_target
+
+    together = []
+    alone = ModuleDrafter.draft_together.__func__
+
+    def counted(cls, drafters, views, proposes):
+        together.append(len(drafters))
+        return alone(cls, drafters, views, proposes)
+
+    monkeypatch.setattr(ModuleDrafter, "draft_together", classmethod(counted))
 
     family, model = family_model
     targets = [(family, model)] + ([("untied", load_target(untied_target_dir).model)] if family == "llama" else [])
@@ -262,6 +275,10 @@ def test_each_sequence_in_a_shared_pipeline_decodes_as_it_would_alone(family_mod
             assert ours == theirs, (name, i)
         if kind == "module":
             assert sum(t.stats.rollbacks for t in tickets) > 10
+    if width > 1:
+        assert not together                     # each sequence's tree level drafts in its own batched pass
+    elif kind == "module":
+        assert max(together) == 3               # three sequences' module drafts in one pass
 
 
 def test_shared_pipeline_samples_follow_the_target_distribution(small_vocab_model):

@@ -86,6 +86,12 @@ class Drafter(ABC):
         """`draft` for every tip of a tree level (one view per branch, W > 1); a drafter that can batches them."""
         return [self.draft(view, propose) for view in views]
 
+    @classmethod
+    def draft_together(cls, drafters: list["Drafter"], views: list[StepView], proposes: list) -> list[Proposal]:
+        """`draft` of several sequences' drafters of this class, each on its own view with its own propose (SEED's
+        schedule: every sequence sharing a pipeline step drafts at once); a class that can batches them."""
+        return [drafter.draft(view, propose) for drafter, view, propose in zip(drafters, views, proposes)]
+
     @abstractmethod
     def finalize(self, pos: int, hidden: dict[int, torch.Tensor]) -> None:
         """Position `pos` left the last stage (it is verified): its hidden states are final."""

@@ -34,15 +34,31 @@ class LookupThenModule(Drafter):
         self.index = NgramIndex(self.min_n, self.max_n)   # every position up to the newest in flight
         self.index.extend(list(prompt_ids))
 
-    def draft(self, view: StepView, propose) -> Proposal:
+    def _lookup(self, view: StepView) -> Proposal | None:
+        """The lookup's draft where the context ends in a match, else None."""
         for item in view.in_flight:
             if item.pos == len(self.index):      # the newest token (a draft, or a correction after a rollback)
                 self.index.extend([item.token])
         assert len(self.index) == view.t + 1, (len(self.index), view.t)
         n, start = self.index.match()
-        if n:
-            return Proposal(self.index.continuation(start, 1)[0], source="lookup")
-        return self.module.draft(view, propose)
+        return Proposal(self.index.continuation(start, 1)[0], source="lookup") if n else None
+
+    def draft(self, view: StepView, propose) -> Proposal:
+        found = self._lookup(view)
+        return found if found is not None else self.module.draft(view, propose)
+
+    @classmethod
+    def draft_together(cls, drafters: list["LookupThenModule"], views: list[StepView], proposes: list) -> list:
+        """Each sequence's lookup; the modules of those without a match draft together."""
+        out = [drafter._lookup(view) for drafter, view in zip(drafters, views)]
+        rest = [i for i, found in enumerate(out) if found is None]
+        if rest:
+            inner = [drafters[i].module for i in rest]
+            kind = type(inner[0]) if all(type(d) is type(inner[0]) for d in inner) else Drafter
+            for i, proposal in zip(rest, kind.draft_together(inner, [views[i] for i in rest],
+                                                             [proposes[i] for i in rest])):
+                out[i] = proposal
+        return out
 
     def draft_branches(self, views: list[StepView], propose) -> list:
         """W > 1. Branches differ in their drafts in flight, so here the index holds only what they all share — the

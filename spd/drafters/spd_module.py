@@ -10,6 +10,7 @@ from spd.drafters.base import Drafter, StepView
 from spd.module import SpeculationModule
 from spd.sampling import Proposal
 from spd.targets.kv_cache import LayerKVCache
+from spd.targets.ragged import few_rows_products
 
 
 class ModuleDrafter(Drafter):
@@ -103,6 +104,42 @@ class ModuleDrafter(Drafter):
         kv = [self.kv.view(i) for i in range(len(self.module.layers))]
         return self.module.target_logits(self.module.forward_step(query, t, kv, rows_t, pos_t,
                                                                   visible.to(query.device)))
+
+    @classmethod
+    @torch.no_grad()
+    def draft_together(cls, drafters: list["ModuleDrafter"], views: list[StepView], proposes: list) -> list:
+        """Several sequences' drafts from one module in one pass: every query sees only its own sequence's memory
+        (its cached K/V and its rows in flight, laid side by side under a block mask), at its own position. One
+        product per layer and one head product for all of them instead of one each (two rows cost about one here,
+        spd.targets.ragged.few_rows_linear)."""
+        module = drafters[0].module
+        if len(drafters) == 1 or any(d.module is not module or not d.use_cache for d in drafters):
+            return super().draft_together(drafters, views, proposes)
+        layers = range(len(module.layers))
+        queries, rows, positions, sees = [], [], [], []
+        for drafter, view in zip(drafters, views):
+            t, occupancy = view.t, view.occupancy
+            assert drafter.num_final == t - occupancy + 1, (drafter.num_final, t, occupancy)
+            queries.append(drafter._row(t, occupancy, view.in_flight[-1]))
+            rows += [drafter._row(t, occupancy, token) for token in view.in_flight[:-1]]
+            positions += [token.pos for token in view.in_flight[:-1]]
+            sees.append((drafter.kv.get_seq_length(0), len(view.in_flight) - 1))
+        cached = [tuple(torch.cat([d.kv.view(i)[j] for d in drafters], dim=2) for j in (0, 1)) for i in layers]
+        total = sum(c for c, _ in sees)
+        visible = torch.zeros(len(drafters), total + len(rows), dtype=torch.bool)
+        cache_at, row_at = 0, total
+        for q, (own_cached, own_rows) in enumerate(sees):      # keys: every cache, then every row in flight
+            visible[q, cache_at: cache_at + own_cached] = True
+            visible[q, row_at: row_at + own_rows] = True
+            cache_at, row_at = cache_at + own_cached, row_at + own_rows
+        query = torch.cat(queries, dim=1)                                                  # [1, Q, d]
+        rows_t = torch.cat(rows, dim=1) if rows else query.new_zeros(1, 0, query.shape[-1])
+        pos_t = torch.tensor([positions], device=query.device, dtype=torch.long).view(1, -1)
+        with few_rows_products():
+            logits = module.forward_step(query, [view.t for view in views], cached, rows_t, pos_t,
+                                         visible.to(query.device))
+            logits = module.target_logits(logits)                                        # [Q, V_target]
+        return [propose(row) for propose, row in zip(proposes, logits)]
 
     def draft(self, view: StepView, propose) -> Proposal:
         return propose(self.draft_logits(view))

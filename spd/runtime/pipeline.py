@@ -14,10 +14,13 @@ child's subtree in every stage. W = 1 is the same loop over a chain whose node i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from spd.decoding import Decoder, Request, context_length, is_final
-from spd.drafters.base import Drafter, branch_view
+from spd.drafters.base import Drafter, StepView, branch_view
 from spd.metrics import DecodeStats
 from spd.runtime.executor import StageExecutor
 from spd.runtime.flight import Flight
@@ -28,6 +31,15 @@ from spd.targets.stages import StagedTarget
 
 
 SHARED_STEP = object()   # in a shared pipeline's stream: this sequence's step is launched, waiting for the others'
+
+
+@dataclass(frozen=True)
+class DraftWanted:
+    """In a shared pipeline's stream: this sequence's draft, made with the other sequences' (spd.runtime.seed sends
+    the proposal back)."""
+    drafter: Drafter
+    view: StepView
+    propose: Callable
 
 
 def as_executor(stages: StagedTarget | StageExecutor) -> StageExecutor:
@@ -129,7 +141,11 @@ class PipelineDecoder(Decoder):
                 # draft below overlaps them where the stages run elsewhere (runtime=distributed)
                 yield SHARED_STEP
             stats.ran([len(flight.level(pos)) if step.runs(s) else 0 for s, pos in enumerate(step.work)])
-            if not self.drafter.after_step:
+            if ex.shared and self.width == 1 and not self.drafter.after_step:
+                (tip,) = flight.level(t)
+                proposal = yield DraftWanted(self.drafter, branch_view(step, flight, tip, features), choose)
+                options = [(tip, proposal, 0.0)]
+            elif not self.drafter.after_step:
                 options = self._draft(step, flight, features, choose)
             out = ex.collect()
             for node, captured in out.features.items():

@@ -36,7 +36,7 @@ from spd.runtime.batch import ManySequences, Ticket
 from spd.runtime.executor import StageExecutor, StepOutput
 from spd.runtime.flight import Flight
 from spd.runtime.local import LocalStages
-from spd.runtime.pipeline import SHARED_STEP, PipelineDecoder
+from spd.runtime.pipeline import SHARED_STEP, DraftWanted, PipelineDecoder
 from spd.runtime.schedule import Step
 from spd.targets.ragged import Segment, exit_logits, run_rows
 from spd.targets.stages import StagedTarget
@@ -111,6 +111,20 @@ class SequenceStages(LocalStages):
         self.cache = None
 
 
+def draft_together(wanted: list[DraftWanted]) -> list:
+    """Every sequence's draft, those of one drafter class in one call (which batches where it can)."""
+    out = [None] * len(wanted)
+    kinds: dict[type, list[int]] = {}
+    for i, w in enumerate(wanted):
+        kinds.setdefault(type(w.drafter), []).append(i)
+    for kind, group in kinds.items():
+        drafted = kind.draft_together([wanted[i].drafter for i in group], [wanted[i].view for i in group],
+                                      [wanted[i].propose for i in group])
+        for i, proposal in zip(group, drafted):
+            out[i] = proposal
+    return out
+
+
 class SeedDecoder(ManySequences):
     """Up to `max_batch` requests in one SPD pipeline, FIFO admission, each decoding as it would alone. stages: the
     target, staged in this process, or the stage processes' controller (runtime=distributed, `Setup.slots` >=
@@ -135,23 +149,27 @@ class SeedDecoder(ManySequences):
         self.waiting.append(ticket)
         return ticket
 
-    def _advance(self, ticket: Ticket) -> None:
-        """Run the sequence until its next step is launched (or it ends), delivering the tokens it settles."""
+    def _advance(self, ticket: Ticket, proposal=None):
+        """Run the sequence (sending it `proposal`, the draft it asked for) until its next step is launched or it
+        wants its draft (returned, a DraftWanted), or it ends; deliver the tokens it settles meanwhile."""
         tokens, stream = [], self.streams[ticket]
-        finished = False
+        item = None
         try:
-            while (item := next(stream)) is not SHARED_STEP:
+            item = next(stream) if proposal is None else stream.send(proposal)
+            while item is not SHARED_STEP and not isinstance(item, DraftWanted):
                 tokens.append(item)
+                item = next(stream)
         except StopIteration:
-            finished = True
+            item = None
         if tokens:
             if ticket.first_token_at is None:
                 ticket.first_token_at = time.perf_counter()
             ticket.tokens.extend(tokens)
             if ticket.on_tokens:
                 ticket.on_tokens(ticket, tokens)
-        if finished:
+        if item is None:
             self._finish(ticket, "stop" if ticket.tokens and ticket.tokens[-1] in self.eos_ids else "length")
+        return item
 
     def _finish(self, ticket: Ticket, reason: str) -> None:
         ticket.finish, ticket.finished_at = reason, time.perf_counter()
@@ -173,11 +191,14 @@ class SeedDecoder(ManySequences):
     def step(self) -> None:
         """One pipeline step of every running sequence; then the finished and cancelled leave, the waiting join."""
         self.hub.run()
+        wanted: dict[Ticket, DraftWanted] = {}
         for ticket in self.running:
             if ticket._cancel:
                 self._finish(ticket, "cancelled")
-            else:
-                self._advance(ticket)
+            elif isinstance(item := self._advance(ticket), DraftWanted):
+                wanted[ticket] = item
+        for ticket, proposal in zip(wanted, draft_together(list(wanted.values()))):
+            self._advance(ticket, proposal)
         self.running = [t for t in self.running if not t.done]
         while self.waiting and len(self.running) < self.max_batch:
             ticket = self.waiting.popleft()
