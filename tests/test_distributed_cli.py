@@ -26,13 +26,22 @@ def spd_infer(*args, timeout=240):
     return run_python(["-m", "spd.cli", "generate", *args], timeout=timeout, cwd=ROOT)
 
 
+# Every process this test worker starts carries this tag in its environment (stage processes inherit it), so the
+# checks below see only this worker's stage processes, not those of tests running beside it (pytest-xdist).
+TAG = f"SPD_TEST_TAG={os.getpid()}"
+os.environ["SPD_TEST_TAG"] = str(os.getpid())
+
+
 def stage_workers() -> set[int]:
-    """pids of live stage processes (spawned by spd-infer) on this machine."""
+    """pids of live stage processes (spawned by spd-infer) that this test worker's commands started."""
     found = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spd.runtime.distributed.worker" in f.read():
+                if b"spd.runtime.distributed.worker" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if TAG.encode() in f.read().split(b"\0"):
                     found.add(int(pid))
         except OSError:
             pass
