@@ -20,7 +20,6 @@ decoded alone, in slot 0.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,34 +30,12 @@ from spd.runtime.distributed.protocol import (ABORT, END, MAX_ARGMAX_VOCAB, PREF
                                               first_remote, message, rank_of, stage_capture, stage_layers,
                                               world_size)
 from spd.runtime.executor import StageExecutor, StepOutput, level_mask
+from spd.runtime.distributed.slots import Slot, SlotStages, chain_flight
 from spd.runtime.flight import Flight, StageRows
 from spd.runtime.schedule import Step, first_step, next_step
 from spd.targets.ragged import Segment, run_rows
 from spd.targets.stages import StagedTarget
 from spd.targets.weight_cache import load_parts
-
-
-def chain_flight(step: Step) -> Flight:
-    """A chain's flight for a step (one node per position, ids = positions): what a call without one runs."""
-    return Flight.restore(1, [(pos, pos, pos - 1) for pos, _ in step.in_flight()])
-
-
-@dataclass(eq=False)
-class Slot:
-    """One sequence's state on the controller's side; `index` names its caches in every stage process."""
-    index: int
-    active: bool = False            # prefilled and not yet ended
-    crop: int = -1                  # a rollback's length, sent with the slot's next row (-1: none)
-    capture_on: bool = False
-    argmax: bool = False
-    cache: object = None            # a hosted stage 0's KV cache of the sequence
-    rows0: StageRows | None = None  # and its rows
-    step: Step | None = None        # the step queued or in flight
-    flight: Flight | None = None
-    entering: torch.Tensor | None = None
-    probe: bool = False
-    levels: dict[int, list[int]] = field(default_factory=dict)   # stage -> the nodes it runs this step
-    out: StepOutput | None = None
 
 
 class DistributedStages(StageExecutor):
@@ -150,7 +127,7 @@ class DistributedStages(StageExecutor):
         return flat[offset:].to(self.device) if stage == self.n - 1 else None
 
     # ---------------------------------------------------------------- one sequence's part
-    def _prefill(self, slot: Slot, prompt_ids, capture, max_length=None, argmax_exit=False):
+    def prefill_slot(self, slot: Slot, prompt_ids, capture, max_length=None, argmax_exit=False):
         slot.crop = -1
         slot.capture_on = bool(capture)
         if slot.capture_on and not set(capture) - {0} <= set(self.setup.capture):
@@ -273,13 +250,13 @@ class DistributedStages(StageExecutor):
         finally:
             self.waiting = []
 
-    def _rollback(self, slot: Slot, length: int) -> None:
+    def rollback_slot(self, slot: Slot, length: int) -> None:
         slot.crop = length  # travels with the slot's next row, before any stage runs it again
         if self.hosted:
             slot.cache.crop(length)
             slot.rows0.crop(length)
 
-    def _prune(self, slot: Slot, flight: Flight) -> None:
+    def prune_slot(self, slot: Slot, flight: Flight) -> None:
         # the stage processes prune from the flight the slot's next row carries
         if self.hosted:
             moved = slot.rows0.prune(flight)
@@ -296,13 +273,20 @@ class DistributedStages(StageExecutor):
             slot.cache = slot.rows0 = None
 
     # ---------------------------------------------------------------- several sequences
-    def sequence(self) -> "SlotStages":
+    def sequence(self) -> SlotStages:
         """An executor for one more sequence decoding beside others (its slot is free again at its `finish`)."""
         free = [i for i in range(self.capacity) if i not in self.held]
         if not free or self.solo.active:
             raise RuntimeError(f"all {self.capacity} slots of the pipeline are taken (Setup.slots)")
         self.held.add(free[0])
         return SlotStages(self, Slot(free[0]))
+
+    def release(self, slot: Slot) -> None:
+        """The slot's sequence ended (or was cancelled): its queued step is dropped, the stages drop its caches, and
+        the slot is free."""
+        self.queued = [queued for queued in self.queued if queued is not slot]
+        self._end(slot)
+        self.held.discard(slot.index)
 
     # ---------------------------------------------------------------- StageExecutor: one sequence, alone
     def embed(self, token: int) -> torch.Tensor:
@@ -312,7 +296,7 @@ class DistributedStages(StageExecutor):
         if self.held:
             raise RuntimeError("the pipeline's slots are decoding several sequences (spd.runtime.seed)")
         self.finish()   # also drops a crop left by a generation that ended on a rejection: it was for old caches
-        return self._prefill(self.solo, prompt_ids, capture, max_length, argmax_exit)
+        return self.prefill_slot(self.solo, prompt_ids, capture, max_length, argmax_exit)
 
     def launch(self, step: Step, entering, flight=None, probe: bool = False):
         self.queue(self.solo, step, entering, flight or chain_flight(step), probe)
@@ -341,10 +325,10 @@ class DistributedStages(StageExecutor):
         return times[warmup:]
 
     def rollback(self, length):
-        self._rollback(self.solo, length)
+        self.rollback_slot(self.solo, length)
 
     def prune(self, flight: Flight):
-        self._prune(self.solo, flight)
+        self.prune_slot(self.solo, flight)
 
     def finish(self) -> None:
         self._end(self.solo)
@@ -379,40 +363,3 @@ class DistributedStages(StageExecutor):
         finally:
             if self.processes is not None:
                 self.processes.join()
-
-
-class SlotStages(StageExecutor):
-    """One sequence's executor in a pipeline that decodes several (SEED's schedule): its launches wait for the
-    pipeline's `run`, which sends every sequence's step at once."""
-
-    trees = True
-    shared = True
-
-    def __init__(self, pipeline: DistributedStages, slot: Slot):
-        self.pipeline, self.slot = pipeline, slot
-        self.n, self.bounds, self.device = pipeline.n, pipeline.bounds, pipeline.device
-
-    def embed(self, token: int) -> torch.Tensor:
-        return self.pipeline.embed(token)
-
-    def prefill(self, prompt_ids, capture, max_length=None, argmax_exit=False):
-        return self.pipeline._prefill(self.slot, prompt_ids, capture, max_length, argmax_exit)
-
-    def launch(self, step: Step, entering, flight: Flight | None = None):
-        self.pipeline.queue(self.slot, step, entering, flight or chain_flight(step))
-
-    def collect(self) -> StepOutput:
-        self.pipeline.gather()
-        return self.slot.out
-
-    def rollback(self, length):
-        self.pipeline._rollback(self.slot, length)
-
-    def prune(self, flight: Flight):
-        self.pipeline._prune(self.slot, flight)
-
-    def finish(self) -> None:
-        """The sequence ended (or was cancelled): the stages drop its caches and the slot is free."""
-        self.pipeline.queued = [slot for slot in self.pipeline.queued if slot is not self.slot]
-        self.pipeline._end(self.slot)
-        self.pipeline.held.discard(self.slot.index)
