@@ -1,5 +1,6 @@
 """Fast evaluators for greedy chain decoding (EAGLE-3's and the context lookup's), the chains' counterpart of
-`spd.fast_eval`.
+`spd.fast_eval`. Every one is the same loop, `replay`: a drafter drafts each cycle's tree (a chain is a tree of
+width 1), `walk_trace` settles it against the trace's tokens.
 
 EAGLE-3: in greedy decoding a draft only matters while every draft before it in the cycle was right, and then the tokens
 it was fed are the target's own. So the training-time test's pass over a recorded greedy trace (step-0 rows from
@@ -24,7 +25,8 @@ from spd.drafters.lookup import LookupDrafter
 from spd.eagle3_module import Eagle3Module
 from spd.fast_eval import GreedyTrace
 from spd.metrics import ChainStats
-from spd.sampling import SamplingParams, propose
+from spd.sampling import Proposal, SamplingParams, propose
+from spd.tree import DraftTree
 
 
 @torch.no_grad()
@@ -40,32 +42,35 @@ def chain_drafts(module: Eagle3Module, trace: GreedyTrace, m: int) -> tuple[torc
     return drafts, top2.values[..., 0] - top2.values[..., 1]
 
 
-def replay_chain(m: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor) -> ChainStats:
-    """Replay greedy chain decoding over the target's N tokens: each cycle keeps the drafts that match, up to the
-    first miss, plus the target's token there (or after the m-th draft); the last cycle stops at the end."""
-    stats = ChainStats(m=m, N=1)
-    seq = [None] * prompt_len + tokens
-    drafts = drafts.tolist()
-    total = len(tokens)
-    while stats.N < total:
-        newest = prompt_len + stats.N - 1            # position of the newest settled token
-        matched = 0
-        while matched < m and newest + 1 + matched < len(seq) and \
-                drafts[matched][newest - 1] == seq[newest + 1 + matched]:
-            matched += 1
-        left = total - stats.N
-        accepted = min(matched, left)
-        stats.cycles += 1
-        stats.accepted += accepted
-        stats.accepted_per_cycle.append(accepted)
-        stats.N += min(matched + 1, left)
-    return stats
+class PrecomputedChain(ChainDrafter):
+    """EAGLE-3's chains read from `chain_drafts`' table, so the one replay (`replay`) walks them: drafts [m, T],
+    entry (j, i) the j-th draft of a cycle whose newest verified position is i + 1."""
+
+    def __init__(self, drafts: torch.Tensor):
+        self.drafts = drafts.tolist()
+
+    def layers_needed(self, bounds=None) -> list[int]:
+        return []
+
+    def start(self, prompt_hidden, tokens) -> None:
+        self.newest = len(tokens) - 1
+
+    def verified(self, hidden, tokens) -> None:
+        self.newest = len(tokens) - 1
+
+    def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
+        return DraftTree.chain(root, [Proposal(self.drafts[j][self.newest - 1]) for j in range(m)])
+
+
+def replay_chain(m: int, prompt_ids: list[int], tokens: list[int], drafts: torch.Tensor) -> ChainStats:
+    """Greedy chain decoding with `chain_drafts`' table replayed over the target's tokens (`replay`)."""
+    return replay(PrecomputedChain(drafts), prompt_ids, tokens, m)["stats"]
 
 
 def fast_chain_stats(module: Eagle3Module, trace: GreedyTrace, m: int) -> dict:
     """N, cycles, tau of greedy chain decoding with m drafts, plus the smallest margins that decided anything."""
     drafts, margins = chain_drafts(module, trace, m)
-    stats = replay_chain(m, len(trace.prompt_ids), trace.tokens, drafts)
+    stats = replay_chain(m, trace.prompt_ids, trace.tokens, drafts)
     return {"stats": stats, "min_module_margin": float(margins.min()) if margins.numel() else None,
             "min_target_margin": min(trace.margins)}
 
@@ -95,47 +100,48 @@ def walk_trace(tree, stats: ChainStats, tokens: list[int], on_settle=None) -> in
 
 
 @torch.no_grad()
-def fast_tree_stats(drafter: ChainDrafter, trace: GreedyTrace, m: int, width: int, budget: int) -> dict:
-    """Greedy draft trees (W = width, `budget` nodes; EAGLE-3's dynamic tree: an `Eagle3Drafter`) replayed over the
-    target's trace with the runtime's drafter, fresh; also the target rows each cycle would feed (the root
-    included)."""
-    hidden = {layer: trace.hidden[layer] for layer in drafter.layers_needed()}
-    prompt_len, total = len(trace.prompt_ids), len(trace.tokens)
-    tokens = list(trace.prompt_ids) + trace.tokens[:1]
-    drafter.start({layer: h[:, :prompt_len] for layer, h in hidden.items()}, tokens)
+def replay(drafter: ChainDrafter, prompt_ids: list[int], tokens: list[int], m: int, width: int = 1,
+           budget: int | None = None, hidden: dict[int, torch.Tensor] | None = None, on_settle=None) -> dict:
+    """The one greedy replay of draft-then-verify decoding over the target's tokens: `drafter` (the runtime's own,
+    fresh) drafts each cycle's tree, fed the verified tokens and — from hidden {layer: [1, P + N - 1, d]}, the
+    trace's states — the verified path's states, as the verify pass captures them; `walk_trace` settles it. Only
+    the target's verify forward is skipped: greedy descends along the trace's tokens, and off that path no node's
+    verdict matters. Returns the statistics and the target rows each cycle fed (its tree's nodes, the root
+    included), which decide its cost on a CPU (bench/lookup_grid.py). on_settle(pos, accepted, source): called for
+    every verified node (pos: its index in `tokens`)."""
+    hidden = {layer: hidden[layer] for layer in drafter.layers_needed()} if hidden else {}
+    prompt_len, total = len(prompt_ids), len(tokens)
+    seq = list(prompt_ids) + tokens[:1]
+    drafter.start({layer: h[:, :prompt_len] for layer, h in hidden.items()}, seq)
     greedy = SamplingParams()
     stats, rows = ChainStats(m=m, N=1), []
     while stats.N < total:
-        fed = len(tokens) - 1
-        tree = drafter.draft_tree(tokens[-1], m, width, budget, lambda logits: propose(logits, greedy, None))
+        fed = len(seq) - 1
+        tree = drafter.draft_tree(seq[-1], m, width, budget or m, lambda logits: propose(logits, greedy, None))
         rows.append(len(tree))
         stats.drafted += len(tree) - 1
         stats.drafting_cycles += len(tree) > 1
-        accepted = walk_trace(tree, stats, trace.tokens)
-        tokens = list(trace.prompt_ids) + trace.tokens[: stats.N]
-        if stats.N < total:       # the root's and the accepted nodes' states, as the verify pass captures them
-            drafter.verified({layer: h[:, fed: fed + 1 + accepted] for layer, h in hidden.items()}, tokens)
-    return {"stats": stats, "rows_per_cycle": rows, "min_target_margin": min(trace.margins)}
+        accepted = walk_trace(tree, stats, tokens, on_settle)
+        seq = list(prompt_ids) + tokens[: stats.N]
+        if stats.N < total:
+            drafter.verified({layer: h[:, fed: fed + 1 + accepted] for layer, h in hidden.items()}, seq)
+    return {"stats": stats, "rows_per_cycle": rows}
+
+
+def fast_tree_stats(drafter: ChainDrafter, trace: GreedyTrace, m: int, width: int, budget: int) -> dict:
+    """Greedy draft trees (W = width, `budget` nodes; EAGLE-3's dynamic tree: an `Eagle3Drafter`) replayed over the
+    target's trace (`replay`)."""
+    return {**replay(drafter, trace.prompt_ids, trace.tokens, m, width, budget, trace.hidden),
+            "min_target_margin": min(trace.margins)}
 
 
 def fast_lookup_stats(trace: GreedyTrace, min_n: int, max_n: int, m: int, on_settle=None, width: int = 1,
                       budget: int | None = None) -> dict:
     """Greedy lookup chain (method=lookup; W > 1: its trees) replayed over the target's tokens with the runtime's
-    own drafter: a lookup reads only tokens, and in greedy decoding the verified tokens are the trace's, so this is
-    exact. Also the target rows each cycle fed (its tree's nodes, the root included), which decide its cost on a
-    CPU (bench/lookup_grid.py). on_settle(pos, accepted, source): called for every verified node (pos: its index
-    in trace.tokens)."""
-    drafter = LookupDrafter(min_n, max_n)
-    tokens = list(trace.prompt_ids) + trace.tokens[:1]
-    drafter.start(None, tokens)
-    stats, rows, total = ChainStats(m=m, N=1), [], len(trace.tokens)
-    while stats.N < total:
-        tree = drafter.draft_tree(tokens[-1], m, width, budget or m)
-        rows.append(len(tree))
-        walk_trace(tree, stats, trace.tokens, on_settle)
-        tokens = list(trace.prompt_ids) + trace.tokens[: stats.N]
-        drafter.verified(None, tokens)
-    return {"stats": stats, "rows_per_cycle": rows, "min_target_margin": min(trace.margins)}
+    own drafter (`replay`): a lookup reads only tokens, and in greedy decoding the verified tokens are the trace's,
+    so this is exact."""
+    return {**replay(LookupDrafter(min_n, max_n), trace.prompt_ids, trace.tokens, m, width, budget,
+                     on_settle=on_settle), "min_target_margin": min(trace.margins)}
 
 
 def fast_eagle3_eval(trace: GreedyTrace, *, module: Eagle3Module, make_drafter, draft_length: int, width: int,

@@ -104,10 +104,15 @@ def propose(draft_logits: torch.Tensor, params: SamplingParams, generator) -> Pr
 def propose_children(draft_logits: torch.Tensor, width: int) -> list[tuple[Proposal, float]]:
     """A tree node's children (W > 1): the drafter's `width` likeliest tokens from its logits [V], deterministic
     (q = None: verified by one draw of p, `settle_children`), each with its log q to rank branches by."""
+    return children_of_rows(draft_logits.unsqueeze(0), width)[0]
+
+
+def children_of_rows(draft_logits: torch.Tensor, width: int) -> list[list[tuple[Proposal, float]]]:
+    """`propose_children` for every row of draft_logits [S, V] (a tree level's nodes drafted in one pass)."""
     log_q = torch.log_softmax(draft_logits.float(), -1)
-    top = torch.topk(log_q, width)
-    return [(Proposal(token), lp) for lp, token in zip(top.values.tolist(), top.indices.tolist())
-            if lp > float("-inf")]
+    top = torch.topk(log_q, width, dim=-1)
+    return [[(Proposal(token), lp) for lp, token in zip(values, indices) if lp > float("-inf")]
+            for values, indices in zip(top.values.tolist(), top.indices.tolist())]
 
 
 def settle(target_logits: torch.Tensor | int, draft: int, q: torch.Tensor | None, params: SamplingParams,

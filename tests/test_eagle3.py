@@ -33,13 +33,13 @@ class RecordingDrafter(Eagle3Drafter):
         super().__init__(module, embed)
         self.records = []
 
-    def draft(self, m, choose):
+    def chain(self, m, choose):
         def record(logits):
             self.records.append((self.rows - 1, len(recorded), logits))
             recorded.append(None)
             return choose(logits)
         recorded = []
-        return super().draft(m, record)
+        return super().chain(m, record)
 
 
 @pytest.mark.parametrize("m", [1, 3, 6])
@@ -128,8 +128,8 @@ def test_chain_with_an_oracle_drafter_settles_m_plus_one_per_cycle(family_model)
     staged, module = eagle(model)
 
     class Oracle(Eagle3Drafter):
-        def draft(self, m, choose):
-            super().draft(m, choose)                # the module's own work still runs (greedy: no q)
+        def chain(self, m, choose):
+            super().chain(m, choose)                # the module's own work still runs (greedy: no q)
             start = self.rows + 1                  # the first position after the verified sequence
             return [Proposal(reference[start + j]) for j in range(m)]
 

@@ -71,7 +71,7 @@ def test_width_one_is_the_chain(family_model):
     _, model = family_model
     p = prompt(140)
     _, drafter, first = drafter_after(model, p)
-    chain = drafter.draft(4, lambda logits: propose(logits, GREEDY, None))
+    chain = drafter.chain(4, lambda logits: propose(logits, GREEDY, None))
     tree = drafter.draft_tree(first, 4, 1, 16, lambda logits: propose(logits, GREEDY, None))
     assert tree.is_chain() and [pr.token for pr in tree.proposals] == [pr.token for pr in chain]
 

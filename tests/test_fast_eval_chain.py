@@ -30,8 +30,8 @@ class TableDrafter(Eagle3Drafter):
         super().__init__(module, embed)
         self.table = table
 
-    def draft(self, m, choose):
-        super().draft(m, choose)
+    def chain(self, m, choose):
+        super().chain(m, choose)
         return [Proposal(int(self.table[j, self.rows - 1])) for j in range(m)]
 
 
@@ -53,7 +53,7 @@ def test_replay_settles_the_cycles_the_chain_runtime_does(family_model, m, max_n
             table[j, i] = seq[i + 2 + j] if right else (seq[i + 2 + j] + 1) % model.config.vocab_size
     out = ChainDecoder(staged, TableDrafter(module, staged.embed, table), frozenset(), m).generate(p, Request(max_new, GREEDY))
     assert out.token_ids == tokens
-    replayed = replay_chain(m, len(p), tokens, table)
+    replayed = replay_chain(m, p, tokens, table)
     assert chain_summary(replayed) == chain_summary(out.stats)
     assert len(set(out.stats.accepted_per_cycle)) >= min(m + 1, 3)   # the case really mixes run lengths
 

@@ -53,10 +53,10 @@ def test_the_continuation_copies_and_loops():
 def test_no_match_no_drafts():
     drafter = LookupDrafter(min_n=2, max_n=4)
     drafter.start({}, [1, 2, 3, 4])
-    assert drafter.draft(5) == [] and drafter.last_match == 0
+    assert drafter.chain(5) == [] and drafter.last_match == 0
     drafter.verified({}, [1, 2, 3, 4, 1, 2])
-    assert [p.token for p in drafter.draft(3)] == [3, 4, 1] and drafter.last_match == 2
-    assert all(p.q is None for p in drafter.draft(3))             # deterministic: a point mass when sampling
+    assert [p.token for p in drafter.chain(3)] == [3, 4, 1] and drafter.last_match == 2
+    assert all(p.q is None for p in drafter.chain(3))             # deterministic: a point mass when sampling
 
 
 @pytest.mark.parametrize("m", [1, 4, 8])

@@ -183,8 +183,8 @@ class ScriptedChainDrafter(Eagle3Drafter):
         super().verified(hidden, tokens)
 
     @torch.no_grad()
-    def draft(self, m, choose):
-        super().draft(m, lambda logits: Proposal(int(logits.argmax())))
+    def chain(self, m, choose):
+        super().chain(m, lambda logits: Proposal(int(logits.argmax())))
         seq, drafts = list(self.seq), []
         for _ in range(m):
             logits = self.model(torch.tensor([seq])).logits[0, -1]

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Mapping
 
 import torch
 
-from spd.runtime.flight import Flight
-from spd.runtime.schedule import Step
 from spd.sampling import Proposal
 from spd.tree import DraftTree
 
@@ -41,27 +38,6 @@ class StepView:
     occupancy: int                       # tokens in flight when the step began, the newest included
     n: int
     in_flight: tuple[InFlight, ...]      # oldest first; in_flight[-1].pos == t (depth 0 before the step, 1 after)
-
-
-def branch_view(step: Step, flight: Flight, tip: int, features: dict[int, dict[int, torch.Tensor]],
-                after: bool = False) -> StepView:
-    """The step as the branch ending at `tip` (a node of the newest level) sees it: the tip's ancestors in flight
-    and the tip, at their depths. features: {node: {layer: H^l [1, 1, d]}}. For a chain, the whole step."""
-    items = tuple(InFlight(flight.token(node), flight.nodes[node].pos,
-                           min(step.n, step.t - flight.nodes[node].pos + after), MappingProxyType(features[node]),
-                           node)
-                  for node in flight.branch(tip))
-    assert len(items) == step.occupancy, "every level in flight holds one ancestor of each tip"
-    return StepView(step.t, step.occupancy, step.n, items)
-
-
-def step_view(step: Step, tokens: list[int], features: dict[int, dict[int, torch.Tensor]],
-              after: bool = False) -> StepView:
-    """A chain's step from its tokens by position. features: {pos: {layer: H^l [1, 1, d]}} of the step's positions
-    t-occupancy+1..t."""
-    items = tuple(InFlight(tokens[pos], pos, min(step.n, k + after), MappingProxyType(features[pos]))
-                  for pos, k in step.in_flight())
-    return StepView(step.t, step.occupancy, step.n, items)
 
 
 class Drafter(ABC):
@@ -125,6 +101,8 @@ class WrappedDrafter(Drafter):
 
 
 class ChainDrafter(ABC):
+    """One method drafts: `draft_tree`, a chain being the tree of width 1."""
+
     branches = False     # True: draft_tree grows trees wider than one branch (W > 1)
 
     @abstractmethod
@@ -136,16 +114,12 @@ class ChainDrafter(ABC):
         """prompt_hidden: {layer: H^layer [1, P, d]}; tokens: the prompt and the first generated token (P + 1)."""
 
     @abstractmethod
-    def draft(self, m: int, propose) -> list[Proposal]:
-        """At most m proposals for the positions after the verified sequence (none: the cycle is a plain AR step).
-        propose(logits [V_target]) -> Proposal turns a drafter's logits into the run's choice (argmax, or a sample
-        with its q); a drafter without logits returns Proposal(token) (deterministic, q = None)."""
-
     def draft_tree(self, root: int, m: int, width: int, budget: int, propose) -> DraftTree:
         """The drafts below `root` (the newest verified token) as a tree, parents first: depth <= m, at most
-        `width` children per node, at most `budget` nodes besides the root. A drafter without trees drafts its
-        chain (W = 1)."""
-        return DraftTree.chain(root, self.draft(m, propose))
+        `width` children per node, at most `budget` nodes besides the root; W = 1 is a chain (`DraftTree.chain`),
+        and a tree of the root alone makes the cycle a plain AR step. propose(logits [V_target]) -> Proposal turns a
+        drafter's logits into the run's choice (argmax, or a sample with its q); a drafter without logits proposes
+        Proposal(token) (deterministic, q = None)."""
 
     @abstractmethod
     def verified(self, hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:

@@ -9,7 +9,7 @@ get their step-0 rows from the target's features of the verify pass.
 W > 1 grows EAGLE-2's dynamic tree (design §8): the root's W best children, then for each further depth the
 frontier's rows in one pass (each under its own ancestors), W children per frontier node, the W best of them by
 cumulative log-probability as the next frontier; finally the `budget` best nodes of all, parents first. Children
-are the top-W of q, deterministic, so verification keeps each with its p (`spd.sampling.settle_children`).
+are the top-W of q (`spd.sampling.children_of_rows`, the pipeline's rule too), deterministic, so verification keeps each with its p (`spd.sampling.settle_children`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from spd.attention import attend_block
 from spd.drafters.base import ChainDrafter
 from spd.eagle3_module import Eagle3Module
-from spd.sampling import Proposal
+from spd.sampling import Proposal, children_of_rows
 from spd.targets.kv_cache import LayerKVCache
 from spd.tree import DraftTree
 
@@ -80,8 +80,8 @@ class Eagle3Drafter(ChainDrafter):
         self.rows = rows
 
     @torch.no_grad()
-    def draft(self, m: int, propose) -> list[Proposal]:
-        """m drafts for the positions after the verified sequence; propose(logits [V_target]) -> Proposal (the
+    def chain(self, m: int, propose) -> list[Proposal]:
+        """The chain (W = 1): m drafts for the positions after the verified sequence; propose(logits [V_target]) -> Proposal (the
         argmax, or a sample with the q it was drawn from)."""
         drafts, h = [], self.last_h
         for j in range(m):
@@ -94,18 +94,21 @@ class Eagle3Drafter(ChainDrafter):
 
     def _log_q(self, h: torch.Tensor) -> torch.Tensor:
         """log q over the target's vocabulary [S, V] for the rows h [1, S, d]."""
-        return torch.log_softmax(self.module.target_logits(self.module.logits(h)[0]).float(), -1)
+        return torch.log_softmax(self._logits(h).float(), -1)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The module's logits over the target's vocabulary [S, V] for the rows h [1, S, d]."""
+        return self.module.target_logits(self.module.logits(h)[0])
 
     @torch.no_grad()
     def draft_tree(self, root: int, m: int, width: int, budget: int, propose) -> DraftTree:
         if width == 1:
-            return super().draft_tree(root, m, width, budget, propose)      # the chain
+            return DraftTree.chain(root, self.chain(m, propose))
         # candidates: (cumulative log q, parent candidate or -1 for the root, token, depth)
         cands: list[tuple[float, int, int, int]] = []
-        top = torch.topk(self._log_q(self.last_h)[-1], width)
         frontier = []
-        for lp, token in zip(top.values.tolist(), top.indices.tolist()):
-            cands.append((lp, -1, token, 1))
+        for proposal, lp in children_of_rows(self._logits(self.last_h)[-1:], width)[0]:
+            cands.append((lp, -1, proposal.token, 1))
             frontier.append(len(cands) - 1)
         out_of = {-1: self.last_h}        # candidate -> its row's output [1, 1, d] (what its children are drafted from)
         slot: dict[int, int] = {}         # candidate -> its temporary row, counted after the verified rows
@@ -125,11 +128,10 @@ class Eagle3Drafter(ChainDrafter):
             out = self._run(self.embed(ids), h, 0, positions, visible.to(h.device))
             for i, c in enumerate(frontier):
                 slot[c], out_of[c] = temp + i, out[:, i: i + 1]
-            top = torch.topk(self._log_q(out), width)          # [count, width]
             grown = []
-            for i, c in enumerate(frontier):
-                for lp, token in zip(top.values[i].tolist(), top.indices[i].tolist()):
-                    cands.append((cands[c][0] + lp, c, token, depth))
+            for c, children in zip(frontier, children_of_rows(self._logits(out), width)):
+                for proposal, lp in children:
+                    cands.append((cands[c][0] + lp, c, proposal.token, depth))
                     grown.append(len(cands) - 1)
             frontier = sorted(grown, key=lambda c: (-cands[c][0], c))[:width]
         self.kv.crop(self.rows)

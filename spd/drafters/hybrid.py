@@ -12,25 +12,27 @@ ends in a match, and the module's W likeliest children otherwise (one batched pa
 
 from __future__ import annotations
 
-from spd.drafters.base import Drafter, StepView
+from spd.drafters.base import Drafter, StepView, WrappedDrafter
 from spd.drafters.lookup import NgramIndex
 from spd.drafters.spd_module import ModuleDrafter
 from spd.methods import DRAFT_SOURCES, LOOKUP_MODULE, MODULE
 from spd.sampling import Proposal
 
 
-class LookupThenModule(Drafter):
-    def __init__(self, module: Drafter, min_n: int = 2, max_n: int = 8):
-        self.module = module
-        self.min_n, self.max_n = min_n, max_n
-        self.after_step = module.after_step
-        self.branches = module.branches
+class LookupThenModule(WrappedDrafter):
+    """Wraps the module's drafter: its states, memory and rollbacks go to the module untouched; only the draft may
+    come from the lookup instead."""
 
-    def layers_needed(self, bounds):
-        return self.module.layers_needed(bounds)
+    def __init__(self, module: Drafter, min_n: int = 2, max_n: int = 8):
+        super().__init__(module)
+        self.min_n, self.max_n = min_n, max_n
+
+    @property
+    def module(self) -> Drafter:
+        return self.inner
 
     def start(self, prompt_hidden, prompt_ids):
-        self.module.start(prompt_hidden, prompt_ids)
+        super().start(prompt_hidden, prompt_ids)
         self.index = NgramIndex(self.min_n, self.max_n)   # every position up to the newest in flight
         self.index.extend(list(prompt_ids))
 
@@ -83,11 +85,8 @@ class LookupThenModule(Drafter):
                 children[i] = drafted
         return children
 
-    def finalize(self, pos, hidden):
-        self.module.finalize(pos, hidden)
-
     def on_rollback(self, length):
-        self.module.on_rollback(length)
+        super().on_rollback(length)
         self.index.truncate(length)
 
 

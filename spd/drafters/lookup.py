@@ -118,14 +118,15 @@ class LookupDrafter(ChainDrafter):
     def verified(self, hidden, tokens) -> None:
         self.index.extend(tokens[len(self.index):])
 
-    def draft(self, m: int, propose=None) -> list[Proposal]:
+    def chain(self, m: int) -> list[Proposal]:
+        """The chain's drafts: up to m tokens of the longest match's continuation."""
         n, start = self.index.match()
         self.last_match = n
         return [Proposal(token, source="lookup") for token in self.index.continuation(start, m)] if n else []
 
     def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
         if width == 1:
-            return super().draft_tree(root, m, width, budget, propose)      # the chain
+            return DraftTree.chain(root, self.chain(m))
         tree, node_of = DraftTree(root), {}       # node_of: (parent node, token) -> node
         self.last_match = self.index.match()[0]
         for start in self.index.matches(budget):

@@ -6,11 +6,27 @@ drafter whose compute they keep, let benchmarks hold the pipeline full to time s
 
 from __future__ import annotations
 
-from spd.drafters.base import Drafter, StepView
+from spd.drafters.base import Drafter, StepView, WrappedDrafter
 from spd.sampling import Proposal
 
 
-class ReferenceDrafter(Drafter):
+class _Idle(Drafter):
+    """Reads nothing and drafts nothing: the inner drafter of a reference drafter that times no real one."""
+
+    def layers_needed(self, bounds):
+        return []
+
+    def start(self, prompt_hidden, prompt_ids):
+        pass
+
+    def draft(self, view, propose):
+        return None
+
+    def finalize(self, pos, hidden):
+        pass
+
+
+class ReferenceDrafter(WrappedDrafter):
     """Drafts reference[pos] (or any other token when `wrong`) for the position being proposed.
 
     reference: the full token sequence (prompt + the target's own greedy continuation).
@@ -18,30 +34,14 @@ class ReferenceDrafter(Drafter):
     """
 
     def __init__(self, reference: list[int], vocab_size: int, wrong: bool = False, inner: Drafter | None = None):
+        super().__init__(inner or _Idle())
         self.reference = reference
         self.vocab_size = vocab_size
         self.wrong = wrong
-        self.inner = inner
-        self.after_step = inner.after_step if inner else False
-
-    def layers_needed(self, bounds):
-        return self.inner.layers_needed(bounds) if self.inner else []
-
-    def start(self, prompt_hidden, prompt_ids):
-        if self.inner:
-            self.inner.start(prompt_hidden, prompt_ids)
-
-    def finalize(self, pos, hidden):
-        if self.inner:
-            self.inner.finalize(pos, hidden)
-
-    def on_rollback(self, length):
-        if self.inner:
-            self.inner.on_rollback(length)
+        self.branches = False
 
     def draft(self, view: StepView, propose) -> Proposal:
-        if self.inner:
-            self.inner.draft(view, propose)
+        self.inner.draft(view, propose)
         pos = view.t + 1
         right = self.reference[pos] if pos < len(self.reference) else 0
         return Proposal((right + 1) % self.vocab_size if self.wrong else right, source="reference")

@@ -38,13 +38,14 @@ import dataclasses
 
 import torch
 
-from spd.drafters.base import StepView, step_view
+from spd.drafters.base import StepView
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import needed_layers
 from spd.engine import build_decoder
 from spd.methods import CHAIN
 from spd.module import SpeculationModule
 from spd.runtime.schedule import spd_step
+from spd.runtime.views import step_view
 from spd.sampling import Proposal, SamplingParams, propose, propose_children, settle, settle_children
 from spd.targets.stages import StagedTarget
 from spd.timing import median_seconds

@@ -20,12 +20,13 @@ from typing import Callable
 import torch
 
 from spd.decoding import Decoder, Request, context_length, is_final
-from spd.drafters.base import Drafter, StepView, branch_view
+from spd.drafters.base import Drafter, StepView
 from spd.metrics import DecodeStats
 from spd.runtime.executor import StageExecutor
 from spd.runtime.flight import Flight
 from spd.runtime.local import LocalStages
 from spd.runtime.schedule import first_step, flushed_from, next_step, relay_step
+from spd.runtime.views import branch_view
 from spd.sampling import Proposal, next_token, propose, propose_children, settle_children
 from spd.targets.stages import StagedTarget
 
