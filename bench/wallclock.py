@@ -46,6 +46,11 @@ from spd.sampling import SamplingParams
 from spd.session import open_session
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
+from spd.drafters.suffix import SuffixDrafter
+from spd.targets.row_costs import cached_row_costs
+from spd.train.data import EVERYDAY_PATH
+from repetition import repeating
+from wallclock_table import markdown
 
 
 class TimedDrafter(WrappedDrafter):
@@ -74,11 +79,13 @@ def seed_of(key: str) -> int:
 def decode_all(prompts, run) -> dict:
     """run(key, ids) -> GenerationResult; pooled tokens/s over every prompt, and L′acc where there are steps.
     `outputs` ({prompt key: token ids}) lets main() check every greedy row against the suite's AR."""
-    tokens = seconds = N = K = cycles = 0
-    outputs, sources = {}, {}
+    tokens = seconds = N = K = cycles = drafted = 0
+    outputs, sources, per_prompt = {}, {}, {}
     for key, ids in prompts:
         result = run(key, ids)
         outputs[key] = result.token_ids
+        per_prompt[key] = len(result.token_ids) / result.seconds
+        drafted += getattr(result.stats, "drafted", 0)
         for source, (verified, accepted) in (result.stats.sources.items() if result.stats else ()):
             total = sources.setdefault(source, [0, 0])
             total[0], total[1] = total[0] + verified, total[1] + accepted
@@ -89,11 +96,12 @@ def decode_all(prompts, run) -> dict:
         elif result.stats is not None:
             N, K = N + result.stats.N, K + result.stats.K
     out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs,
+           "per_prompt_tokens_per_s": per_prompt,
            "sources": {source: {"verified": v, "accepted": a, "acceptance": a / v} for source, (v, a) in sources.items()}}
     if K:
         out.update(N=N, K=K, alpha=N / K)
     if cycles:
-        out.update(cycles=cycles, tau=N / cycles)
+        out.update(cycles=cycles, tau=N / cycles, rows_per_cycle=1 + drafted / cycles)
     return out
 
 
@@ -245,6 +253,18 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
             rows.append({"method": "hf_prompt_lookup", **base, "temperature": temperature,
                          "draft_length": args.hf_lookup_tokens, **result})
         lo, hi = args.lookup_ngrams
+        for width in args.suffix_widths:     # context statistics, priced with this machine's row costs
+            budget = args.tree_nodes if width > 1 else args.suffix_length
+            costs = cached_row_costs(staged, budget + 1)
+            drafter = SuffixDrafter(lo, hi, costs)
+            decoder = build_decoder(CHAIN, staged, eos, drafter, draft_length=args.suffix_length, width=width,
+                                    tree_nodes=args.tree_nodes)
+            result = decode_all(prompts, lambda key, ids: decoder.generate(
+                ids, Request(args.max_new_tokens, params, seed_of(key))))
+            rows.append({"method": "suffix", **base, "temperature": temperature, "draft_length": args.suffix_length,
+                         "W": width, "tree_nodes": args.tree_nodes if width > 1 else None, "ngrams": [lo, hi],
+                         "priced_out_share": drafter.priced_out / max(drafter.cycles, 1),
+                         "row_costs_s": list(costs.seconds), **result})
         for m in args.draft_length:
             decoder = build_decoder(CHAIN, staged, eos, LookupDrafter(lo, hi), draft_length=m)
             result = decode_all(prompts, lambda key, ids: decoder.generate(
@@ -340,6 +360,11 @@ def main() -> int:
     ap.add_argument("--batch", default="", help="e.g. 1,2,4,8: batched rows at these max_batch (issue 35)")
     ap.add_argument("--distributed-spd", type=int, default=0,
                     help="with --batch: also SPD's pipeline of this n in stage processes under SEED's schedule")
+    ap.add_argument("--suffix-widths", default="", help="e.g. 1,4: method=suffix rows (priced) at these W")
+    ap.add_argument("--suffix-length", type=int, default=15, help="method=suffix's depth bound m")
+    ap.add_argument("--sets", default="eval", help="eval (the first --limit of each eval set) and/or everyday (the "
+                    "30 held-out ShareGPT first turns, answers to EOS or --max-new-tokens)")
+    ap.add_argument("--everyday-limit", type=int, default=30)
     ap.add_argument("--out", default="docs/results/wallclock.json")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -348,9 +373,71 @@ def main() -> int:
     args.draft_length = [int(m) for m in args.draft_length.split(",")]
     args.widths = [int(w) for w in args.widths.split(",")]
     args.batch = [int(b) for b in args.batch.split(",") if b]
+    args.suffix_widths = [int(w) for w in args.suffix_widths.split(",") if w]
     loaded = load_target(args.target)
-    prompts = [(f"{ds}/{q['question_id']}", chat_prompt_ids(loaded.tokenizer, q["turns"][0]))
-               for ds in DATASETS for q in load_questions(ds)[: args.limit]]
+    rows, sets = [], {}
+    for name in args.sets.split(","):
+        prompts = prompt_set(name, args, loaded.tokenizer)
+        before = len(rows)
+        rows += set_rows(args, prompts, loaded)
+        for row in rows[before:]:
+            row["set"] = name
+        sets[name] = summarise_set(rows[before:], prompts, args)
+    report = {"rows": rows, "sets": sets, "max_new_tokens": args.max_new_tokens, "cores": args.cores,
+              "prompts": sum(s["prompts"] for s in sets.values()),
+              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
+              "command": " ".join(["python", *sys.argv])}
+    write_json(args.out, report)
+    print(markdown(report))
+    for name, summary in sets.items():
+        print(f"{name}: {summary['prompts']} prompts, {summary['repeat_share']:.1%} of AR's greedy positions inside a "
+              f"repeated {REPEAT_SPAN}-token span")
+    return 0
+
+
+REPEAT_SPAN = 32
+
+
+def prompt_set(name: str, args, tokenizer) -> list[tuple[str, list[int]]]:
+    if name == "eval":
+        return [(f"{ds}/{q['question_id']}", chat_prompt_ids(tokenizer, q["turns"][0]))
+                for ds in DATASETS for q in load_questions(ds)[: args.limit]]
+    if name == "everyday":
+        with open(EVERYDAY_PATH) as f:
+            records = [json.loads(line) for line in f if line.strip()][: args.everyday_limit]
+        return [(f"everyday/{r['id']}", chat_prompt_ids(tokenizer, r["prompt"])) for r in records]
+    raise SystemExit(f"--sets: {name!r} is not a set; use eval and/or everyday")
+
+
+def summarise_set(rows: list[dict], prompts, args) -> dict:
+    """Speedups against the fastest plain decoding of this set at each temperature, greedy rows checked against
+    the suite's AR, each row's worst prompt against AR, and how much of AR's greedy output repeats itself."""
+    fastest_ar = {t: max(r["tokens_per_s"] for r in rows if r["method"] in ("ar", "hf_generate")
+                         and r["runtime"] == "single process" and r["temperature"] == t) for t in args.temperatures}
+    ar = {t: next(r for r in rows if r["method"] == "ar" and r["runtime"] == "single process"
+                  and r["temperature"] == t) for t in args.temperatures}
+    reference = ar[0.0]["outputs"] if 0.0 in ar else None
+    for row in rows:
+        row["speedup_vs_fastest_plain"] = row["tokens_per_s"] / fastest_ar[row["temperature"]]
+        base = ar[row["temperature"]]["per_prompt_tokens_per_s"]
+        ratios = {key: rate / base[key] for key, rate in row.get("per_prompt_tokens_per_s", {}).items()}
+        if ratios:      # batched rows time their prompts together
+            worst = min(ratios, key=ratios.get)
+            row["worst_prompt_vs_ar"], row["worst_prompt"] = ratios[worst], worst
+        row["prompts"] = len(prompts)
+        outputs = row.pop("outputs")
+        if row["temperature"] == 0 and reference is not None:  # lossless: every greedy row decodes AR's tokens
+            row["greedy_equals_ar"] = sum(outputs[key] == ids for key, ids in reference.items())
+    inside = positions = 0
+    if reference is not None:
+        for key, ids in prompts:
+            inside += len(repeating(ids + reference[key], len(ids), REPEAT_SPAN))
+            positions += len(reference[key])
+    return {"prompts": len(prompts), "repeat_share": inside / positions if positions else None,
+            "fastest_plain_tokens_per_s": fastest_ar}
+
+
+def set_rows(args, prompts, loaded) -> list[dict]:
     rows = single_process_rows(args, prompts, args.cores, loaded)
     if args.local_spd:
         rows += local_spd_rows(args, prompts, args.cores)
@@ -363,61 +450,7 @@ def main() -> int:
         controllers = [c for c in args.controllers.split(",") if n > 1 or c == "own_process"]
         for kind, controller in itertools.product(kinds, controllers):
             rows += distributed_rows(args, prompts, n, kind, args.cores, loaded.model, controller)
-    # plain decoding: the suite's AR and transformers' generate, each on all cores
-    fastest_ar = {t: max(r["tokens_per_s"] for r in rows if r["method"] in ("ar", "hf_generate")
-                         and r["runtime"] == "single process" and r["temperature"] == t) for t in args.temperatures}
-    reference = next((r["outputs"] for r in rows if r["method"] == "ar" and r["runtime"] == "single process"
-                      and r["temperature"] == 0), None)
-    for row in rows:
-        row["speedup_vs_fastest_plain"] = row["tokens_per_s"] / fastest_ar[row["temperature"]]
-        outputs = row.pop("outputs")
-        if row["temperature"] == 0 and reference is not None:  # lossless: every greedy row decodes AR's tokens
-            row["greedy_equals_ar"] = sum(outputs[key] == ids for key, ids in reference.items())
-    report = {"rows": rows, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "cores": args.cores,
-              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
-              "command": " ".join(["python", *sys.argv])}
-    write_json(args.out, report)
-    print(markdown(report))
-    return 0
-
-
-def per_source(row: dict) -> str:
-    """ "lookup 0.62, module 0.09": accepted / verified drafts per draft source."""
-    return ", ".join(f"{source} {v['acceptance']:.2f}" for source, v in sorted(row.get("sources", {}).items())) or "—"
-
-
-def label(row: dict) -> str:
-    if row.get("runtime", "").endswith("batched"):
-        where = f", {row['processes']} processes" if row["processes"] > 1 else ""
-        return (f"{row['method']}{', ' + row['draft_source'] if row.get('draft_source') else ''}{where}, batched "
-                f"{row['max_batch']}")
-    if row["method"] == "lookup":
-        return f"lookup m={row['draft_length']}, n-grams {row['ngrams'][0]}..{row['ngrams'][1]}"
-    if row["method"] == "hf_prompt_lookup":
-        return f"hf_prompt_lookup {row['draft_length']}"
-    tree = f", W={row['W']}" if row.get("W", 1) > 1 else ""
-    if row["method"] == "eagle3":
-        return f"eagle3 m={row['draft_length']}{tree}" + (f", {row['tree_nodes']} nodes" if tree else "")
-    return row["method"] + (f", {row['draft_source']}" if row.get("draft_source") else "") + tree
-
-
-def markdown(report: dict) -> str:
-    lines = ["| n | bounds | module | T | method | processes × threads | tokens/s | vs fastest plain | L′acc or τ | "
-             "accepted per source | s/step | module s/step | messages µs/step | calibrated tokens/s | greedy = AR |",
-             "|---:|---|---|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
-    for r in report["rows"]:
-        def f(key, spec=".3f", scale=1.0):
-            return format(r[key] * scale, spec) if r.get(key) is not None else "—"
-        lines.append(f"| {r.get('n', '—')} | {r.get('bounds', '—')} {r.get('stage_bounds', '')} | "
-                     f"{r.get('module', '—')} | {r['temperature']:g} | {label(r)} ({r['runtime']}) | "
-                     f"{r['processes']} × {r['threads_per_process']} | {f('tokens_per_s', '.1f')} | "
-                     f"{f('speedup_vs_fastest_plain')} | {f('eal' if 'eal' in r else 'tau')} | "
-                     f"{per_source(r)} | "
-                     f"{f('s_per_step', '.4f')} | "
-                     f"{f('module_s_per_step', '.4f')} | {f('message_us_per_step_median', '.0f')} | "
-                     f"{f('calibrated_tokens_per_s', '.1f')} | "
-                     f"{str(r['greedy_equals_ar']) + '/' + str(report['prompts']) if 'greedy_equals_ar' in r else '—'} |")
-    return "\n".join(lines)
+    return rows
 
 
 if __name__ == "__main__":

@@ -47,18 +47,23 @@ class GenerateConfig:
                                          # per cycle (AR and the chains, runtime=local), one pipeline step (SPD's
                                          # pipeline, local or distributed); 1 = one at a time
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
-    method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | ar (plain autoregressive
+    method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | suffix | ar (plain AR
                                          # through the same stage runner); None = the checkpoint's, and where no key
                                          # chooses, the fastest lossless for the device (spd.fastest), else spd
-    draft_length: Optional[int] = None   # method=eagle3 | lookup: at most m drafts per target forward; None = the
-                                         # method's own (eagle3 5, lookup 7)
+    draft_length: Optional[int] = None   # method=eagle3 | lookup | suffix: at most m drafts per target forward; None
+                                         # = the method's own (eagle3 5, lookup 7, suffix 15)
     W: int = 1                           # draft-tree width (1 = a chain): branches kept in SPD's pipeline, children per
                                          # node in a chain's tree; W > 1 needs method=
     tree_nodes: int = 16                 # W > 1, chain methods: drafted nodes per verification (the tree's budget)
     draft_source: str = "module"         # pipelined methods: module | lookup+module (the context lookup's token
                                          # where the context's suffix matched earlier, else the module's draft)
-    lookup_min_ngram: int = 2            # lookup, lookup+module: shortest suffix of the context that may match earlier
-    lookup_max_ngram: int = 8            # lookup, lookup+module: longest suffix compared (the longest match wins)
+    lookup_min_ngram: int = 2            # lookup, lookup+module, suffix: shortest suffix of the context that may match
+                                         # earlier
+    lookup_max_ngram: int = 8            # lookup, lookup+module, suffix: longest suffix compared (the longest match wins)
+    draft_pricing: bool = True           # suffix: each cycle drafts what this machine's row costs and the run's own
+                                         # verdicts say pays (spd.pricing); false: every candidate up to the budget
+    suffix_memory: bool = False          # suffix: earlier requests' prompts and answers (chat turns, a server's
+                                         # requests) join the context searched — speed only, never the output
     n: Optional[int] = None              # pipeline stages; None = the checkpoint's n, else 5
     stage_bounds: Any = None             # explicit inner boundaries b_1..b_{n-1}, or "balanced" (by measured cost)
     module_layers: int = 1               # L_s of a randomly initialised module

@@ -157,3 +157,10 @@ def fast_lookup_eval(trace: GreedyTrace, *, ngrams: tuple[int, int], draft_lengt
                      tree_nodes: int, **_) -> dict:
     """The context lookup's exact greedy replay (spd.methods), chain or tree."""
     return fast_lookup_stats(trace, *ngrams, draft_length, width=width, budget=tree_nodes if width > 1 else None)
+
+
+def fast_suffix_eval(trace: GreedyTrace, *, make_drafter, draft_length: int, width: int, tree_nodes: int,
+                     **_) -> dict:
+    """The context statistics' exact greedy replay (spd.methods): the runtime's own drafter (make_drafter(), fresh,
+    priced with the session's row costs), chain or tree."""
+    return fast_tree_stats(make_drafter(), trace, draft_length, width, tree_nodes if width > 1 else draft_length)

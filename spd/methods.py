@@ -40,6 +40,8 @@ class Method:
     plan: Plan | None = None          # a pipelined method's features
     objective: str | None = None      # "module:class" of its training objective (spd.train.methods)
     replays_trees: bool = False       # its fast evaluator also replays draft trees (W > 1) exactly
+    priced: bool = False              # its drafter prices each cycle with this machine's row costs (spd.pricing) and
+                                      # may search earlier requests (suffix_memory=)
 
     @property
     def fast_eval(self) -> bool:
@@ -74,6 +76,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # 4% of it on 256-token answers (docs/results.md) and costs more on a miss
     Method("lookup", "Context lookup", CHAIN, None, fast_evaluator="spd.fast_eval_chain:fast_lookup_eval",
            draft_length=7, drafter="spd.drafters.lookup:chain_drafter", replays_trees=True),
+    # 15: a chain's depth bound; the pricing (spd.pricing) decides each cycle how much of it to draft
+    Method("suffix", "Context statistics, priced", CHAIN, None, fast_evaluator="spd.fast_eval_chain:fast_suffix_eval",
+           draft_length=15, drafter="spd.drafters.suffix:chain_drafter", replays_trees=True, priced=True),
     Method("ar", "AR", AR, None),
 )}
 

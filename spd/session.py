@@ -13,13 +13,16 @@ from spd.drafters.base import ChainDrafter, Drafter
 from spd.eagle3_module import Eagle3Module
 from spd.errors import UserError
 from spd.methods import METHODS, MODULE, behaviour, module_class
+from spd.drafters.suffix import SuffixMemory
 from spd.module import SpeculationModule
+from spd.pricing import RowCosts
 from spd.prompts import conversation_ids
 from spd.sampling import SamplingParams
 from spd.shipped import DEFAULT_N, checkpoint_for
 from spd.runtime.stages import check_runtime
 from spd.targets.loaded import DTYPES
 from spd.targets.loading import LoadedTarget, load_target
+from spd.targets.row_costs import cached_row_costs
 from spd.targets.weight_cache import load_parts, materialize
 from spd.targets.stages import StagedTarget
 
@@ -41,6 +44,8 @@ class Session:
     draft_length: int | None = None    # chain methods: at most m drafts per target forward
     width: int = 1                     # chain methods: draft-tree width W (1 = a chain)
     tree_nodes: int = 16               # W > 1: drafted nodes per verification
+    row_costs: RowCosts | None = None  # suffix with draft_pricing: this machine's forward cost by rows
+    memory: SuffixMemory | None = None  # suffix with suffix_memory: earlier requests, shared by this session's drafters
 
     def drafter(self, use_cache: bool = True) -> Drafter | ChainDrafter | None:
         """The method's drafter (spd.methods names its factory); None for plain AR."""
@@ -48,7 +53,8 @@ class Session:
         if make is None:
             return None
         return behaviour(make)(module=self.module, embed=self.staged.embed, draft_source=self.draft_source,
-                               ngrams=self.lookup_ngrams, use_cache=use_cache)
+                               ngrams=self.lookup_ngrams, use_cache=use_cache, row_costs=self.row_costs,
+                               memory=self.memory)
 
     @property
     def drafts_with(self) -> str:
@@ -125,11 +131,19 @@ def open_session(cfg) -> Session:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             module = module_class(METHODS[method].module).untrained(staged, method, cfg.module_layers, seed=cfg.seed)
+    ngrams = (getattr(cfg, "lookup_min_ngram", 2), getattr(cfg, "lookup_max_ngram", 8))
+    draft_length, width, tree_nodes = (cfg.draft_length or METHODS[method].draft_length, getattr(cfg, "W", 1),
+                                       getattr(cfg, "tree_nodes", 16))
+    row_costs = memory = None
+    if METHODS[method].priced:
+        if getattr(cfg, "draft_pricing", True):
+            row_costs = cached_row_costs(staged, 1 + (tree_nodes if width > 1 else draft_length))
+        if getattr(cfg, "suffix_memory", False):
+            memory = SuffixMemory(*ngrams)
     return Session(loaded, staged, module.eval() if module else None, params,
                    eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
-                   method, (getattr(cfg, "lookup_min_ngram", 2), getattr(cfg, "lookup_max_ngram", 8)),
-                   getattr(cfg, "draft_source", MODULE), cfg.draft_length or METHODS[method].draft_length,
-                   getattr(cfg, "W", 1), getattr(cfg, "tree_nodes", 16))
+                   method, ngrams, getattr(cfg, "draft_source", MODULE), draft_length, width, tree_nodes, row_costs,
+                   memory)
 
 
 def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> str:

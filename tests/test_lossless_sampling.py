@@ -318,3 +318,51 @@ def test_a_point_mass_verifier_that_accepts_everything_is_caught(small_vocab_mod
     dist = exact_distribution(small_vocab_model, PARAMS)
     counts = sample_lookup(small_vocab_model, 1500, seed=5)
     assert chi2_pvalue(counts, dist, 1500) < ALPHA
+
+
+def sample_suffix(model, samples, seed, verdicts=None, rows=None):
+    """Context statistics, priced on a CPU-like curve (2 and 3 rows dearer than 4), W = 4 trees over PROMPT (its
+    "1" was followed by 4 and by 5: the root branches); one drafter for every sample, so its predictor keeps
+    learning from the sampled verdicts and the drafted rows change as it does."""
+    from spd.drafters.suffix import SuffixDrafter
+    from spd.runtime.chain import ChainDecoder
+    from test_suffix import CPU_LIKE
+
+    decoder = ChainDecoder(StagedTarget(model, 1), SuffixDrafter(1, 2, CPU_LIKE), frozenset(), 2, 4, 8)
+    counts = {}
+    for i in range(samples):
+        out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i))
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        if verdicts is not None:
+            verdicts += out.stats.verdicts
+        if rows is not None:
+            rows.append(out.stats.drafted)
+    return counts
+
+
+def test_priced_suffix_trees_sample_the_target_distribution(small_vocab_model):
+    """Deterministic children, several per node, verified by one draw of p; drafts priced per cycle."""
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    verdicts, rows = [], []
+    counts = sample_suffix(small_vocab_model, SHORT, seed=9, verdicts=verdicts, rows=rows)
+    kept = sum(ok for _, _, ok in verdicts)
+    # nodes kept often, missed too (top_k=2: a node whose children hold both warped tokens never misses)
+    assert kept > SHORT * 0.1 and len(verdicts) - kept > SHORT * 0.05
+    assert len(set(rows)) > 1                                             # the pricing drafted differently
+    assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+def test_a_tree_verifier_that_keeps_the_first_child_is_caught(small_vocab_model, monkeypatch):
+    import spd.runtime.sequence
+
+    rule = spd.runtime.sequence.settle_children
+
+    def first_child(logits, children, params, generator):
+        index, token = rule(logits, children, params, generator)
+        return (0, children[0].token) if index is None else (index, token)
+
+    monkeypatch.setattr(spd.runtime.sequence, "settle_children", first_child)
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    counts = sample_suffix(small_vocab_model, 1500, seed=10)
+    assert chi2_pvalue(counts, dist, 1500) < ALPHA

@@ -62,8 +62,23 @@ def normalise(record) -> list[dict] | None:
     return out
 
 
+EVERYDAY_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "eval", "everyday",
+                             "prompts.jsonl")
+
+
+def held_out_ids() -> frozenset[str]:
+    """ShareGPT records no training run may read: the everyday benchmark set's (bench/everyday_set.py)."""
+    if not os.path.isfile(EVERYDAY_PATH):
+        return frozenset()
+    with open(EVERYDAY_PATH) as f:
+        return frozenset(json.loads(line)["id"] for line in f if line.strip())
+
+
 def _sharegpt_generator(path: str):
+    held_out = held_out_ids()
     for record in complete_records(path):
+        if record.get("id") in held_out:
+            continue
         msgs = normalise(record)
         if msgs:
             yield {"messages": msgs}

@@ -1,0 +1,197 @@
+"""Context statistics as drafts, priced per cycle (`method=suffix`; SuffixDecoding's idea — counts of what followed
+the context's suffix earlier — not its code).
+
+Candidates: every earlier occurrence of the longest suffix of the context (prompt + verified tokens) that occurred
+before, and, while those are few, of shorter suffixes (each step shorter weighs half), each proposing its
+continuation. The continuations merge into a trie whose every node carries its weight, so a child's share of its
+parent's weight is an empirical probability; the tree grows best-first by the product of those shares along the
+path (at most W children a node, depth <= m, `budget` nodes).
+
+Pricing (spd.pricing): each candidate's chance of being kept comes from an acceptance predictor calibrated online
+on this request's and earlier requests' verdicts (by source, match length, share, support, depth); the forward
+carries the prefix of candidates, best first, that maximises expected tokens per second under this machine's
+row-cost profile. A cycle worth nothing drafts nothing (a plain AR step). Every candidate is deterministic
+(q = None), so verification keeps each child with exactly its p (`spd.sampling.settle_children`): greedy follows
+the argmax, sampling one draw of p — at T = 1 the predictor learns the sampled acceptance.
+
+An opt-in memory (`SuffixMemory`, shared by the drafters of one engine) adds earlier requests' prompts and answers to
+the occurrences searched: it changes which tokens are drafted, never which are output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spd.drafters.base import ChainDrafter
+from spd.drafters.lookup import NgramIndex
+from spd.pricing import AcceptancePredictor, Evidence, RowCosts, choose
+from spd.sampling import Proposal
+from spd.tree import DraftTree
+
+SEPARATOR = -1      # between requests in a memory: no n-gram of real tokens contains it
+
+
+class SuffixMemory:
+    """Earlier requests' token sequences, one n-gram index over all of them (a separator between two)."""
+
+    def __init__(self, min_n: int, max_n: int, max_tokens: int = 1 << 20):
+        self.index = NgramIndex(min_n, max_n)
+        self.max_tokens = max_tokens
+
+    def add(self, tokens: list[int]) -> None:
+        if len(self.index) + len(tokens) + 1 <= self.max_tokens:   # full: the memory stops growing
+            self.index.extend([*tokens, SEPARATOR])
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int                  # index in the candidate list, -1 = the root
+    depth: int
+    weight: float = 0.0
+    children: dict = field(default_factory=dict)     # token -> candidate index
+
+
+class SuffixDrafter(ChainDrafter):
+    branches = True
+
+    def __init__(self, min_n: int = 1, max_n: int = 8, costs: RowCosts | None = None,
+                 memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64):
+        """costs: this machine's row costs (None: every row count costs the same, so every candidate is drafted up
+        to the budget); enough: occurrences of the longest match after which shorter matches are not consulted."""
+        self.min_n, self.max_n = min_n, max_n
+        self.costs, self.memory = costs, memory
+        self.enough, self.max_occurrences = enough, max_occurrences
+        self.predictor = AcceptancePredictor()       # kept across requests: the machine and target do not change
+        self.index: NgramIndex | None = None
+        self.last: tuple[DraftTree, list[Evidence]] | None = None
+        self.cycles = self.priced_out = 0             # cycles drafted, and those the pricing made plain AR steps
+
+    def layers_needed(self, bounds=None) -> list[int]:
+        return []
+
+    def start(self, prompt_hidden, tokens) -> None:
+        if self.memory is not None and self.index is not None:
+            self.memory.add(self.index.tokens)        # the previous request, as far as it was verified
+        self.index = NgramIndex(self.min_n, self.max_n)
+        self.index.extend(tokens)
+        self.last = None
+
+    def verified(self, hidden, tokens) -> None:
+        new = tokens[len(self.index):]
+        if self.last is not None:
+            self._learn(*self.last, new)
+        self.index.extend(new)
+        self.last = None
+
+    def _learn(self, tree: DraftTree, evidence: list[Evidence], new: list[int]) -> None:
+        """Each node whose parent was kept is a verdict: kept iff the verified token is its token."""
+        node = 0
+        for token in new:
+            children = tree.children(node)
+            if not children:
+                return
+            kept = None
+            for child in children:
+                self.predictor.observe(evidence[child - 1], tree.token(child) == token)
+                if tree.token(child) == token:
+                    kept = child
+            if kept is None:
+                return
+            node = kept
+
+    def _occurrences(self) -> tuple[int, list[tuple[NgramIndex, int, float]]]:
+        """(the longest match length, [(index, continuation start, weight)]) over the context and the memory."""
+        indices = [self.index] + ([self.memory.index] if self.memory is not None else [])
+        suffix_of = self.index.tokens
+        found, seen, longest = [], set(), 0
+        for n in range(min(self.max_n, len(suffix_of)), self.min_n - 1, -1):
+            gram = tuple(suffix_of[len(suffix_of) - n:])
+            for which, index in enumerate(indices):
+                start = index.tables[n].get(gram)
+                while start is not None and len(found) < self.max_occurrences:
+                    if (which, start) not in seen:
+                        seen.add((which, start))
+                        longest = longest or n
+                        found.append((index, start, 0.5 ** (longest - n)))
+                    start = index.older.get((n, start))
+            if len(found) >= self.enough:
+                break
+        return longest, found
+
+    def candidates(self, m: int, width: int, budget: int) -> tuple[list[_Node], list[Evidence]]:
+        """The trie of the occurrences' continuations, best first (parents before children) with each node's
+        evidence; at most `budget` nodes, W children a node, depth m."""
+        longest, found = self._occurrences()
+        nodes: list[_Node] = []
+        root_children: dict[int, int] = {}
+        total = 0.0
+        for index, start, weight in found:
+            total += weight
+            children, parent = root_children, -1
+            for token in _continuation(index, start, m, index is self.index):
+                child = children.get(token)
+                if child is None:
+                    child = children[token] = len(nodes)
+                    nodes.append(_Node(token, parent, 1 if parent < 0 else nodes[parent].depth + 1))
+                nodes[child].weight += weight
+                children, parent = nodes[child].children, child
+        share = [node.weight / (nodes[node.parent].weight if node.parent >= 0 else total) for node in nodes]
+        reach = []
+        for i, node in enumerate(nodes):
+            reach.append(share[i] * (reach[node.parent] if node.parent >= 0 else 1.0))
+        order = sorted(range(len(nodes)), key=lambda i: (-reach[i], nodes[i].depth, i))
+        kept, position, count_of = [], {}, {}
+        for i in order:
+            if len(kept) == budget:
+                break
+            parent = nodes[i].parent
+            if parent >= 0 and parent not in position:
+                continue
+            if count_of.get(parent, 0) >= width:
+                continue
+            count_of[parent] = count_of.get(parent, 0) + 1
+            position[i] = len(kept)
+            kept.append(i)
+        out = [_Node(nodes[i].token, position[nodes[i].parent] if nodes[i].parent >= 0 else -1, nodes[i].depth,
+                     nodes[i].weight) for i in kept]
+        evidence = [Evidence("suffix", longest, share[i],
+                             nodes[nodes[i].parent].weight if nodes[i].parent >= 0 else total, nodes[i].depth)
+                    for i in kept]
+        return out, evidence
+
+    def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
+        nodes, evidence = self.candidates(m, width, budget)
+        reach = []
+        for node, e in zip(nodes, evidence):
+            reach.append(self.predictor.predict(e) * (reach[node.parent] if node.parent >= 0 else 1.0))
+        # the candidates by predicted reach, parents first (a child's reach never exceeds its parent's)
+        order = sorted(range(len(nodes)), key=lambda i: (-reach[i], nodes[i].depth, i))
+        take = len(order) if self.costs is None else choose([reach[i] for i in order], self.costs)
+        self.cycles += 1
+        self.priced_out += bool(nodes) and take == 0
+        chosen = sorted(order[:take])          # candidate order is parents first
+        tree, node_of = DraftTree(root), {-1: 0}
+        for i in chosen:
+            node_of[i] = tree.add(node_of[nodes[i].parent], Proposal(nodes[i].token, source="suffix"))
+        self.last = (tree, [evidence[i] for i in chosen])
+        return tree
+
+
+def _continuation(index: NgramIndex, start: int, count: int, loops: bool) -> list[int]:
+    """`count` tokens from `start` on: the context's own copy may read its output past the end (a loop repeats); a
+    memory's stops at the end of its request."""
+    if loops:
+        return index.continuation(start, count)
+    out = []
+    for token in index.tokens[start: start + count]:
+        if token == SEPARATOR:
+            break
+        out.append(token)
+    return out
+
+
+def chain_drafter(*, ngrams: tuple[int, int], row_costs: RowCosts | None = None, memory: SuffixMemory | None = None,
+                  **_) -> SuffixDrafter:
+    """The context statistics' drafter (spd.methods), priced with this machine's row costs."""
+    return SuffixDrafter(*ngrams, costs=row_costs, memory=memory)

@@ -1,0 +1,109 @@
+"""Context statistics, priced (method=suffix): its candidates carry the context's counts, the pricing picks the
+row count that pays on the machine's curve and learns from verdicts, and decoding with it — chain, tree, any
+pricing, with or without the cross-request memory — is the target's own greedy decoding; the one replay settles
+what the runtime settles."""
+
+import pytest
+
+from helpers import GREEDY, ar_run, prompt
+from spd.decoding import Request
+from spd.drafters.suffix import SuffixDrafter, SuffixMemory
+from spd.fast_eval import record_greedy_trace
+from spd.fast_eval_chain import fast_tree_stats
+from spd.pricing import AcceptancePredictor, Evidence, RowCosts, choose
+from spd.runtime.chain import ChainDecoder
+from spd.targets.stages import StagedTarget
+
+# a CPU's curve: 2 and 3 rows cost more than 4 (docs/results.md, "The lookup's settings, priced")
+CPU_LIKE = RowCosts((1.0, 1.6, 1.9, 1.46, 1.9, 2.0, 2.1, 1.57, 2.2, 2.3, 2.4, 2.0, 2.6, 2.7, 2.8, 1.84))
+
+
+def test_candidates_carry_the_counts_of_what_followed():
+    drafter = SuffixDrafter(1, 4)
+    drafter.start(None, [5, 1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 4, 7, 1, 2])
+    nodes, evidence = drafter.candidates(m=2, width=4, budget=8)
+    first = {nodes[i].token: evidence[i] for i in range(len(nodes)) if nodes[i].parent < 0}
+    assert set(first) == {3, 4}                              # "1 2" was followed by 3 twice and by 4 once
+    assert first[3].share == pytest.approx(2 / 3) and first[4].share == pytest.approx(1 / 3)
+    assert first[3].match == 2 and first[3].support == pytest.approx(3)
+    below_3 = {nodes[i].token: evidence[i].share for i in range(len(nodes)) if nodes[i].parent == 0}
+    assert below_3 == {9: 0.5, 8: 0.5}                       # then 9 once, 8 once
+    assert nodes[0].token == 3                               # best first
+    assert all(n.parent < i for i, n in enumerate(nodes))    # parents first
+    assert len(drafter.candidates(m=2, width=1, budget=8)[0]) == 2      # W = 1: one chain
+
+
+def test_pricing_picks_the_row_count_that_pays():
+    assert choose([], CPU_LIKE) == 0
+    assert choose([0.01] * 15, CPU_LIKE) == 0                # nothing likely: a plain AR step
+    # one likely draft is worth 2 rows, but 4 rows cost less than 2: fill them with the next-best candidates
+    assert choose([0.9, 0.05, 0.05, 0.05], CPU_LIKE) == 3
+    assert choose([0.95] * 15, CPU_LIKE) == 15               # a long sure run: the whole budget
+    assert choose([0.9, 0.05], RowCosts.flat(16)) == 2       # free rows: everything
+    assert choose([0.9] * 3, RowCosts((1.0, 2.5, 3.5, 4.5))) == 0        # rows that cost more than they bring
+
+
+def test_the_predictor_learns_from_verdicts():
+    predictor = AcceptancePredictor()
+    sure = Evidence("suffix", 4, 1.0, 3, 1)
+    before = predictor.predict(sure)
+    for _ in range(40):
+        predictor.observe(sure, False)
+    assert predictor.predict(sure) < 0.1 < before
+    other = Evidence("suffix", 8, 1.0, 3, 1)                 # another bucket keeps its prior
+    assert predictor.predict(other) == pytest.approx(before)
+
+
+@pytest.mark.parametrize("width,budget,costs", [(1, None, None), (1, None, CPU_LIKE), (3, 12, CPU_LIKE),
+                                                (4, 15, RowCosts.flat(16))])
+def test_greedy_suffix_decodes_what_ar_decodes(family_model, untied_target_dir, width, budget, costs):
+    from spd.targets.loading import load_target
+
+    family, model = family_model
+    drafted = 0
+    for target in (model, load_target(untied_target_dir).model):
+        staged = StagedTarget(target, 1)
+        drafter = SuffixDrafter(1, 4, costs)
+        decoder = ChainDecoder(staged, drafter, frozenset(), 8, width, budget)
+        for seed in range(3):               # one drafter for all: its predictor carries over, as in a chat
+            p = prompt(seed + 90, vocab=target.config.vocab_size)
+            out = decoder.generate(p, Request(40, GREEDY))
+            assert out.token_ids == ar_run(target, p, 40).token_ids, (family, seed)
+            drafted += out.stats.drafted
+    assert drafted > 0
+
+
+@pytest.mark.parametrize("width,budget", [(1, None), (3, 12)])
+def test_the_replay_settles_what_the_runtime_settles(family_model, width, budget):
+    _, model = family_model
+    staged = StagedTarget(model, 1)
+    for seed in range(3):
+        p = prompt(seed + 150, vocab=model.config.vocab_size)
+        out = ChainDecoder(staged, SuffixDrafter(1, 4, CPU_LIKE), frozenset(), 8, width, budget).generate(
+            p, Request(40, GREEDY))
+        trace = record_greedy_trace(staged, p, 40, frozenset())
+        got = fast_tree_stats(SuffixDrafter(1, 4, CPU_LIKE), trace, 8, width, budget or 8)
+        want = out.stats
+        assert (got["stats"].N, got["stats"].cycles, got["stats"].accepted_per_cycle, got["stats"].verdicts) == \
+            (want.N, want.cycles, want.accepted_per_cycle, want.verdicts)
+        assert sum(got["rows_per_cycle"]) == want.drafted + want.cycles
+
+
+def test_the_memory_changes_speed_not_output(untied_target_dir):
+    """A second request that repeats the first: with the memory its first drafts come from the earlier request
+    and are kept; the tokens are AR's either way."""
+    from spd.targets.loading import load_target
+
+    target = load_target(untied_target_dir).model
+    staged = StagedTarget(target, 1)
+    p = prompt(7, vocab=target.config.vocab_size)[:12]
+    ar = ar_run(target, p, 40).token_ids
+    runs = {}
+    for memory in (None, SuffixMemory(1, 4)):
+        decoder = ChainDecoder(staged, SuffixDrafter(1, 4, None, memory), frozenset(), 8)
+        decoder.generate(p, Request(40, GREEDY))
+        out = decoder.generate(p, Request(40, GREEDY))
+        assert out.token_ids == ar
+        runs[memory is not None] = out.stats
+    assert runs[True].accepted > runs[False].accepted
+    assert runs[True].accepted_per_cycle[0] > 0 == runs[False].accepted_per_cycle[0]
