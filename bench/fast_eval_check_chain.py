@@ -1,4 +1,5 @@
-"""Proof of the chains' fast evaluators on SmolLM2 (EAGLE-3's; with --method lookup the context lookup's) (the chain's counterpart of bench/fast_eval_check.py): for every
+"""Proof of the chains' fast evaluators on SmolLM2 (EAGLE-3's; with --method lookup the context lookup's, with
+--method suffix the priced context statistics', each prompt with a fresh drafter on this machine's row costs) (the chain's counterpart of bench/fast_eval_check.py): for every
 prompt and every draft length m, greedy chain decoding's N, cycles and accepted drafts per cycle from the fast
 evaluator (cached target trace + one training-time-test pass) must equal the chain runtime's, and the runtime's
 tokens must equal the target's greedy trace. A difference is acceptable only where a top-2 logit margin below 1e-4
@@ -9,6 +10,7 @@ tokens must equal the target's greedy trace. A difference is acceptable only whe
     python bench/fast_eval_check_chain.py --method lookup --ms 7 --limit 80 --max-new-tokens 16 \
         --out docs/results/fast_eval_check_chain_lookup.json
     python bench/fast_eval_check_chain.py --checkpoint CKPT --ms 5 --width 4 --tree-nodes 16   # EAGLE-3's trees
+    python bench/fast_eval_check_chain.py --method suffix --ms 15 --width 4 --limit 80 --max-new-tokens 16
 Resumable: finished (m, prompt) rows are kept in <out>l and skipped. Writes docs/results/fast_eval_check_chain.json.
 """
 
@@ -25,6 +27,7 @@ from spd.checkpoint import load_checkpoint
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.lookup import LookupDrafter
+from spd.drafters.suffix import SuffixDrafter
 from spd.engine import build_decoder
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
@@ -32,6 +35,7 @@ from spd.fast_eval_chain import fast_chain_stats, fast_lookup_stats, fast_tree_s
 from spd.methods import CHAIN
 from spd.sampling import SamplingParams
 from spd.targets.loading import load_target
+from spd.targets.row_costs import cached_row_costs
 from spd.targets.stages import StagedTarget
 
 from fast_eval_check import eval_prompts, finished_rows, unexplained   # this folder: the SPD check's helpers
@@ -43,7 +47,7 @@ def summary(stats) -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--method", default="eagle3", choices=["eagle3", "lookup"])
+    ap.add_argument("--method", default="eagle3", choices=["eagle3", "lookup", "suffix"])
     ap.add_argument("--checkpoint", help="a trained EAGLE-3 module (method=eagle3)")
     ap.add_argument("--lookup-ngrams", default="2,8", help="method=lookup: shortest,longest suffix matched")
     ap.add_argument("--ms", default="3,5,7", help="draft lengths m")
@@ -70,12 +74,19 @@ def main() -> int:
             tree = args.width > 1
             runtime = build_decoder(CHAIN, staged, traces.eos, drafter, width=args.width, draft_length=m,
                                     tree_nodes=args.tree_nodes if tree else None)
+            costs = cached_row_costs(staged, 1 + (args.tree_nodes if tree else m)) if args.method == "suffix" else None
             for ds, qid, ids in tqdm(prompts, desc=f"m={m} runtime vs fast", mininterval=30):
                 if (m, ds, str(qid)) in done:
                     continue
                 trace, _ = traces.get(ds, qid, ids)
                 with torch.no_grad():
-                    if tree and module:    # the replay has no margins of its own; the target's still decide
+                    if costs is not None:       # a fresh drafter per prompt on both sides: the predictor starts equal
+                        runtime = build_decoder(CHAIN, staged, traces.eos, SuffixDrafter(*lookup, costs),
+                                                width=args.width, draft_length=m,
+                                                tree_nodes=args.tree_nodes if tree else None)
+                        fast = {**fast_tree_stats(SuffixDrafter(*lookup, costs), trace, m, args.width,
+                                                  args.tree_nodes if tree else m), "min_module_margin": None}
+                    elif tree and module:    # the replay has no margins of its own; the target's still decide
                         fast = {**fast_tree_stats(Eagle3Drafter(module, staged.embed), trace, m, args.width,
                                                   args.tree_nodes), "min_module_margin": None}
                     elif module:
