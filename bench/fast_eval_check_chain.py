@@ -81,10 +81,10 @@ def main() -> int:
                 trace, _ = traces.get(ds, qid, ids)
                 with torch.no_grad():
                     if costs is not None:       # a fresh drafter per prompt on both sides: the predictor starts equal
-                        runtime = build_decoder(CHAIN, staged, traces.eos, SuffixDrafter(*lookup, costs),
+                        runtime = build_decoder(CHAIN, staged, traces.eos, SuffixDrafter(1, lookup[1], costs),
                                                 width=args.width, draft_length=m,
                                                 tree_nodes=args.tree_nodes if tree else None)
-                        fast = {**fast_tree_stats(SuffixDrafter(*lookup, costs), trace, m, args.width,
+                        fast = {**fast_tree_stats(SuffixDrafter(1, lookup[1], costs), trace, m, args.width,
                                                   args.tree_nodes if tree else m), "min_module_margin": None}
                     elif tree and module:    # the replay has no margins of its own; the target's still decide
                         fast = {**fast_tree_stats(Eagle3Drafter(module, staged.embed), trace, m, args.width,

@@ -256,7 +256,7 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
         for width in args.suffix_widths:     # context statistics, priced with this machine's row costs
             budget = args.tree_nodes if width > 1 else args.suffix_length
             costs = cached_row_costs(staged, budget + 1)
-            drafter = SuffixDrafter(lo, hi, costs)
+            drafter = SuffixDrafter(1, hi, costs)       # what method=suffix builds (spd.drafters.suffix)
             decoder = build_decoder(CHAIN, staged, eos, drafter, draft_length=args.suffix_length, width=width,
                                     tree_nodes=args.tree_nodes)
             result = decode_all(prompts, lambda key, ids: decoder.generate(
