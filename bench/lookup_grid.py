@@ -17,43 +17,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
-import time
 
 import torch
 from tqdm import tqdm
 
 from spd.config import load_config
-from spd.decoding import prefill
 from spd.eval.config import EvalConfig
 from spd.eval.traces import TraceCache
 from spd.fast_eval_chain import fast_lookup_stats
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
-from spd.targets.stages import StagedTarget
+from spd.targets.row_costs import measure_row_costs
 from spd.eval.output import write_json
-
-
-@torch.no_grad()
-def row_costs(model, max_rows: int, context: int, repeats: int) -> dict[int, float]:
-    """Median seconds of one target forward (logits of every row included, as the chain computes them) feeding
-    r rows after `context` cached tokens, for r = 1..max_rows. The shapes take turns, round after round, so that
-    this machine's drift (~10% over minutes) falls on all of them alike."""
-    staged = StagedTarget(model, 1)
-    ids = list(range(100, 100 + context))
-    cache, _, _ = prefill(staged, ids, frozenset(), context + max_rows)
-    times: dict[int, list[float]] = {rows: [] for rows in range(1, max_rows + 1)}
-    for round_ in range(repeats + 1):                # round 0 warms every shape up
-        for rows in times:
-            feed = torch.tensor([[7] * rows])
-            start = time.perf_counter()
-            out, _ = staged.forward_all(feed, cache, context)
-            staged.logits(out[0])
-            cache.crop(context)
-            if round_:
-                times[rows].append(time.perf_counter() - start)
-    return {rows: statistics.median(t) for rows, t in times.items()}
 
 
 def main() -> int:
@@ -81,7 +57,8 @@ def main() -> int:
     lengths = [int(x) for x in args.draft_lengths.split(",")]
     widths = [int(x) for x in args.widths.split(",")]
     max_rows = max(max(lengths), args.tree_nodes if max(widths) > 1 else 0) + 1
-    costs = row_costs(session.loaded.model, max_rows, args.context, args.repeats)
+    profile = measure_row_costs(session.staged, max_rows, args.context, args.repeats)
+    costs = {rows: seconds for rows, seconds in enumerate(profile.seconds, start=1)}
     grid = []
     for min_n, m, width in itertools.product(min_ngrams, lengths, widths):
         per = {}

@@ -25,7 +25,34 @@ from spd.eval.traces import TraceCache
 from spd.fast_eval_chain import replay
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
+from spd.sampling import Proposal
 from spd.targets.row_costs import cached_row_costs
+from spd.tree import DraftTree
+
+
+class HindsightSuffix(SuffixDrafter):
+    """The ceiling of the context statistics on this machine: each cycle it knows the trace, so it drafts exactly
+    the candidates that will be kept (the best-first tree walked along the trace) when those rows pay, else none."""
+
+    def __init__(self, reference: list[int], costs):
+        super().__init__(1, 8, costs)
+        self.reference = reference
+
+    def draft_tree(self, root, m, width, budget, propose=None):
+        nodes, _ = self.candidates(m, width, budget)
+        start, path, parent = len(self.index), [], -1
+        while start + len(path) < len(self.reference):
+            child = next((i for i, node in enumerate(nodes) if node.parent == parent
+                          and node.token == self.reference[start + len(path)]), None)
+            if child is None:
+                break
+            path.append(child)
+            parent = child
+        rows = min(range(len(path) + 1, 0, -1), key=lambda r: self.costs.seconds[r - 1] / min(r, len(path) + 1))
+        tree = DraftTree(root)
+        for node in path[: rows - 1]:
+            tree.add(len(tree) - 1, Proposal(nodes[node].token, source="suffix"))
+        return tree
 
 
 def priced(drafter, trace, m: int, width: int, budget: int, costs, head: int | None) -> tuple[int, float, int, int]:
@@ -54,14 +81,19 @@ def main() -> int:
     for width in [int(w) for w in args.suffix_widths.split(",") if w]:
         budget = args.tree_nodes if width > 1 else args.suffix_length
         configs[f"suffix W={width}"] = (lambda: SuffixDrafter(1, 8, costs), args.suffix_length, width, budget)
-    totals = {(name, head): [0, 0.0, 0, 0] for name in configs for head in (None, 128)}
+    totals: dict = {}
     work = [(ds, q) for ds in DATASETS for q in load_questions(ds)[: args.limit]]
     for ds, q in tqdm(work, desc="traces", unit="prompt"):
         trace, _ = traces.get(ds, q["question_id"], chat_prompt_ids(session.loaded.tokenizer, q["turns"][0]))
-        for name, (make, m, width, budget) in configs.items():
+        reference = list(trace.prompt_ids) + trace.tokens
+        hindsight = {f"hindsight ceiling, suffix W={width}": (lambda: HindsightSuffix(reference, costs),
+                                                               args.suffix_length, width, args.tree_nodes)
+                     for width in (1, 4)}
+        for name, (make, m, width, budget) in {**configs, **hindsight}.items():
             for head in (None, 128):
                 got = priced(make(), trace, m, width, budget, costs, head)
-                totals[(name, head)] = [a + b for a, b in zip(totals[(name, head)], got)]
+                key = (name, head)
+                totals[key] = [a + b for a, b in zip(totals.get(key, [0, 0.0, 0, 0]), got)]
     rows = []
     for (name, head), (tokens, seconds, cycles, fed) in totals.items():
         rows.append({"drafter": name, "positions": "first 128" if head else "all", "tokens": tokens,

@@ -10,10 +10,14 @@ single-process AR of this suite and HF `generate`, both on all cores, and with -
 (`prompt_lookup_num_tokens`) and this suite's lookup chain (spd.drafters.lookup; τ = tokens per target forward),
 with --local-spd SPD with the shipped n = 5 module in one process (runtime=local), with --eagle3 EAGLE-3's chain, each
 also as draft trees for every --widths entry > 1 (issue 23). Each distributed SPD row is run
-once per --draft-sources entry (module, lookup+module), with the acceptance of each source's drafts. Prompts: the first --limit of each eval set (chat template, first turn), --max-new-tokens each, stopping at EOS;
-greedy and T=1 (top-k 50, top-p 1.0). Every greedy row is checked token for token against the suite's AR.
+once per --draft-sources entry (module, lookup+module), with the acceptance of each source's drafts; with
+--suffix-widths the priced context statistics (method=suffix) at each W, with rows per cycle and the share of cycles
+its pricing left plain. Prompts (--sets): the first --limit of each eval set and/or the everyday set (30 held-out
+ShareGPT first turns), chat template, --max-new-tokens each, stopping at EOS; greedy and T=1 (top-k 50, top-p 1.0).
+Every greedy row is checked token for token against the suite's AR; every row's worst prompt against AR is kept.
 
     python bench/wallclock.py --checkpoint outputs/smollm2_n2_balanced/checkpoint --ns 1,2 --limit 20
+    python bench/wallclock.py --sets everyday,eval --limit 10 --max-new-tokens 256 --lookup --suffix-widths 1,4 --ns ""
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ from spd.eval.calibrate import calibrate, measured_cost_speedup, step_time
 from spd.eval.output import write_json
 from spd.drafters.lookup import LookupDrafter
 from spd.methods import AR, CHAIN, PIPELINE
-from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.runtime.stages import open_stages, threads_for
 from spd.sampling import SamplingParams
 from spd.session import open_session
@@ -48,8 +51,7 @@ from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 from spd.drafters.suffix import SuffixDrafter
 from spd.targets.row_costs import cached_row_costs
-from spd.train.data import EVERYDAY_PATH
-from repetition import repeating
+from wallclock_sets import REPEAT_SPAN, prompt_set, summarise_set
 from wallclock_table import markdown
 
 
@@ -393,48 +395,6 @@ def main() -> int:
         print(f"{name}: {summary['prompts']} prompts, {summary['repeat_share']:.1%} of AR's greedy positions inside a "
               f"repeated {REPEAT_SPAN}-token span")
     return 0
-
-
-REPEAT_SPAN = 32
-
-
-def prompt_set(name: str, args, tokenizer) -> list[tuple[str, list[int]]]:
-    if name == "eval":
-        return [(f"{ds}/{q['question_id']}", chat_prompt_ids(tokenizer, q["turns"][0]))
-                for ds in DATASETS for q in load_questions(ds)[: args.limit]]
-    if name == "everyday":
-        with open(EVERYDAY_PATH) as f:
-            records = [json.loads(line) for line in f if line.strip()][: args.everyday_limit]
-        return [(f"everyday/{r['id']}", chat_prompt_ids(tokenizer, r["prompt"])) for r in records]
-    raise SystemExit(f"--sets: {name!r} is not a set; use eval and/or everyday")
-
-
-def summarise_set(rows: list[dict], prompts, args) -> dict:
-    """Speedups against the fastest plain decoding of this set at each temperature, greedy rows checked against
-    the suite's AR, each row's worst prompt against AR, and how much of AR's greedy output repeats itself."""
-    fastest_ar = {t: max(r["tokens_per_s"] for r in rows if r["method"] in ("ar", "hf_generate")
-                         and r["runtime"] == "single process" and r["temperature"] == t) for t in args.temperatures}
-    ar = {t: next(r for r in rows if r["method"] == "ar" and r["runtime"] == "single process"
-                  and r["temperature"] == t) for t in args.temperatures}
-    reference = ar[0.0]["outputs"] if 0.0 in ar else None
-    for row in rows:
-        row["speedup_vs_fastest_plain"] = row["tokens_per_s"] / fastest_ar[row["temperature"]]
-        base = ar[row["temperature"]]["per_prompt_tokens_per_s"]
-        ratios = {key: rate / base[key] for key, rate in row.get("per_prompt_tokens_per_s", {}).items()}
-        if ratios:      # batched rows time their prompts together
-            worst = min(ratios, key=ratios.get)
-            row["worst_prompt_vs_ar"], row["worst_prompt"] = ratios[worst], worst
-        row["prompts"] = len(prompts)
-        outputs = row.pop("outputs")
-        if row["temperature"] == 0 and reference is not None:  # lossless: every greedy row decodes AR's tokens
-            row["greedy_equals_ar"] = sum(outputs[key] == ids for key, ids in reference.items())
-    inside = positions = 0
-    if reference is not None:
-        for key, ids in prompts:
-            inside += len(repeating(ids + reference[key], len(ids), REPEAT_SPAN))
-            positions += len(reference[key])
-    return {"prompts": len(prompts), "repeat_share": inside / positions if positions else None,
-            "fastest_plain_tokens_per_s": fastest_ar}
 
 
 def set_rows(args, prompts, loaded) -> list[dict]:

@@ -1,5 +1,5 @@
 """What `spd-infer generate` and `chat` decode with when no key chooses: the fastest lossless configuration that
-bench/wallclock.py measured for this kind of device (docs/results.md, "The whole field by the clock").
+bench/wallclock.py measured for this kind of device and temperature regime (greedy or sampled; docs/results.md).
 
 Torch-free: it is read before any model loads. Any key that describes an SPD pipeline or a module (method=,
 checkpoint=, n=, stage_bounds=, runtime=, draft_source=, ...) on the command line, or set away from its default in
@@ -8,10 +8,14 @@ a YAML file, means the user chose, and nothing is changed: `runtime=local` alone
 
 from __future__ import annotations
 
-# device type -> the keys of the fastest lossless row: 2-core CPUs (bench/wallclock.py); on CUDA the H200 visit's
-# bfloat16 table (docs/results.md, "The first prepared visit"), where AR through CUDA graphs ran 242 tokens/s and
-# SPD with graphs 47 (the lookup chain was not measured there)
-FASTEST = {"cpu": {"method": "lookup"}, "cuda": {"method": "ar", "cuda_graphs": True}}
+# device type -> temperature regime -> the keys of the fastest lossless row. 2-core CPUs: one run of
+# bench/wallclock.py over the eval and everyday sets (docs/results.md, "Drafts priced by the machine"): greedy, the
+# priced context statistics' trees (W = 4) led on average (2.16x / 1.70x against the lookup chain's 2.09x / 1.63x);
+# sampled, the lookup chain (1.06x / 1.06x against 1.01x / 1.03x). On CUDA the H200 visit's bfloat16 table
+# (docs/results.md, "The first prepared visit"), where AR through CUDA graphs ran 242 tokens/s and SPD with graphs 47
+# (the chains were not measured there).
+FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4}, "sampled": {"method": "lookup"}},
+           "cuda": {"greedy": {"method": "ar", "cuda_graphs": True}, "sampled": {"method": "ar", "cuda_graphs": True}}}
 
 # keys that ask for SPD's pipeline or a module: a user who sets one of them gets what they asked for
 CHOOSING_KEYS = ("method", "checkpoint", "n", "stage_bounds", "runtime", "draft_source", "module_layers",
@@ -27,7 +31,8 @@ def fastest_default(cfg, defaults, given: set[str]) -> dict:
     value) or differs from its default in `defaults` (set by a YAML file)."""
     if any(key in given or cfg[key] != defaults[key] for key in CHOOSING_KEYS):
         return {}
-    return dict(FASTEST.get(device_type(cfg.device), {}))
+    regime = "greedy" if cfg.temperature == 0 else "sampled"
+    return dict(FASTEST.get(device_type(cfg.device), {}).get(regime, {}))
 
 
 def apply_fastest_default(cfg, schema: type, overrides: list[str]) -> bool:

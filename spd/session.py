@@ -139,7 +139,7 @@ def open_session(cfg) -> Session:
         if getattr(cfg, "draft_pricing", True):
             row_costs = cached_row_costs(staged, 1 + (tree_nodes if width > 1 else draft_length))
         if getattr(cfg, "suffix_memory", False):
-            memory = SuffixMemory(*ngrams)
+            memory = SuffixMemory(1, ngrams[1])        # the sizes the drafter matches (spd.drafters.suffix)
     return Session(loaded, staged, module.eval() if module else None, params,
                    eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
                    method, ngrams, getattr(cfg, "draft_source", MODULE), draft_length, width, tree_nodes, row_costs,

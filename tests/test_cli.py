@@ -160,7 +160,7 @@ def test_lookup_inside_the_pipeline_decodes_what_ar_decodes(capsys, tiny_target_
 
 
 def test_the_default_is_the_fastest_measured_here_and_any_choosing_key_overrides_it(capsys, tiny_target_dir, tmp_path):
-    """No key chooses: spd.fastest's configuration for a CPU (the lookup chain), named as the default; the YAML file
+    """No key chooses: spd.fastest's configuration for a CPU and the temperature regime, named as the default; the YAML file
     shipped for generate chooses nothing either. A key that asks for SPD (n=, checkpoint=, runtime=, ...) gets SPD."""
     from spd.fastest import FASTEST
 
@@ -168,10 +168,14 @@ def test_the_default_is_the_fastest_measured_here_and_any_choosing_key_overrides
     ar = json.loads(run(capsys, *common, "method=ar", "json=true")[1])
     code, out, _ = run(capsys, *common, "json=true")
     default = json.loads(out)
-    assert code == 0 and default["method"] == FASTEST["cpu"]["method"] and default["default"] is True
-    assert default["token_ids"] == ar["token_ids"]                   # lossless like every method
+    greedy = FASTEST["cpu"]["greedy"]
+    assert code == 0 and default["method"] == greedy["method"] and default["W"] == greedy.get("W", 1)
+    assert default["default"] is True and default["token_ids"] == ar["token_ids"]       # lossless like every method
     code, _, err = run(capsys, *common)
-    assert code == 0 and f"[{FASTEST['cpu']['method']} m={METHODS['lookup'].draft_length}, the default here] N=30 " in err
+    tree = f" W={greedy['W']} tree_nodes=16" if greedy.get("W", 1) > 1 else ""
+    assert code == 0 and f"[{greedy['method']} m={METHODS[greedy['method']].draft_length}{tree}, the default here] N=30 " in err
+    code, out, _ = run(capsys, *common, "temperature=1", "json=true")           # sampling: its own regime's default
+    assert code == 0 and json.loads(out)["method"] == FASTEST["cpu"]["sampled"]["method"]
     assert main(["generate", "--config", "configs/infer/generate.yaml", *common, "json=true"]) == 0
     assert json.loads(capsys.readouterr().out)["default"] is True
     for key in ("n=3", "runtime=local", "checkpoint=random", "method=spd", "draft_source=lookup+module"):

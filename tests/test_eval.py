@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from spd.checkpoint import save_checkpoint
+from spd.methods import METHODS
 from spd.cli import main
 from spd.eval.traces import TraceCache, trace_key
 from spd.module import SpeculationModule
@@ -83,11 +84,12 @@ def test_fast_evaluator_equals_runtime_and_runtime_equals_ar(capsys, tiny_target
         assert "lookup+module" in open(os.path.join(fast, "table.md")).read()
 
 
-@pytest.mark.parametrize("width", ["W=1", "W=4"])
-def test_the_lookup_chain_is_scored_fast_and_equals_its_runtime(capsys, tiny_target_dir, tmp_path, width):
-    """W = 4: the branching lookup's trees, replayed just as exactly."""
+@pytest.mark.parametrize("method,width", [("lookup", "W=1"), ("lookup", "W=4"), ("suffix", "W=4")])
+def test_the_lookup_chain_is_scored_fast_and_equals_its_runtime(capsys, tiny_target_dir, tmp_path, method, width):
+    """W = 4: the branching lookup's trees, replayed just as exactly; the priced context statistics too (each
+    prompt's drafter fresh on both sides, priced with the machine's cached row costs)."""
     fast, exact = str(tmp_path / "fast"), str(tmp_path / "exact")
-    common = ["method=lookup", "limit=2", "lookup_min_ngram=1", "draft_length=4", width, "tree_nodes=8"]
+    common = [f"method={method}", "limit=2", "lookup_min_ngram=1", "draft_length=4", width, "tree_nodes=8"]
     assert run_eval(capsys, tiny_target_dir, fast, *common)[0] == 0
     assert run_eval(capsys, tiny_target_dir, exact, *common, "exact_trace=true")[0] == 0
     a, b = samples(fast), samples(exact)
@@ -242,10 +244,10 @@ def test_bad_output_dirs_and_foreign_checkpoint(capsys, tiny_target_dir, tmp_pat
     assert os.listdir(foreign) == ["notes.txt"]
 
 
-@pytest.mark.parametrize("method", ["ppsd", "spd_output_state", "eagle3", "lookup"])
+@pytest.mark.parametrize("method", ["ppsd", "spd_output_state", "eagle3", "lookup", "suffix"])
 def test_every_method_evaluates_losslessly_with_its_own_figures(capsys, tiny_target_dir, tmp_path, method):
     out = str(tmp_path / method)
-    shape = ["draft_length=3"] if method in ("eagle3", "lookup") else ["n=3"]
+    shape = ["draft_length=3"] if method in ("eagle3", "lookup", "suffix") else ["n=3"]
     code, err = run_eval(capsys, tiny_target_dir, out, f"method={method}", "limit=1", "exact_trace=true", *shape)
     assert code == 0, err
     rows = samples(out)
@@ -263,12 +265,12 @@ def test_every_method_evaluates_losslessly_with_its_own_figures(capsys, tiny_tar
         assert cal["m"] == 3 and cal["cycle_s"] == pytest.approx(cal["drafts_s"] + cal["verify_s"] + cal["update_s"])
         assert summary["speedup"]["measured_cost"]["overall"] == pytest.approx(tau * cal["ar_token_s"] / cal["cycle_s"])
         assert "EAGLE-3 (m=3, untrained)" in table
-    elif method == "lookup":                          # no model drafts: S = tau, no module to calibrate
+    elif method in ("lookup", "suffix"):              # no model drafts: S = tau, no module to calibrate
         tau = sum(r["N"] - 1 for r in rows) / sum(r["cycles"] for r in rows)
         assert overall["tau_pooled"] == pytest.approx(tau)
         assert summary["speedup"]["formula"]["overall"] == pytest.approx(tau)
         assert summary["speedup"]["measured_cost"] is None and summary["speedup"]["wall_clock"]["overall"] > 0
-        assert "Context lookup (m=3)" in table and summary["run"]["module_layers"] == 0
+        assert f"{METHODS[method].label} (m=3)" in table and summary["run"]["module_layers"] == 0
     else:
         assert overall["eal_pooled"] == pytest.approx(3 * overall["N"] / overall["K"])
         # drafting after the step: S = L'acc * L / (L_s * n + L)

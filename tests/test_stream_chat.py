@@ -92,7 +92,7 @@ def test_chat_refuses_a_prompt_and_leaves_on_ctrl_c(tiny_target_dir):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     proc.stdin.write("Hi\n")
     proc.stdin.flush()
-    assert proc.stderr.readline().startswith("[lookup m=7, the default here]")  # an answer is done: it waits for the next line
+    assert proc.stderr.readline().startswith("[suffix m=15 W=4 tree_nodes=16, the default here]")  # an answer is done: it waits for the next line
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

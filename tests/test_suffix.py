@@ -107,3 +107,39 @@ def test_the_memory_changes_speed_not_output(untied_target_dir):
         runs[memory is not None] = out.stats
     assert runs[True].accepted > runs[False].accepted
     assert runs[True].accepted_per_cycle[0] > 0 == runs[False].accepted_per_cycle[0]
+
+
+def test_the_row_cost_profile_is_measured_once_per_machine(tmp_path, monkeypatch):
+    from spd.targets import row_costs
+    from spd.targets.tiny import tiny_model
+
+    monkeypatch.setenv("SPD_CACHE_DIR", str(tmp_path))
+    staged = StagedTarget(tiny_model("llama"), 1)
+    first = row_costs.cached_row_costs(staged, 6)
+    assert len(first.seconds) == 6 and all(s > 0 for s in first.seconds)
+    measured = []
+    monkeypatch.setattr(row_costs, "measure_row_costs", lambda *a, **k: measured.append(a) or RowCosts.flat(9))
+    assert row_costs.cached_row_costs(staged, 4).seconds == first.seconds[:4]    # read back, not re-measured
+    assert not measured
+    assert row_costs.cached_row_costs(staged, 9) == RowCosts.flat(9) and measured      # longer: measured again
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_generate_with_the_memory_decodes_what_ar_decodes(capsys, tiny_target_dir, tmp_path, max_batch):
+    """spd-infer generate method=suffix suffix_memory=true over a prompts file that repeats itself: every answer is
+    AR's, one at a time (one drafter, the memory of the earlier requests) and batched (a drafter per request, one
+    memory for the session)."""
+    import json
+
+    from spd.cli import main
+
+    prompts = ["Count to five.", "Say hi.", "Count to five.", "Count to five."]
+    common = [f"target={tiny_target_dir}", "max_new_tokens=24"]
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(prompts) + "\n")
+    assert main(["generate", *common, "method=ar", f"prompts_file={path}", "max_batch=1"]) == 0
+    ar = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
+    assert main(["generate", *common, "method=suffix", "suffix_memory=true", "W=4", f"prompts_file={path}",
+                 f"max_batch={max_batch}"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["token_ids"] for r in records] == ar and all(r["method"] == "suffix" for r in records)

@@ -108,7 +108,7 @@ class SuffixDrafter(ChainDrafter):
         for n in range(min(self.max_n, len(suffix_of)), self.min_n - 1, -1):
             gram = tuple(suffix_of[len(suffix_of) - n:])
             for which, index in enumerate(indices):
-                start = index.tables[n].get(gram)
+                start = index.tables[n].get(gram) if n in index.tables else None   # a memory may match fewer sizes
                 while start is not None and len(found) < self.max_occurrences:
                     if (which, start) not in seen:
                         seen.add((which, start))
