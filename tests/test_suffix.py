@@ -65,7 +65,7 @@ def test_greedy_suffix_decodes_what_ar_decodes(family_model, untied_target_dir, 
         staged = StagedTarget(target, 1)
         drafter = SuffixDrafter(1, 4, costs)
         decoder = ChainDecoder(staged, drafter, frozenset(), 8, width, budget)
-        for seed in range(3):               # one drafter for all: its predictor carries over, as in a chat
+        for seed in range(3):               # one drafter for all (each request restarts its predictor)
             p = prompt(seed + 90, vocab=target.config.vocab_size)
             out = decoder.generate(p, Request(40, GREEDY))
             assert out.token_ids == ar_run(target, p, 40).token_ids, (family, seed)
@@ -91,7 +91,7 @@ def test_the_replay_settles_what_the_runtime_settles(family_model, width, budget
 
 def test_the_memory_changes_speed_not_output(untied_target_dir):
     """A second request that repeats the first: with the memory its first drafts come from the earlier request
-    and are kept; the tokens are AR's either way."""
+    and are kept (and its predictor starts from the first request's verdicts); the tokens are AR's either way."""
     from spd.targets.loading import load_target
 
     target = load_target(untied_target_dir).model

@@ -8,14 +8,16 @@ parent's weight is an empirical probability; the tree grows best-first by the pr
 path (at most W children a node, depth <= m, `budget` nodes).
 
 Pricing (spd.pricing): each candidate's chance of being kept comes from an acceptance predictor calibrated online
-on this request's and earlier requests' verdicts (by source, match length, share, support, depth); the forward
+on this request's verdicts (by source, match length, share, support, depth); the forward
 carries the prefix of candidates, best first, that maximises expected tokens per second under this machine's
 row-cost profile. A cycle worth nothing drafts nothing (a plain AR step). Every candidate is deterministic
 (q = None), so verification keeps each child with exactly its p (`spd.sampling.settle_children`): greedy follows
 the argmax, sampling one draw of p — at T = 1 the predictor learns the sampled acceptance.
 
 An opt-in memory (`SuffixMemory`, shared by the drafters of one engine) adds earlier requests' prompts and answers to
-the occurrences searched: it changes which tokens are drafted, never which are output.
+the occurrences searched, and keeps the predictor's counts from one request to the next: it changes which tokens are
+drafted, never which are output. Without it each request starts from the predictor's prior, so eval's prompts (which
+never use the memory) cannot change each other's figures, and the fast evaluator's fresh drafter per prompt is exact.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class SuffixDrafter(ChainDrafter):
         self.min_n, self.max_n = min_n, max_n
         self.costs, self.memory = costs, memory
         self.enough, self.max_occurrences = enough, max_occurrences
-        self.predictor = AcceptancePredictor()       # kept across requests: the machine and target do not change
+        self.predictor = AcceptancePredictor()
         self.index: NgramIndex | None = None
         self.last: tuple[DraftTree, list[Evidence]] | None = None
         self.cycles = self.priced_out = 0             # cycles drafted, and those the pricing made plain AR steps
@@ -71,7 +73,9 @@ class SuffixDrafter(ChainDrafter):
         return []
 
     def start(self, prompt_hidden, tokens) -> None:
-        if self.memory is not None and self.index is not None:
+        if self.memory is None:
+            self.predictor = AcceptancePredictor()   # each request on its own: nothing of one decides another's drafts
+        elif self.index is not None:
             self.memory.add(self.index.tokens)        # the previous request, as far as it was verified
         self.index = NgramIndex(self.min_n, self.max_n)
         self.index.extend(tokens)
