@@ -265,6 +265,11 @@ def sample_lookup(model, samples, seed, width=1, verdicts=None):
 
     decoder = ChainDecoder(StagedTarget(model, 1), LookupDrafter(min_n=1, max_n=2), frozenset(), 2, width,
                            8 if width > 1 else None)
+    return sample_chain(decoder, samples, seed, verdicts)
+
+
+def sample_chain(decoder, samples, seed, verdicts=None):
+    """Counts of each sampled continuation of PROMPT by a chain decoder; verdicts receives every node's."""
     counts = {}
     for i in range(samples):
         out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i))
@@ -328,14 +333,7 @@ def sample_suffix(model, samples, seed, verdicts=None):
     from test_suffix import CPU_LIKE
 
     decoder = ChainDecoder(StagedTarget(model, 1), SuffixDrafter(1, 2, CPU_LIKE), frozenset(), 2, 4, 8)
-    counts = {}
-    for i in range(samples):
-        out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i))
-        key = tuple(out.token_ids)
-        counts[key] = counts.get(key, 0) + 1
-        if verdicts is not None:
-            verdicts += out.stats.verdicts
-    return counts
+    return sample_chain(decoder, samples, seed, verdicts)
 
 
 def test_priced_suffix_trees_sample_the_target_distribution(small_vocab_model):
