@@ -392,8 +392,9 @@ def main() -> int:
     write_json(args.out, report)
     print(markdown(report))
     for name, summary in sets.items():
-        print(f"{name}: {summary['prompts']} prompts, {summary['repeat_share']:.1%} of AR's greedy positions inside a "
-              f"repeated {REPEAT_SPAN}-token span")
+        if summary["repeat_share"] is not None:         # measured on AR's greedy output
+            print(f"{name}: {summary['prompts']} prompts, {summary['repeat_share']:.1%} of AR's greedy positions "
+                  f"inside a repeated {REPEAT_SPAN}-token span")
     return 0
 
 
