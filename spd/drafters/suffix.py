@@ -141,9 +141,7 @@ class SuffixDrafter(ChainDrafter):
                 nodes[child].weight += weight
                 children, parent = nodes[child].children, child
         share = [node.weight / (nodes[node.parent].weight if node.parent >= 0 else total) for node in nodes]
-        reach = []
-        for i, node in enumerate(nodes):
-            reach.append(share[i] * (reach[node.parent] if node.parent >= 0 else 1.0))
+        reach = _along_paths(nodes, share)
         order = sorted(range(len(nodes)), key=lambda i: (-reach[i], nodes[i].depth, i))
         kept, position, count_of = [], {}, {}
         for i in order:
@@ -166,9 +164,7 @@ class SuffixDrafter(ChainDrafter):
 
     def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
         nodes, evidence = self.candidates(m, width, budget)
-        reach = []
-        for node, e in zip(nodes, evidence):
-            reach.append(self.predictor.predict(e) * (reach[node.parent] if node.parent >= 0 else 1.0))
+        reach = _along_paths(nodes, [self.predictor.predict(e) for e in evidence])
         # the candidates by predicted reach, parents first (a child's reach never exceeds its parent's)
         order = sorted(range(len(nodes)), key=lambda i: (-reach[i], nodes[i].depth, i))
         take = len(order) if self.costs is None else choose([reach[i] for i in order], self.costs)
@@ -180,6 +176,14 @@ class SuffixDrafter(ChainDrafter):
             node_of[i] = tree.add(node_of[nodes[i].parent], Proposal(nodes[i].token, source="suffix"))
         self.last = (tree, [evidence[i] for i in chosen])
         return tree
+
+
+def _along_paths(nodes: list[_Node], chance: list[float]) -> list[float]:
+    """Each node's chance times its ancestors' (nodes parents first): the chance its whole path holds."""
+    out: list[float] = []
+    for node, own in zip(nodes, chance):
+        out.append(own * (out[node.parent] if node.parent >= 0 else 1.0))
+    return out
 
 
 def _continuation(index: NgramIndex, start: int, count: int, loops: bool) -> list[int]:

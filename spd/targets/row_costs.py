@@ -17,7 +17,7 @@ import torch
 from spd.pricing import RowCosts
 from spd.targets.stages import StagedTarget
 from spd.timing import sync
-from spd.targets.weight_cache import cache_root
+from spd.targets.weight_cache import cache_root, write_json_atomic
 
 
 def _cpu_name() -> str:
@@ -79,8 +79,5 @@ def cached_row_costs(staged: StagedTarget, max_rows: int) -> RowCosts:
             return RowCosts(tuple(seconds[:max_rows]))
     costs = measure_row_costs(staged, max_rows)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"seconds": list(costs.seconds), "cpu": _cpu_name(), "threads": torch.get_num_threads()}, f)
-    os.replace(tmp, path)
+    write_json_atomic(path, {"seconds": list(costs.seconds), "cpu": _cpu_name(), "threads": torch.get_num_threads()})
     return costs

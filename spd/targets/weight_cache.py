@@ -37,7 +37,7 @@ def cache_root() -> str:
     return os.environ.get("SPD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "spd")
 
 
-def _write_json_atomic(path: str, payload: dict) -> None:
+def write_json_atomic(path: str, payload: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
     with os.fdopen(fd, "w") as f:
         json.dump(payload, f)
@@ -58,7 +58,7 @@ def file_digest(path: str) -> str:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     try:
         os.makedirs(os.path.dirname(memo), exist_ok=True)
-        _write_json_atomic(memo, {"stamp": stamp, "sha256": digest})
+        write_json_atomic(memo, {"stamp": stamp, "sha256": digest})
     except OSError:
         pass  # an unwritable cache only costs the hash next time; materialize reports it if it matters
     return digest
