@@ -58,7 +58,7 @@ class HindsightSuffix(SuffixDrafter):
 def priced(drafter, trace, m: int, width: int, budget: int, costs, head: int | None) -> tuple[int, float, int, int]:
     """(tokens, seconds, cycles, rows) of the replay, cut to the first `head` tokens when given."""
     tokens = trace.tokens[:head] if head else trace.tokens
-    out = replay(drafter, trace.prompt_ids, tokens, m, width, budget)
+    out = replay(drafter, trace.prompt_ids, tokens, m, width, budget, margins=trace.margins)
     rows = out["rows_per_cycle"]
     return len(tokens), sum(costs.seconds[min(r, costs.max_rows) - 1] for r in rows), len(rows), sum(rows)
 

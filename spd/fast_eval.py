@@ -24,6 +24,8 @@ from spd.layout import needed_layers
 from spd.metrics import DecodeStats
 from spd.module import SpeculationModule
 from spd.runtime.schedule import first_step, flushed_from, next_step
+from spd.pricing import SourcePricer
+from spd.sampling import top2_margin
 from spd.targets.stages import StagedTarget
 
 
@@ -35,11 +37,6 @@ class GreedyTrace:
     margins: list[float]               # target's top-2 logit margin when choosing each token
 
 
-def _margin(logits: torch.Tensor) -> float:
-    top = torch.topk(logits.float(), 2).values
-    return float(top[0] - top[1])
-
-
 def record_greedy_trace(staged: StagedTarget, prompt_ids: list[int], max_new_tokens: int,
                         eos_ids: frozenset[int], layers: list[int] | None = None) -> GreedyTrace:
     """Incremental greedy AR decoding (bitwise the pipeline's path) that keeps `layers` (default: what the layout's
@@ -49,7 +46,7 @@ def record_greedy_trace(staged: StagedTarget, prompt_ids: list[int], max_new_tok
     margins = []
 
     def observe(logits, captured):
-        margins.append(_margin(logits))
+        margins.append(top2_margin(logits))
         for layer, h in captured.items():
             parts[layer].append(h)
 
@@ -69,7 +66,7 @@ def record_greedy_traces(staged: StagedTarget, prompts: list[list[int]], max_new
 
     def observer(parts, margins):
         def observe(logits, captured):
-            margins.append(_margin(logits))
+            margins.append(top2_margin(logits))
             for layer in capture:
                 parts[layer].append(captured[layer])
         return observe
@@ -102,10 +99,10 @@ def module_drafts(module: SpeculationModule, trace: GreedyTrace) -> tuple[torch.
     return drafts, top2.values[..., 0] - top2.values[..., 1]
 
 
-def lookup_drafts(trace: GreedyTrace, min_n: int, max_n: int) -> dict[int, int]:
-    """{t: the context lookup's draft for position t + 1} wherever the target's own sequence up to t ends with a
-    suffix that occurred earlier. In a decisive step every token in flight is the target's own, so this is what
-    the runtime's lookup (spd.drafters.hybrid) sees there, whatever the occupancy."""
+def lookup_drafts(trace: GreedyTrace, min_n: int, max_n: int) -> dict[int, tuple[int, int]]:
+    """{t: (the context lookup's draft for position t + 1, the match's length)} wherever the target's own sequence
+    up to t ends with a suffix that occurred earlier. In a decisive step every token in flight is the target's own,
+    so this is what the runtime's lookup (spd.drafters.hybrid) sees there, whatever the occupancy."""
     seq = trace.prompt_ids + trace.tokens
     index = NgramIndex(min_n, max_n)
     out = {}
@@ -113,15 +110,18 @@ def lookup_drafts(trace: GreedyTrace, min_n: int, max_n: int) -> dict[int, int]:
         index.extend([seq[t]])
         n, start = index.match()
         if n:
-            out[t] = index.continuation(start, 1)[0]
+            out[t] = (index.continuation(start, 1)[0], n)
     return out
 
 
 def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor,
-           sources: dict[int, str] | None = None, on_settle=None) -> tuple[DecodeStats, Counter]:
+           lookup: dict[int, tuple[int, int]] | None = None, pricer: SourcePricer | None = None,
+           on_settle=None) -> tuple[DecodeStats, Counter]:
     """Replay the pipeline's schedule: K, rollbacks, accepted runs, and the occupancy of every *decisive* step
     (one whose draft matters because no wrong token is in flight; the others are flushed unseen).
-    sources: {t: draft source of the drafts for t + 1} where not the module's.
+    lookup: {t: (the context's draft for t + 1, its match length)} (`lookup_drafts`), drafted instead of the
+    module's — where `pricer` (the runtime's, fresh) prefers it, told of every decisive draft and every verdict when
+    the runtime tells it (a non-decisive draft is discarded by a rollback before any verdict, in both).
     on_settle(pos, accepted, source): called for every verified position (analyses of where acceptance falls)."""
     stats = DecodeStats(n=n, N=1)
     decisive: Counter = Counter()
@@ -133,23 +133,35 @@ def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor,
     drafts = drafts.tolist()
     step = first_step(prompt_len, n)
     own = {prompt_len: True}          # pos -> the in-flight token there is the target's own
+    sources: dict[int, str] = {}      # pos -> who drafted its decisive draft, where not the module
     while True:
         t, a = step.t, step.occupancy
         clean = all(own[pos] for pos, _ in step.in_flight())
+        draft = drafts[a - 1][t] if t + 1 < len(seq) else None
         if clean and t + 1 < len(seq):
             decisive[a] += 1
-        own[t + 1] = clean and t + 1 < len(seq) and drafts[a - 1][t] == seq[t + 1]
+            found = (lookup or {}).get(t)
+            sources[t + 1] = "module"
+            if found is not None and (pricer is None or pricer.prefers_lookup(found[1])):
+                draft, sources[t + 1] = found[0], "lookup"
+            if pricer is not None:
+                pricer.drafted(t + 1, found[1] if sources[t + 1] == "lookup" else None)
+        own[t + 1] = clean and draft is not None and draft == seq[t + 1]
         stats.K += 1
         if step.exiting is None:
             step = next_step(step, None)
             continue
+        if pricer is not None:
+            pricer.finalize(step.exiting)
         accepted = own[step.candidate]
-        source = (sources or {}).get(step.candidate - 1, "module")
+        source = sources.pop(step.candidate, "module")
         stats.settle(accepted, source)
         if on_settle:
             on_settle(step.candidate, accepted, source)
         if not accepted:
             own = {flushed_from(step): True}  # the correction is the target's own token
+            if pricer is not None:
+                pricer.rollback(flushed_from(step))
         if stats.N == total:
             break
         step = next_step(step, accepted)
@@ -158,24 +170,21 @@ def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor,
 
 
 def fast_greedy_stats(module: SpeculationModule, trace: GreedyTrace,
-                      lookup: tuple[int, int] | None = None, on_settle=None) -> dict:
+                      lookup: tuple[int, int] | None = None, on_settle=None, priced: bool = False) -> dict:
     """N, K, L'acc, rollbacks of greedy SPD with `module`, plus the smallest module margin that decided a draft.
-    lookup: (shortest, longest n-gram) for draft_source=lookup+module — the lookup's draft wherever it has one."""
+    lookup: (shortest, longest n-gram) for draft_source=lookup+module — the lookup's draft wherever it has one, or,
+    priced, where it is predicted likelier kept than the module's (spd.pricing.SourcePricer)."""
     drafts, margins = module_drafts(module, trace)
-    sources = None
-    if lookup is not None:
-        found = lookup_drafts(trace, *lookup)
-        for t, token in found.items():
-            drafts[:, t] = token
-        sources = dict.fromkeys(found, "lookup")
-    stats, decisive = replay(module.n, len(trace.prompt_ids), trace.tokens, drafts, sources, on_settle)
+    found = lookup_drafts(trace, *lookup) if lookup is not None else None
+    pricer = SourcePricer() if lookup is not None and priced else None
+    stats, decisive = replay(module.n, len(trace.prompt_ids), trace.tokens, drafts, found, pricer, on_settle)
     return {"stats": stats, "decisive_occupancy": dict(sorted(decisive.items())),
             "min_module_margin": float(margins.min()) if margins.numel() else None,
             "min_target_margin": min(trace.margins)}
 
 
 def fast_pipeline_eval(trace: GreedyTrace, *, module: SpeculationModule, draft_source: str,
-                       ngrams: tuple[int, int], **_) -> dict:
+                       ngrams: tuple[int, int], pricing: bool = False, **_) -> dict:
     """A pipelined method's exact greedy replay (spd.methods): the module's drafts, the lookup's in front of them
-    where draft_source says so."""
-    return fast_greedy_stats(module, trace, ngrams if draft_source == LOOKUP_MODULE else None)
+    where draft_source says so (pricing: where it pays)."""
+    return fast_greedy_stats(module, trace, ngrams if draft_source == LOOKUP_MODULE else None, priced=pricing)

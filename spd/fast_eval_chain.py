@@ -101,18 +101,22 @@ def walk_trace(tree, stats: ChainStats, tokens: list[int], on_settle=None) -> in
 
 @torch.no_grad()
 def replay(drafter: ChainDrafter, prompt_ids: list[int], tokens: list[int], m: int, width: int = 1,
-           budget: int | None = None, hidden: dict[int, torch.Tensor] | None = None, on_settle=None) -> dict:
+           budget: int | None = None, hidden: dict[int, torch.Tensor] | None = None, on_settle=None,
+           margins: list[float] | None = None) -> dict:
     """The one greedy replay of draft-then-verify decoding over the target's tokens: `drafter` (the runtime's own,
     fresh) drafts each cycle's tree, fed the verified tokens and — from hidden {layer: [1, P + N - 1, d]}, the
     trace's states — the verified path's states, as the verify pass captures them; `walk_trace` settles it. Only
     the target's verify forward is skipped: greedy descends along the trace's tokens, and off that path no node's
     verdict matters. Returns the statistics and the target rows each cycle fed (its tree's nodes, the root
     included), which decide its cost on a CPU (bench/lookup_grid.py). on_settle(pos, accepted, source): called for
-    every verified node (pos: its index in `tokens`)."""
+    every verified node (pos: its index in `tokens`). margins: the trace's top-2 logit margins (margins[i] where the
+    target chose tokens[i]), told to the drafter as the runtime tells it."""
     hidden = {layer: hidden[layer] for layer in drafter.layers_needed()} if hidden else {}
     prompt_len, total = len(prompt_ids), len(tokens)
     seq = list(prompt_ids) + tokens[:1]
     drafter.start({layer: h[:, :prompt_len] for layer, h in hidden.items()}, seq)
+    if margins:
+        drafter.target_margin(margins[0])
     greedy = SamplingParams()
     stats, rows = ChainStats(m=m, N=1), []
     while stats.N < total:
@@ -125,13 +129,15 @@ def replay(drafter: ChainDrafter, prompt_ids: list[int], tokens: list[int], m: i
         seq = list(prompt_ids) + tokens[: stats.N]
         if stats.N < total:
             drafter.verified({layer: h[:, fed: fed + 1 + accepted] for layer, h in hidden.items()}, seq)
+            if margins:
+                drafter.target_margin(margins[stats.N - 1])
     return {"stats": stats, "rows_per_cycle": rows}
 
 
 def fast_tree_stats(drafter: ChainDrafter, trace: GreedyTrace, m: int, width: int, budget: int) -> dict:
     """Greedy draft trees (W = width, `budget` nodes; EAGLE-3's dynamic tree: an `Eagle3Drafter`) replayed over the
     target's trace (`replay`)."""
-    return {**replay(drafter, trace.prompt_ids, trace.tokens, m, width, budget, trace.hidden),
+    return {**replay(drafter, trace.prompt_ids, trace.tokens, m, width, budget, trace.hidden, margins=trace.margins),
             "min_target_margin": min(trace.margins)}
 
 

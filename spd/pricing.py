@@ -6,10 +6,13 @@ from what the rows cost here and how likely each drafted node is to be kept.
   so each cycle prices every row count, filling it with the best candidates.
 - `AcceptancePredictor`: P(a node is kept | its parent was), per bucket of the drafter's own evidence (its source,
   the length of the context match behind it, the share of earlier continuations that agree, how many there were,
-  its depth), counted online from the run's own verdicts over a prior the drafter's evidence sets. Verdicts are
-  whatever verification decided — greedy or sampled — so at T = 1 it learns the sampled acceptance.
+  its depth), counted online from the run's own verdicts over a prior from the evidence, scaled by the request's
+  calibration (kept over expected, pooled over the buckets, per bin of the target's top-2 margin at the newest
+  verified token). Verdicts are whatever verification decided — greedy or sampled — so at T = 1 it learns the
+  sampled acceptance; the drafter judges every candidate, drafted or not, so a bucket priced out can win back.
 - `choose`: the prefix of the candidates (best first, parents before children) that maximises expected tokens per
-  second, 1 + sum of the kept nodes' reach probabilities over the forward's cost.
+  second, 1 + sum of the kept nodes' reach probabilities over the forward's cost, where a draft must beat the plain
+  step by an edge.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ class Evidence:
     share: float         # of the continuations that reached its parent, the weight that continued with it
     support: float       # the weight (occurrences) that reached its parent
     depth: int           # 1 = a child of the root
+    margin: float = float("inf")   # the target's top-2 logit margin at the newest verified token (inf: unknown)
+
+
+MARGIN_EDGES = (1.0, 3.0, 6.0)     # logits: a near tie, unsure, sure, very sure
 
 
 def _bin(value: float, edges: tuple[float, ...]) -> int:
@@ -33,25 +40,42 @@ def _bin(value: float, edges: tuple[float, ...]) -> int:
 
 @dataclass
 class AcceptancePredictor:
-    """Kept / proposed counts per bucket of evidence; a bucket's estimate starts at the drafter's own share (shrunk
-    by `prior_scale`) with `prior_weight` pseudo-observations, and moves to what this run's verdicts say."""
+    """Kept / proposed counts per bucket of evidence. A bucket's estimate starts from the drafter's own share, shrunk
+    by `prior_scale` and by the request's calibration — kept over expected across every bucket, so one run learns
+    within a few cycles whether its text repeats — with `prior_weight` pseudo-observations, and moves to what the
+    bucket's own verdicts say."""
     prior_weight: float = 2.0
     prior_scale: float = 0.8
+    pool_weight: float = 4.0                           # pseudo-observations behind a calibration of 1
     counts: dict = field(default_factory=dict)        # bucket -> [kept, proposed]
+    pooled: dict = field(default_factory=dict)        # margin bin -> [kept, expected by the shares], every bucket
 
     @staticmethod
     def bucket(e: Evidence) -> tuple:
         return (e.source, _bin(e.match, (2, 3, 4, 6, 9)), _bin(e.share, (0.25, 0.5, 0.75, 0.999)),
                 _bin(e.support, (2, 4, 8)), _bin(e.depth, (2, 4)))
 
+    def calibration(self, e: Evidence) -> float:
+        kept, expected = self.pooled.get(_bin(e.margin, MARGIN_EDGES), (0.0, 0.0))
+        return (kept + self.pool_weight) / (expected + self.pool_weight)
+
+    def prior(self, e: Evidence) -> float:
+        """What the drafter's evidence alone says: its share, less for a short match (a one-token match's
+        continuations agree with the target about half as often as a long one's), shrunk by `prior_scale`."""
+        return self.prior_scale * e.share * (1.0 - 0.5 ** e.match)
+
     def predict(self, e: Evidence) -> float:
         kept, proposed = self.counts.get(self.bucket(e), (0.0, 0.0))
-        return (kept + self.prior_weight * self.prior_scale * e.share) / (proposed + self.prior_weight)
+        prior = min(1.0, self.prior(e) * self.calibration(e))
+        return (kept + self.prior_weight * prior) / (proposed + self.prior_weight)
 
     def observe(self, e: Evidence, kept: bool) -> None:
         entry = self.counts.setdefault(self.bucket(e), [0.0, 0.0])
         entry[0] += kept
         entry[1] += 1
+        pooled = self.pooled.setdefault(_bin(e.margin, MARGIN_EDGES), [0.0, 0.0])
+        pooled[0] += kept
+        pooled[1] += self.prior(e)
 
 
 @dataclass(frozen=True)
@@ -69,14 +93,54 @@ class RowCosts:
         return len(self.seconds)
 
 
-def choose(reach: list[float], costs: RowCosts) -> int:
+def choose(reach: list[float], costs: RowCosts, edge: float = 0.0) -> int:
     """How many of the candidates (reach[i]: the probability that candidate i is kept; best first, parents before
     children) one forward carries: the row count r maximising (1 + sum(reach[:r - 1])) / seconds(r), so a row
-    count that costs less than a smaller one is filled with the next-best candidates. 0: a plain AR step."""
-    best_rows, best_rate, gained = 1, 1.0 / costs.seconds[0], 1.0
+    count that costs less than a smaller one is filled with the next-best candidates. A draft must beat the plain
+    step's rate by `edge` (0.1: 10%) — the estimates that win a comparison are the optimistic ones, and a machine's
+    costs move. 0: a plain AR step."""
+    best_rows, best_rate, gained = 1, (1.0 + edge) / costs.seconds[0], 1.0
     for rows in range(2, min(len(reach) + 1, costs.max_rows) + 1):
         gained += reach[rows - 2]
         rate = gained / costs.seconds[rows - 1]
         if rate > best_rate:
             best_rows, best_rate = rows, rate
     return best_rows - 1
+
+
+class SourcePricer:
+    """Inside SPD's pipeline each step drafts one token, from the context (a lookup match) or from the module; both
+    fill the one row the step carries anyway, so the price is only the chance of being kept: the context drafts
+    where its match's predicted acceptance is at least the module's. Both are learned from this request's verdicts,
+    as the pipeline reports them: a drafted position that leaves the last stage was kept (`finalize`), the first
+    position a rollback discards was rejected, the later ones were drafted on a rejected token and judge nothing."""
+
+    # before any verdict: a two-token match (prior 0.6) wins over the module (0.4), the unpriced rule
+    MODULE = Evidence("module", 1, 1.0, 1.0, 1)
+
+    def __init__(self):
+        self.predictor = AcceptancePredictor()
+        self.pending: dict[int, Evidence] = {}        # drafted position -> its evidence, until its verdict
+
+    @staticmethod
+    def lookup(match: int) -> Evidence:
+        return Evidence("lookup", match, 1.0, 1.0, 1)
+
+    def prefers_lookup(self, match: int) -> bool:
+        return self.predictor.predict(self.lookup(match)) >= self.predictor.predict(self.MODULE)
+
+    def drafted(self, pos: int, match: int | None) -> None:
+        """Position `pos` was drafted by the lookup after a match of `match` tokens (None: by the module)."""
+        self.pending[pos] = self.MODULE if match is None else self.lookup(match)
+
+    def finalize(self, pos: int) -> None:
+        evidence = self.pending.pop(pos, None)
+        if evidence is not None:
+            self.predictor.observe(evidence, True)
+
+    def rollback(self, length: int) -> None:
+        evidence = self.pending.pop(length, None)
+        if evidence is not None:
+            self.predictor.observe(evidence, False)
+        for pos in [pos for pos in self.pending if pos > length]:
+            del self.pending[pos]

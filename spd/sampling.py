@@ -20,6 +20,12 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def top2_margin(logits: torch.Tensor) -> float:
+    """The gap between the two largest logits [V]: how sure the target was where it chose a token."""
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
 def greedy_token(logits: torch.Tensor) -> int:
     """Argmax over [V]; ties go to the lowest id, identically for AR and SPD."""
     return int(torch.argmax(logits))

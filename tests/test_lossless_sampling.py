@@ -67,14 +67,16 @@ def small_vocab_model():
     return tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
 
 
-def sample_spd(model, n, samples, seed, method="spd", lookup=False, sources=None, width=1, extra=None):
+def sample_spd(model, n, samples, seed, method="spd", lookup=False, sources=None, width=1, extra=None, priced=False):
     """lookup: draft_source=lookup+module, matching one-token suffixes (PROMPT's tokens recur in the samples).
     sources: a dict that receives {source: [verified, accepted]} pooled over the samples. width: W (trees);
-    extra: a list that receives, per sample, the rows stage 1 ran beyond one per step (a tree's branching)."""
+    extra: a list that receives, per sample, the rows stage 1 ran beyond one per step (a tree's branching);
+    priced: the lookup drafts where the request's verdicts predict it likelier kept than the module."""
     staged = StagedTarget(model, n)
     module = SpeculationModule.from_target(staged, 1, seed=1, method=method)  # random: its q is far from p, rejections are common
     drafter = ModuleDrafter(module)
-    decoder = PipelineDecoder(staged, LookupThenModule(drafter, 1, 2) if lookup else drafter, frozenset(), width)
+    decoder = PipelineDecoder(staged, LookupThenModule(drafter, 1, 2, priced) if lookup else drafter, frozenset(),
+                               width)
     counts, rollbacks = {}, 0
     for i in range(samples):
         out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i))
@@ -200,12 +202,14 @@ def test_eagle3_tree_samples_the_target_distribution(small_vocab_model):
 
 
 @pytest.mark.slow
-def test_lookup_inside_the_pipeline_samples_the_target_distribution(small_vocab_model):
+@pytest.mark.parametrize("priced", [False, True])
+def test_lookup_inside_the_pipeline_samples_the_target_distribution(small_vocab_model, priced):
     """draft_source=lookup+module at n = 2: point-mass lookup drafts and the module's sampled drafts in one
-    pipeline."""
+    pipeline; priced, which of the two drafts follows the request's own sampled verdicts."""
     dist = exact_distribution(small_vocab_model, PARAMS)
     sources = {}
-    counts, rollbacks = sample_spd(small_vocab_model, n=2, samples=SHORT, seed=6, lookup=True, sources=sources)
+    counts, rollbacks = sample_spd(small_vocab_model, n=2, samples=SHORT, seed=6, lookup=True, sources=sources,
+                                   priced=priced)
     verified, accepted = sources["lookup"]
     assert accepted > SHORT * 0.1 and verified - accepted > SHORT * 0.1      # lookup drafts kept and rejected, often
     assert sources["module"][0] > SHORT * 0.1

@@ -43,15 +43,37 @@ def test_pricing_picks_the_row_count_that_pays():
     assert choose([0.9] * 3, RowCosts((1.0, 2.5, 3.5, 4.5))) == 0        # rows that cost more than they bring
 
 
+def test_a_draft_must_beat_the_plain_step_by_the_edge():
+    costs = RowCosts((1.0, 1.2))
+    assert choose([0.3], costs) == 1                         # 1.3 tokens for 1.2: 8% faster than a plain step
+    assert choose([0.3], costs, edge=0.1) == 0               # not by the 10% asked
+    assert choose([0.5], costs, edge=0.1) == 1
+
+
 def test_the_predictor_learns_from_verdicts():
     predictor = AcceptancePredictor()
-    sure = Evidence("suffix", 4, 1.0, 3, 1)
+    sure = Evidence("suffix", 4, 1.0, 3, 1, margin=2.0)
     before = predictor.predict(sure)
+    assert predictor.predict(Evidence("suffix", 1, 1.0, 3, 1, margin=2.0)) < before     # a shorter match: less
     for _ in range(40):
         predictor.observe(sure, False)
     assert predictor.predict(sure) < 0.1 < before
-    other = Evidence("suffix", 8, 1.0, 3, 1)                 # another bucket keeps its prior
-    assert predictor.predict(other) == pytest.approx(before)
+    # another bucket has no verdicts of its own, but the request's calibration (pooled) moved it down ...
+    other = Evidence("suffix", 8, 1.0, 3, 1, margin=2.0)
+    assert predictor.predict(sure) < predictor.predict(other) < 0.5 * before
+    # ... where the target was as sure; at another margin it keeps its prior
+    sure_there = Evidence("suffix", 8, 1.0, 3, 1, margin=9.0)
+    assert predictor.predict(sure_there) == pytest.approx(AcceptancePredictor().predict(sure_there))
+
+
+def test_a_priced_out_candidate_is_still_judged():
+    drafter = SuffixDrafter(1, 4, RowCosts((1.0, 50.0, 50.0)))      # drafting never pays
+    tokens = [5, 1, 2, 3, 9, 1, 2]
+    drafter.start(None, tokens)
+    assert len(drafter.draft_tree(tokens[-1], 2, 1, 2)) == 1          # a plain step
+    drafter.verified({}, tokens + [3])                                # the target chose what "1 2" had continued with
+    assert drafter.priced_out == 1
+    assert sum(kept for kept, _ in drafter.predictor.counts.values()) == 1   # the undrafted candidate's verdict
 
 
 @pytest.mark.parametrize("width,budget,costs", [(1, None, None), (1, None, CPU_LIKE), (3, 12, CPU_LIKE),
@@ -79,14 +101,29 @@ def test_the_replay_settles_what_the_runtime_settles(family_model, width, budget
     staged = StagedTarget(model, 1)
     for seed in range(3):
         p = prompt(seed + 150, vocab=model.config.vocab_size)
-        out = ChainDecoder(staged, SuffixDrafter(1, 4, CPU_LIKE), frozenset(), 8, width, budget).generate(
-            p, Request(40, GREEDY))
+        runtime, replayed = MarginLog(1, 4, CPU_LIKE), MarginLog(1, 4, CPU_LIKE)
+        out = ChainDecoder(staged, runtime, frozenset(), 8, width, budget).generate(p, Request(40, GREEDY))
         trace = record_greedy_trace(staged, p, 40, frozenset())
-        got = fast_tree_stats(SuffixDrafter(1, 4, CPU_LIKE), trace, 8, width, budget or 8)
+        got = fast_tree_stats(replayed, trace, 8, width, budget or 8)
         want = out.stats
         assert (got["stats"].N, got["stats"].cycles, got["stats"].accepted_per_cycle, got["stats"].verdicts) == \
             (want.N, want.cycles, want.accepted_per_cycle, want.verdicts)
         assert sum(got["rows_per_cycle"]) == want.drafted + want.cycles
+        # the target's confidence each cycle, as the runtime measured it and as the trace recorded it
+        assert len(runtime.margins) == want.cycles
+        assert runtime.margins == pytest.approx(replayed.margins, abs=1e-4)
+
+
+class MarginLog(SuffixDrafter):
+    """The suffix drafter, keeping every margin it was told."""
+
+    def start(self, prompt_hidden, tokens):
+        super().start(prompt_hidden, tokens)
+        self.margins = []
+
+    def target_margin(self, margin):
+        super().target_margin(margin)
+        self.margins.append(margin)
 
 
 def test_the_memory_changes_speed_not_output(untied_target_dir):

@@ -121,6 +121,10 @@ class ChainDrafter(ABC):
         drafter's logits into the run's choice (argmax, or a sample with its q); a drafter without logits proposes
         Proposal(token) (deterministic, q = None)."""
 
+    def target_margin(self, margin: float) -> None:
+        """The target's top-2 logit margin where it chose the newest verified token (its confidence there), given
+        before each `draft_tree`; a drafter that prices its candidates may use it."""
+
     @abstractmethod
     def verified(self, hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:
         """The cycle settled: `tokens` is the whole verified sequence; hidden {layer: [1, S, d]} holds the target's

@@ -1,6 +1,8 @@
 """Lookup inside SPD's pipeline (`draft_source=lookup+module`): each step proposes the context lookup's next token
 when the context — prompt, verified tokens and the drafts in flight — ends with a suffix of at least
-`lookup_min_ngram` tokens that occurred earlier, and the speculation module's draft otherwise.
+`lookup_min_ngram` tokens that occurred earlier, and the speculation module's draft otherwise. Priced
+(`draft_pricing=true`, spd.pricing.SourcePricer): the lookup drafts only where its match's predicted acceptance,
+learned from this request's verdicts, is at least the module's (chains; a tree's branches keep the lookup first).
 
 The module keeps its state either way: its memory grows as positions leave the last stage (`finalize`), which the
 lookup never skips; only its forward for the draft is saved when the lookup answers. A lookup draft is a point
@@ -16,6 +18,7 @@ from spd.drafters.base import Drafter, StepView, WrappedDrafter
 from spd.drafters.lookup import NgramIndex
 from spd.drafters.spd_module import ModuleDrafter
 from spd.methods import DRAFT_SOURCES, LOOKUP_MODULE, MODULE
+from spd.pricing import SourcePricer
 from spd.sampling import Proposal
 
 
@@ -23,9 +26,11 @@ class LookupThenModule(WrappedDrafter):
     """Wraps the module's drafter: its states, memory and rollbacks go to the module untouched; only the draft may
     come from the lookup instead."""
 
-    def __init__(self, module: Drafter, min_n: int = 2, max_n: int = 8):
+    def __init__(self, module: Drafter, min_n: int = 2, max_n: int = 8, priced: bool = False):
         super().__init__(module)
         self.min_n, self.max_n = min_n, max_n
+        self.priced = priced
+        self.pricer: SourcePricer | None = None
 
     @property
     def module(self) -> Drafter:
@@ -35,19 +40,29 @@ class LookupThenModule(WrappedDrafter):
         super().start(prompt_hidden, prompt_ids)
         self.index = NgramIndex(self.min_n, self.max_n)   # every position up to the newest in flight
         self.index.extend(list(prompt_ids))
+        self.pricer = SourcePricer() if self.priced else None     # each request learns its own
 
     def _lookup(self, view: StepView) -> Proposal | None:
-        """The lookup's draft where the context ends in a match, else None."""
+        """The lookup's draft where the context ends in a match (and, priced, where it is likelier kept than the
+        module's), else None."""
         for item in view.in_flight:
             if item.pos == len(self.index):      # the newest token (a draft, or a correction after a rollback)
                 self.index.extend([item.token])
         assert len(self.index) == view.t + 1, (len(self.index), view.t)
         n, start = self.index.match()
+        if self.pricer is not None:
+            n = n if n and self.pricer.prefers_lookup(n) else 0
+            self.pricer.drafted(view.t + 1, n or None)
         return Proposal(self.index.continuation(start, 1)[0], source="lookup") if n else None
 
     def draft(self, view: StepView, propose) -> Proposal:
         found = self._lookup(view)
         return found if found is not None else self.module.draft(view, propose)
+
+    def finalize(self, pos, hidden):
+        super().finalize(pos, hidden)
+        if self.pricer is not None:
+            self.pricer.finalize(pos)
 
     @classmethod
     def draft_together(cls, drafters: list["LookupThenModule"], views: list[StepView], proposes: list) -> list:
@@ -88,18 +103,21 @@ class LookupThenModule(WrappedDrafter):
     def on_rollback(self, length):
         super().on_rollback(length)
         self.index.truncate(length)
+        if self.pricer is not None:
+            self.pricer.rollback(length)
 
 
-def with_draft_source(module_drafter: Drafter, source: str, min_n: int, max_n: int) -> Drafter:
-    """The pipelined drafter a run uses: the module's alone, or the lookup in front of it."""
+def with_draft_source(module_drafter: Drafter, source: str, min_n: int, max_n: int, priced: bool = False) -> Drafter:
+    """The pipelined drafter a run uses: the module's alone, or the lookup in front of it (priced: where it pays)."""
     if source == MODULE:
         return module_drafter
     if source == LOOKUP_MODULE:
-        return LookupThenModule(module_drafter, min_n, max_n)
+        return LookupThenModule(module_drafter, min_n, max_n, priced)
     raise ValueError(f"draft source {source!r}: one of {', '.join(DRAFT_SOURCES)}")
 
 
-def pipelined_drafter(*, module, draft_source: str, ngrams: tuple[int, int], use_cache: bool = True, **_) -> Drafter:
+def pipelined_drafter(*, module, draft_source: str, ngrams: tuple[int, int], use_cache: bool = True,
+                      pricing: bool = False, **_) -> Drafter:
     """SPD's, PPSD's and the output-state ablation's drafter (spd.methods): the module, the lookup in front where
-    draft_source says so."""
-    return with_draft_source(ModuleDrafter(module, use_cache), draft_source, *ngrams)
+    draft_source says so (pricing: where its predicted acceptance is at least the module's)."""
+    return with_draft_source(ModuleDrafter(module, use_cache), draft_source, *ngrams, pricing)

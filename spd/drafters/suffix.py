@@ -58,15 +58,17 @@ class SuffixDrafter(ChainDrafter):
     branches = True
 
     def __init__(self, min_n: int = 1, max_n: int = 8, costs: RowCosts | None = None,
-                 memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64):
+                 memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64, edge: float = 0.1):
         """costs: this machine's row costs (None: every row count costs the same, so every candidate is drafted up
-        to the budget); enough: occurrences of the longest match after which shorter matches are not consulted."""
+        to the budget); enough: occurrences of the longest match after which shorter matches are not consulted;
+        edge: how much a draft's predicted rate must beat a plain step's (spd.pricing.choose)."""
         self.min_n, self.max_n = min_n, max_n
-        self.costs, self.memory = costs, memory
+        self.costs, self.memory, self.edge = costs, memory, edge
         self.enough, self.max_occurrences = enough, max_occurrences
         self.predictor = AcceptancePredictor()
         self.index: NgramIndex | None = None
-        self.last: tuple[DraftTree, list[Evidence]] | None = None
+        self.last: tuple[list[_Node], list[Evidence]] | None = None   # the cycle's candidates, drafted or not
+        self.margin = float("inf")                    # the target's confidence at the newest verified token
         self.cycles = self.priced_out = 0             # cycles drafted, and those the pricing made plain AR steps
 
     def layers_needed(self, bounds=None) -> list[int]:
@@ -81,6 +83,9 @@ class SuffixDrafter(ChainDrafter):
         self.index.extend(tokens)
         self.last = None
 
+    def target_margin(self, margin: float) -> None:
+        self.margin = margin
+
     def verified(self, hidden, tokens) -> None:
         new = tokens[len(self.index):]
         if self.last is not None:
@@ -88,21 +93,22 @@ class SuffixDrafter(ChainDrafter):
         self.index.extend(new)
         self.last = None
 
-    def _learn(self, tree: DraftTree, evidence: list[Evidence], new: list[int]) -> None:
-        """Each node whose parent was kept is a verdict: kept iff the verified token is its token."""
-        node = 0
+    def _learn(self, nodes: list[_Node], evidence: list[Evidence], new: list[int]) -> None:
+        """Every candidate whose parent the verified tokens reached is a verdict — kept iff the verified token is its
+        token — whether or not it was drafted: a deterministic child is kept exactly when the target's own choice
+        (the argmax, or the one draw of p) equals it, so a priced-out candidate is judged as a drafted one would
+        have been, and a bucket priced out once can still win its way back."""
+        parent = -1
         for token in new:
-            children = tree.children(node)
-            if not children:
-                return
             kept = None
-            for child in children:
-                self.predictor.observe(evidence[child - 1], tree.token(child) == token)
-                if tree.token(child) == token:
-                    kept = child
+            for i, node in enumerate(nodes):
+                if node.parent == parent:
+                    self.predictor.observe(evidence[i], node.token == token)
+                    if node.token == token:
+                        kept = i
             if kept is None:
                 return
-            node = kept
+            parent = kept
 
     def _occurrences(self) -> tuple[int, list[tuple[NgramIndex, int, float]]]:
         """(the longest match length, [(index, continuation start, weight)]) over the context and the memory."""
@@ -158,7 +164,8 @@ class SuffixDrafter(ChainDrafter):
         out = [_Node(nodes[i].token, position[nodes[i].parent] if nodes[i].parent >= 0 else -1, nodes[i].depth,
                      nodes[i].weight) for i in kept]
         evidence = [Evidence("suffix", longest, share[i],
-                             nodes[nodes[i].parent].weight if nodes[i].parent >= 0 else total, nodes[i].depth)
+                             nodes[nodes[i].parent].weight if nodes[i].parent >= 0 else total, nodes[i].depth,
+                             self.margin)
                     for i in kept]
         return out, evidence
 
@@ -167,14 +174,14 @@ class SuffixDrafter(ChainDrafter):
         reach = _along_paths(nodes, [self.predictor.predict(e) for e in evidence])
         # the candidates by predicted reach, parents first (a child's reach never exceeds its parent's)
         order = sorted(range(len(nodes)), key=lambda i: (-reach[i], nodes[i].depth, i))
-        take = len(order) if self.costs is None else choose([reach[i] for i in order], self.costs)
+        take = len(order) if self.costs is None else choose([reach[i] for i in order], self.costs, self.edge)
         self.cycles += 1
         self.priced_out += bool(nodes) and take == 0
         chosen = sorted(order[:take])          # candidate order is parents first
         tree, node_of = DraftTree(root), {-1: 0}
         for i in chosen:
             node_of[i] = tree.add(node_of[nodes[i].parent], Proposal(nodes[i].token, source="suffix"))
-        self.last = (tree, [evidence[i] for i in chosen])
+        self.last = (nodes, evidence)
         return tree
 
 

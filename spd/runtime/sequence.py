@@ -15,7 +15,7 @@ import torch
 from spd.decoding import Request, context_length, is_final, prefill
 from spd.drafters.base import ChainDrafter
 from spd.metrics import ChainStats
-from spd.sampling import next_token, propose, settle_children
+from spd.sampling import next_token, propose, settle_children, top2_margin
 from spd.targets.stages import StagedTarget
 from spd.tree import DraftTree
 
@@ -57,6 +57,7 @@ class ChainSequence:
         self.stats.N = 1
         if self.drafter:
             self.drafter.start({layer: captured[layer] for layer in self.drafter_layers}, self.tokens)
+            self.drafter.target_margin(top2_margin(logits))
         self.done = is_final(token, 1, self.request.max_new_tokens, self.eos_ids)
         return [token]
 
@@ -80,6 +81,7 @@ class ChainSequence:
         stats.drafting_cycles += len(tree) > 1
         path, verified = [0], []
         while True:
+            chose = path[-1]                  # the row whose logits choose this token
             children = tree.children(path[-1])
             if children:
                 index, token = settle_children(logits[path[-1]], [tree.proposals[c - 1] for c in children],
@@ -102,4 +104,5 @@ class ChainSequence:
         self.cache.keep(self.fed, [self.fed + node for node in path])   # the verified path's rows, at their positions
         if not self.done and self.drafter:
             self.drafter.verified({layer: captured[layer][:, path] for layer in self.drafter_layers}, self.tokens)
+            self.drafter.target_margin(top2_margin(logits[chose]))
         return verified
