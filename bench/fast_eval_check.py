@@ -74,7 +74,7 @@ def main() -> int:
     ap.add_argument("--cache-dir", default="outputs/cache/traces")
     ap.add_argument("--draft-source", default="module", choices=DRAFT_SOURCES)
     ap.add_argument("--lookup-ngrams", default="2,8", help="lookup+module: shortest,longest suffix matched")
-    ap.add_argument("--draft-pricing", action="store_true",
+    ap.add_argument("--source-pricing", action="store_true",
                     help="lookup+module: the lookup drafts where it is predicted likelier kept (spd.pricing)")
     ap.add_argument("--out", default="docs/results/fast_eval_check.json")
     args = ap.parse_args()
@@ -97,14 +97,14 @@ def main() -> int:
             module.eval()
             traces = TraceCache(args.cache_dir, loaded, staged, args.max_new_tokens)
             drafter = ModuleDrafter(module)
-            drafting = LookupThenModule(drafter, *lookup, args.draft_pricing) if lookup else drafter
+            drafting = LookupThenModule(drafter, *lookup, args.source_pricing) if lookup else drafter
             runtime = build_decoder(PIPELINE, staged, traces.eos, drafting)
             for ds, qid, ids in tqdm(prompts, desc=f"n={n} runtime vs fast", mininterval=30):
                 if (n, ds, str(qid)) in done:
                     continue
                 trace, _ = traces.get(ds, qid, ids)
                 with torch.no_grad():
-                    fast = fast_greedy_stats(module, trace, lookup, priced=args.draft_pricing)
+                    fast = fast_greedy_stats(module, trace, lookup, priced=args.source_pricing)
                     slow = runtime.generate(ids, Request(args.max_new_tokens, SamplingParams()))
                 f, s = fast["stats"], slow.stats
                 row = {"n": n, "dataset": ds, "question_id": qid, "checkpoint": ckpt, "draft_source": args.draft_source,

@@ -133,7 +133,7 @@ def replay(n: int, prompt_len: int, tokens: list[int], drafts: torch.Tensor,
     drafts = drafts.tolist()
     step = first_step(prompt_len, n)
     own = {prompt_len: True}          # pos -> the in-flight token there is the target's own
-    sources: dict[int, str] = {}      # pos -> who drafted its decisive draft, where not the module
+    sources: dict[int, str] = {}      # pos -> who drafted its decisive draft (the lookup or the module)
     while True:
         t, a = step.t, step.occupancy
         clean = all(own[pos] for pos, _ in step.in_flight())
@@ -184,7 +184,8 @@ def fast_greedy_stats(module: SpeculationModule, trace: GreedyTrace,
 
 
 def fast_pipeline_eval(trace: GreedyTrace, *, module: SpeculationModule, draft_source: str,
-                       ngrams: tuple[int, int], pricing: bool = False, **_) -> dict:
+                       ngrams: tuple[int, int], source_pricing: bool = False, **_) -> dict:
     """A pipelined method's exact greedy replay (spd.methods): the module's drafts, the lookup's in front of them
-    where draft_source says so (pricing: where it pays)."""
-    return fast_greedy_stats(module, trace, ngrams if draft_source == LOOKUP_MODULE else None, priced=pricing)
+    where draft_source says so (source_pricing: where it is predicted likelier kept)."""
+    return fast_greedy_stats(module, trace, ngrams if draft_source == LOOKUP_MODULE else None,
+                             priced=source_pricing)

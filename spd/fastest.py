@@ -8,13 +8,14 @@ a YAML file, means the user chose, and nothing is changed: `runtime=local` alone
 
 from __future__ import annotations
 
-# device type -> temperature regime -> the keys of the fastest lossless row. 2-core CPUs: one run of
-# bench/wallclock.py over the eval and everyday sets (docs/results.md, "Drafts priced by the machine"): greedy, the
-# priced context statistics' trees (W = 4) led on average (2.16x / 1.70x against the lookup chain's 2.09x / 1.63x);
-# sampled, the lookup chain (1.06x / 1.06x against 1.01x / 1.03x). On CUDA the H200 visit's bfloat16 table
-# (docs/results.md, "The first prepared visit"), where AR through CUDA graphs ran 242 tokens/s and SPD with graphs 47
-# (the chains were not measured there).
-FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4}, "sampled": {"method": "lookup"}},
+# device type -> temperature regime -> the keys of the fastest lossless row. 2-core CPUs: bench/wallclock.py over the
+# eval and everyday sets (docs/results.md, "Drafts priced by the machine", second pass): greedy, the priced context
+# statistics' trees (W = 4) led on average (2.24x / 1.57x against the lookup chain's 2.03x / 1.61x); sampled, the same
+# trees by a hair (1.08x / 1.06x against 1.07x / 1.05x; the first pass had the chain ahead, with a predictor that
+# paid for its greedy prior in every sampled request). On CUDA the H200 visit's bfloat16 table (docs/results.md,
+# "The first prepared visit"), where AR through CUDA graphs ran 242 tokens/s and SPD with graphs 47 (the chains
+# were not measured there).
+FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4}, "sampled": {"method": "suffix", "W": 4}},
            "cuda": {"greedy": {"method": "ar", "cuda_graphs": True}, "sampled": {"method": "ar", "cuda_graphs": True}}}
 
 # keys that ask for SPD's pipeline or a module: a user who sets one of them gets what they asked for

@@ -46,7 +46,7 @@ class Session:
     tree_nodes: int = 16               # W > 1: drafted nodes per verification
     row_costs: RowCosts | None = None  # suffix with draft_pricing: this machine's forward cost by rows
     memory: SuffixMemory | None = None  # suffix with suffix_memory: earlier requests, shared by this session's drafters
-    draft_pricing: bool = True         # suffix: rows priced; lookup+module: the source priced (spd.pricing)
+    source_pricing: bool = False       # lookup+module: the lookup only where likelier kept (spd.pricing.SourcePricer)
 
     def drafter(self, use_cache: bool = True) -> Drafter | ChainDrafter | None:
         """The method's drafter (spd.methods names its factory); None for plain AR."""
@@ -55,7 +55,7 @@ class Session:
             return None
         return behaviour(make)(module=self.module, embed=self.staged.embed, draft_source=self.draft_source,
                                ngrams=self.lookup_ngrams, use_cache=use_cache, row_costs=self.row_costs,
-                               memory=self.memory, pricing=self.draft_pricing)
+                               memory=self.memory, source_pricing=self.source_pricing)
 
     @property
     def drafts_with(self) -> str:
@@ -136,16 +136,15 @@ def open_session(cfg) -> Session:
     draft_length, width, tree_nodes = (cfg.draft_length or METHODS[method].draft_length, getattr(cfg, "W", 1),
                                        getattr(cfg, "tree_nodes", 16))
     row_costs = memory = None
-    pricing = getattr(cfg, "draft_pricing", True)
     if METHODS[method].priced:
-        if pricing:
+        if getattr(cfg, "draft_pricing", True):
             row_costs = cached_row_costs(staged, 1 + (tree_nodes if width > 1 else draft_length))
         if getattr(cfg, "suffix_memory", False):
             memory = SuffixMemory(1, ngrams[1])        # the sizes the drafter matches (spd.drafters.suffix)
     return Session(loaded, staged, module.eval() if module else None, params,
                    eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
                    method, ngrams, getattr(cfg, "draft_source", MODULE), draft_length, width, tree_nodes, row_costs,
-                   memory, pricing)
+                   memory, getattr(cfg, "source_pricing", False))
 
 
 def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> str:

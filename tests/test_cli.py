@@ -155,6 +155,9 @@ def test_lookup_inside_the_pipeline_decodes_what_ar_decodes(capsys, tiny_target_
     assert got["sources"]["lookup"][1] > 0                 # [verified, accepted]: the lookup drafted and was kept
     code, _, err = run(capsys, *common[:-1], "n=3", "draft_source=lookup+module")
     assert code == 0 and "[spd n=3 local, lookup+module]" in err and "accepted: lookup " in err
+    code, out, err = run(capsys, *common, "n=3", "draft_source=lookup+module", "source_pricing=true")
+    assert code == 0, err
+    assert json.loads(out)["token_ids"] == ar["token_ids"]  # the source priced per step: the same tokens
     code, _, err = run(capsys, *common[:-1], "method=ar")
     assert code == 0 and "[ar local] N=30 " in err          # plain AR in one process has no n
 

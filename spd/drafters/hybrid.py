@@ -1,7 +1,7 @@
 """Lookup inside SPD's pipeline (`draft_source=lookup+module`): each step proposes the context lookup's next token
 when the context — prompt, verified tokens and the drafts in flight — ends with a suffix of at least
 `lookup_min_ngram` tokens that occurred earlier, and the speculation module's draft otherwise. Priced
-(`draft_pricing=true`, spd.pricing.SourcePricer): the lookup drafts only where its match's predicted acceptance,
+(`source_pricing=true`, spd.pricing.SourcePricer): the lookup drafts only where its match's predicted acceptance,
 learned from this request's verdicts, is at least the module's (chains; a tree's branches keep the lookup first).
 
 The module keeps its state either way: its memory grows as positions leave the last stage (`finalize`), which the
@@ -117,7 +117,7 @@ def with_draft_source(module_drafter: Drafter, source: str, min_n: int, max_n: i
 
 
 def pipelined_drafter(*, module, draft_source: str, ngrams: tuple[int, int], use_cache: bool = True,
-                      pricing: bool = False, **_) -> Drafter:
+                      source_pricing: bool = False, **_) -> Drafter:
     """SPD's, PPSD's and the output-state ablation's drafter (spd.methods): the module, the lookup in front where
-    draft_source says so (pricing: where its predicted acceptance is at least the module's)."""
-    return with_draft_source(ModuleDrafter(module, use_cache), draft_source, *ngrams, pricing)
+    draft_source says so (source_pricing: where its predicted acceptance is at least the module's)."""
+    return with_draft_source(ModuleDrafter(module, use_cache), draft_source, *ngrams, source_pricing)

@@ -8,9 +8,11 @@ parent's weight is an empirical probability; the tree grows best-first by the pr
 path (at most W children a node, depth <= m, `budget` nodes).
 
 Pricing (spd.pricing): each candidate's chance of being kept comes from an acceptance predictor calibrated online
-on this request's verdicts (by source, match length, share, support, depth); the forward
-carries the prefix of candidates, best first, that maximises expected tokens per second under this machine's
-row-cost profile. A cycle worth nothing drafts nothing (a plain AR step). Every candidate is deterministic
+on this request's verdicts (by source, match length, share, support, depth; scaled by the request's kept-over-expected
+ratio where the target was as sure, by its top-2 margin at the newest verified token) — every candidate of a cycle is
+judged against the tokens the cycle verified, drafted or not; the forward carries the prefix of candidates, best
+first, that maximises expected tokens per second under this machine's row-cost profile, if that beats a plain step
+by the edge. A cycle worth nothing drafts nothing (a plain AR step). Every candidate is deterministic
 (q = None), so verification keeps each child with exactly its p (`spd.sampling.settle_children`): greedy follows
 the argmax, sampling one draw of p — at T = 1 the predictor learns the sampled acceptance.
 

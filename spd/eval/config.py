@@ -21,7 +21,8 @@ class EvalConfig:
     draft_source: str = "module"        # pipelined methods: module | lookup+module (spd.drafters.hybrid)
     lookup_min_ngram: int = 2           # lookup, lookup+module: shortest suffix of the context that may match earlier
     lookup_max_ngram: int = 8           # lookup, lookup+module: longest suffix compared
-    draft_pricing: bool = True          # suffix, lookup+module: drafts priced per cycle (spd.pricing; generate's key)
+    draft_pricing: bool = True          # suffix: drafts priced per cycle (spd.pricing; generate's key)
+    source_pricing: bool = False        # lookup+module: the source priced per step (spd.pricing.SourcePricer)
     datasets: List[str] = field(default_factory=lambda: ["mt_bench", "gsm8k", "humaneval"])  # first turns, in order
     limit: Optional[int] = None         # the first `limit` prompts of each dataset; None = all 80
     n: Optional[int] = None             # None = the checkpoint's n, else 5
