@@ -104,6 +104,7 @@ class ChainDrafter(ABC):
     """One method drafts: `draft_tree`, a chain being the tree of width 1."""
 
     branches = False     # True: draft_tree grows trees wider than one branch (W > 1)
+    uses_margin = False  # True: it prices with the target's margin, so the runtime computes it (`target_margin`)
 
     @abstractmethod
     def layers_needed(self, bounds: list[int] | None = None) -> list[int]:

@@ -58,6 +58,7 @@ class _Node:
 
 class SuffixDrafter(ChainDrafter):
     branches = True
+    uses_margin = True
 
     def __init__(self, min_n: int = 1, max_n: int = 8, costs: RowCosts | None = None,
                  memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64, edge: float = 0.1):

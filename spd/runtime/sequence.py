@@ -57,7 +57,8 @@ class ChainSequence:
         self.stats.N = 1
         if self.drafter:
             self.drafter.start({layer: captured[layer] for layer in self.drafter_layers}, self.tokens)
-            self.drafter.target_margin(top2_margin(logits))
+            if self.drafter.uses_margin:       # a top-k and a read-back each cycle: only for a drafter that uses it
+                self.drafter.target_margin(top2_margin(logits))
         self.done = is_final(token, 1, self.request.max_new_tokens, self.eos_ids)
         return [token]
 
@@ -104,5 +105,6 @@ class ChainSequence:
         self.cache.keep(self.fed, [self.fed + node for node in path])   # the verified path's rows, at their positions
         if not self.done and self.drafter:
             self.drafter.verified({layer: captured[layer][:, path] for layer in self.drafter_layers}, self.tokens)
-            self.drafter.target_margin(top2_margin(logits[chose]))
+            if self.drafter.uses_margin:
+                self.drafter.target_margin(top2_margin(logits[chose]))
         return verified
