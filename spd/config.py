@@ -47,7 +47,7 @@ class GenerateConfig:
                                          # per cycle (AR and the chains, runtime=local), one pipeline step (SPD's
                                          # pipeline, local or distributed); 1 = one at a time
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
-    method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | suffix | ar (plain AR
+    method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | suffix | pipedec | ar (plain AR
                                          # through the same stage runner); None = the checkpoint's, and where no key
                                          # chooses, the fastest lossless for the device (spd.fastest), else spd
     draft_length: Optional[int] = None   # method=eagle3 | lookup | suffix: at most m drafts per target forward; None
@@ -55,6 +55,10 @@ class GenerateConfig:
     W: int = 1                           # draft-tree width (1 = a chain): branches kept in SPD's pipeline, children per
                                          # node in a chain's tree; W > 1 needs method=
     tree_nodes: int = 16                 # W > 1, chain methods: drafted nodes per verification (the tree's budget)
+    children: Optional[int] = None       # W > 1, pipelined methods: candidates drafted per tip, the W best kept
+                                         # (PipeDec's c; None = W)
+    draft_layers: int = 1                # method=pipedec: its draft model is the target's first k layers, final norm
+                                         # and head (an early exit)
     draft_source: str = "module"         # pipelined methods: module | lookup+module (the context lookup's token
                                          # where the context's suffix matched earlier, else the module's draft)
     lookup_min_ngram: int = 2            # lookup, lookup+module, suffix: shortest suffix of the context that may match
@@ -194,6 +198,11 @@ def check_decoding(cfg) -> None:
     at_least(cfg, "lookup_min_ngram", 1, " (tokens a context match needs)")
     at_least(cfg, "W", 1, " (children per draft-tree node; 1 = a chain)")
     at_least(cfg, "tree_nodes", 1, " (drafted nodes per verification)")
+    at_least(cfg, "children", 1, " (candidates drafted per tip)")
+    at_least(cfg, "draft_layers", 1, " (the draft model's layers)")
+    if cfg.children is not None and (cfg.method is None or not METHODS[cfg.method].pipelined):
+        raise UserError(f"children={cfg.children} sets a pipelined tree's candidates per tip; add method=pipedec "
+                        "(or spd), or drop children=")
     if cfg.W > 1:
         check_tree(cfg)
     one_of(cfg, "draft_source", DRAFT_SOURCES)

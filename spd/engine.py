@@ -24,27 +24,30 @@ from spd.session import Session, open_session
 
 def build_decoder(kind: str, staged: StagedTarget, eos_ids: frozenset[int], drafter=None, *,
                   stages: StageExecutor | None = None, width: int = 1, draft_length: int | None = None,
-                  tree_nodes: int | None = None, capture=frozenset(), observe=None) -> Decoder:
+                  tree_nodes: int | None = None, children: int | None = None, spine: bool = True, capture=frozenset(),
+                  observe=None) -> Decoder:
     """Every decoder of the suite is built here. kind: a method's decoding kind (spd.methods: PIPELINE, CHAIN, AR).
     stages: the executor a pipeline runs on (None: `staged` in this process, stage after stage); for AR, stages
     given means AR relayed through them (fixed-shape steps, stage processes), None means the plain eager loop, whose
     `capture` / `observe` record a greedy trace (spd.fast_eval). A chain verifies on `staged` whole: draft_length
-    drafts a cycle, or a tree of tree_nodes nodes of up to `width` children each."""
+    drafts a cycle, or a tree of tree_nodes nodes of up to `width` children each. A pipeline keeps `width` nodes a
+    level from `children` candidates per tip (None: width) by the `spine` rule (spd.runtime.pipeline.grow)."""
     if kind == AR:
         return ARDecoder(staged, eos_ids, capture, observe) if stages is None else PipelineARDecoder(stages, eos_ids)
     if kind == CHAIN:
         return ChainDecoder(staged, drafter, eos_ids, draft_length, width, tree_nodes if width > 1 else None)
-    return PipelineDecoder(stages if stages is not None else staged, drafter, eos_ids, width)
+    return PipelineDecoder(stages if stages is not None else staged, drafter, eos_ids, width, children, spine)
 
 
 def build_batch_decoder(kind: str, staged: StagedTarget, eos_ids: frozenset[int], new_drafter=None, *,
                         max_batch: int, width: int = 1, draft_length: int | None = None,
-                        tree_nodes: int | None = None, capture=frozenset()) -> BatchDecoder | SeedDecoder:
+                        tree_nodes: int | None = None, children: int | None = None, spine: bool = True,
+                        capture=frozenset()) -> BatchDecoder | SeedDecoder:
     """Many requests per target forward, in this process: AR and the chains on the whole target
     (spd.runtime.batch), a pipelined method's sequences sharing its stages (spd.runtime.seed). new_drafter() makes
     each request's own drafter; capture: layers every request keeps for its observe (AR's trace recorder)."""
     if kind == PIPELINE:
-        return SeedDecoder(staged, new_drafter, eos_ids, width, max_batch)
+        return SeedDecoder(staged, new_drafter, eos_ids, width, max_batch, children, spine)
     if kind == AR:
         return BatchDecoder(staged, eos_ids, max_batch=max_batch, capture=capture)
     return BatchDecoder(staged, eos_ids, new_drafter, draft_length, width, tree_nodes if width > 1 else None,
@@ -58,7 +61,8 @@ def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder
     if kind == AR and cfg.runtime == "local" and not getattr(cfg, "cuda_graphs", False):
         stages = None            # the plain loop; elsewhere AR relays through the same fixed-shape or remote steps
     return build_decoder(kind, s.staged, s.eos_ids, drafter, stages=stages, width=s.width,
-                         draft_length=s.draft_length, tree_nodes=s.tree_nodes)
+                         draft_length=s.draft_length, tree_nodes=s.tree_nodes, children=s.children,
+                         spine=METHODS[method].spine)
 
 
 class Engine:
@@ -91,11 +95,13 @@ class Engine:
         use_cache = getattr(self.cfg, "module_cache", True)
         new_drafter = None if kind == AR else (lambda: s.drafter(use_cache))
         if self.cfg.runtime == "distributed" and kind == PIPELINE:
-            return SeedDecoder(self.stages, new_drafter, s.eos_ids, s.width, max_batch)
+            return SeedDecoder(self.stages, new_drafter, s.eos_ids, s.width, max_batch, s.children,
+                               METHODS[method].spine)
         if self.cfg.runtime != "local" or getattr(self.cfg, "cuda_graphs", False):
             return None
         return build_batch_decoder(kind, s.staged, s.eos_ids, new_drafter, max_batch=max_batch, width=s.width,
-                                   draft_length=s.draft_length, tree_nodes=s.tree_nodes)
+                                   draft_length=s.draft_length, tree_nodes=s.tree_nodes, children=s.children,
+                                   spine=METHODS[method].spine)
 
     def request(self, max_new_tokens: int | None = None, params: SamplingParams | None = None,
                 seed: int | None = None) -> Request:
@@ -117,7 +123,9 @@ class Engine:
                                                               "eal": None, "rollbacks": None}
         return {"text": s.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
                 "token_ids": result.token_ids, "prompt_token_ids": prompt_ids, "method": s.method,
-                "draft_source": s.draft_source if method.pipelined else None, "W": s.width,
+                "draft_source": s.draft_source if method.pipelined and not method.draft_model else None,
+                "draft_layers": s.draft_model.layers if s.draft_model else None,
+                "children": (s.children or s.width) if method.pipelined and s.width > 1 else None, "W": s.width,
                 "tree_nodes": s.tree_nodes if s.width > 1 else None, "runtime": cfg.runtime,
                 "processes": getattr(self.stages, "world", 1), "n": s.staged.n, "stage_bounds": s.staged.bounds,
                 "balance": s.balance,

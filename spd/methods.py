@@ -42,6 +42,9 @@ class Method:
     replays_trees: bool = False       # its fast evaluator also replays draft trees (W > 1) exactly
     priced: bool = False              # its drafter prices each cycle with this machine's row costs (spd.pricing) and
                                       # may search earlier requests (suffix_memory=)
+    draft_model: bool = False         # drafts with a separate draft model (spd.drafters.draft_model, draft_layers=)
+    spine: bool = True                # a pipelined tree keeps its spine's child (spd.runtime.pipeline.grow); False:
+                                      # the W best by cumulative log q alone
 
     @property
     def fast_eval(self) -> bool:
@@ -79,6 +82,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # 15: a chain's depth bound; the pricing (spd.pricing) decides each cycle how much of it to draft
     Method("suffix", "Context statistics, priced", CHAIN, None, fast_evaluator="spd.fast_eval_chain:fast_suffix_eval",
            draft_length=15, drafter="spd.drafters.suffix:chain_drafter", replays_trees=True, priced=True),
+    # PipeDec: a draft model as the first stage grows the tree one layer per step (W = w nodes a layer, children
+    # = c per leaf); greedy eval cannot replay it from the target's traces (the draft model's logits are not in them)
+    Method("pipedec", "PipeDec", PIPELINE, None, drafter="spd.drafters.draft_model:pipelined_drafter",
+           draft_model=True, spine=False),
     Method("ar", "AR", AR, None),
 )}
 

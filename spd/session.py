@@ -10,9 +10,10 @@ import torch
 from spd.checkpoint import check_target, checkpoint_method, load_checkpoint, read_checkpoint_config
 from spd.decoding import eos_ids_of
 from spd.drafters.base import ChainDrafter, Drafter
+from spd.drafters.draft_model import DraftLM
 from spd.eagle3_module import Eagle3Module
 from spd.errors import UserError
-from spd.methods import METHODS, MODULE, behaviour, module_class
+from spd.methods import AR, METHODS, MODULE, behaviour, module_class
 from spd.drafters.suffix import SuffixMemory
 from spd.module import SpeculationModule
 from spd.pricing import RowCosts
@@ -47,6 +48,8 @@ class Session:
     row_costs: RowCosts | None = None  # suffix with draft_pricing: this machine's forward cost by rows
     memory: SuffixMemory | None = None  # suffix with suffix_memory: earlier requests, shared by this session's drafters
     source_pricing: bool = False       # lookup+module: the lookup only where likelier kept (spd.pricing.SourcePricer)
+    draft_model: DraftLM | None = None  # PipeDec: the draft model its first stage runs
+    children: int | None = None        # pipelined trees: candidates drafted per tip (None: W)
 
     def drafter(self, use_cache: bool = True) -> Drafter | ChainDrafter | None:
         """The method's drafter (spd.methods names its factory); None for plain AR."""
@@ -55,11 +58,13 @@ class Session:
             return None
         return behaviour(make)(module=self.module, embed=self.staged.embed, draft_source=self.draft_source,
                                ngrams=self.lookup_ngrams, use_cache=use_cache, row_costs=self.row_costs,
-                               memory=self.memory, source_pricing=self.source_pricing)
+                               memory=self.memory, source_pricing=self.source_pricing, draft_model=self.draft_model)
 
     @property
     def drafts_with(self) -> str:
         """What drafts, for stats lines and run labels: the method, and for a pipelined one its draft source."""
+        if self.draft_model is not None:
+            return f"{self.method}, draft model of {self.draft_model.layers} layer(s)"
         return f"{self.method}, {self.draft_source}" if METHODS[self.method].pipelined else self.method
 
 
@@ -88,10 +93,13 @@ def open_session(cfg) -> Session:
     check_device(cfg.device)
     params = sampling_params(cfg)
     wanted = getattr(cfg, "method", None)
-    moduleless_chain = wanted is not None and METHODS[wanted].chain and not METHODS[wanted].trained   # the lookup
-    if moduleless_chain and cfg.checkpoint not in (None, "random"):
-        raise UserError(f"method={wanted} drafts from the context and loads no module; drop checkpoint=")
-    path = None if moduleless_chain else \
+    # the lookup, the suffix statistics, PipeDec's draft model: nothing to load from a checkpoint
+    moduleless = wanted is not None and METHODS[wanted].decoder != AR and not METHODS[wanted].trained
+    if moduleless and cfg.checkpoint not in (None, "random"):
+        raise UserError(f"method={wanted} loads no module (it drafts with "
+                        f"{'a draft model' if METHODS[wanted].draft_model else 'the context'}); drop checkpoint=")
+    drafts_with_model = wanted is not None and METHODS[wanted].draft_model
+    path = None if moduleless else \
         checkpoint_for(cfg.checkpoint, cfg.target, cfg.n, cfg.stage_bounds, None if wanted == "ar" else wanted)
     ckpt = read_checkpoint_config(path) if path else None
     method = resolve_method(wanted, ckpt, path)
@@ -108,7 +116,9 @@ def open_session(cfg) -> Session:
         if cfg.device not in ("cpu", "cuda") and not cfg.device.startswith("cuda:"):
             raise UserError(f"device={cfg.device!r}: runtime=distributed runs on cpu or cuda")
         cache_dir = materialize(cfg.target, DTYPES[cfg.dtype])  # the stages load their own layers from it; never the whole model here
-        loaded = load_parts(cache_dir, range(0), embed=True, head=True, dtype=DTYPES[cfg.dtype], device=cfg.device)
+        # the controller holds no layer, but PipeDec's draft model (the first draft_layers) runs here
+        drafted = range(cfg.draft_layers) if drafts_with_model else range(0)
+        loaded = load_parts(cache_dir, drafted, embed=True, head=True, dtype=DTYPES[cfg.dtype], device=cfg.device)
     else:
         loaded = load_target(cfg.target, DTYPES[cfg.dtype], cfg.device)
     if ckpt:
@@ -141,10 +151,16 @@ def open_session(cfg) -> Session:
             row_costs = cached_row_costs(staged, 1 + (tree_nodes if width > 1 else draft_length))
         if getattr(cfg, "suffix_memory", False):
             memory = SuffixMemory(1, ngrams[1])        # the sizes the drafter matches (spd.drafters.suffix)
+    draft_model = None
+    if METHODS[method].draft_model:
+        if not 1 <= cfg.draft_layers <= num_layers:
+            raise UserError(f"draft_layers={cfg.draft_layers}: the draft model is the target's first k layers, so "
+                            f"1 <= k <= {num_layers}")
+        draft_model = DraftLM(staged, cfg.draft_layers)
     return Session(loaded, staged, module.eval() if module else None, params,
                    eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
                    method, ngrams, getattr(cfg, "draft_source", MODULE), draft_length, width, tree_nodes, row_costs,
-                   memory, getattr(cfg, "source_pricing", False))
+                   memory, getattr(cfg, "source_pricing", False), draft_model, getattr(cfg, "children", None))
 
 
 def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> str:

@@ -12,12 +12,14 @@ from spd.config import WandbSection, at_least, check_decoding
 class EvalConfig:
     target: str = "smollm2"             # "smollm2", an HF model directory, a .gguf file, or tiny-<family>
     checkpoint: Optional[str] = None    # module directory; None = the shipped one for the run's n, random = untrained
-    method: Optional[str] = None        # spd | ppsd | spd_output_state | eagle3 | lookup; None = the checkpoint's
+    method: Optional[str] = None        # spd | ppsd | spd_output_state | eagle3 | lookup | suffix | pipedec; None = the checkpoint's
                                         # (spd without one)
     draft_length: Optional[int] = None  # method=eagle3 | lookup: at most m drafts per target forward; None = the
                                         # method's own (eagle3 5, lookup 7)
     W: int = 1                          # draft-tree width: children per node (1 = a chain); W > 1: method=eagle3 | lookup
     tree_nodes: int = 16                # W > 1: drafted nodes per verification (the tree's budget)
+    children: Optional[int] = None      # W > 1, pipelined methods: candidates drafted per tip (PipeDec's c; None = W)
+    draft_layers: int = 1               # method=pipedec: the draft model is the target's first k layers (early exit)
     draft_source: str = "module"        # pipelined methods: module | lookup+module (spd.drafters.hybrid)
     lookup_min_ngram: int = 2           # lookup, lookup+module: shortest suffix of the context that may match earlier
     lookup_max_ngram: int = 8           # lookup, lookup+module: longest suffix compared

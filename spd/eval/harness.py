@@ -219,7 +219,9 @@ def run_eval(cfg, log=print) -> dict:
 
 def speedups(summary: dict, staged, module, calibration: dict | None) -> dict:
     groups = {**summary["datasets"], "overall": summary["overall"]}
-    cost = (staged.n, module.plan.after_step, staged.num_layers, len(module.layers))
+    # PipeDec's draft model runs beside the stages like SPD's module: no module adds to a step's layers
+    cost = (staged.n, False, staged.num_layers, 0) if module is None else \
+        (staged.n, module.plan.after_step, staged.num_layers, len(module.layers))
     formula = {k: formula_speedup(v["alpha_pooled"], *cost) for k, v in groups.items() if v.get("alpha_pooled")}
     measured = None
     if calibration:

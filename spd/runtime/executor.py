@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spd.runtime.flight import Flight, StageRows
+from spd.runtime.flight import Flight
+from spd.tree_rows import StageRows
 from spd.runtime.schedule import Step
 
 

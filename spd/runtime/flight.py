@@ -9,9 +9,7 @@ survives: every stage keeps only that child's subtree (`Flight.keep`), or everyt
 Node ids are position * W + index within the level when it entered, so for W = 1 a node's id *is* its position
 and a chain in flight is keyed exactly as before trees existed.
 
-`StageRows` is one stage's view of its KV cache: `base` rows that every query sees (the prompt and verified
-tokens, at positions 0..base-1), then tree rows in the order the stage ran them, each visible only to its own
-descendants. Executors read it to build masks and to compact caches after a prune.
+Each stage's KV cache rows over the flight are kept by `spd.tree_rows.StageRows`.
 """
 
 from __future__ import annotations
@@ -118,61 +116,3 @@ class Flight:
 
     def is_chain(self) -> bool:
         return all(len(level) == 1 for level in self._levels.values())
-
-
-class StageRows:
-    """One stage's cache rows: `base` verified rows, then (node, pos) tree rows in the order they were run."""
-
-    def __init__(self, base: int):
-        self.base = base
-        self.rows: list[tuple[int, int]] = []
-
-    def __len__(self) -> int:
-        return self.base + len(self.rows)
-
-    def append(self, nodes: list[int], pos: int) -> None:
-        self.rows += [(node, pos) for node in nodes]
-
-    def fold(self, flight: Flight) -> None:
-        """Rows that left the flight older than its oldest level are verified: they join the base."""
-        oldest = flight.oldest
-        while self.rows and self.rows[0][0] not in flight.nodes and self.rows[0][1] < oldest:
-            assert self.rows[0][1] == self.base, "verified rows must sit at their positions"
-            self.base += 1
-            self.rows.pop(0)
-
-    def prune(self, flight: Flight) -> tuple[int, list[int]] | None:
-        """Drop the rows of nodes the flight dropped. Returns (start, slots) for the cache's `keep` (the kept tree
-        rows' slots, moved down to start), or None when nothing moved."""
-        oldest = flight.oldest
-        kept = [i for i, (node, pos) in enumerate(self.rows) if node in flight.nodes or pos < oldest]
-        start = self.base
-        moved = None if len(kept) == len(self.rows) else (start, [start + i for i in kept])
-        self.rows = [self.rows[i] for i in kept]
-        self.fold(flight)
-        return moved
-
-    def crop(self, length: int) -> None:
-        """A rejection: every position >= length is forgotten; what stays is verified, at its positions."""
-        self.base += sum(pos < length for _, pos in self.rows)
-        self.rows = []
-        assert self.base == length, (self.base, length)
-
-    def sees_all(self, queries: list[int], flight: Flight) -> bool:
-        """Whether every cached row is visible to every query (a chain: the plain causal path applies)."""
-        if len(queries) != 1:
-            return False
-        branch = set(flight.branch(queries[0]))
-        oldest = flight.oldest
-        return all(node in branch or pos < oldest for node, pos in self.rows)
-
-    def visible(self, queries: list[int], flight: Flight) -> tuple[list[list[bool]], list[int]]:
-        """Which cached rows (then the queries' own new rows) each query sees, and every key's position."""
-        oldest = flight.oldest
-        rows = []
-        for i, q in enumerate(queries):
-            branch = set(flight.branch(q))
-            rows.append([True] * self.base + [node in branch or pos < oldest for node, pos in self.rows]
-                        + [j == i for j in range(len(queries))])
-        pos = flight.nodes[queries[0]].pos
-        return rows, list(range(self.base)) + [p for _, p in self.rows] + [pos] * len(queries)

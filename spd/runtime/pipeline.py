@@ -47,31 +47,35 @@ def as_executor(stages: StagedTarget | StageExecutor) -> StageExecutor:
     return LocalStages(stages) if isinstance(stages, StagedTarget) else stages
 
 
-def grow(flight: Flight, pos: int, options: list[tuple[int, Proposal, float]]) -> None:
+def grow(flight: Flight, pos: int, options: list[tuple[int, Proposal, float]], spine: bool = True) -> None:
     """Enter the next level from every tip's candidate children (tip, proposal, log q), each tip's in rank order:
-    the spine tip's likeliest child, then the W - 1 others whose branches have the highest cumulative log q (the
-    paper's rule, except that the spine always grows: a kept child whose every descendant lost to other branches
-    would refill the pipeline, and on SmolLM2 those refills cost more than the tree won, docs/results.md). W = 1:
-    the chain's one draft."""
-    spine = next(o for o in options if o[0] == flight.spine)
+    the W whose branches have the highest cumulative log q (PipeDec's rule, and the SPD paper's). spine: the spine
+    tip's likeliest child always enters, with the W - 1 best others — a kept child whose every descendant lost to
+    other branches would refill the pipeline, and on SmolLM2 those refills cost more than the tree won for SPD's
+    module (docs/results.md). W = 1: the chain's one draft."""
     score = lambda o: flight.nodes[o[0]].score + o[2]                  # noqa: E731
-    rest = sorted((o for o in options if o is not spine), key=lambda o: -score(o))[: flight.width - 1]
-    for option in sorted([spine, *rest], key=lambda o: -score(o)):
+    ranked = sorted(options, key=lambda o: -score(o))
+    first = next(o for o in options if o[0] == flight.spine) if spine else ranked[0]
+    chosen = [first, *(o for o in ranked if o is not first)][: flight.width]
+    for option in sorted(chosen, key=lambda o: -score(o)):
         tip, proposal, log_q = option
         node = flight.enter(pos, tip, proposal, score(option))
-        if option is spine:
+        if option is first:
             flight.spine = node
 
 
 class PipelineDecoder(Decoder):
     def __init__(self, stages: StagedTarget | StageExecutor, drafter: Drafter, eos_ids: frozenset[int],
-                 width: int = 1):
-        """width: W, the branches kept in flight (1: one draft per step, a chain)."""
+                 width: int = 1, children: int | None = None, spine: bool = True):
+        """width: W, the nodes a level in flight keeps (1: one draft per step, a chain); children: candidates
+        drafted per tip (None: W); spine: the rule `grow` keeps the W by."""
         self.executor = as_executor(stages)
         self.drafter = drafter
         self.eos_ids = eos_ids
         self.n = self.executor.n
         self.width = width
+        self.children = children or width
+        self.spine = spine
         if width > 1 and not (self.executor.trees and drafter.branches):
             who = type(drafter).__name__ if not drafter.branches else type(self.executor).__name__
             raise ValueError(f"W={width}: {who} runs chains only (W = 1)")
@@ -130,8 +134,8 @@ class PipelineDecoder(Decoder):
             def choose(logits):                       # a drafter's logits [V] -> the run's proposal
                 return propose(logits, params, generator)
         else:
-            def choose(logits):                       # -> the W likeliest children, deterministic
-                return propose_children(logits, self.width)
+            def choose(logits):                       # -> the likeliest children, deterministic
+                return propose_children(logits, self.children)
 
         while not done:
             t = step.t
@@ -154,7 +158,7 @@ class PipelineDecoder(Decoder):
             if self.drafter.after_step:
                 options = self._draft(step, flight, features, choose, after=True)
             stats.K += 1
-            grow(flight, t + 1, options)
+            grow(flight, t + 1, options, self.spine)
             for node in flight.level(t + 1):
                 features[node] = {0: ex.embed(flight.token(node))}
             if step.exiting is None:

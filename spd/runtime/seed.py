@@ -131,7 +131,9 @@ class SeedDecoder(ManySequences):
     max_batch)."""
 
     def __init__(self, stages: StagedTarget | StageExecutor, new_drafter: Callable[[], Drafter],
-                 eos_ids: frozenset[int], width: int = 1, max_batch: int = 4):
+                 eos_ids: frozenset[int], width: int = 1, max_batch: int = 4, children: int | None = None,
+                 spine: bool = True):
+        """width, children, spine: each sequence's tree (PipelineDecoder's)."""
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.hub = StageHub(stages) if isinstance(stages, StagedTarget) else stages
@@ -139,7 +141,7 @@ class SeedDecoder(ManySequences):
             raise ValueError(f"max_batch={max_batch} exceeds the {self.hub.capacity} sequences the stages were set "
                              "up for")
         self.new_drafter, self.eos_ids = new_drafter, eos_ids
-        self.width, self.max_batch = width, max_batch
+        self.width, self.max_batch, self.children, self.spine = width, max_batch, children, spine
         self.waiting: deque[Ticket] = deque()
         self.running: list[Ticket] = []
         self.streams: dict[Ticket, object] = {}
@@ -206,7 +208,8 @@ class SeedDecoder(ManySequences):
                 ticket.finish, ticket.finished_at = "cancelled", time.perf_counter()
                 continue
             ticket.started_at = time.perf_counter()
-            ticket.sequence = PipelineDecoder(self.hub.sequence(), self.new_drafter(), self.eos_ids, self.width)
+            ticket.sequence = PipelineDecoder(self.hub.sequence(), self.new_drafter(), self.eos_ids, self.width,
+                                              self.children, self.spine)
             self.streams[ticket] = ticket.sequence.stream(ticket.prompt_ids, ticket.request)
             self._advance(ticket)                              # prefill, the first token, the first step launched
             if not ticket.done:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from spd.runtime.executor import StageExecutor, StepOutput
-from spd.runtime.flight import Flight, StageRows
+from spd.runtime.flight import Flight
+from spd.tree_rows import StageRows
 from spd.runtime.schedule import Step
 
 if TYPE_CHECKING:
