@@ -67,16 +67,27 @@ def small_vocab_model():
     return tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
 
 
-def sample_spd(model, n, samples, seed, method="spd", lookup=False, sources=None, width=1, extra=None, priced=False):
+def sample_spd(model, n, samples, seed, method="spd", lookup=False, sources=None, width=1, extra=None, priced=False,
+               pipedec=None):
     """lookup: draft_source=lookup+module, matching one-token suffixes (PROMPT's tokens recur in the samples).
     sources: a dict that receives {source: [verified, accepted]} pooled over the samples. width: W (trees);
     extra: a list that receives, per sample, the rows stage 1 ran beyond one per step (a tree's branching);
-    priced: the lookup drafts where the request's verdicts predict it likelier kept than the module."""
+    priced: the lookup drafts where the request's verdicts predict it likelier kept than the module. pipedec:
+    (children, draft layers) of PipeDec's tree, drafted by another random model of the vocabulary (the target's
+    own early exit is nearly always right here), instead of the module."""
     staged = StagedTarget(model, n)
-    module = SpeculationModule.from_target(staged, 1, seed=1, method=method)  # random: its q is far from p, rejections are common
-    drafter = ModuleDrafter(module)
-    decoder = PipelineDecoder(staged, LookupThenModule(drafter, 1, 2, priced) if lookup else drafter, frozenset(),
-                               width)
+    if pipedec:
+        from spd.drafters.draft_model import DraftLM, DraftModelDrafter
+
+        children, layers = pipedec
+        other = StagedTarget(tiny_model("llama", seed=4, num_layers=2, vocab_size=16), 1)
+        decoder = PipelineDecoder(staged, DraftModelDrafter(DraftLM(other, layers)), frozenset(), width, children,
+                                  spine=False)
+    else:
+        module = SpeculationModule.from_target(staged, 1, seed=1, method=method)  # random: its q is far from p, rejections are common
+        drafter = ModuleDrafter(module)
+        decoder = PipelineDecoder(staged, LookupThenModule(drafter, 1, 2, priced) if lookup else drafter,
+                                  frozenset(), width)
     counts, rollbacks = {}, 0
     for i in range(samples):
         out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i))
@@ -226,6 +237,31 @@ def test_pipeline_trees_sample_the_target_distribution(small_vocab_model):
                                    extra=extra)
     assert rollbacks > SHORT * 0.1 and sum(e > 0 for e in extra) > SHORT * 0.5    # misses, and real trees
     assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width, children", [(1, 1), (4, 2)])
+def test_pipedec_samples_the_target_distribution(small_vocab_model, width, children):
+    """PipeDec: a draft model's c likeliest children per tip, the w best by
+    cumulative log q in flight, a kept child's subtree kept in every stage and the draft model's cache; W = 1: its
+    sampled draft, verified by rejection against its q."""
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    sources, extra = {}, []
+    counts, rollbacks = sample_spd(small_vocab_model, n=2, samples=SHORT, seed=13, width=width, sources=sources,
+                                   extra=extra, pipedec=(children, 1))
+    verified, accepted = sources["draft_model"]
+    assert accepted > SHORT * 0.1 and rollbacks > SHORT * 0.1                   # kept and corrected
+    assert width == 1 or sum(e > 0 for e in extra) > SHORT * 0.5                # real trees
+    assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+def test_a_pipedec_verifier_that_keeps_the_first_child_is_caught(small_vocab_model, monkeypatch):
+    import spd.runtime.pipeline
+
+    monkeypatch.setattr(spd.runtime.pipeline, "settle_children", lambda logits, children, params, g: (0, children[0].token))
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    counts, _ = sample_spd(small_vocab_model, n=2, samples=1000, seed=14, width=4, pipedec=(2, 1))
+    assert chi2_pvalue(counts, dist, 1000) < ALPHA
 
 
 @pytest.mark.slow
