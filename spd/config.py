@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from spd.runtime import RUNTIMES        # torch-free packages: the names only
 from spd.targets import DTYPE_NAMES
 from spd.errors import UserError
-from spd.methods import AR, DECODING_METHODS, DRAFT_SOURCES, METHODS, MODULE
+from spd.methods import AR, DECODING_METHODS, METHODS, PIPELINE
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -54,13 +54,17 @@ class GenerateConfig:
                                          # = the method's own (eagle3 5, lookup 7, suffix 15)
     W: int = 1                           # draft-tree width (1 = a chain): branches kept in SPD's pipeline, children per
                                          # node in a chain's tree; W > 1 needs method=
-    tree_nodes: int = 16                 # W > 1, chain methods: drafted nodes per verification (the tree's budget)
+    tree_nodes: int = 16                 # W > 1, chain methods: drafted nodes per verification (the tree's budget);
+                                         # flowspec: N, the nodes of each tree it grows
     children: Optional[int] = None       # W > 1, pipelined methods: candidates drafted per tip, the W best kept
                                          # (PipeDec's c; None = W)
     draft_layers: int = 1                # method=pipedec: its draft model is the target's first k layers, final norm
                                          # and head (an early exit)
-    draft_source: str = "module"         # pipelined methods: module | lookup+module (the context lookup's token
-                                         # where the context's suffix matched earlier, else the module's draft)
+    segment: int = 4                     # method=flowspec: S, the tree's nodes per segment (one segment enters a step)
+    draft_source: Optional[str] = None   # spd, ppsd, spd_output_state: module | lookup+module (the context lookup's token
+                                         # where the context's suffix matched earlier, else the module's draft); flowspec:
+                                         # suffix | lookup (its trees from the context's statistics or lookup); None =
+                                         # the method's first
     lookup_min_ngram: int = 2            # lookup, lookup+module, suffix: shortest suffix of the context that may match
                                          # earlier
     lookup_max_ngram: int = 8            # lookup, lookup+module, suffix: longest suffix compared (the longest match wins)
@@ -200,15 +204,20 @@ def check_decoding(cfg) -> None:
     at_least(cfg, "tree_nodes", 1, " (drafted nodes per verification)")
     at_least(cfg, "children", 1, " (candidates drafted per tip)")
     at_least(cfg, "draft_layers", 1, " (the draft model's layers)")
-    if cfg.children is not None and (cfg.method is None or not METHODS[cfg.method].pipelined):
+    at_least(cfg, "segment", 1, " (nodes per segment)")
+    if cfg.children is not None and (cfg.method is None or METHODS[cfg.method].decoder != PIPELINE):
         raise UserError(f"children={cfg.children} sets a pipelined tree's candidates per tip; add method=pipedec "
                         "(or spd), or drop children=")
     if cfg.W > 1:
         check_tree(cfg)
-    one_of(cfg, "draft_source", DRAFT_SOURCES)
-    if cfg.draft_source != MODULE and cfg.method is not None and not METHODS[cfg.method].pipelined:
-        raise UserError(f"draft_source={cfg.draft_source} chooses a pipelined drafter's source; method={cfg.method} "
-                        "has none: drop draft_source= (method=lookup is the lookup on its own)")
+    if cfg.draft_source is not None:
+        sources = METHODS[cfg.method or "spd"].sources
+        if not sources:
+            raise UserError(f"draft_source={cfg.draft_source} chooses a pipelined drafter's source; method={cfg.method} "
+                            "has none: drop draft_source= (method=lookup is the lookup on its own)")
+        if cfg.draft_source not in sources:
+            raise UserError(f"{full_key(cfg, 'draft_source')}={cfg.draft_source!r} is not one of method="
+                            f"{cfg.method or 'spd'}'s sources: {', '.join(sources)}")
     if cfg.lookup_max_ngram < cfg.lookup_min_ngram:
         raise UserError(f"lookup_max_ngram={cfg.lookup_max_ngram} is below lookup_min_ngram={cfg.lookup_min_ngram}; "
                         "raise it")

@@ -10,12 +10,13 @@ from typing import Iterator
 
 from spd.ar import ARDecoder
 from spd.decoding import Decoder, GenerationResult, Request
-from spd.methods import AR, CHAIN, METHODS, PIPELINE
+from spd.methods import AR, CHAIN, METHODS, PIPELINE, SEGMENTS
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.executor import StageExecutor
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.seed import SeedDecoder
+from spd.runtime.segments import SegmentPipelineDecoder
 from spd.runtime.stages import open_stages
 from spd.targets.stages import StagedTarget
 from spd.sampling import SamplingParams
@@ -24,18 +25,23 @@ from spd.session import Session, open_session
 
 def build_decoder(kind: str, staged: StagedTarget, eos_ids: frozenset[int], drafter=None, *,
                   stages: StageExecutor | None = None, width: int = 1, draft_length: int | None = None,
-                  tree_nodes: int | None = None, children: int | None = None, spine: bool = True, capture=frozenset(),
-                  observe=None) -> Decoder:
+                  tree_nodes: int | None = None, children: int | None = None, spine: bool = True, segment: int = 4,
+                  capture=frozenset(), observe=None) -> Decoder:
     """Every decoder of the suite is built here. kind: a method's decoding kind (spd.methods: PIPELINE, CHAIN, AR).
     stages: the executor a pipeline runs on (None: `staged` in this process, stage after stage); for AR, stages
     given means AR relayed through them (fixed-shape steps, stage processes), None means the plain eager loop, whose
     `capture` / `observe` record a greedy trace (spd.fast_eval). A chain verifies on `staged` whole: draft_length
     drafts a cycle, or a tree of tree_nodes nodes of up to `width` children each. A pipeline keeps `width` nodes a
-    level from `children` candidates per tip (None: width) by the `spine` rule (spd.runtime.pipeline.grow)."""
+    level from `children` candidates per tip (None: width) by the `spine` rule (spd.runtime.pipeline.grow); FlowSpec's
+    (SEGMENTS) sends its trees of depth draft_length, `width` children a node and tree_nodes nodes through the
+    stages `segment` nodes a step."""
     if kind == AR:
         return ARDecoder(staged, eos_ids, capture, observe) if stages is None else PipelineARDecoder(stages, eos_ids)
     if kind == CHAIN:
         return ChainDecoder(staged, drafter, eos_ids, draft_length, width, tree_nodes if width > 1 else None)
+    if kind == SEGMENTS:
+        return SegmentPipelineDecoder(stages if stages is not None else staged, drafter, eos_ids, segment,
+                                      draft_length, width, tree_nodes)
     return PipelineDecoder(stages if stages is not None else staged, drafter, eos_ids, width, children, spine)
 
 
@@ -62,7 +68,7 @@ def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder
         stages = None            # the plain loop; elsewhere AR relays through the same fixed-shape or remote steps
     return build_decoder(kind, s.staged, s.eos_ids, drafter, stages=stages, width=s.width,
                          draft_length=s.draft_length, tree_nodes=s.tree_nodes, children=s.children,
-                         spine=METHODS[method].spine)
+                         spine=METHODS[method].spine, segment=s.segment)
 
 
 class Engine:
@@ -94,6 +100,8 @@ class Engine:
         kind = METHODS[method].decoder
         use_cache = getattr(self.cfg, "module_cache", True)
         new_drafter = None if kind == AR else (lambda: s.drafter(use_cache))
+        if kind == SEGMENTS:
+            return None             # FlowSpec's segments decode one request at a time
         if self.cfg.runtime == "distributed" and kind == PIPELINE:
             return SeedDecoder(self.stages, new_drafter, s.eos_ids, s.width, max_batch, s.children,
                                METHODS[method].spine)
@@ -123,10 +131,12 @@ class Engine:
                                                               "eal": None, "rollbacks": None}
         return {"text": s.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
                 "token_ids": result.token_ids, "prompt_token_ids": prompt_ids, "method": s.method,
-                "draft_source": s.draft_source if method.pipelined and not method.draft_model else None,
+                "draft_source": s.draft_source if method.sources else None,
+                "segment": s.segment if method.decoder == SEGMENTS else None,
                 "draft_layers": s.draft_model.layers if s.draft_model else None,
-                "children": (s.children or s.width) if method.pipelined and s.width > 1 else None, "W": s.width,
-                "tree_nodes": s.tree_nodes if s.width > 1 else None, "runtime": cfg.runtime,
+                "children": (s.children or s.width) if method.decoder == PIPELINE and s.width > 1 else None,
+                "W": s.width,
+                "tree_nodes": s.tree_nodes if s.width > 1 or method.decoder == SEGMENTS else None, "runtime": cfg.runtime,
                 "processes": getattr(self.stages, "world", 1), "n": s.staged.n, "stage_bounds": s.staged.bounds,
                 "balance": s.balance,
                 "checkpoint": s.checkpoint, **stats, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s,

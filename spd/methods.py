@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-PIPELINE, CHAIN, AR = "pipeline", "chain", "ar"
+PIPELINE, SEGMENTS, CHAIN, AR = "pipeline", "segments", "chain", "ar"
 
 # the module classes, by the name a Method's `module` and a checkpoint's config give them
 MODULE_CLASSES = {"speculation": "spd.module:SpeculationModule", "eagle3": "spd.eagle3_module:Eagle3Module"}
@@ -32,7 +32,8 @@ class Plan:
 class Method:
     name: str
     label: str               # in tables, plots and run labels
-    decoder: str             # PIPELINE (spd.runtime.pipeline), CHAIN (spd.runtime.chain) or AR
+    decoder: str             # PIPELINE (spd.runtime.pipeline), SEGMENTS (spd.runtime.segments), CHAIN
+                             # (spd.runtime.chain) or AR
     module: str | None       # a MODULE_CLASSES key: "speculation" (spd.module), "eagle3"; None: drafts without one
     fast_evaluator: str | None = None   # "module:function" scoring greedy eval from the target's cached traces
     draft_length: int | None = None   # a chain's drafts per target forward when draft_length= is not given
@@ -45,6 +46,7 @@ class Method:
     draft_model: bool = False         # drafts with a separate draft model (spd.drafters.draft_model, draft_layers=)
     spine: bool = True                # a pipelined tree keeps its spine's child (spd.runtime.pipeline.grow); False:
                                       # the W best by cumulative log q alone
+    sources: tuple[str, ...] = ()     # the draft_source= values it takes, its default first (none: no choice)
 
     @property
     def fast_eval(self) -> bool:
@@ -53,7 +55,8 @@ class Method:
 
     @property
     def pipelined(self) -> bool:
-        return self.decoder == PIPELINE
+        """Runs the target as a pipeline of stages (n=, stage_bounds=, runtime=distributed apply)."""
+        return self.decoder in (PIPELINE, SEGMENTS)
 
     @property
     def chain(self) -> bool:
@@ -65,7 +68,12 @@ class Method:
         return self.module is not None
 
 
-_PIPELINED = dict(module="speculation", fast_evaluator="spd.fast_eval:fast_pipeline_eval",
+# Where a pipelined method's drafts come from: its module alone, or the context lookup where the context's suffix
+# matched earlier and the module otherwise (spd.drafters.hybrid); FlowSpec's trees: the context's statistics or its
+# lookup (spd.drafters.hybrid.segment_drafter).
+MODULE, LOOKUP_MODULE, SUFFIX, LOOKUP = "module", "lookup+module", "suffix", "lookup"
+
+_PIPELINED = dict(module="speculation", sources=(MODULE, LOOKUP_MODULE), fast_evaluator="spd.fast_eval:fast_pipeline_eval",
                   drafter="spd.drafters.hybrid:pipelined_drafter", objective="spd.train.methods:PipelinedObjective")
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -86,6 +94,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # = c per leaf); greedy eval cannot replay it from the target's traces (the draft model's logits are not in them)
     Method("pipedec", "PipeDec", PIPELINE, None, drafter="spd.drafters.draft_model:pipelined_drafter",
            draft_model=True, spine=False),
+    # FlowSpec: the tree on the controller, score-ordered segments of S nodes flowing through the stages; D = 5 (the
+    # paper's D_init and D_exp)
+    Method("flowspec", "FlowSpec", SEGMENTS, None, draft_length=5, drafter="spd.drafters.hybrid:segment_drafter",
+           sources=(SUFFIX, LOOKUP)),
     Method("ar", "AR", AR, None),
 )}
 
@@ -93,11 +105,7 @@ DECODING_METHODS = tuple(METHODS)
 TRAINED_METHODS = tuple(name for name, m in METHODS.items() if m.trained)
 DRAFTING_METHODS = tuple(name for name, m in METHODS.items() if m.decoder != AR)
 
-
-# Where a pipelined method's drafts come from: its module alone, or the context lookup where the context's suffix
-# matched earlier and the module otherwise (spd.drafters.hybrid).
-MODULE, LOOKUP_MODULE = "module", "lookup+module"
-DRAFT_SOURCES = (MODULE, LOOKUP_MODULE)
+DRAFT_SOURCES = tuple(dict.fromkeys(source for m in METHODS.values() for source in m.sources))
 
 
 def method(name: str) -> Method:

@@ -50,6 +50,7 @@ class Session:
     source_pricing: bool = False       # lookup+module: the lookup only where likelier kept (spd.pricing.SourcePricer)
     draft_model: DraftLM | None = None  # PipeDec: the draft model its first stage runs
     children: int | None = None        # pipelined trees: candidates drafted per tip (None: W)
+    segment: int = 4                   # FlowSpec: nodes per segment
 
     def drafter(self, use_cache: bool = True) -> Drafter | ChainDrafter | None:
         """The method's drafter (spd.methods names its factory); None for plain AR."""
@@ -159,8 +160,10 @@ def open_session(cfg) -> Session:
         draft_model = DraftLM(staged, cfg.draft_layers)
     return Session(loaded, staged, module.eval() if module else None, params,
                    eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
-                   method, ngrams, getattr(cfg, "draft_source", MODULE), draft_length, width, tree_nodes, row_costs,
-                   memory, getattr(cfg, "source_pricing", False), draft_model, getattr(cfg, "children", None))
+                   method, ngrams, getattr(cfg, "draft_source", None) or (METHODS[method].sources or (MODULE,))[0],
+                   draft_length, width, tree_nodes, row_costs,
+                   memory, getattr(cfg, "source_pricing", False), draft_model, getattr(cfg, "children", None),
+                   getattr(cfg, "segment", 4))
 
 
 def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> str:

@@ -34,8 +34,9 @@ class StageRows:
     def __len__(self) -> int:
         return self.base + len(self.rows)
 
-    def append(self, nodes: list[int], pos: int) -> None:
-        self.rows += [(node, pos) for node in nodes]
+    def append(self, nodes: list[int], pos: int | list[int]) -> None:
+        """Rows of `nodes` were run, in this order: at one position (a tree level) or at one each (a segment)."""
+        self.rows += list(zip(nodes, [pos] * len(nodes) if isinstance(pos, int) else pos))
 
     def fold(self, flight: Tree) -> None:
         """Rows that left the flight older than its oldest level are verified: they join the base."""
@@ -71,12 +72,12 @@ class StageRows:
         return all(node in branch or pos < oldest for node, pos in self.rows)
 
     def visible(self, queries: list[int], flight: Tree) -> tuple[list[list[bool]], list[int]]:
-        """Which cached rows (then the queries' own new rows) each query sees, and every key's position."""
+        """Which cached rows (then the queries' own new rows) each query sees, and every key's position. The queries
+        are a tree level (none sees another) or a segment (ancestors first: each sees those on its branch)."""
         oldest = flight.oldest
         rows = []
-        for i, q in enumerate(queries):
+        for q in queries:
             branch = set(flight.branch(q))
             rows.append([True] * self.base + [node in branch or pos < oldest for node, pos in self.rows]
-                        + [j == i for j in range(len(queries))])
-        pos = flight.nodes[queries[0]].pos
-        return rows, list(range(self.base)) + [p for _, p in self.rows] + [pos] * len(queries)
+                        + [other in branch for other in queries])
+        return rows, list(range(self.base)) + [p for _, p in self.rows] + [flight.nodes[q].pos for q in queries]

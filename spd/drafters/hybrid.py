@@ -121,3 +121,14 @@ def pipelined_drafter(*, module, draft_source: str, ngrams: tuple[int, int], use
     """SPD's, PPSD's and the output-state ablation's drafter (spd.methods): the module, the lookup in front where
     draft_source says so (source_pricing: where its predicted acceptance is at least the module's)."""
     return with_draft_source(ModuleDrafter(module, use_cache), draft_source, *ngrams, source_pricing)
+
+
+def segment_drafter(*, draft_source: str, ngrams: tuple[int, int], memory=None, **_):
+    """FlowSpec's tree grower (spd.methods): the context's statistics (every candidate up to the tree's budget, no
+    pricing: the segments' costs are not a chain's) or its lookup."""
+    from spd.drafters.lookup import LookupDrafter
+    from spd.drafters.suffix import SuffixDrafter
+
+    if draft_source == "lookup":
+        return LookupDrafter(*ngrams)
+    return SuffixDrafter(1, ngrams[1], costs=None, memory=memory)   # one-token matches too, as method=suffix

@@ -20,7 +20,9 @@ class EvalConfig:
     tree_nodes: int = 16                # W > 1: drafted nodes per verification (the tree's budget)
     children: Optional[int] = None      # W > 1, pipelined methods: candidates drafted per tip (PipeDec's c; None = W)
     draft_layers: int = 1               # method=pipedec: the draft model is the target's first k layers (early exit)
-    draft_source: str = "module"        # pipelined methods: module | lookup+module (spd.drafters.hybrid)
+    segment: int = 4                    # method=flowspec: S, nodes per segment
+    draft_source: Optional[str] = None  # spd, ppsd, spd_output_state: module | lookup+module (spd.drafters.hybrid);
+                                        # flowspec: suffix | lookup; None = the method's first
     lookup_min_ngram: int = 2           # lookup, lookup+module: shortest suffix of the context that may match earlier
     lookup_max_ngram: int = 8           # lookup, lookup+module: longest suffix compared
     draft_pricing: bool = True          # suffix: drafts priced per cycle (spd.pricing; generate's key)

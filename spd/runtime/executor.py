@@ -22,7 +22,9 @@ class StepOutput:
     # {node: {layer: H^l [1, 1, d]}} captured by the stages that ran, for the layers the drafter asked for (a
     # chain's node ids are its positions, spd.runtime.flight)
     features: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
-    exit_logits: torch.Tensor | None = None   # [V] target logits of step.exiting (the next position's p)
+    exit_logits: torch.Tensor | None = None   # [V] target logits of step.exiting (the next position's p); [k, V]
+                                              # when a segment of k nodes leaves (spd.runtime.segments)
+    exit_nodes: list[int] = field(default_factory=list)   # the nodes that left the last stage, in exit_logits' order
     exit_argmax: int | None = None            # instead of exit_logits, where the executor was told argmax suffices
 
 
@@ -46,6 +48,7 @@ def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
 
 class StageExecutor(ABC):
     trees = False   # True: runs tree levels of several nodes (W > 1) under their masks, and prunes them
+    segments = False  # True: runs FlowSpec's segments (nodes at several positions, spd.runtime.segments)
     shared = False  # True: one sequence's view of stages that run several sequences' rows together (spd.runtime.seed)
     n: int
     bounds: list[int]

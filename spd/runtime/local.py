@@ -20,6 +20,7 @@ from spd.targets.stages import StagedTarget
 
 class LocalStages(StageExecutor):
     trees = True
+    segments = True
 
     def __init__(self, target: StagedTarget):
         self.target = target
@@ -48,48 +49,56 @@ class LocalStages(StageExecutor):
     def _stream(self, stage: int):
         return nullcontext()
 
-    def _run_tree(self, stage: int, hidden: torch.Tensor, pos: int, visible):
-        """One stage on a tree level's nodes [1, k, d] under `level_mask`'s mask."""
-        positions = torch.full((hidden.shape[1],), pos, device=self.device)
+    def _run_tree(self, stage: int, hidden: torch.Tensor, positions: list[int], visible):
+        """One stage on a tree level's or a segment's nodes [1, k, d] at their positions under `level_mask`'s mask;
+        the last stage gives every node's logits [k, V]."""
+        positions = torch.tensor(positions, device=self.device)
         out, captured = self.target.run_layers(hidden, positions, self.bounds[stage], self.bounds[stage + 1],
                                                self.cache, self.capture, visible=visible)
-        return out, captured, self.target.logits(out[0, -1]) if stage == self.n - 1 else None
+        return out, captured, self.target.logits(out[0]) if stage == self.n - 1 else None
 
     def launch(self, step: Step, entering, flight: Flight | None = None):
         out = StepOutput()
-        for stage, pos in enumerate(step.work):
+        for stage, key in enumerate(step.work):
             if not step.runs(stage):
                 continue
             # the stage's inputs are made on its own stream (runtime=streams): made on the caller's, after the
             # stage's stream was told to wait for it, they could be read before they are written
             with self._stream(stage):
-                nodes, hidden, visible = self._inputs(stage, pos, entering, flight)
+                nodes, positions, hidden, visible = self._inputs(stage, key, entering, flight)
+                if not nodes:                      # a segment pruned to nothing: the stage idles
+                    continue
                 if visible is None:
-                    hidden, captured, logits = self._run(stage, hidden, pos)
+                    hidden, captured, logits = self._run(stage, hidden, positions[0])
                 else:
-                    hidden, captured, logits = self._run_tree(stage, hidden, pos, visible)
-            self._outputs(stage, pos, nodes, hidden, captured, logits, out)
+                    hidden, captured, logits = self._run_tree(stage, hidden, positions, visible)
+            self._outputs(stage, positions, nodes, hidden, captured, logits, out)
         self._out = out
 
-    def _inputs(self, stage: int, pos: int, entering, flight: Flight | None):
-        """What `stage` runs at `pos`: (its nodes, their residual streams [1, k, d], level_mask's mask or None)."""
-        nodes = [pos] if flight is None else flight.level(pos)
+    def _inputs(self, stage: int, key: int, entering, flight: Flight | None):
+        """What `stage` runs for the schedule's `key` (a position, or a segment: `flight.level` knows): (its nodes,
+        their positions, their residual streams [1, k, d], level_mask's mask or None)."""
+        nodes = [key] if flight is None else flight.level(key)
+        positions = [key] if flight is None else [flight.nodes[node].pos for node in nodes]
         if flight is not None:
             self.rows[stage].fold(flight)
+        if not nodes:
+            return nodes, positions, None, None
         hidden = entering if stage == 0 else torch.cat([self.hidden.pop(node) for node in nodes], 1)
         visible = None if flight is None else level_mask(self.rows[stage], nodes, flight, self.device)
-        return nodes, hidden, visible
+        return nodes, positions, hidden, visible
 
-    def _outputs(self, stage: int, pos: int, nodes: list[int], hidden, captured, logits, out: StepOutput) -> None:
+    def _outputs(self, stage: int, positions: list[int], nodes: list[int], hidden, captured, logits,
+                 out: StepOutput) -> None:
         """Book what `stage` made for `nodes`: states for the next stage, the drafter's features, the exit logits."""
-        self.rows[stage].append(nodes, pos)
+        self.rows[stage].append(nodes, positions)
         for i, node in enumerate(nodes):
             out.features[node] = {layer: h[:, i: i + 1] for layer, h in captured.items()}
             if logits is None:
                 self.hidden[node] = hidden[:, i: i + 1]
-        if logits is not None:                   # step.exiting: it leaves the pipeline with its logits
-            assert len(nodes) == 1, "the oldest level in flight is one verified node"
-            out.exit_logits = logits
+        if logits is not None:                   # what leaves the pipeline, with its logits
+            out.exit_nodes = list(nodes)
+            out.exit_logits = logits if len(nodes) > 1 else logits.reshape(-1, logits.shape[-1])[-1]
         self._handoff(stage, nodes, out)
 
     def _handoff(self, stage: int, nodes: list[int], out: StepOutput) -> None:

@@ -76,3 +76,12 @@ def flushed_from(step: Step) -> int:
 def relay_step(pos: int, stage: int, n: int) -> Step:
     """Plain pipeline-parallel AR: one token in flight, advancing through one stage per step."""
     return Step(n, tuple(pos if s == stage else IDLE for s in range(n)), pos, 1)
+
+
+def segment_step(previous: Step | None, entering: int, n: int) -> Step:
+    """FlowSpec's pipeline (spd.runtime.segments): segment `entering` (IDLE: none) enters stage 1, every segment in
+    flight moves one stage on, the one in the last stage leaves. previous None: the pipeline was empty (the start,
+    a flush). work[s] is a segment key here, not a position: the flight says which nodes it holds."""
+    carried = (IDLE,) * (n - 1) if previous is None else previous.work[:-1]
+    work = (entering, *carried)
+    return Step(n, work, entering, sum(key != IDLE for key in work))

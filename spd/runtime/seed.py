@@ -47,7 +47,7 @@ class Work:
     """One sequence's rows at one stage in this step."""
     stages: "SequenceStages"
     stage: int
-    pos: int
+    positions: list[int]                  # each node's
     nodes: list[int]
     hidden: torch.Tensor                  # [1, k, d] entering the stage
     visible: tuple | None                 # a tree level's mask (level_mask), None for a chain's one row
@@ -76,7 +76,7 @@ class StageHub:
         self.most = max(self.most, len({id(w.stages) for w in works}))
         for stage in sorted({w.stage for w in works}):
             group = [w for w in works if w.stage == stage]
-            segments = [Segment(w.stages.cache, [w.pos] * len(w.nodes), w.visible) for w in group]
+            segments = [Segment(w.stages.cache, w.positions, w.visible) for w in group]
             capture = frozenset().union(*(w.stages.capture for w in group))
             hidden = torch.cat([w.hidden for w in group], 1)
             start, end = target.bounds[stage], target.bounds[stage + 1]
@@ -87,7 +87,7 @@ class StageHub:
             self.rows += bounds[-1]
             for w, lo, hi, logits in zip(group, bounds, bounds[1:], exits):
                 own = {layer: captured[layer][:, lo:hi] for layer in w.stages.capture if layer in captured}
-                w.stages._outputs(stage, w.pos, w.nodes, out[:, lo:hi], own, logits, w.stages._out)
+                w.stages._outputs(stage, w.positions, w.nodes, out[:, lo:hi], own, logits, w.stages._out)
 
 
 class SequenceStages(LocalStages):
@@ -100,10 +100,10 @@ class SequenceStages(LocalStages):
 
     def launch(self, step: Step, entering, flight: Flight | None = None):
         self._out = StepOutput()
-        for stage, pos in enumerate(step.work):
+        for stage, key in enumerate(step.work):
             if step.runs(stage):
-                nodes, hidden, visible = self._inputs(stage, pos, entering, flight)
-                self.hub.works.append(Work(self, stage, pos, nodes, hidden, visible))
+                nodes, positions, hidden, visible = self._inputs(stage, key, entering, flight)
+                self.hub.works.append(Work(self, stage, positions, nodes, hidden, visible))
 
     def finish(self) -> None:
         """The sequence ended (or was cancelled): its work leaves the hub, its memory goes."""
