@@ -151,7 +151,10 @@ def open_engine(cfg, default: bool = False, session: Session | None = None):
     report_balance(session)
     drafter = session.drafter(getattr(cfg, "module_cache", True)) if METHODS[session.method].decoder != AR else None
     capture = drafter.layers_needed(session.staged.bounds) if drafter else []
-    with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
+    # the control rows carry a flight of n * width nodes: FlowSpec's, S a stage and as many verified in one walk
+    segments = METHODS[session.method].decoder == SEGMENTS
+    with open_stages(session.staged, cfg, capture, session.cache_dir,
+                     2 * session.segment if segments else session.width) as stages:
         yield Engine(cfg, session, stages, drafter, default)
 
 

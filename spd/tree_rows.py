@@ -10,7 +10,7 @@ read it to build masks and to compact caches after a prune. Tensor-free.
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from typing import Collection, Mapping, Protocol
 
 
 class Node(Protocol):
@@ -20,6 +20,10 @@ class Node(Protocol):
 class Tree(Protocol):
     nodes: Mapping[int, Node]
     oldest: int
+    # the verified nodes that left since the last prune (FlowSpec: a walk may verify several levels between two
+    # prunes, so a dropped sibling can sit below the oldest alive node); None: every node gone below the oldest
+    # level is verified (a level per step, SPD)
+    left: Collection[int] | None
 
     def branch(self, node: int) -> list[int]: ...
 
@@ -49,8 +53,9 @@ class StageRows:
     def prune(self, flight: Tree) -> tuple[int, list[int]] | None:
         """Drop the rows of nodes the flight dropped. Returns (start, slots) for the cache's `keep` (the kept tree
         rows' slots, moved down to start), or None when nothing moved."""
-        oldest = flight.oldest
-        kept = [i for i, (node, pos) in enumerate(self.rows) if node in flight.nodes or pos < oldest]
+        oldest, left = flight.oldest, flight.left
+        kept = [i for i, (node, pos) in enumerate(self.rows)
+                if node in flight.nodes or (pos < oldest and (left is None or node in left))]
         start = self.base
         moved = None if len(kept) == len(self.rows) else (start, [start + i for i in kept])
         self.rows = [self.rows[i] for i in kept]

@@ -168,3 +168,33 @@ def test_flowspec_from_the_cli(capsys, tiny_target_dir, tmp_path):
     with open(f"{out}/samples.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [r["mode"] for r in rows] == ["runtime"] * 3 and all(r["ar_match"] for r in rows)
+
+
+@pytest.mark.parametrize("controller", ["own_process", "first_stage"])
+def test_flowspec_over_stage_processes_equals_local(controller):
+    """runtime=distributed: the tree and the segments' masks on the controller, the segments in the stage
+    processes (each exiting node's logits, or greedy its argmax, sent back); greedy and seeded T = 1 tokens and
+    every statistic equal the in-process run."""
+    from helpers import GREEDY, controller_parts, distributed_cfg
+    from spd.runtime.stages import open_stages
+    from spd.sampling import SamplingParams
+    from spd.targets.loading import load_target
+
+    tiny = load_target("tiny-llama")
+    n, segment = 3, 3
+    staged = StagedTarget(tiny.model, n)
+    p = prompt(9, vocab=tiny.model.config.vocab_size)
+    runs = [(GREEDY, 0), (SamplingParams(temperature=1.0), 1)]
+
+    def decode(stages, params, seed):
+        return flowspec(tiny.model, n, segment, 4, 2, 10, executor=stages).generate(p, Request(30, params, seed))
+
+    local = [decode(staged, params, seed) for params, seed in runs]
+    parts, cache = controller_parts("tiny-llama", n)
+    with open_stages(parts, distributed_cfg(controller=controller), [], cache, width=2 * segment) as stages:
+        remote = [decode(stages, params, seed) for params, seed in runs]
+    for mine, theirs in zip(remote, local):
+        assert mine.token_ids == theirs.token_ids
+        assert mine.stats.as_dict() == theirs.stats.as_dict()
+    assert local[0].token_ids == ar_run(tiny.model, p, 30).token_ids
+    assert local[0].stats.rollbacks > 0 and any(r > 1 for r in local[0].stats.stage_rows)

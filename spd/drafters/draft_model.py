@@ -45,7 +45,10 @@ class DraftLM:
 
 class _Branches:
     """The tree in flight as the step's views show it (what `StageRows` reads): a node is alive when it lies on
-    some tip's branch; each branch is its view's in-flight tokens, oldest first."""
+    some tip's branch; each branch is its view's in-flight tokens, oldest first. A level exits a step, so every
+    node gone below the oldest one was verified (`left` None)."""
+
+    left = None
 
     def __init__(self, views: list[StepView]):
         self._branch = {}

@@ -25,7 +25,8 @@ class StepOutput:
     exit_logits: torch.Tensor | None = None   # [V] target logits of step.exiting (the next position's p); [k, V]
                                               # when a segment of k nodes leaves (spd.runtime.segments)
     exit_nodes: list[int] = field(default_factory=list)   # the nodes that left the last stage, in exit_logits' order
-    exit_argmax: int | None = None            # instead of exit_logits, where the executor was told argmax suffices
+    exit_argmax: int | list[int] | None = None   # instead of exit_logits, where the executor was told argmax
+                                                 # suffices (a list: one per node of an exiting segment)
 
 
 def level_mask(rows: StageRows, nodes: list[int], flight: Flight, device) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -55,7 +55,9 @@ class LocalStages(StageExecutor):
         positions = torch.tensor(positions, device=self.device)
         out, captured = self.target.run_layers(hidden, positions, self.bounds[stage], self.bounds[stage + 1],
                                                self.cache, self.capture, visible=visible)
-        return out, captured, self.target.logits(out[0]) if stage == self.n - 1 else None
+        if stage < self.n - 1:
+            return out, captured, None
+        return out, captured, self.target.logits(out[0] if len(positions) > 1 else out[0, -1])
 
     def launch(self, step: Step, entering, flight: Flight | None = None):
         out = StepOutput()
@@ -66,8 +68,6 @@ class LocalStages(StageExecutor):
             # stage's stream was told to wait for it, they could be read before they are written
             with self._stream(stage):
                 nodes, positions, hidden, visible = self._inputs(stage, key, entering, flight)
-                if not nodes:                      # a segment pruned to nothing: the stage idles
-                    continue
                 if visible is None:
                     hidden, captured, logits = self._run(stage, hidden, positions[0])
                 else:
@@ -82,8 +82,6 @@ class LocalStages(StageExecutor):
         positions = [key] if flight is None else [flight.nodes[node].pos for node in nodes]
         if flight is not None:
             self.rows[stage].fold(flight)
-        if not nodes:
-            return nodes, positions, None, None
         hidden = entering if stage == 0 else torch.cat([self.hidden.pop(node) for node in nodes], 1)
         visible = None if flight is None else level_mask(self.rows[stage], nodes, flight, self.device)
         return nodes, positions, hidden, visible

@@ -21,98 +21,18 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import replace
+
 from spd.decoding import Decoder, Request, context_length, is_final
 from spd.drafters.base import ChainDrafter
 from spd.metrics import DecodeStats
 from spd.runtime.executor import StageExecutor
-from spd.runtime.flight import Node
+from spd.runtime.flight import SegmentFlight
 from spd.runtime.local import LocalStages
 from spd.runtime.schedule import IDLE, segment_step
 from spd.sampling import Proposal, greedy_token, next_token, settle_children, top2_margin
 from spd.targets.stages import StagedTarget
 from spd.tree import DraftTree
-
-
-class SegmentFlight:
-    """The draft tree in flight or waiting to enter, by node id, with the segment each node entered in. What
-    `spd.tree_rows.StageRows` reads (`nodes`, `oldest`, `branch`) and what executors read (`level(key)`: a
-    segment's nodes still alive, in entering order)."""
-
-    def __init__(self):
-        self.nodes: dict[int, Node] = {}
-        self.segments: dict[int, list[int]] = {}
-        self._ids = 0
-        self._keys = 0
-
-    def seed(self, pos: int, token: int) -> int:
-        """A new round: the tree is `token` alone at `pos` (verified, not yet through the target)."""
-        self.nodes.clear()
-        self.segments.clear()
-        return self._add(pos, None, Proposal(token, source="verified"))
-
-    def _add(self, pos: int, parent: int | None, proposal: Proposal) -> int:
-        node, self._ids = self._ids, self._ids + 1
-        self.nodes[node] = Node(node, pos, parent, proposal, 0.0)
-        return node
-
-    def grow(self, at: int, tree: DraftTree) -> list[int]:
-        """The drafter's tree rooted at node `at`'s token: its nodes whose paths the flight lacks join under `at`.
-        Returns the new nodes, parents first."""
-        node_of, new = {0: at}, []
-        for i in range(1, len(tree)):
-            parent = node_of.get(tree.parent(i))
-            if parent is None:        # below a path already held: nothing new can hang there
-                continue
-            token = tree.proposals[i - 1].token
-            held = next((c for c in self.children(parent) if self.token(c) == token), None)
-            if held is None:
-                held = self._add(self.nodes[parent].pos + 1, parent, tree.proposals[i - 1])
-                new.append(held)
-            node_of[i] = held
-        return new
-
-    def cut(self, nodes: list[int], size: int) -> list[int]:
-        """Segments of at most `size` of `nodes` (in order); returns their keys."""
-        keys = []
-        for start in range(0, len(nodes), size):
-            key, self._keys = self._keys, self._keys + 1
-            self.segments[key] = nodes[start: start + size]
-            keys.append(key)
-        return keys
-
-    def level(self, key: int) -> list[int]:
-        return [node for node in self.segments.get(key, []) if node in self.nodes]
-
-    @property
-    def oldest(self) -> int:
-        return min(node.pos for node in self.nodes.values())
-
-    def token(self, node: int) -> int:
-        return self.nodes[node].proposal.token
-
-    def children(self, node: int) -> list[int]:
-        return [c for c, n in self.nodes.items() if n.parent == node]
-
-    def branch(self, node: int) -> list[int]:
-        out = [node]
-        while (parent := self.nodes[out[-1]].parent) is not None and parent in self.nodes:
-            out.append(parent)
-        return out[::-1]
-
-    def leave(self, node: int) -> None:
-        """A verified node whose logits were used: its rows are verified context now."""
-        del self.nodes[node]
-
-    def keep(self, child: int) -> list[int]:
-        """`child` was verified: every node outside its subtree goes. Returns the dropped ids."""
-        kept = {child}
-        for node in sorted(self.nodes, key=lambda n: self.nodes[n].pos):
-            if self.nodes[node].parent in kept:
-                kept.add(node)
-        dropped = [node for node in self.nodes if node not in kept]
-        for node in dropped:
-            del self.nodes[node]
-        return dropped
 
 
 class SegmentPipelineDecoder(Decoder):
@@ -153,8 +73,9 @@ class SegmentPipelineDecoder(Decoder):
         generator = request.generator(ex.device)
         # the tree may run a budget's nodes (and one segment) past the last verified token
         extra = self.budget + self.segment + 1
+        # greedy, the stages may send each exiting node's argmax alone, unless the drafter prices with the margin
         logits, captured = ex.prefill(prompt_ids, self.capture, context_length(len(prompt_ids), max_new, extra),
-                                      params.greedy)
+                                      params.greedy and not self.drafter.uses_margin)
         first = next_token(logits, params, generator)
         stats.N = 1
         yield first
@@ -175,7 +96,7 @@ class SegmentPipelineDecoder(Decoder):
             return root
 
         frontier = new_round(len(prompt_ids), first)
-        exited: dict[int, torch.Tensor] = {}                 # node -> the target's logits after its path [V]
+        exited: dict[int, torch.Tensor | int] = {}           # node -> the target's logits after its path [V] (or argmax)
         step = None
         while not done:
             key = IDLE
@@ -184,20 +105,24 @@ class SegmentPipelineDecoder(Decoder):
                 if not flight.level(key):       # pruned before it entered
                     key = IDLE
             step = segment_step(step, key, self.n)
+            # a segment pruned to nothing in flight idles its stage (PipeDec's rule for empty groups too)
+            step = replace(step, work=tuple(k if k == IDLE or flight.level(k) else IDLE for k in step.work))
             entering = None
             if key != IDLE:
-                for node in flight.level(key):
+                for node in flight.enter(key):
                     features.setdefault(node, {0: ex.embed(flight.token(node))})
                 entering = torch.cat([features[node][0] for node in flight.level(key)], 1)
             ex.launch(step, entering, flight=flight)
+            flight.heard()
             stats.ran([len(flight.level(k)) if k != IDLE else 0 for k in step.work])
             out = ex.collect()
             stats.K += 1
             for node, layers in out.features.items():
                 if node in features:
                     features[node].update(layers)
-            if out.exit_nodes:
-                rows = out.exit_logits.view(len(out.exit_nodes), -1)
+            if out.exit_nodes:       # each one's logits [V], or (greedy, between processes) its argmax
+                rows = out.exit_logits.view(len(out.exit_nodes), -1) if out.exit_logits is not None else \
+                    out.exit_argmax if isinstance(out.exit_argmax, list) else [out.exit_argmax]
                 exited.update({node: rows[i] for i, node in enumerate(out.exit_nodes) if node in flight.nodes})
             grew = False
             while frontier in exited and not done:
@@ -208,7 +133,7 @@ class SegmentPipelineDecoder(Decoder):
                                                    generator)
                     stats.settle(index is not None, flight.nodes[children[index or 0]].proposal.source)
                 else:                           # the round reached a leaf: the target's next token comes free
-                    index, token = None, next_token(p, params, generator)
+                    index, token = None, p if isinstance(p, int) else next_token(p, params, generator)
                     stats.N += 1
                     stats.restarts += 1
                 tokens.append(token)

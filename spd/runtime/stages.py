@@ -107,8 +107,10 @@ def sequences_together(cfg) -> int:
 
 
 @contextmanager
-def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | None = None):
-    """Yield a StageExecutor for `staged` (in-process) or for stage processes loading `cache_dir`'s target."""
+def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | None = None,
+                width: int | None = None):
+    """Yield a StageExecutor for `staged` (in-process) or for stage processes loading `cache_dir`'s target. width:
+    the most nodes a stage runs in a step (W; FlowSpec: its segment), None: the config's W."""
     check_runtime(cfg.runtime)
     if cfg.runtime in ("local", "streams"):
         yield stage_executor(executor_kind(cfg.runtime, getattr(cfg, "cuda_graphs", False)), staged)
@@ -123,7 +125,7 @@ def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | 
     torch.set_num_threads(threads)
     setup = Setup(cache_dir=cache_dir, n=staged.n, bounds=staged.bounds, capture=sorted(set(capture) - {0}),
                   dtype=cfg.dtype, device=cfg.device, threads=threads, step_timeout_s=cfg.timeout_s, hosted=hosted,
-                  width=getattr(cfg, "W", 1), slots=sequences_together(cfg))
+                  width=width or getattr(cfg, "W", 1), slots=sequences_together(cfg))
     executor: StageExecutor | None = None
     graceful = True
     try:

@@ -188,7 +188,11 @@ def run_rows(target: StagedTarget, hidden: torch.Tensor, segments: list[Segment]
 
 def exit_logits(target: StagedTarget, out: torch.Tensor, bounds: list[int]) -> list[torch.Tensor]:
     """The target's logits [V] of each segment's last row of out [1, R, d], in one head product (one segment: the
-    one-sequence path's product)."""
+    one-sequence path's product); a segment of several rows that leave together (FlowSpec's) gets all of its rows'
+    [k, V]."""
+    if any(hi - lo > 1 for lo, hi in zip(bounds, bounds[1:])):
+        return [target.logits(out[0, lo:hi]) if hi - lo > 1 else target.logits(out[0, lo])
+                for lo, hi in zip(bounds, bounds[1:])]
     if len(bounds) == 2:
         return [target.logits(out[0, bounds[1] - 1])]
     with few_rows_products():

@@ -44,6 +44,7 @@ class DistributedStages(StageExecutor):
     this one when it hosts it)."""
 
     trees = True
+    segments = True
 
     def __init__(self, target: StagedTarget, setup: Setup, processes=None, load_timeout_s: float = 600.0):
         self.target = target
@@ -113,9 +114,13 @@ class DistributedStages(StageExecutor):
     def _row(self, cmd: int, **fields) -> torch.Tensor:
         return control(cmd, self.n, self.setup.width, **fields)
 
-    def _payload_size(self, stage: int, length: int, capture: bool, argmax: bool = False) -> int:
+    def _payload_size(self, stage: int, length: int, capture: bool, argmax: bool = False,
+                      exiting: int | None = None) -> int:
+        """Floats `stage` sends for `length` rows: their captured features, and from the last stage the logits (or
+        argmax) of the `exiting` rows (None: all of them, a step's; a prefill's: its last)."""
         rows = len(self.capture_of[stage]) * length * self.d if capture else 0
-        return rows + ((1 if argmax else self.vocab) if stage == self.n - 1 else 0)
+        exiting = length if exiting is None else exiting
+        return rows + ((1 if argmax else self.vocab) * exiting if stage == self.n - 1 else 0)
 
     def _unpack(self, stage: int, flat: torch.Tensor, length: int, capture: bool, sink: dict) -> torch.Tensor | None:
         """Feature rows into sink {layer: [1, length, d]}; returns what the last stage sent of the exiting token
@@ -151,7 +156,7 @@ class DistributedStages(StageExecutor):
         slot.active = True
         try:
             for s in self.remote:
-                size = self._payload_size(s, length, slot.capture_on)
+                size = self._payload_size(s, length, slot.capture_on, exiting=1)
                 if size:
                     flat = comm.recv(size, torch.float32, rank_of(s, self.hosted), TAG_PAYLOAD, self.timeout,
                                      self._what(s, "prefilling"))
@@ -214,10 +219,11 @@ class DistributedStages(StageExecutor):
             for slot in slots:
                 slot.rows0.fold(slot.flight)
                 visible = level_mask(slot.rows0, slot.levels[0], slot.flight, self.device)
-                segments.append(Segment(slot.cache, [slot.step.work[0]] * len(slot.levels[0]), visible))
+                positions = [slot.flight.nodes[node].pos for node in slot.levels[0]]
+                segments.append(Segment(slot.cache, positions, visible))
             out, captured, bounds = run_rows(self.stage0, hidden, segments, self.bounds[0], self.bounds[1], capture)
             for slot in slots:
-                slot.rows0.append(slot.levels[0], slot.step.work[0])
+                slot.rows0.append(slot.levels[0], [slot.flight.nodes[node].pos for node in slot.levels[0]])
         for slot, lo, hi in zip(slots, bounds, bounds[1:]):
             if slot.capture_on:
                 self._split(slot, 0, {layer: h[:, lo:hi] for layer, h in captured.items()})
@@ -242,10 +248,12 @@ class DistributedStages(StageExecutor):
                     self._split(slot, s, rows)
                     if exit_row is None:
                         continue
+                    exiting = slot.out.exit_nodes = list(slot.levels[s])
                     if slot.argmax:
-                        slot.out.exit_argmax = int(exit_row.item())
+                        tokens = [int(t) for t in exit_row.tolist()]
+                        slot.out.exit_argmax = tokens[0] if len(exiting) == 1 else tokens
                     else:
-                        slot.out.exit_logits = exit_row
+                        slot.out.exit_logits = exit_row if len(exiting) == 1 else exit_row.view(len(exiting), -1)
         except comm.PipelineFailure as exc:
             self._fail(exc)
         finally:

@@ -5,15 +5,15 @@ and only that stage's layers; the last stage also holds the final norm and the L
 *hosts* stage 0 (`controller=first_stage`: n processes for n stages, so that n stages fit n cores), rank 0 runs
 stage 0 itself and rank s runs stage s.
 
-Per step the controller sends every stage process one control tensor (int64 [6 + n + 3nW]: command, crop length,
+Per step the controller sends every stage process one control tensor (int64 [6 + n + 4nW]: command, crop length,
 prompt length, capture flag, context length (PREFILL: the positions of the static caches the stages allocate),
 argmax flag (greedy: the last stage sends the exiting token's argmax instead of its logits row), the schedule's
-work row: the position each stage advances, IDLE if none; then the flight: id, position and parent of every node
-in flight, from which each stage masks its level's rows and drops what a verified child pruned, as
+work row: the position (FlowSpec: the segment) each stage advances, IDLE if none; then the flight: id, position,
+parent and level (or segment) of every node in flight, from which each stage masks its level's rows and drops what a verified child pruned, as
 `runtime=local` does) and stage 0 the H^0 of the entering level's nodes (a hosted stage 0 runs in the controller
 instead). Stage s sends its output state to stage s + 1 (used next step,
 or dropped when the next control crops past it) and the controller its payload: the captured feature rows the
-drafter reads, and for the last stage the logits (or the argmax) of the exiting token. Tags keep the kinds of
+drafter reads, and for the last stage the logits (or the argmax) of each exiting token. Tags keep the kinds of
 message apart.
 
 Several sequences (`Setup.slots` > 1, SEED's schedule, spd.runtime.seed): the control message is one such row per
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spd.runtime.flight import Flight
+from spd.runtime.flight import Flight, SegmentFlight
 
 NONE, PREFILL, STEP, END, STOP, ABORT, PROBE = 0, 1, 2, 3, 4, 5, 6  # PROBE: a STEP's messages, no compute
 TAG_CONTROL, TAG_HIDDEN, TAG_PREFILL, TAG_PAYLOAD, TAG_READY = 1, 2, 3, 4, 5
@@ -80,8 +80,9 @@ def stage_capture(capture: list[int], bounds: list[int], stage: int) -> list[int
 
 
 def control_size(n: int, width: int) -> int:
-    """Ints in a control row: the header, the work row, then the flight (up to n levels of W nodes, 3 ints each)."""
-    return HEADER + n + 3 * n * width
+    """Ints in a control row: the header, the work row, then the flight (up to n levels or segments of W nodes, 4
+    ints each)."""
+    return HEADER + n + 4 * n * width
 
 
 def message(rows: dict[int, torch.Tensor], n: int, width: int, slots: int) -> torch.Tensor:
@@ -97,15 +98,14 @@ def parse_message(values: torch.Tensor, n: int, width: int, slots: int) -> list[
 
 def control(cmd: int, n: int, width: int = 1, crop: int = -1, length: int = 0, capture: bool = True,
             work: tuple[int, ...] | None = None, context: int = 0, argmax: bool = False,
-            flight: Flight | None = None) -> torch.Tensor:
+            flight: Flight | SegmentFlight | None = None) -> torch.Tensor:
     row = [cmd, crop, length, int(capture), context, int(argmax)] + list(work if work is not None else (-1,) * n)
-    nodes = [] if flight is None else [(node.id, node.pos, -1 if node.parent is None else node.parent)
-                                       for pos in sorted(flight.levels) for node in map(flight.nodes.get,
-                                                                                          flight.level(pos))]
+    nodes = [] if flight is None else [(node, pos, -1 if parent is None else parent, group)
+                                       for node, pos, parent, group in flight.structure()]
     if len(nodes) > n * width:
         raise ValueError(f"{len(nodes)} nodes in flight exceed n * W = {n * width} (the pipeline was set up for "
                          f"W={width})")
-    row += [v for node in nodes for v in node] + [-1] * (3 * (n * width - len(nodes)))
+    row += [v for node in nodes for v in node] + [-1] * (4 * (n * width - len(nodes)))
     return torch.tensor(row, dtype=torch.long)
 
 
@@ -118,14 +118,16 @@ class Control:
     context: int                # PREFILL: positions of the static caches (0: a growing cache)
     argmax: bool                # the last stage sends the exiting token's argmax only
     work: tuple[int, ...]
-    flight: Flight              # STEP: the tree nodes in flight (their ids, positions and parents; no tokens)
+    flight: SegmentFlight       # STEP: the tree nodes in flight (ids, positions, parents, levels or segments; no
+                                # tokens)
 
 
 def parse(row: torch.Tensor, n: int, width: int = 1) -> Control:
     values = row.tolist()
     cells = values[HEADER + n:]
-    nodes = [tuple(cells[i: i + 3]) for i in range(0, len(cells), 3) if cells[i] >= 0]
-    flight = Flight.restore(width, [(node, pos, None if parent < 0 else parent) for node, pos, parent in nodes])
+    nodes = [tuple(cells[i: i + 4]) for i in range(0, len(cells), 4) if cells[i] >= 0]
+    flight = SegmentFlight.restore([(node, pos, None if parent < 0 else parent, group)
+                                    for node, pos, parent, group in nodes])
     return Control(values[0], values[1], values[2], bool(values[3]), values[4], bool(values[5]),
                    tuple(values[HEADER: HEADER + n]), flight)
 

@@ -69,7 +69,7 @@ class StageServer:
         parts = [captured[layer][0, lo:hi].reshape(-1) for layer in (self.capture if capture else [])]
         if self.last:
             # greedy verification needs only the argmax: 4 bytes on the critical path instead of a [V] row
-            parts.append(exit_logits.argmax().float().view(1) if argmax else exit_logits.reshape(-1))
+            parts.append(exit_logits.argmax(-1).float().reshape(-1) if argmax else exit_logits.reshape(-1))
         return parts
 
     def _send_payload(self, parts: list) -> None:
@@ -94,13 +94,14 @@ class StageServer:
     def _forget(self, slot: int, c: Control) -> None:
         """A rejection crops to `crop`; otherwise drop the rows of tree nodes the flight no longer holds."""
         cache, rows = self.caches[slot], self.rows[slot]
+        if c.crop < 0 or c.flight.left is not None:
+            # FlowSpec's walk may verify several nodes and then flush: what it dropped on the way goes first
+            moved = rows.prune(c.flight)
+            if moved is not None:
+                cache.keep(*moved, layers=stage_layers(self.setup.bounds, self.stage))
         if c.crop >= 0:
             cache.crop(c.crop)
             rows.crop(c.crop)
-            return
-        moved = rows.prune(c.flight)
-        if moved is not None:
-            cache.keep(*moved, layers=stage_layers(self.setup.bounds, self.stage))
 
     def _step(self, steps: list[tuple[int, Control]]) -> None:
         """One step of every slot in `steps`: the rows of those at this stage in one forward, in slot order."""
@@ -133,7 +134,7 @@ class StageServer:
             for _, _, nodes in mine:
                 bounds.append(bounds[-1] + len(nodes))
         else:
-            segments = [Segment(self.caches[slot], [c.work[self.stage]] * len(nodes),
+            segments = [Segment(self.caches[slot], [c.flight.nodes[node].pos for node in nodes],
                                 level_mask(self.rows[slot], nodes, c.flight, self.device)) for slot, c, nodes in mine]
             b = s.bounds
             out, captured, bounds = run_rows(self.target, hidden, segments, b[self.stage], b[self.stage + 1],
@@ -147,7 +148,7 @@ class StageServer:
         for (slot, c, nodes), lo, hi, logits in zip(mine, bounds, bounds[1:], exits):
             parts += self._payload(captured, lo, hi, c.capture, logits, c.argmax)
             if not probe:
-                self.rows[slot].append(nodes, c.work[self.stage])
+                self.rows[slot].append(nodes, [c.flight.nodes[node].pos for node in nodes])
         self._send_payload(parts)
 
     def _taken(self, held, nodes: list[int], pos: int) -> torch.Tensor:
