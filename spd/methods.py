@@ -91,13 +91,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("suffix", "Context statistics, priced", CHAIN, None, fast_evaluator="spd.fast_eval_chain:fast_suffix_eval",
            draft_length=15, drafter="spd.drafters.suffix:chain_drafter", replays_trees=True, priced=True),
     # PipeDec: a draft model as the first stage grows the tree one layer per step (W = w nodes a layer, children
-    # = c per leaf); greedy eval cannot replay it from the target's traces (the draft model's logits are not in them)
+    # = c per leaf); greedy eval replays it over the target's traces with its draft model running
     Method("pipedec", "PipeDec", PIPELINE, None, drafter="spd.drafters.draft_model:pipelined_drafter",
-           draft_model=True, spine=False),
+           draft_model=True, spine=False, fast_evaluator="spd.fast_eval_trace:fast_pipedec_eval", replays_trees=True),
     # FlowSpec: the tree on the controller, score-ordered segments of S nodes flowing through the stages; D = 5 (the
     # paper's D_init and D_exp)
     Method("flowspec", "FlowSpec", SEGMENTS, None, draft_length=5, drafter="spd.drafters.hybrid:segment_drafter",
-           sources=(SUFFIX, LOOKUP)),
+           sources=(SUFFIX, LOOKUP), fast_evaluator="spd.fast_eval_trace:fast_segment_eval", replays_trees=True),
     Method("ar", "AR", AR, None),
 )}
 

@@ -147,7 +147,8 @@ def test_stage_caches_after_every_prune_equal_fresh_prefill(family_model, kept_c
 
 
 def test_flowspec_from_the_cli(capsys, tiny_target_dir, tmp_path):
-    """`method=flowspec segment= tree_nodes= W= draft_source=` from generate equals AR; eval runs it step by step;
+    """`method=flowspec segment= tree_nodes= W= draft_source=` from generate equals AR; eval's replay over the
+    target's traces equals the runtime step by step;
     a source it does not take is refused in one line."""
     from spd.cli import main
 
@@ -161,13 +162,18 @@ def test_flowspec_from_the_cli(capsys, tiny_target_dir, tmp_path):
     assert json.loads(capsys.readouterr().out)["draft_source"] == "lookup"
     assert main(["generate", *common, "method=flowspec", "draft_source=module"]) == 2
     assert "suffix, lookup" in capsys.readouterr().err
-    out = str(tmp_path / "ev")
-    assert main(["eval", f"target={tiny_target_dir}", f"output_dir={out}", f"trace_cache_dir={out}-traces", "n=2",
-                 "method=flowspec", "limit=1", "max_new_tokens=8", "wandb.mode=disabled"]) == 0
-    capsys.readouterr()
-    with open(f"{out}/samples.jsonl") as f:
-        rows = [json.loads(line) for line in f]
-    assert [r["mode"] for r in rows] == ["runtime"] * 3 and all(r["ar_match"] for r in rows)
+    runs = {}
+    for mode, flag in (("fast", "exact_trace=false"), ("runtime", "exact_trace=true")):
+        out = str(tmp_path / mode)
+        assert main(["eval", f"target={tiny_target_dir}", f"output_dir={out}", f"trace_cache_dir={tmp_path}/traces",
+                     "n=2", "method=flowspec", "limit=1", "max_new_tokens=8", flag, "wandb.mode=disabled"]) == 0
+        capsys.readouterr()
+        with open(f"{out}/samples.jsonl") as f:
+            runs[mode] = [json.loads(line) for line in f]
+        assert [r["mode"] for r in runs[mode]] == [mode] * 3
+    assert all(r["ar_match"] for r in runs["runtime"])           # every greedy sample = AR, step by step
+    for fast, runtime in zip(runs["fast"], runs["runtime"]):     # and the trace's replay = the runtime
+        assert (fast["N"], fast["K"], fast["sources"]) == (runtime["N"], runtime["K"], runtime["sources"])
 
 
 @pytest.mark.parametrize("controller", ["own_process", "first_stage"])
@@ -198,3 +204,22 @@ def test_flowspec_over_stage_processes_equals_local(controller):
         assert mine.stats.as_dict() == theirs.stats.as_dict()
     assert local[0].token_ids == ar_run(tiny.model, p, 30).token_ids
     assert local[0].stats.rollbacks > 0 and any(r > 1 for r in local[0].stats.stage_rows)
+
+
+@pytest.mark.parametrize("n, segment, width", [(2, 2, 1), (3, 3, 2)])
+def test_trace_replay_equals_the_runtime(family_model, n, segment, width):
+    """The exact greedy replay (the same loop over the target's cached trace instead of its stages): every step,
+    acceptance and token of the runtime's."""
+    from spd.fast_eval import record_greedy_trace
+    from spd.fast_eval_trace import fast_segment_eval
+
+    family, model = family_model
+    for seed in range(2):
+        ids = prompt(seed + 20, 10)
+        runtime = flowspec(model, n, segment, 4, width, 10).generate(ids, Request(40))
+        trace = record_greedy_trace(StagedTarget(model, 1), ids, 40, frozenset(), layers=[])
+        replayed = fast_segment_eval(trace, make_drafter=lambda: NoisyTargetTrees(model), n=n, segment=segment,
+                                     draft_length=4, width=width, tree_nodes=10,
+                                     vocab=model.config.vocab_size)["stats"]
+        assert runtime.stats.as_dict() == replayed.as_dict(), (family, seed)
+        assert runtime.stats.rollbacks > 0

@@ -68,15 +68,23 @@ def small_vocab_model():
 
 
 def sample_spd(model, n, samples, seed, method="spd", lookup=False, sources=None, width=1, extra=None, priced=False,
-               pipedec=None):
+               pipedec=None, flowspec=None):
     """lookup: draft_source=lookup+module, matching one-token suffixes (PROMPT's tokens recur in the samples).
     sources: a dict that receives {source: [verified, accepted]} pooled over the samples. width: W (trees);
     extra: a list that receives, per sample, the rows stage 1 ran beyond one per step (a tree's branching);
     priced: the lookup drafts where the request's verdicts predict it likelier kept than the module. pipedec:
     (children, draft layers) of PipeDec's tree, drafted by another random model of the vocabulary (the target's
-    own early exit is nearly always right here), instead of the module."""
+    own early exit is nearly always right here), instead of the module. flowspec: (segment, depth, budget) of
+    FlowSpec's segments, its trees W wide grown from the target's logits plus noise."""
     staged = StagedTarget(model, n)
-    if pipedec:
+    if flowspec:
+        from spd.runtime.segments import SegmentPipelineDecoder
+        from test_flowspec import NoisyTargetTrees
+
+        segment, depth, budget = flowspec
+        decoder = SegmentPipelineDecoder(staged, NoisyTargetTrees(model, 2.0), frozenset(), segment, depth, width,
+                                         budget)
+    elif pipedec:
         from spd.drafters.draft_model import DraftLM, DraftModelDrafter
 
         children, layers = pipedec
@@ -253,6 +261,29 @@ def test_pipedec_samples_the_target_distribution(small_vocab_model, width, child
     assert accepted > SHORT * 0.1 and rollbacks > SHORT * 0.1                   # kept and corrected
     assert width == 1 or sum(e > 0 for e in extra) > SHORT * 0.5                # real trees
     assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+@pytest.mark.slow
+def test_flowspec_samples_the_target_distribution(small_vocab_model):
+    """FlowSpec: segments of 2 nodes of trees 2 wide and 3 deep in a 2-stage pipeline; an exiting segment's one draw
+    of p per node continues the walk, a kept child prunes the segments in flight and waiting, a miss flushes."""
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    sources, extra = {}, []
+    counts, rollbacks = sample_spd(small_vocab_model, n=2, samples=SHORT, seed=15, width=2, sources=sources,
+                                   extra=extra, flowspec=(2, 3, 8))
+    verified, accepted = sources["noisy"]
+    assert accepted > SHORT * 0.1 and rollbacks > SHORT * 0.1                   # kept and corrected
+    assert sum(e > 0 for e in extra) > SHORT * 0.5                             # segments of several nodes
+    assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+def test_a_flowspec_verifier_that_keeps_the_first_child_is_caught(small_vocab_model, monkeypatch):
+    import spd.runtime.segments
+
+    monkeypatch.setattr(spd.runtime.segments, "settle_children", lambda logits, children, params, g: (0, children[0].token))
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    counts, _ = sample_spd(small_vocab_model, n=2, samples=1000, seed=16, width=2, flowspec=(2, 3, 8))
+    assert chi2_pvalue(counts, dist, 1000) < ALPHA
 
 
 def test_a_pipedec_verifier_that_keeps_the_first_child_is_caught(small_vocab_model, monkeypatch):

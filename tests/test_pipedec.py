@@ -166,8 +166,8 @@ def test_pipedec_over_stage_processes_equals_local(controller):
 
 
 def test_pipedec_from_the_cli(capsys, tiny_target_dir, tmp_path):
-    """`method=pipedec W= children= draft_layers=` from generate equals AR; eval runs it step by step (no trace
-    holds the draft model's logits), every greedy sample checked against AR; bad keys are refused in one line."""
+    """`method=pipedec W= children= draft_layers=` from generate equals AR; eval replays it over the
+    target's traces exactly as the runtime runs it; bad keys are refused in one line."""
     from spd.cli import main
 
     common = [f"target={tiny_target_dir}", "prompt=What is 12*7?", "max_new_tokens=16", "n=2"]
@@ -182,10 +182,32 @@ def test_pipedec_from_the_cli(capsys, tiny_target_dir, tmp_path):
     assert "drop checkpoint=" in capsys.readouterr().err
     assert main(["generate", *common, "method=lookup", "children=2"]) == 2
     assert "children=2" in capsys.readouterr().err
-    out = str(tmp_path / "ev")
-    assert main(["eval", f"target={tiny_target_dir}", f"output_dir={out}", f"trace_cache_dir={out}-traces", "n=2",
-                 "method=pipedec", "W=4", "children=2", "limit=1", "max_new_tokens=8", "wandb.mode=disabled"]) == 0
-    capsys.readouterr()
-    with open(f"{out}/samples.jsonl") as f:
-        rows = [json.loads(line) for line in f]
-    assert [r["mode"] for r in rows] == ["runtime"] * 3 and all(r["ar_match"] for r in rows)
+    runs = {}
+    for mode, flag in (("fast", "exact_trace=false"), ("runtime", "exact_trace=true")):
+        out = str(tmp_path / mode)
+        assert main(["eval", f"target={tiny_target_dir}", f"output_dir={out}", f"trace_cache_dir={tmp_path}/traces",
+                     "n=2", "method=pipedec", "W=4", "children=2", "limit=1", "max_new_tokens=8", flag, "wandb.mode=disabled"]) == 0
+        capsys.readouterr()
+        with open(f"{out}/samples.jsonl") as f:
+            runs[mode] = [json.loads(line) for line in f]
+        assert [r["mode"] for r in runs[mode]] == [mode] * 3
+    assert all(r["ar_match"] for r in runs["runtime"])           # every greedy sample = AR, step by step
+    for fast, runtime in zip(runs["fast"], runs["runtime"]):     # and the trace's replay = the runtime
+        assert (fast["N"], fast["K"], fast["sources"]) == (runtime["N"], runtime["K"], runtime["sources"])
+
+
+def test_trace_replay_equals_the_runtime(family_model):
+    """PipeDec's exact greedy replay: its draft model runs, the target's stages are read from the cached trace; every
+    step, acceptance and token equals the runtime's."""
+    from spd.fast_eval import record_greedy_trace
+    from spd.fast_eval_trace import fast_pipedec_eval
+
+    family, model = family_model
+    for seed in range(2):
+        ids = prompt(seed + 30, 10)
+        runtime = pipedec(model, 3, 4, 2, 1).generate(ids, Request(40))
+        trace = record_greedy_trace(StagedTarget(model, 1), ids, 40, frozenset(), layers=[])
+        replayed = fast_pipedec_eval(trace, make_drafter=lambda: DraftModelDrafter(NoisyLM(StagedTarget(model, 3), 1)),
+                                     n=3, width=4, children=2, vocab=model.config.vocab_size)["stats"]
+        assert runtime.stats.as_dict() == replayed.as_dict(), (family, seed)
+        assert runtime.stats.rollbacks > 0

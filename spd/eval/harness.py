@@ -60,7 +60,9 @@ def fast_sample(session: Session, cfg, traces: TraceCache, dataset: str, questio
     evaluate = behaviour(METHODS[session.method].fast_evaluator)
     result = evaluate(trace, module=session.module, make_drafter=session.drafter, draft_source=session.draft_source,
                       ngrams=session.lookup_ngrams, draft_length=session.draft_length, width=session.width,
-                      tree_nodes=session.tree_nodes, source_pricing=session.source_pricing)
+                      tree_nodes=session.tree_nodes, source_pricing=session.source_pricing, n=session.staged.n,
+                      segment=session.segment, children=session.children,
+                      vocab=session.loaded.model.config.vocab_size)
     seconds = time.perf_counter() - start
     stats = result["stats"]
     return {"mode": "fast", "token_ids": trace.tokens, **stats.as_dict(), "ar_match": None,
