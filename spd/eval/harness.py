@@ -159,8 +159,9 @@ def run_eval(cfg, log=print) -> dict:
     todo = [(ds, q) for ds, q in work if (ds, str(q["question_id"])) not in done]
     fast = uses_fast_evaluator(cfg)
     capture = session.drafter().layers_needed(session.staged.bounds)
-    # a pipelined layout's traces hold every layer its features read (one directory per layout serves all plans)
-    read = capture if METHODS[session.method].chain else None
+    # a pipelined module's traces hold every layer its layout's features read (one directory per layout serves all
+    # plans); a chain, or a method without a module, reads what it asks for (FlowSpec, PipeDec: nothing)
+    read = capture if METHODS[session.method].chain or not METHODS[session.method].trained else None
     traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens, read,
                         list(cfg.trace_layers)) if fast else None
     L_s = module_layers(session.module)
