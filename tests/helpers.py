@@ -183,3 +183,18 @@ def snapshot(root) -> dict:
             with open(path, "rb") as f:
                 files[os.path.relpath(path, root)] = f.read()
     return files
+
+
+def count_kept_children(monkeypatch, module) -> list:
+    """Patches `module.settle_children` to record the index of the child each verification kept (None: a
+    correction); returns the list it fills."""
+    seen = []
+    rule = module.settle_children
+
+    def counted(*args):
+        out = rule(*args)
+        seen.append(out[0])
+        return out
+
+    monkeypatch.setattr(module, "settle_children", counted)
+    return seen

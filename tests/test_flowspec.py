@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import spd.runtime.segments as segments
-from helpers import ar_run, prompt
+from helpers import count_kept_children, ar_run, prompt
 from spd.decoding import Request
 from spd.drafters.base import ChainDrafter
 from spd.drafters.lookup import LookupDrafter
@@ -63,16 +63,8 @@ class NoisyTargetTrees(ChainDrafter):
 
 @pytest.fixture
 def kept_children(monkeypatch):
-    seen = []
-    rule = segments.settle_children
-
-    def counted(*args):
-        out = rule(*args)
-        seen.append(out[0])
-        return out
-
-    monkeypatch.setattr(segments, "settle_children", counted)
-    return seen
+    """The index of the child each verification kept (None: a correction)."""
+    return count_kept_children(monkeypatch, segments)
 
 
 def flowspec(model, n, segment, depth, width, budget, drafter=None, executor=None):
@@ -223,3 +215,18 @@ def test_trace_replay_equals_the_runtime(family_model, n, segment, width):
                                      vocab=model.config.vocab_size)["stats"]
         assert runtime.stats.as_dict() == replayed.as_dict(), (family, seed)
         assert runtime.stats.rollbacks > 0
+
+
+def test_reuse_equals_fresh(family_model):
+    """One FlowSpec decoder (and one context drafter) across prompts that grow and shrink, greedy and T = 1: each
+    generation's tokens and statistics equal a fresh decoder's."""
+    from spd.sampling import SamplingParams
+
+    _, model = family_model
+    reused = flowspec(model, 3, 3, 4, 2, 10, drafter=SuffixDrafter(1, 4))
+    for i, (length, params) in enumerate([(12, None), (6, SamplingParams(temperature=1.0)), (9, None)]):
+        ids = prompt(40 + i, length)
+        request = Request(24, params or SamplingParams(), i)
+        fresh = flowspec(model, 3, 3, 4, 2, 10, drafter=SuffixDrafter(1, 4)).generate(ids, request)
+        again = reused.generate(ids, request)
+        assert again.token_ids == fresh.token_ids and again.stats.as_dict() == fresh.stats.as_dict()

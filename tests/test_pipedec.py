@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import spd.runtime.pipeline as pipeline
-from helpers import GREEDY, ar_run, controller_parts, distributed_cfg, prompt
+from helpers import count_kept_children, GREEDY, ar_run, controller_parts, distributed_cfg, prompt
 from spd.decoding import Request
 from spd.drafters.draft_model import DraftLM, DraftModelDrafter
 from spd.runtime.pipeline import PipelineDecoder
@@ -39,16 +39,8 @@ def pipedec(model, n, width, children, layers, executor=None, drafter=None):
 
 @pytest.fixture
 def kept_children(monkeypatch):
-    seen = []
-    rule = pipeline.settle_children
-
-    def counted(*args):
-        out = rule(*args)
-        seen.append(out[0])
-        return out
-
-    monkeypatch.setattr(pipeline, "settle_children", counted)
-    return seen
+    """The index of the child each verification kept (None: a correction)."""
+    return count_kept_children(monkeypatch, pipeline)
 
 
 @pytest.mark.parametrize("n, width, children", [(2, 1, 1), (3, 4, 2), (2, 6, 4)])
@@ -211,3 +203,16 @@ def test_trace_replay_equals_the_runtime(family_model):
                                      n=3, width=4, children=2, vocab=model.config.vocab_size)["stats"]
         assert runtime.stats.as_dict() == replayed.as_dict(), (family, seed)
         assert runtime.stats.rollbacks > 0
+
+
+def test_reuse_equals_fresh(family_model):
+    """One PipeDec decoder and draft model across prompts that grow and shrink, greedy and T = 1: each generation's
+    tokens and statistics equal a fresh decoder's."""
+    _, model = family_model
+    reused = pipedec(model, 3, 4, 2, 1)
+    for i, (length, params) in enumerate([(12, GREEDY), (6, SamplingParams(temperature=1.0)), (9, GREEDY)]):
+        ids = prompt(50 + i, length)
+        request = Request(24, params, i)
+        fresh = pipedec(model, 3, 4, 2, 1).generate(ids, request)
+        again = reused.generate(ids, request)
+        assert again.token_ids == fresh.token_ids and again.stats.as_dict() == fresh.stats.as_dict()

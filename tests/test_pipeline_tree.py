@@ -16,7 +16,7 @@ from spd.targets.kv_cache import LayerKVCache
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import FAMILIES, tiny_model
 
-from helpers import RankedDrafter, ar_run, prompt
+from helpers import count_kept_children, RankedDrafter, ar_run, prompt
 
 
 def tree_decoder(model, n, width, method="spd", ranks=(0, 1, 3, 0, 2, 7), executor=None):
@@ -29,16 +29,7 @@ def tree_decoder(model, n, width, method="spd", ranks=(0, 1, 3, 0, 2, 7), execut
 @pytest.fixture
 def kept_children(monkeypatch):
     """The index of the child each verification kept (None: a correction)."""
-    seen = []
-    rule = pipeline.settle_children
-
-    def counted(*args):
-        out = rule(*args)
-        seen.append(out[0])
-        return out
-
-    monkeypatch.setattr(pipeline, "settle_children", counted)
-    return seen
+    return count_kept_children(monkeypatch, pipeline)
 
 
 @pytest.mark.parametrize("method", ["spd", "ppsd", "spd_output_state"])

@@ -30,6 +30,14 @@ class Node:
     score: float             # cumulative log q of its branch: what the W kept branches are ranked by
 
 
+def branch(nodes: dict[int, Node], node: int) -> list[int]:
+    """The node and its ancestors still in flight, oldest first."""
+    out = [node]
+    while (parent := nodes[out[-1]].parent) is not None and parent in nodes:
+        out.append(parent)
+    return out[::-1]
+
+
 class Flight:
     def __init__(self, width: int = 1):
         if width < 1:
@@ -86,11 +94,7 @@ class Flight:
         return [c for c in self.level(self.nodes[node].pos + 1) if self.nodes[c].parent == node]
 
     def branch(self, node: int) -> list[int]:
-        """The node and its ancestors still in flight, oldest first."""
-        out = [node]
-        while (parent := self.nodes[out[-1]].parent) is not None and parent in self.nodes:
-            out.append(parent)
-        return out[::-1]
+        return branch(self.nodes, node)
 
     def leave(self, node: int) -> None:
         """The oldest node left the last stage (its children were just verified against it)."""
@@ -231,10 +235,7 @@ class SegmentFlight:
         return [c for c, n in self.nodes.items() if n.parent == node]
 
     def branch(self, node: int) -> list[int]:
-        out = [node]
-        while (parent := self.nodes[out[-1]].parent) is not None and parent in self.nodes:
-            out.append(parent)
-        return out[::-1]
+        return branch(self.nodes, node)
 
     def leave(self, node: int) -> None:
         """A verified node whose logits were used: its rows are verified context now."""
