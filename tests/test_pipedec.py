@@ -216,3 +216,26 @@ def test_reuse_equals_fresh(family_model):
         fresh = pipedec(model, 3, 4, 2, 1).generate(ids, request)
         again = reused.generate(ids, request)
         assert again.token_ids == fresh.token_ids and again.stats.as_dict() == fresh.stats.as_dict()
+
+
+def test_sequences_sharing_the_stages_decode_as_each_would_alone(family_model):
+    """SEED's schedule (generate prompts_file=, serve): PipeDec's sequences share one pipeline, each with its own
+    draft model cache; each one's tokens and statistics equal its solo decode."""
+    from spd.runtime.seed import SeedDecoder
+
+    _, model = family_model
+    staged = StagedTarget(model, 3)
+
+    def make():
+        return DraftModelDrafter(NoisyLM(staged, 1))
+
+    prompts = [prompt(60 + i, length) for i, length in enumerate([5, 12, 8, 9])]
+    lengths = [20, 30, 16, 24]
+    solo = [PipelineDecoder(staged, make(), frozenset(), 4, 2, spine=False).generate(p, Request(n, GREEDY))
+            for p, n in zip(prompts, lengths)]
+    seed = SeedDecoder(staged, make, frozenset(), 4, max_batch=3, children=2, spine=False)
+    tickets = [seed.submit(p, Request(n, GREEDY)) for p, n in zip(prompts, lengths)]
+    seed.run()
+    assert seed.hub.rows > seed.hub.forwards
+    for ticket, ref in zip(tickets, solo):
+        assert ticket.tokens == ref.token_ids and ticket.stats.as_dict() == ref.stats.as_dict()
