@@ -216,8 +216,8 @@ def check_decoding(cfg) -> None:
             raise UserError(f"draft_source={cfg.draft_source} chooses a pipelined drafter's source; method={cfg.method} "
                             "has none: drop draft_source= (method=lookup is the lookup on its own)")
         if cfg.draft_source not in sources:
-            raise UserError(f"{full_key(cfg, 'draft_source')}={cfg.draft_source!r} is not one of method="
-                            f"{cfg.method or 'spd'}'s sources: {', '.join(sources)}")
+            raise UserError(f"{full_key(cfg, 'draft_source')}={cfg.draft_source!r} is not one of: {', '.join(sources)} "
+                            f"(method={cfg.method or 'spd'}'s sources)")
     if cfg.lookup_max_ngram < cfg.lookup_min_ngram:
         raise UserError(f"lookup_max_ngram={cfg.lookup_max_ngram} is below lookup_min_ngram={cfg.lookup_min_ngram}; "
                         "raise it")

@@ -51,7 +51,9 @@ def stats_line(out: dict) -> str:
         where = "local" if out["runtime"] == "local" else f"n={out['n']} {runtime}"
         return f"[ar {where}{chosen}] N={out['N']} {speed}"
     tree = f" W={out['W']}" if out.get("W", 1) > 1 else ""
-    return (f"[{out['method']} n={out['n']} {runtime}, {out['draft_source']}{tree}{chosen}] N={out['N']} K={out['K']} "
+    tree += f" segment={out['segment']}" if out.get("segment") else ""
+    source = out["draft_source"] or f"draft model of {out.get('draft_layers')} layer(s)"
+    return (f"[{out['method']} n={out['n']} {runtime}, {source}{tree}{chosen}] N={out['N']} K={out['K']} "
             f"α={_fmt(out['alpha'])} L′acc={_fmt(out['eal'])} rollbacks={out['rollbacks']} "
             f"accepted: {acceptance_by_source(out['sources']) or '-'} {speed}")
 

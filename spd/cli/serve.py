@@ -103,7 +103,7 @@ def serve(cfg, default: bool = False) -> int:
             service = Service(engine, worker, cfg)
             host, port = sock.getsockname()[:2]
             s = engine.session
-            how = f"{s.method} n={s.staged.n}, {s.draft_source}" if METHODS[s.method].pipelined else s.method
+            how = f"{s.drafts_with}, n={s.staged.n}" if METHODS[s.method].pipelined else s.method
             together = f", up to {cfg.max_batch} requests per forward" if batch is not None else ""
             ready = (f"[serve] {service.model} ({how}{', the default here' if default else ''}, runtime={cfg.runtime}"
                      f"{together}) at http://{host}:{port}/v1 — ready")
