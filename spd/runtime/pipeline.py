@@ -47,6 +47,17 @@ def as_executor(stages: StagedTarget | StageExecutor) -> StageExecutor:
     return LocalStages(stages) if isinstance(stages, StagedTarget) else stages
 
 
+def finishing(executor: StageExecutor, tokens):
+    """Yield a decode's `tokens` over `executor`, which is told the generation ended when they do or when the
+    consumer stops (at a settled token: no step is in flight)."""
+    try:
+        yield from tokens
+    except GeneratorExit:
+        executor.finish()
+        raise
+    executor.finish()
+
+
 def grow(flight: Flight, pos: int, options: list[tuple[int, Proposal, float]], spine: bool = True) -> None:
     """Enter the next level from every tip's candidate children (tip, proposal, log q), each tip's in rank order:
     the W whose branches have the highest cumulative log q (PipeDec's rule, and the SPD paper's). spine: the spine
@@ -83,14 +94,8 @@ class PipelineDecoder(Decoder):
 
     @torch.no_grad()
     def stream(self, prompt_ids: list[int], request: Request):
-        ex = self.executor
         self.stats = DecodeStats(n=self.n)
-        try:
-            yield from self._decode(prompt_ids, request)
-        except GeneratorExit:   # the consumer stopped at a settled token: no step is in flight
-            ex.finish()
-            raise
-        ex.finish()
+        yield from finishing(self.executor, self._decode(prompt_ids, request))
         self.stats.finish()
 
     def _draft(self, step, flight, features, choose, after=False) -> list[tuple[int, Proposal, float]]:
@@ -195,13 +200,7 @@ class PipelineARDecoder(Decoder):
 
     @torch.no_grad()
     def stream(self, prompt_ids: list[int], request: Request):
-        ex = self.executor
-        try:
-            yield from self._decode(prompt_ids, request)
-        except GeneratorExit:
-            ex.finish()
-            raise
-        ex.finish()
+        yield from finishing(self.executor, self._decode(prompt_ids, request))
 
     def _decode(self, prompt_ids: list[int], request: Request):
         ex, params = self.executor, request.params

@@ -29,6 +29,7 @@ from spd.metrics import DecodeStats
 from spd.runtime.executor import StageExecutor
 from spd.runtime.flight import SegmentFlight
 from spd.runtime.local import LocalStages
+from spd.runtime.pipeline import finishing
 from spd.runtime.schedule import IDLE, segment_step
 from spd.sampling import Proposal, greedy_token, next_token, settle_children, top2_margin
 from spd.targets.stages import StagedTarget
@@ -52,14 +53,8 @@ class SegmentPipelineDecoder(Decoder):
 
     @torch.no_grad()
     def stream(self, prompt_ids: list[int], request: Request):
-        ex = self.executor
         self.stats = DecodeStats(n=self.n)
-        try:
-            yield from self._decode(prompt_ids, request)
-        except GeneratorExit:
-            ex.finish()
-            raise
-        ex.finish()
+        yield from finishing(self.executor, self._decode(prompt_ids, request))
         self.stats.finish()
 
     def _tree(self, root: int) -> DraftTree:
