@@ -4,12 +4,14 @@ plain decoding, every figure from one run on this machine.
 Rows: the suite's AR in one process on every core (the fastest plain decoding here, docs/results.md) and, over the
 same stage processes setup (`runtime=distributed`, n stages, threads = cores // processes), SPD with the shipped
 module of that n (draft_source=lookup+module), FlowSpec (`method=flowspec`) and PipeDec (`method=pipedec`), each at
-T = 0 and T = 1 (top-k 50) on the first --limit prompts of each eval set (chat template, --max-new-tokens, stopping
-at EOS). Per row: tokens/s and its ratio to AR, L′acc (n · tokens / steps), tokens per step, steps, flushes
+T = 0 and T = 1 (top-k 50) on each of --sets: the first --limit prompts of each eval set and/or the everyday set's
+first --everyday-limit (chat template, --max-new-tokens, stopping at EOS), each set against its own AR run. Per row: tokens/s and its ratio to AR, L′acc (n · tokens / steps), tokens per step, steps, flushes
 (rollbacks), rows each stage ran per step, the acceptance of each draft source, each row's worst prompt against AR;
 every greedy row is checked token for token against AR.
 
     python bench/pipeline_rivals.py --limit 10 --max-new-tokens 128 --out docs/results/pipeline_rivals.json
+    python bench/pipeline_rivals.py --sets eval,everyday --limit 10 --max-new-tokens 256 \
+        --out docs/results/pipeline_rivals_256.json
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--n", type=int, default=2)
     ap.add_argument("--controller", default="first_stage")
+    ap.add_argument("--sets", default="eval", help="eval and/or everyday (comma-separated)")
     ap.add_argument("--limit", type=int, default=10, help="first prompts of each eval set")
+    ap.add_argument("--everyday-limit", type=int, default=30, help="first prompts of the everyday set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--cores", type=int, default=os.cpu_count())
@@ -76,10 +80,20 @@ def main() -> int:
     ap.add_argument("--out", default="docs/results/pipeline_rivals.json")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
-    args.everyday_limit = 0
     loaded = load_target(args.target)
-    prompts = prompt_set("eval", args, loaded.tokenizer)
+    sets = {name: prompt_set(name, args, loaded.tokenizer) for name in args.sets.split(",") if name}
     torch.set_num_threads(args.cores)
+    report = {"sets": {}, "max_new_tokens": args.max_new_tokens, "cores": args.cores,
+              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
+              "command": " ".join(["python", *sys.argv])}
+    for name, prompts in sets.items():
+        report["sets"][name] = {"prompts": len(prompts), "rows": one_set(args, loaded, prompts)}
+        write_json(args.out, report)           # each finished set is kept if a later one is cut off
+        print_table(name, report["sets"][name]["rows"])
+    return 0
+
+
+def one_set(args, loaded, prompts) -> list[dict]:
     ar = ARDecoder(StagedTarget(loaded.model, 1), eos_ids_of(loaded.model.config, loaded.tokenizer))
     rows = []
     for temperature in args.temperatures:
@@ -99,12 +113,12 @@ def main() -> int:
         if row["temperature"] == 0:
             reference = next(r for r in rows if r["method"] == "ar" and r["temperature"] == 0)["outputs"]
             row["greedy_equal_ar"] = sum(row["outputs"][k] == reference[k] for k in reference)
-    report = {"rows": rows, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "cores": args.cores,
-              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
-              "command": " ".join(["python", *sys.argv])}
-    write_json(args.out, report)
-    print("| method | keys | T | tokens/s | vs AR | L′acc | tokens/step | steps | flushes | rows/step (stage 1) | "
-          "greedy = AR | worst prompt | drafts kept |")
+    return rows
+
+
+def print_table(name: str, rows: list[dict]) -> None:
+    print(f"\n{name}\n| method | keys | T | tokens/s | vs AR | L′acc | tokens/step | steps | flushes | "
+          "rows/step (stage 1) | greedy = AR | worst prompt | drafts kept |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         kept = ", ".join(f"{s} {v['accepted']}/{v['verified']}" for s, v in r["sources"].items())
@@ -113,8 +127,6 @@ def main() -> int:
               f"{r.get('K', '—')} | {r.get('flushes', '—')} | "
               f"{r['rows_per_step'][0] if 'rows_per_step' in r else 1:.2f} | {r.get('greedy_equal_ar', '—')} | "
               f"{r['worst_prompt_vs_ar']:.2f} | {kept} |")
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
