@@ -3,8 +3,9 @@
 Each `spd-infer eval` times its own stages, head, module and verification at its end; runs made at different times
 on a shared machine see different loads. This script re-times every run's module on one target in one process
 (the same `spd.eval.calibrate.calibrate`, so SPD drafts beside the step and PPSD / the output-state ablation
-after it; `calibrate_chain` for EAGLE-3's cycle at the run's m) and recomputes each run's measured-cost speedup
-from its pooled α (EAGLE-3: τ) per dataset.
+after it; `calibrate_chain` for EAGLE-3's cycle at the run's m; `calibrate_rows` for FlowSpec's and PipeDec's
+steps, priced by the rows each stage ran, through a session opened from the run's own config) and recomputes each
+run's measured-cost speedup from its pooled α (EAGLE-3: τ) per dataset.
 
     python bench/method_costs.py --run spd=docs/results/eval/greedy_n5_best \
         --run ppsd=docs/results/eval/greedy_n5_ppsd --out docs/results/method_costs_n5.json
@@ -20,11 +21,17 @@ import os
 import sys
 
 import torch
+from omegaconf import OmegaConf
 
+from spd.config import EvalConfig
+from spd.eval.harness import context_of, rows_priced
 from spd.eval.output import write_json
 from spd.checkpoint import load_checkpoint
 from spd.drafters.eagle3 import Eagle3Drafter
-from spd.eval.calibrate import calibrate, calibrate_chain, chain_measured_cost_speedup, measured_cost_speedup
+from spd.eval.calibrate import (calibrate, calibrate_chain, chain_measured_cost_speedup, measured_cost_speedup,
+                                rows_calibration, rows_measured_cost_speedup)
+from spd.prompts import load_questions
+from spd.session import open_session
 from spd.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
@@ -73,10 +80,19 @@ def time_runs(args) -> dict:
         with open(os.path.join(directory, "summary.json")) as f:
             summary = json.load(f)
         run = summary["run"]
+        groups = {**summary["datasets"], "overall": summary["overall"]}
+        if rows_priced(run["method"]):
+            cal = time_rows(directory, summary, args.repeats)
+            result["runs"][label] = {"eval_dir": directory, "label": run["label"], "method": run["method"],
+                                     "T": run["temperature"],
+                                     "eal_pooled": {k: v["eal_pooled"] for k, v in groups.items()},
+                                     "measured_cost": {k: rows_measured_cost_speedup(v["alpha_pooled"], v["step_rows"], cal)
+                                                       for k, v in groups.items()}, "calibration": cal}
+            print(json.dumps({label: {k: v for k, v in result["runs"][label].items() if k != "calibration"}}))
+            continue
         staged = StagedTarget(loaded.model, run["n"], run["stage_bounds"])
         module = load_checkpoint(run["checkpoint"], staged, loaded).eval()
         params = SamplingParams(run["temperature"], run["top_k"] if run["temperature"] else 0, run["top_p"])
-        groups = {**summary["datasets"], "overall": summary["overall"]}
         if run["method"] == "eagle3":   # a chain cycle: m drafts, one verify forward, the drafter's update
             cal = calibrate_chain(staged, Eagle3Drafter(module, staged.embed), params, run["draft_length"],
                                   repeats=args.repeats, width=run.get("W", 1), budget=run.get("tree_nodes"))
@@ -91,6 +107,18 @@ def time_runs(args) -> dict:
                                  "T": run["temperature"], **figures, "calibration": cal}
         print(json.dumps({label: {k: v for k, v in result["runs"][label].items() if k != "calibration"}}))
     return result
+
+
+def time_rows(directory: str, summary: dict, repeats: int) -> dict:
+    """FlowSpec / PipeDec: a session opened from the run's own config times each step's rows; FlowSpec's tree
+    growth on the run's first prompt and its decode, as the eval did."""
+    cfg = OmegaConf.merge(OmegaConf.structured(EvalConfig), summary["meta"]["config"])
+    session = open_session(cfg)
+    with open(os.path.join(directory, "samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f if line.strip()]
+    work = [(ds, q) for ds in cfg.datasets for q in load_questions(ds)[: cfg.limit]]
+    return rows_calibration(session, summary["overall"]["step_rows"], context_of(session.loaded.tokenizer, work, samples),
+                            repeats)
 
 
 if __name__ == "__main__":

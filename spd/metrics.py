@@ -29,12 +29,16 @@ class DecodeStats:
     # where acceptance falls in the output (bench/repetition.py); not part of as_dict
     verdicts: list[tuple[int, str, bool]] = field(default_factory=list)
     stage_rows: list[int] = field(default_factory=list)   # rows each stage ran, summed over steps (a tree level: W)
+    # steps by the rows each stage ran in them ("r1,...,rn" -> steps): what prices a step whose rows vary
+    # (FlowSpec's segments, PipeDec's levels; spd.eval.calibrate.calibrate_rows)
+    step_rows: Counter = field(default_factory=Counter)
     restarts: int = 0        # kept children with no branch left in flight: the pipeline refilled from them
     _run: int = 0
 
     def ran(self, rows: list[int]) -> None:
         """One step's rows per stage (0: idle)."""
         self.stage_rows = [a + b for a, b in zip(self.stage_rows, rows)] if self.stage_rows else list(rows)
+        self.step_rows[",".join(map(str, rows))] += 1
 
     def settle(self, accepted: bool, source: str = "module") -> None:
         """Record the verification of one drafted position (accepted, or corrected with a rollback)."""
@@ -67,7 +71,8 @@ class DecodeStats:
         return {"n": self.n, "N": self.N, "K": self.K, "alpha": self.alpha, "eal": self.eal,
                 "rollbacks": self.rollbacks, "accepted_run_histogram": self.run_histogram(),
                 "sources": {source: list(counts) for source, counts in sorted(self.sources.items())},
-                "stage_rows": list(self.stage_rows), "restarts": self.restarts}
+                "stage_rows": list(self.stage_rows), "step_rows": dict(sorted(self.step_rows.items())),
+                "restarts": self.restarts}
 
 
 def pooled_eal(stats: list[DecodeStats]) -> float | None:

@@ -116,3 +116,41 @@ def test_calibrate_prices_a_pipeline_tree(method):
     step, bottleneck = step_time(cal["stage_s"], cal["head_s"], cal["verify_s"], cal["module_s"],
                                  module.plan.after_step)
     assert (cal["step_s"], cal["bottleneck"]) == (step, bottleneck)
+
+
+def test_rows_priced_step_by_hand():
+    """FlowSpec's / PipeDec's steps: the slowest of the stages at their rows (idle ones free), the last also running
+    the head and settling its exiting rows, and the draft side beside them."""
+    from spd.eval.calibrate import priced_step, rows_measured_cost_speedup
+
+    costs = {"stage_s": {"1": [1.0, 2.0, 3.0], "2": [1.5, 2.5, 3.5]}, "head_s": {"1": 0.5, "2": 0.8},
+             "verify_s": 0.1, "draft_s": 0.2, "ar_token_s": 7.0}
+    assert priced_step((2, 1, 0), costs) == 2.0                   # stage 2 sets it; stage 3 idles
+    assert priced_step((1, 2, 2), costs) == pytest.approx(3.5 + 0.8 + 2 * 0.1)
+    assert priced_step((0, 0, 0), costs) == 0.2                   # nothing in flight: only the draft side
+    pipedec = {**costs, "draft_s": {"1": 0.3, "2": 5.0}}          # a draft model over the tips that entered
+    assert priced_step((2, 1, 1), pipedec) == 5.0 and priced_step((0, 1, 1), pipedec) == pytest.approx(3.6)
+    speedup = rows_measured_cost_speedup(0.5, {"2,1,0": 1, "1,2,2": 3}, costs)
+    assert speedup == pytest.approx(0.5 * 7.0 / ((2.0 + 3 * 4.5) / 4))
+
+
+def test_calibrate_rows_times_every_row_count_it_prices():
+    """Each stage is timed at each row count it ran (and one row, AR's price), the head at each count that exited,
+    the draft model at each count of tips; AR per token = Σ one-row stages + head."""
+    from spd.drafters.draft_model import DraftLM
+    from spd.eval.calibrate import calibrate_rows, priced_step
+
+    staged = StagedTarget(load_target("tiny-llama").model, 3)
+    step_rows = {"2,1,0": 3, "4,2,1": 1, "0,3,2": 2}
+    cal = calibrate_rows(staged, SamplingParams(), step_rows, draft_model=DraftLM(staged, 1), children=2,
+                         context=16, repeats=2)
+    timed = {r: [t is not None for t in ts] for r, ts in cal["stage_s"].items()}
+    assert timed == {"1": [True, True, True], "2": [True, True, True], "3": [False, True, False],
+                     "4": [True, False, False]}
+    assert sorted(cal["head_s"]) == ["1", "2"] and sorted(cal["draft_s"]) == ["1", "2", "4"]
+    assert math.isclose(cal["ar_token_s"], sum(cal["stage_s"]["1"]) + cal["head_s"]["1"])
+    assert all(priced_step(tuple(map(int, key.split(","))), cal) > 0 for key in step_rows)
+    grown = []
+    flowspec = calibrate_rows(staged, SamplingParams(), {"1,1,1": 1}, grow=lambda: grown.append(1), context=16,
+                              repeats=2)
+    assert grown and flowspec["draft_s"] > 0 and flowspec["rows_priced"]

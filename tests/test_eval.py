@@ -161,6 +161,28 @@ def test_trace_cache_keys_and_invalidation(tiny_target_dir, tmp_path):
     assert info["recorded_now"]
 
 
+def test_a_longer_recording_serves_a_shorter_run(tiny_target_dir, tmp_path):
+    """A run of 6 tokens reads a 12-token directory: its traces equal a 6-token recording bitwise (tokens, margins,
+    states); a prompt the directory lacks is recorded at the directory's length."""
+    loaded = load_target(tiny_target_dir)
+    staged = StagedTarget(loaded.model, 3)
+    long = TraceCache(str(tmp_path / "shared"), loaded, staged, 12)
+    long.get("gsm8k", 1, [5, 6, 7])
+    short = TraceCache(str(tmp_path / "shared"), loaded, staged, 6)
+    assert short.directory == long.directory
+    cut, info = short.get("gsm8k", 1, [5, 6, 7])
+    alone, _ = TraceCache(str(tmp_path / "alone"), loaded, staged, 6).get("gsm8k", 1, [5, 6, 7])
+    assert not info["recorded_now"] and len(cut.tokens) == 6
+    assert cut.tokens == alone.tokens and cut.margins == alone.margins
+    assert cut.hidden.keys() == alone.hidden.keys()
+    for layer, h in alone.hidden.items():
+        assert torch.equal(cut.hidden[layer], h)
+    new, info = short.get("gsm8k", 2, [9, 8, 7])
+    assert len(new.tokens) == 6 and not info["recorded_now"]      # its time is a 12-token decode's
+    assert len(long.get("gsm8k", 2, [9, 8, 7])[0].tokens) == 12
+    assert TraceCache(str(tmp_path / "shared"), loaded, staged, 13).directory != long.directory
+
+
 def test_traces_recorded_in_batches_equal_one_at_a_time(capsys, tiny_target_dir, tmp_path):
     """batch_size=4 records every trace of the run (tokens, margins, hidden states) as one-at-a-time recording does,
     and the eval's samples are the same; its traces report no one-sequence AR speed (their time was shared)."""

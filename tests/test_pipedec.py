@@ -185,7 +185,13 @@ def test_pipedec_from_the_cli(capsys, tiny_target_dir, tmp_path):
         assert [r["mode"] for r in runs[mode]] == [mode] * 3
     assert all(r["ar_match"] for r in runs["runtime"])           # every greedy sample = AR, step by step
     for fast, runtime in zip(runs["fast"], runs["runtime"]):     # and the trace's replay = the runtime
-        assert (fast["N"], fast["K"], fast["sources"]) == (runtime["N"], runtime["K"], runtime["sources"])
+        assert (fast["N"], fast["K"], fast["sources"], fast["step_rows"]) == \
+            (runtime["N"], runtime["K"], runtime["sources"], runtime["step_rows"])
+        assert sum(fast["step_rows"].values()) == fast["K"]       # every step priced by its rows
+    for mode in runs:
+        with open(tmp_path / mode / "summary.json") as f:
+            speedup = json.load(f)["speedup"]
+        assert speedup["calibration"]["rows_priced"] and speedup["measured_cost"]["overall"] > 0
 
 
 def test_trace_replay_equals_the_runtime(family_model):

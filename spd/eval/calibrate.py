@@ -30,6 +30,14 @@ Cost model:
   W > 1 (EAGLE-3's dynamic tree): the same terms with the tree's draft passes (one per depth, W rows each) and
   one target forward over its `tree_nodes` + 1 rows under the tree mask, every level of its deepest path settled:
   on a CPU more rows are not free (design §9), and the measured-cost speedup charges them.
+- Rows that vary by step (FlowSpec's segments, PipeDec's levels; `calibrate_rows`): every step is priced by the rows
+  each stage ran in it (`DecodeStats.step_rows`, a histogram over the run), with one device per stage:
+      T_step = max(max_{s<n} stage_s(r_s), stage_n(r_n) + head(r_n) + r_n · verify, draft side),
+  an idle stage costing nothing. The draft side runs beside the stages on a device of its own: PipeDec's draft
+  model over the r_1 tips that entered (its layers, head and top-c; the paper's first stage), FlowSpec's tree growth
+  on its controller (one growth, timed on a real context, charged to every step: an upper bound, growth follows
+  only a walk that verified something). speedup_measured = α · T_ar / mean T_step; the layer-count formula stays
+  n · α (the stages' layers set every step; rows and the draft side cost no layers).
 """
 
 from __future__ import annotations
@@ -46,7 +54,8 @@ from spd.methods import CHAIN
 from spd.module import SpeculationModule
 from spd.runtime.schedule import spd_step
 from spd.runtime.views import step_view
-from spd.sampling import Proposal, SamplingParams, propose, propose_children, settle, settle_children
+from spd.sampling import (Proposal, SamplingParams, greedy_token, propose, propose_children, settle,
+                          settle_children)
 from spd.targets.stages import StagedTarget
 from spd.timing import median_seconds
 
@@ -236,3 +245,92 @@ def calibrate_chain(staged: StagedTarget, drafter, params: SamplingParams, m: in
     return {"ar_token_s": ar_token_s, "drafts_s": drafts_s, "verify_s": verify_s, "update_s": update_s,
             "cycle_s": cycle_s, "m": m, "W": width, "rows": len(tree), "context": context, "repeats": repeats, "device": str(device),
             "dtype": str(staged.dtype)}
+
+
+# ------------------------------------------------ rows that vary by step (FlowSpec's segments, PipeDec's levels)
+def rows_of(key: str) -> tuple[int, ...]:
+    """A step_rows key "r1,...,rn" -> the rows each stage ran."""
+    return tuple(int(r) for r in key.split(","))
+
+
+def priced_step(rows: tuple[int, ...], costs: dict) -> float:
+    """One step's seconds under the rows cost model (module docstring), from `calibrate_rows`' timings."""
+    terms = [costs["stage_s"][str(r)][s] if r else 0.0 for s, r in enumerate(rows)]
+    if rows[-1]:
+        terms[-1] += costs["head_s"][str(rows[-1])] + rows[-1] * costs["verify_s"]
+    draft = costs["draft_s"]
+    terms.append(draft.get(str(rows[0]), 0.0) if isinstance(draft, dict) else draft)
+    return max(terms)
+
+
+def rows_measured_cost_speedup(alpha: float, step_rows: dict[str, int], costs: dict) -> float:
+    """α tokens per step, the steps priced one by one by their rows (step_rows: "r1,...,rn" -> steps)."""
+    steps = sum(step_rows.values())
+    mean_step = sum(count * priced_step(rows_of(key), costs) for key, count in step_rows.items()) / steps
+    return alpha * costs["ar_token_s"] / mean_step
+
+
+@torch.no_grad()
+def calibrate_rows(staged: StagedTarget, params: SamplingParams, step_rows: dict[str, int], *, draft_model=None,
+                   children: int = 1, grow=None, context: int = 128, repeats: int = 20) -> dict:
+    """Time every term `priced_step` needs for the steps in step_rows: each stage at each row count it ran, the
+    head over each count of exiting rows, one node's verification, and the draft side — draft_model (a
+    `spd.drafters.draft_model.DraftLM`, PipeDec) over each count of tips with its top-`children`, or grow() (one
+    tree of FlowSpec's drafter, started on a real context by the caller)."""
+    n, device = staged.n, staged.device
+    generator = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(staged.config.vocab_size, (1, context + 2), generator=generator, device=device)
+    cache = staged.new_cache()
+    final, hidden = staged.forward_all(ids, cache, 0, frozenset(staged.bounds))
+    cache.crop(context)
+    counts = [sorted({rows_of(key)[s] for key in step_rows} - {0} | {1}) for s in range(n)]   # 1: what AR pays
+    stage_s: dict[str, list[float | None]] = {}
+    for s in range(n):
+        stage_in = hidden[staged.bounds[s]][:, context: context + 1]          # [1, 1, d] H^{b_s} of the new token
+        for r in counts[s]:
+            stage_s.setdefault(str(r), [None] * n)[s] = median_seconds(
+                lambda: _stage_rows(staged, s, stage_in, r, context, cache), repeats, device,
+                reset=lambda: cache.crop(context))
+    last_row = final[0, -1:]                                                  # [1, d] H^L of the new token
+    head_s = {str(r): median_seconds(lambda: staged.logits(last_row.expand(r, -1)), repeats, device)
+              for r in counts[-1]}
+    target_logits = staged.logits(last_row[0])                                # [V]
+    verify_s = median_seconds(lambda: settle_children(target_logits, [Proposal(0)], params, generator), repeats,
+                              device)
+    if draft_model is not None:
+        draft_cache = draft_model.new_cache()
+        draft_model(ids[:, :context], torch.arange(context, device=device), draft_cache)
+
+        def draft_tips(r: int):
+            visible = torch.cat([torch.ones(r, context, dtype=torch.bool), torch.eye(r, dtype=torch.bool)], 1)
+            keys = torch.cat([torch.arange(context), torch.full((r,), context)])
+            logits = draft_model(ids[:, context: context + 1].expand(1, r), torch.full((r,), context, device=device),
+                                 draft_cache, (visible.to(device), keys.to(device)))
+            return [propose_children(row, children) for row in logits]
+
+        draft_s: dict[str, float] | float = {
+            str(r): median_seconds(lambda: draft_tips(r), repeats, device, reset=lambda: draft_cache.crop(context))
+            for r in counts[0]}
+    else:
+        draft_s = median_seconds(grow, repeats, device) if grow is not None else 0.0
+    ar_token_s = ar_token_time([stage_s["1"][s] for s in range(n)], head_s["1"])
+    return {"rows_priced": True, "stage_s": stage_s, "head_s": head_s, "verify_s": verify_s, "draft_s": draft_s,
+            "ar_token_s": ar_token_s, "context": context, "repeats": repeats, "device": str(device),
+            "dtype": str(staged.dtype)}
+
+
+def grow_timer(drafter, context_ids: list[int], depth: int, width: int, budget: int):
+    """FlowSpec's draft side for `calibrate_rows`: its drafter started on context_ids (a real decode: the context's
+    statistics cost what they find), growing one tree from the last token."""
+    drafter.start({}, list(context_ids))
+    return lambda: drafter.draft_tree(context_ids[-1], depth, width, budget, lambda logits: Proposal(greedy_token(logits)))
+
+
+def rows_calibration(session, step_rows: dict[str, int], context_ids: list[int], repeats: int = 20) -> dict:
+    """`calibrate_rows` for an open session's method: PipeDec's draft model, or FlowSpec's tree growth on
+    context_ids (a prompt and its decode)."""
+    grow = None
+    if session.draft_model is None:
+        grow = grow_timer(session.drafter(), context_ids, session.draft_length, session.width, session.tree_nodes)
+    return calibrate_rows(session.staged, session.params, step_rows, draft_model=session.draft_model,
+                          children=session.children or session.width, grow=grow, repeats=repeats)

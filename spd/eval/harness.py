@@ -23,11 +23,11 @@ from spd.engine import Engine, open_engine
 from spd.errors import UserError
 from spd.paths import check_writable_dir
 from spd.eval.calibrate import (calibrate, calibrate_chain, chain_measured_cost_speedup, formula_speedup,
-                                measured_cost_speedup)
+                                measured_cost_speedup, rows_calibration, rows_measured_cost_speedup)
 from spd.eval.output import EvalOutput, check_output_dir, write_json
 from spd.eval.summary import METHOD_NAMES, summarise
 from spd.eval.traces import TraceCache
-from spd.methods import DRAFTING_METHODS, LOOKUP_MODULE, METHODS, behaviour
+from spd.methods import DRAFTING_METHODS, LOOKUP_MODULE, METHODS, SEGMENTS, behaviour
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import Session, open_session
 
@@ -124,6 +124,19 @@ def machine(device: torch.device) -> str:
 
 
 
+def rows_priced(method: str) -> bool:
+    """Methods whose steps run varying rows a stage (FlowSpec's segments, PipeDec's levels; calibrate_rows)."""
+    return METHODS[method].decoder == SEGMENTS or METHODS[method].draft_model
+
+
+def context_of(tok, work, samples: list[dict]) -> list[int]:
+    """The first prompt of the run and its decode (re-tokenised from the sample's text): the real context FlowSpec's
+    tree growth is timed on."""
+    ds, q = work[0]
+    text = next(s["text"] for s in samples if s["dataset"] == ds and str(s["question_id"]) == str(q["question_id"]))
+    return chat_prompt_ids(tok, q["turns"][0]) + tok.encode(text, add_special_tokens=False)
+
+
 def module_layers(module) -> int:
     if module is None:
         return 0                                                     # the context lookup: no model drafts
@@ -196,7 +209,9 @@ def run_eval(cfg, log=print) -> dict:
     # holds none (the clock is measured). EAGLE-3 needs no pipeline, so the clock also judges it directly.
     calibration = None
     chain = METHODS[session.method].chain
-    if cfg.calibrate and cfg.runtime == "local" and session.module is not None:   # the lookup has no module to time
+    if cfg.calibrate and cfg.runtime == "local" and rows_priced(session.method) and samples:
+        calibration = rows_calibration(session, summary["overall"]["step_rows"], context_of(tok, work, samples))
+    elif cfg.calibrate and cfg.runtime == "local" and session.module is not None:  # the lookup has no module to time
         calibration = calibrate_chain(session.staged, session.drafter(), session.params, session.draft_length,
                                       width=session.width, budget=session.tree_nodes) if chain else \
             calibrate(session.staged, session.module, session.params, width=session.width)
@@ -208,7 +223,11 @@ def run_eval(cfg, log=print) -> dict:
                       "draft_length": session.draft_length if chain else None,
                       "max_new_tokens": cfg.max_new_tokens, "checkpoint": session.checkpoint,
                       "target": session.loaded.name, "mode": "fast" if fast else "runtime",
-                      "runtime": cfg.runtime, "stage_bounds": session.staged.bounds}
+                      "runtime": cfg.runtime, "stage_bounds": session.staged.bounds,
+                      "draft_source": session.draft_source if METHODS[session.method].pipelined else None,
+                      "segment": session.segment if METHODS[session.method].decoder == SEGMENTS else None,
+                      "children": session.children, "draft_layers": session.draft_model.layers
+                      if session.draft_model is not None else None}
     summary["meta"] = {"config": resolved, "git_commit": git_commit(), "machine": machine(session.staged.device),
                        "dtype": cfg.dtype, "seed": cfg.seed, "torch": torch.__version__,
                        "created": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -227,7 +246,10 @@ def speedups(summary: dict, staged, module, calibration: dict | None) -> dict:
         (staged.n, module.plan.after_step, staged.num_layers, len(module.layers))
     formula = {k: formula_speedup(v["alpha_pooled"], *cost) for k, v in groups.items() if v.get("alpha_pooled")}
     measured = None
-    if calibration:
+    if calibration and calibration.get("rows_priced"):      # FlowSpec, PipeDec: each step priced by its rows
+        measured = {k: rows_measured_cost_speedup(v["alpha_pooled"], v["step_rows"], calibration)
+                    for k, v in groups.items() if v.get("alpha_pooled")}
+    elif calibration:
         measured = {k: measured_cost_speedup(v["alpha_pooled"], calibration) for k, v in groups.items()
                     if v.get("alpha_pooled")}
     return {"formula": formula, "measured_cost": measured, "calibration": calibration}

@@ -58,6 +58,9 @@ def pool(samples: list[dict]) -> dict:
     histogram: Counter = Counter()
     for s in samples:
         histogram.update({int(k): v for k, v in s["accepted_run_histogram"].items()})
+    step_rows: Counter = Counter()
+    for s in samples:
+        step_rows.update(s.get("step_rows", {}))
     checked = [s for s in samples if s.get("ar_match") is not None]
     return {
         "samples": len(samples), "N": total_n, "K": total_k,
@@ -68,6 +71,7 @@ def pool(samples: list[dict]) -> dict:
         "rollbacks": sum(s["rollbacks"] for s in samples),
         "accepted_run_histogram": {str(k): histogram[k] for k in sorted(histogram)},
         "sources": pool_sources(samples),
+        "step_rows": dict(sorted(step_rows.items())),     # steps by their rows per stage (prices varying rows)
         "ar_checked": len(checked), "ar_match": sum(bool(s["ar_match"]) for s in checked),
         # wall-clock means over the samples that were really decoded (None for fast-evaluated ones)
         "tokens_per_s": _mean(s.get("tokens_per_s") for s in samples),

@@ -4,7 +4,9 @@ One directory per (target weights, stored layers, dtype, device type, max_new_to
 it, written atomically and holding the prompt's token ids. A layout's own directory stores the layers its features
 read; `extra_layers` makes one that several layouts and EAGLE-3 share (found by its layers). An interrupted recording resumes where it stopped, a
 subset (`limit=`) reuses the full set's files, a changed prompt is re-recorded, and a change to the target or the
-settings lands in a new directory (the old one is never reused by mistake).
+settings lands in a new directory (the old one is never reused by mistake). A longer recording serves a shorter run:
+greedy decoding is incremental, so the first N tokens of a 512-token decode, their margins and the states fed before
+them are an N-token decode's (prompts it lacks are recorded at its own length, so a directory holds one length).
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ def trace_key(fingerprint: str, bounds: list[int], dtype: torch.dtype, device: t
 
 def find_shared(root: str, fingerprint: str, dtype: torch.dtype, device: torch.device, max_new_tokens: int,
                 layers: list[int]) -> str | None:
-    """A directory of traces of the same target and settings that stores every layer in `layers`. The target's
-    greedy decode and its hidden states do not depend on how it is split, so one recording serves any layout (and
-    EAGLE-3) whose layers it holds."""
+    """A directory of traces of the same target and settings that stores every layer in `layers`, recorded for
+    max_new_tokens or (the shortest of) more. The target's greedy decode and its hidden states do not depend on how
+    it is split, so one recording serves any layout (and EAGLE-3) whose layers it holds."""
     if not os.path.isdir(root):
         return None
+    found = []
     for name in sorted(os.listdir(root)):
         try:
             with open(os.path.join(root, name, "meta.json")) as f:
@@ -49,9 +52,9 @@ def find_shared(root: str, fingerprint: str, dtype: torch.dtype, device: torch.d
             continue
         if (meta.get("layers") is not None and meta.get("device") == torch.device(device).type
                 and meta["fingerprint"] == fingerprint and meta["dtype"] == str(dtype)
-                and meta["max_new_tokens"] == max_new_tokens and set(layers) <= set(meta["layers"])):
-            return os.path.join(root, name)
-    return None
+                and meta["max_new_tokens"] >= max_new_tokens and set(layers) <= set(meta["layers"])):
+            found.append((meta["max_new_tokens"], name))
+    return os.path.join(root, min(found)[1]) if found else None
 
 
 class TraceCache:
@@ -84,8 +87,9 @@ class TraceCache:
             os.replace(meta + ".tmp", meta)
         with open(meta) as f:
             saved = json.load(f)
-        # recordings go in with every layer of the directory they join (older ones: their layout's)
+        # recordings go in with every layer of the directory they join (older ones: their layout's), at its length
         self.stored = saved.get("layers") or needed_layers(saved["bounds"])
+        self.recorded_tokens = saved["max_new_tokens"]
 
     def _path(self, dataset: str, question_id) -> str:
         return os.path.join(self.directory, f"{dataset}-{question_id}.pt")
@@ -100,13 +104,23 @@ class TraceCache:
             raw = torch.load(path, map_location=self.staged.device)
             if raw["prompt_ids"] == list(prompt_ids):
                 trace = GreedyTrace(raw["prompt_ids"], raw["tokens"], self._read(raw["hidden"]), raw["margins"])
-                return trace, {"seconds": raw["seconds"], "recorded_now": False}
+                return self._cut(trace), {"seconds": raw["seconds"], "recorded_now": False}
         start = time.perf_counter()
-        trace = record_greedy_trace(self.staged, list(prompt_ids), self.max_new_tokens, self.eos, self.stored)
+        trace = record_greedy_trace(self.staged, list(prompt_ids), self.recorded_tokens, self.eos, self.stored)
         seconds = time.perf_counter() - start
         self._write(path, trace, seconds)
         trace.hidden = self._read(trace.hidden)
-        return trace, {"seconds": seconds, "recorded_now": True}
+        longer = len(trace.tokens) > self.max_new_tokens     # its time is a longer decode's: no speed to report
+        return self._cut(trace), {"seconds": seconds, "recorded_now": not longer}
+
+    def _cut(self, trace: GreedyTrace) -> GreedyTrace:
+        """The first max_new_tokens of a longer recording: the tokens, their margins, the states fed before them."""
+        keep = self.max_new_tokens
+        if len(trace.tokens) <= keep:
+            return trace
+        fed = len(trace.prompt_ids) + keep - 1
+        return GreedyTrace(trace.prompt_ids, trace.tokens[:keep], {layer: h[:, :fed] for layer, h in trace.hidden.items()},
+                           trace.margins[:keep])
 
     def record_missing(self, items: list[tuple[str, object, list[int]]], batch_size: int, progress=None) -> int:
         """Record the traces of (dataset, question_id, prompt_ids) not on disk yet, batch_size prompts per forward;
@@ -114,7 +128,7 @@ class TraceCache:
         progress(): called once per trace written."""
         missing = [item for item in items if not self.has(item[0], item[1])]
         for index, trace, seconds in record_greedy_traces(self.staged, [list(ids) for _, _, ids in missing],
-                                                          self.max_new_tokens, self.eos, self.stored, batch_size):
+                                                          self.recorded_tokens, self.eos, self.stored, batch_size):
             dataset, question_id, _ = missing[index]
             self._write(self._path(dataset, question_id), trace, seconds, batch_size)
             if progress:
