@@ -40,13 +40,16 @@ from spd.targets.stages import StagedTarget
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", action="append", default=[], help="label=eval output directory (repeatable)")
+    ap.add_argument("--reference", action="append", default=[],
+                    help="label=eval output directory timed beside the runs but never written back (an earlier "
+                         "machine's figures stay in its summary)")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", required=True)
     ap.add_argument("--write-back", action="store_true",
                     help="also store the re-timed costs in each run's summary.json (what `spd-infer report` reads)")
     ap.add_argument("--reuse", action="store_true", help="take the costs from an existing --out instead of timing")
     args = ap.parse_args()
-    if not args.run and not args.reuse:
+    if not args.run and not args.reference and not args.reuse:
         ap.error("give --run label=DIR (repeatable), or --reuse an existing --out")
     if args.reuse:
         with open(args.out) as f:
@@ -58,7 +61,8 @@ def main() -> int:
         print(f"wrote {args.out}")
     if args.write_back:
         for label, timed in result["runs"].items():
-            write_back(timed["eval_dir"], timed, args.out)
+            if not timed.get("reference"):
+                write_back(timed["eval_dir"], timed, args.out)
     return 0
 
 
@@ -76,7 +80,8 @@ def write_back(directory: str, timed: dict, source: str) -> None:
 def time_runs(args) -> dict:
     loaded = load_target("smollm2")
     result = {"threads": torch.get_num_threads(), "runs": {}}
-    for label, directory in (spec.split("=", 1) for spec in args.run):
+    specs = [(spec, False) for spec in args.run] + [(spec, True) for spec in args.reference]
+    for (label, directory), reference in ((spec.split("=", 1), ref) for spec, ref in specs):
         with open(os.path.join(directory, "summary.json")) as f:
             summary = json.load(f)
         run = summary["run"]
@@ -84,7 +89,7 @@ def time_runs(args) -> dict:
         if rows_priced(run["method"]):
             cal = time_rows(directory, summary, args.repeats)
             result["runs"][label] = {"eval_dir": directory, "label": run["label"], "method": run["method"],
-                                     "T": run["temperature"],
+                                     "T": run["temperature"], "reference": reference,
                                      "eal_pooled": {k: v["eal_pooled"] for k, v in groups.items()},
                                      "measured_cost": {k: rows_measured_cost_speedup(v["alpha_pooled"], v["step_rows"], cal)
                                                        for k, v in groups.items()}, "calibration": cal}
@@ -104,7 +109,7 @@ def time_runs(args) -> dict:
             figures = {"eal_pooled": {k: v["eal_pooled"] for k, v in groups.items()},
                        "measured_cost": {k: measured_cost_speedup(v["alpha_pooled"], cal) for k, v in groups.items()}}
         result["runs"][label] = {"eval_dir": directory, "label": run["label"], "method": run["method"],
-                                 "T": run["temperature"], **figures, "calibration": cal}
+                                 "T": run["temperature"], "reference": reference, **figures, "calibration": cal}
         print(json.dumps({label: {k: v for k, v in result["runs"][label].items() if k != "calibration"}}))
     return result
 
