@@ -198,3 +198,28 @@ def count_kept_children(monkeypatch, module) -> list:
 
     monkeypatch.setattr(module, "settle_children", counted)
     return seen
+
+
+def eval_replay_equals_runtime(main, capsys, target: str, tmp_path, *keys: str) -> None:
+    """`spd-infer eval` of a pipelined method over the tiny target's traces (the exact replay) and step by step
+    (exact_trace=true): every runtime sample = AR, the replay = the runtime (N, K, sources, each step's rows), and
+    both summaries price their steps by the rows each stage ran."""
+    import json
+
+    runs = {}
+    for mode, flag in (("fast", "exact_trace=false"), ("runtime", "exact_trace=true")):
+        out = str(tmp_path / mode)
+        assert main(["eval", f"target={target}", f"output_dir={out}", f"trace_cache_dir={tmp_path}/traces", "n=2",
+                     *keys, "limit=1", "max_new_tokens=8", flag, "wandb.mode=disabled"]) == 0
+        capsys.readouterr()
+        with open(f"{out}/samples.jsonl") as f:
+            runs[mode] = [json.loads(line) for line in f]
+        assert [r["mode"] for r in runs[mode]] == [mode] * 3
+        with open(f"{out}/summary.json") as f:
+            speedup = json.load(f)["speedup"]
+        assert speedup["calibration"]["rows_priced"] and speedup["measured_cost"]["overall"] > 0
+    assert all(r["ar_match"] for r in runs["runtime"])
+    for fast, runtime in zip(runs["fast"], runs["runtime"]):
+        assert (fast["N"], fast["K"], fast["sources"], fast["step_rows"]) == \
+            (runtime["N"], runtime["K"], runtime["sources"], runtime["step_rows"])
+        assert sum(fast["step_rows"].values()) == fast["K"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import spd.runtime.segments as segments
-from helpers import count_kept_children, ar_run, prompt
+from helpers import count_kept_children, eval_replay_equals_runtime, ar_run, prompt
 from spd.decoding import Request
 from spd.drafters.base import ChainDrafter
 from spd.drafters.lookup import LookupDrafter
@@ -154,24 +154,7 @@ def test_flowspec_from_the_cli(capsys, tiny_target_dir, tmp_path):
     assert json.loads(capsys.readouterr().out)["draft_source"] == "lookup"
     assert main(["generate", *common, "method=flowspec", "draft_source=module"]) == 2
     assert "suffix, lookup" in capsys.readouterr().err
-    runs = {}
-    for mode, flag in (("fast", "exact_trace=false"), ("runtime", "exact_trace=true")):
-        out = str(tmp_path / mode)
-        assert main(["eval", f"target={tiny_target_dir}", f"output_dir={out}", f"trace_cache_dir={tmp_path}/traces",
-                     "n=2", "method=flowspec", "limit=1", "max_new_tokens=8", flag, "wandb.mode=disabled"]) == 0
-        capsys.readouterr()
-        with open(f"{out}/samples.jsonl") as f:
-            runs[mode] = [json.loads(line) for line in f]
-        assert [r["mode"] for r in runs[mode]] == [mode] * 3
-    assert all(r["ar_match"] for r in runs["runtime"])           # every greedy sample = AR, step by step
-    for fast, runtime in zip(runs["fast"], runs["runtime"]):     # and the trace's replay = the runtime
-        assert (fast["N"], fast["K"], fast["sources"], fast["step_rows"]) == \
-            (runtime["N"], runtime["K"], runtime["sources"], runtime["step_rows"])
-        assert sum(fast["step_rows"].values()) == fast["K"]       # every step priced by its rows
-    for mode in runs:
-        with open(tmp_path / mode / "summary.json") as f:
-            speedup = json.load(f)["speedup"]
-        assert speedup["calibration"]["rows_priced"] and speedup["measured_cost"]["overall"] > 0
+    eval_replay_equals_runtime(main, capsys, tiny_target_dir, tmp_path, "method=flowspec")
 
 
 @pytest.mark.parametrize("controller", ["own_process", "first_stage"])

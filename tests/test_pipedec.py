@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import spd.runtime.pipeline as pipeline
-from helpers import count_kept_children, GREEDY, ar_run, controller_parts, distributed_cfg, prompt
+from helpers import count_kept_children, eval_replay_equals_runtime, GREEDY, ar_run, controller_parts, distributed_cfg, prompt
 from spd.decoding import Request
 from spd.drafters.draft_model import DraftLM, DraftModelDrafter
 from spd.runtime.pipeline import PipelineDecoder
@@ -174,24 +174,7 @@ def test_pipedec_from_the_cli(capsys, tiny_target_dir, tmp_path):
     assert "drop checkpoint=" in capsys.readouterr().err
     assert main(["generate", *common, "method=lookup", "children=2"]) == 2
     assert "children=2" in capsys.readouterr().err
-    runs = {}
-    for mode, flag in (("fast", "exact_trace=false"), ("runtime", "exact_trace=true")):
-        out = str(tmp_path / mode)
-        assert main(["eval", f"target={tiny_target_dir}", f"output_dir={out}", f"trace_cache_dir={tmp_path}/traces",
-                     "n=2", "method=pipedec", "W=4", "children=2", "limit=1", "max_new_tokens=8", flag, "wandb.mode=disabled"]) == 0
-        capsys.readouterr()
-        with open(f"{out}/samples.jsonl") as f:
-            runs[mode] = [json.loads(line) for line in f]
-        assert [r["mode"] for r in runs[mode]] == [mode] * 3
-    assert all(r["ar_match"] for r in runs["runtime"])           # every greedy sample = AR, step by step
-    for fast, runtime in zip(runs["fast"], runs["runtime"]):     # and the trace's replay = the runtime
-        assert (fast["N"], fast["K"], fast["sources"], fast["step_rows"]) == \
-            (runtime["N"], runtime["K"], runtime["sources"], runtime["step_rows"])
-        assert sum(fast["step_rows"].values()) == fast["K"]       # every step priced by its rows
-    for mode in runs:
-        with open(tmp_path / mode / "summary.json") as f:
-            speedup = json.load(f)["speedup"]
-        assert speedup["calibration"]["rows_priced"] and speedup["measured_cost"]["overall"] > 0
+    eval_replay_equals_runtime(main, capsys, tiny_target_dir, tmp_path, "method=pipedec", "W=4", "children=2")
 
 
 def test_trace_replay_equals_the_runtime(family_model):
