@@ -23,7 +23,7 @@ import sys
 import torch
 from omegaconf import OmegaConf
 
-from spd.config import EvalConfig
+from spd.eval.config import EvalConfig
 from spd.eval.harness import context_of, rows_priced
 from spd.eval.output import write_json
 from spd.checkpoint import load_checkpoint
