@@ -292,6 +292,9 @@ def load_config(schema: type, path: str | None, overrides: list[str], text: dict
         if "not in struct" in first or "Key '" in first and "not" in first:
             raise UserError(f"unknown config key {key!r}; valid keys: {', '.join(base.keys())}") from None
         raise UserError(f"bad value for config key {key!r}: {first}") from None
+    except ValueError as exc:  # overrides that cannot stack, e.g. a=[x] then a.b=: a key below a list's
+        raise UserError(f"{_mistyped(base, overrides)}: no override can set a key inside a list value "
+                        f"({str(exc).splitlines()[0]})") from None
     except TypeError:  # omegaconf: a mapping given to a list key (or the reverse) is a TypeError, not its own error
         raise UserError(f"{_mistyped(base, overrides)}: the value's shape does not fit the key (a list key needs "
                         "[a, b], a section needs its own keys)") from None

@@ -5,7 +5,7 @@ line; never a traceback, and nothing written when it refuses."""
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import spd.cli.chat
@@ -127,5 +127,6 @@ def test_eval_command_line(stubbed, tmp_path, capsys, argv, config):
 
 @FUZZ
 @given(argv=words(TrainConfig), config=config_files)
+@example(argv=["_______=- x", "_______._="], config=None)   # a key below an override's list: once a ValueError
 def test_train_command_line(stubbed, tmp_path, capsys, argv, config):
     check(train_main, "train/run.py", [a for a in argv if not a.startswith("-")], config, tmp_path, capsys)
