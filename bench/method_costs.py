@@ -24,12 +24,13 @@ import torch
 from omegaconf import OmegaConf
 
 from spd.eval.config import EvalConfig
-from spd.eval.harness import context_of, rows_priced
+from spd.eval.harness import context_of
 from spd.eval.output import write_json
 from spd.checkpoint import load_checkpoint
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.eval.calibrate import (calibrate, calibrate_chain, chain_measured_cost_speedup, measured_cost_speedup,
                                 rows_calibration, rows_measured_cost_speedup)
+from spd.methods import METHODS
 from spd.prompts import load_questions
 from spd.session import open_session
 from spd.sampling import SamplingParams
@@ -86,33 +87,32 @@ def time_runs(args) -> dict:
             summary = json.load(f)
         run = summary["run"]
         groups = {**summary["datasets"], "overall": summary["overall"]}
-        if rows_priced(run["method"]):
+        if METHODS[run["method"]].rows_vary:   # FlowSpec, PipeDec: each step priced by the rows its stages ran
             cal = time_rows(directory, summary, args.repeats)
-            result["runs"][label] = {"eval_dir": directory, "label": run["label"], "method": run["method"],
-                                     "T": run["temperature"], "reference": reference,
-                                     "eal_pooled": {k: v["eal_pooled"] for k, v in groups.items()},
-                                     "measured_cost": {k: rows_measured_cost_speedup(v["alpha_pooled"], v["step_rows"], cal)
-                                                       for k, v in groups.items()}, "calibration": cal}
-            print(json.dumps({label: {k: v for k, v in result["runs"][label].items() if k != "calibration"}}))
-            continue
-        staged = StagedTarget(loaded.model, run["n"], run["stage_bounds"])
-        module = load_checkpoint(run["checkpoint"], staged, loaded).eval()
-        params = SamplingParams(run["temperature"], run["top_k"] if run["temperature"] else 0, run["top_p"])
-        if run["method"] == "eagle3":   # a chain cycle: m drafts, one verify forward, the drafter's update
-            cal = calibrate_chain(staged, Eagle3Drafter(module, staged.embed), params, run["draft_length"],
-                                  repeats=args.repeats, width=run.get("W", 1), budget=run.get("tree_nodes"))
-            figures = {"tau_pooled": {k: v["tau_pooled"] for k, v in groups.items()},
-                       "measured_cost": {k: chain_measured_cost_speedup(v["tau_pooled"], cal)
+            figures = {"eal_pooled": {k: v["eal_pooled"] for k, v in groups.items()},
+                       "measured_cost": {k: rows_measured_cost_speedup(v["alpha_pooled"], v["step_rows"], cal)
                                          for k, v in groups.items()}}
         else:
-            cal = calibrate(staged, module, params, repeats=args.repeats, width=run.get("W", 1))
-            figures = {"eal_pooled": {k: v["eal_pooled"] for k, v in groups.items()},
-                       "measured_cost": {k: measured_cost_speedup(v["alpha_pooled"], cal) for k, v in groups.items()}}
+            cal, figures = time_module(loaded, run, groups, args.repeats)
         result["runs"][label] = {"eval_dir": directory, "label": run["label"], "method": run["method"],
                                  "T": run["temperature"], "reference": reference, **figures, "calibration": cal}
         print(json.dumps({label: {k: v for k, v in result["runs"][label].items() if k != "calibration"}}))
     return result
 
+
+def time_module(loaded, run: dict, groups: dict, repeats: int) -> tuple[dict, dict]:
+    """SPD / PPSD / output states (`calibrate`) or EAGLE-3's cycle (`calibrate_chain`), with the run's module."""
+    staged = StagedTarget(loaded.model, run["n"], run["stage_bounds"])
+    module = load_checkpoint(run["checkpoint"], staged, loaded).eval()
+    params = SamplingParams(run["temperature"], run["top_k"] if run["temperature"] else 0, run["top_p"])
+    if run["method"] == "eagle3":   # a chain cycle: m drafts, one verify forward, the drafter's update
+        cal = calibrate_chain(staged, Eagle3Drafter(module, staged.embed), params, run["draft_length"],
+                              repeats=repeats, width=run.get("W", 1), budget=run.get("tree_nodes"))
+        return cal, {"tau_pooled": {k: v["tau_pooled"] for k, v in groups.items()},
+                     "measured_cost": {k: chain_measured_cost_speedup(v["tau_pooled"], cal) for k, v in groups.items()}}
+    cal = calibrate(staged, module, params, repeats=repeats, width=run.get("W", 1))
+    return cal, {"eal_pooled": {k: v["eal_pooled"] for k, v in groups.items()},
+                 "measured_cost": {k: measured_cost_speedup(v["alpha_pooled"], cal) for k, v in groups.items()}}
 
 def time_rows(directory: str, summary: dict, repeats: int) -> dict:
     """FlowSpec / PipeDec: a session opened from the run's own config times each step's rows; FlowSpec's tree

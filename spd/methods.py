@@ -59,6 +59,12 @@ class Method:
         return self.decoder in (PIPELINE, SEGMENTS)
 
     @property
+    def rows_vary(self) -> bool:
+        """Its steps run varying rows a stage (FlowSpec's segments, PipeDec's levels): the measured cost prices each
+        step by its rows (spd.eval.calibrate.calibrate_rows)."""
+        return self.decoder == SEGMENTS or self.draft_model
+
+    @property
     def chain(self) -> bool:
         return self.decoder == CHAIN
 

@@ -28,7 +28,6 @@ class DecodeStats:
     # (index of the verified token among the generated ones, draft source, accepted) per verification, in order:
     # where acceptance falls in the output (bench/repetition.py); not part of as_dict
     verdicts: list[tuple[int, str, bool]] = field(default_factory=list)
-    stage_rows: list[int] = field(default_factory=list)   # rows each stage ran, summed over steps (a tree level: W)
     # steps by the rows each stage ran in them ("r1,...,rn" -> steps): what prices a step whose rows vary
     # (FlowSpec's segments, PipeDec's levels; spd.eval.calibrate.calibrate_rows)
     step_rows: Counter = field(default_factory=Counter)
@@ -37,8 +36,16 @@ class DecodeStats:
 
     def ran(self, rows: list[int]) -> None:
         """One step's rows per stage (0: idle)."""
-        self.stage_rows = [a + b for a, b in zip(self.stage_rows, rows)] if self.stage_rows else list(rows)
         self.step_rows[",".join(map(str, rows))] += 1
+
+    @property
+    def stage_rows(self) -> list[int]:
+        """Rows each stage ran, summed over steps (a tree level: W)."""
+        totals: list[int] = []
+        for key, steps in self.step_rows.items():
+            rows = [int(r) * steps for r in key.split(",")]
+            totals = [a + b for a, b in zip(totals, rows)] if totals else rows
+        return totals
 
     def settle(self, accepted: bool, source: str = "module") -> None:
         """Record the verification of one drafted position (accepted, or corrected with a rollback)."""

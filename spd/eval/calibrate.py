@@ -112,17 +112,31 @@ def tree_rows(n: int, width: int) -> list[int]:
     return [width if s < n - 2 else 1 for s in range(n)]
 
 
+def _siblings(rows: int, context: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mask of `rows` sibling rows at position `context`: each sees the cache and itself ([rows, context + rows]
+    visible, key positions [context + rows])."""
+    visible = torch.cat([torch.ones(rows, context, dtype=torch.bool), torch.eye(rows, dtype=torch.bool)], 1)
+    keys = torch.cat([torch.arange(context), torch.full((rows,), context)])
+    return visible.to(device), keys.to(device)
+
+
 def _stage_rows(staged: StagedTarget, s: int, stage_in: torch.Tensor, rows: int, context: int, cache):
-    """Stage s over `rows` copies of one new row at position `context`, siblings in a tree level (each sees the
-    cache and itself)."""
+    """Stage s over `rows` copies of one new row at position `context`, siblings in a tree level."""
     if rows == 1:
         return staged.run_stage(s, stage_in, torch.tensor([context], device=stage_in.device), cache)
     device = stage_in.device
-    visible = torch.cat([torch.ones(rows, context, dtype=torch.bool), torch.eye(rows, dtype=torch.bool)], 1)
-    keys = torch.cat([torch.arange(context), torch.full((rows,), context)])
     return staged.run_layers(stage_in.expand(1, rows, -1), torch.full((rows,), context, device=device),
-                             staged.bounds[s], staged.bounds[s + 1], cache,
-                             visible=(visible.to(device), keys.to(device)))
+                             staged.bounds[s], staged.bounds[s + 1], cache, visible=_siblings(rows, context, device))
+
+
+def _prefilled(staged: StagedTarget, context: int, capture: frozenset, generator: torch.Generator):
+    """Random ids [1, context + 2], and a cache of their first `context` after one prefill over context + 1 of them
+    (the new token at position `context` has its stage inputs in the captured states)."""
+    ids = torch.randint(staged.config.vocab_size, (1, context + 2), generator=generator, device=staged.device)
+    cache = staged.new_cache()
+    final, hidden = staged.forward_all(ids, cache, 0, capture)
+    cache.crop(context)
+    return ids, cache, final, hidden
 
 
 @torch.no_grad()
@@ -136,10 +150,8 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
     generator = torch.Generator(device=device).manual_seed(0)
     # One prefill over context + 1 tokens gives the cache (cropped back to `context`), the stage inputs of the
     # new token at position `context`, and every hidden state the module's rows read.
-    ids = torch.randint(staged.config.vocab_size, (1, context + 2), generator=generator, device=device)
-    cache = staged.new_cache()
-    final, hidden = staged.forward_all(ids, cache, 0, frozenset(needed_layers(staged.bounds)) | set(staged.bounds))
-    cache.crop(context)
+    ids, cache, final, hidden = _prefilled(staged, context, frozenset(needed_layers(staged.bounds)) | set(staged.bounds),
+                                           generator)
 
     def time_stages(rows: list[int]) -> list[float]:
         out = []
@@ -279,10 +291,7 @@ def calibrate_rows(staged: StagedTarget, params: SamplingParams, step_rows: dict
     tree of FlowSpec's drafter, started on a real context by the caller)."""
     n, device = staged.n, staged.device
     generator = torch.Generator(device=device).manual_seed(0)
-    ids = torch.randint(staged.config.vocab_size, (1, context + 2), generator=generator, device=device)
-    cache = staged.new_cache()
-    final, hidden = staged.forward_all(ids, cache, 0, frozenset(staged.bounds))
-    cache.crop(context)
+    ids, cache, final, hidden = _prefilled(staged, context, frozenset(staged.bounds), generator)
     counts = [sorted({rows_of(key)[s] for key in step_rows} - {0} | {1}) for s in range(n)]   # 1: what AR pays
     stage_s: dict[str, list[float | None]] = {}
     for s in range(n):
@@ -302,10 +311,8 @@ def calibrate_rows(staged: StagedTarget, params: SamplingParams, step_rows: dict
         draft_model(ids[:, :context], torch.arange(context, device=device), draft_cache)
 
         def draft_tips(r: int):
-            visible = torch.cat([torch.ones(r, context, dtype=torch.bool), torch.eye(r, dtype=torch.bool)], 1)
-            keys = torch.cat([torch.arange(context), torch.full((r,), context)])
             logits = draft_model(ids[:, context: context + 1].expand(1, r), torch.full((r,), context, device=device),
-                                 draft_cache, (visible.to(device), keys.to(device)))
+                                 draft_cache, _siblings(r, context, device))
             return [propose_children(row, children) for row in logits]
 
         draft_s: dict[str, float] | float = {

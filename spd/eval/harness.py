@@ -124,11 +124,6 @@ def machine(device: torch.device) -> str:
 
 
 
-def rows_priced(method: str) -> bool:
-    """Methods whose steps run varying rows a stage (FlowSpec's segments, PipeDec's levels; calibrate_rows)."""
-    return METHODS[method].decoder == SEGMENTS or METHODS[method].draft_model
-
-
 def context_of(tok, work, samples: list[dict]) -> list[int]:
     """The first prompt of the run and its decode (re-tokenised from the sample's text): the real context FlowSpec's
     tree growth is timed on."""
@@ -209,7 +204,7 @@ def run_eval(cfg, log=print) -> dict:
     # holds none (the clock is measured). EAGLE-3 needs no pipeline, so the clock also judges it directly.
     calibration = None
     chain = METHODS[session.method].chain
-    if cfg.calibrate and cfg.runtime == "local" and rows_priced(session.method) and samples:
+    if cfg.calibrate and cfg.runtime == "local" and METHODS[session.method].rows_vary and samples:
         calibration = rows_calibration(session, summary["overall"]["step_rows"], context_of(tok, work, samples))
     elif cfg.calibrate and cfg.runtime == "local" and session.module is not None:  # the lookup has no module to time
         calibration = calibrate_chain(session.staged, session.drafter(), session.params, session.draft_length,
