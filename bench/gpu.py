@@ -62,14 +62,18 @@ def timed(device, fn) -> tuple[list[int], float]:
     return tokens, time.perf_counter() - start
 
 
-def hf_rows(model, prompts, max_new, device, compile_static: bool, eos, deadline: float | None = None) -> dict:
-    """deadline (time.time()): rows not started by then are marked skipped."""
+def hf_rows(model, prompts, max_new, device, compile_static: bool, eos, deadline: float | None = None,
+            only: frozenset[str] | None = None) -> dict:
+    """deadline (time.time()): rows not started by then are marked skipped; only: the rows to run (None: all)."""
     rows = {}
     kinds = [("hf_dynamic", {})]
     if compile_static:
         kinds.append(("hf_static_compile", {"cache_implementation": "static"}))
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     for name, extra in kinds:
+        if only is not None and name not in only:
+            rows[name] = {"skipped": "not asked"}
+            continue
         if deadline is not None and time.time() > deadline:
             rows[name] = {"skipped": "time box"}
             continue
@@ -87,8 +91,9 @@ def hf_rows(model, prompts, max_new, device, compile_static: bool, eos, deadline
     return rows
 
 
-def suite_rows(session, prompts, max_new, device, deadline: float | None = None) -> tuple[dict, dict]:
-    """deadline (time.time()): rows not started by then are marked skipped."""
+def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
+               only: frozenset[str] | None = None) -> tuple[dict, dict]:
+    """deadline (time.time()): rows not started by then are marked skipped; only: the rows to run (None: all)."""
     staged, eos = session.staged, session.eos_ids
     whole = StagedTarget(session.loaded.model, 1)
     ar_eager = build_decoder(AR, whole, eos)
@@ -113,6 +118,9 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None)
         runs[name] = run
     rows, outputs = {}, {}
     for name, run in runs.items():
+        if only is not None and name not in only:
+            rows[name] = {"skipped": "not asked"}
+            continue
         if deadline is not None and time.time() > deadline:
             rows[name] = {"skipped": "time box"}
             continue

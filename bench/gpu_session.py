@@ -234,7 +234,8 @@ class Visit:
     def make_plan(self, target: str, spd_checkpoint: str, data: str) -> dict:
         dry = self.dry
         return {"device": self.args.device, "target": target, "spd_checkpoint": spd_checkpoint, "data": data,
-                "stamp": self.session["stamp"],   # a second call on the same machine writes beside the first
+                "stamp": self.session["stamp"],
+                "rows": self.args.rows.split(",") if self.args.rows else None,   # a second call on the same machine writes beside the first
                 "work": self.work, "out": self.out, "dtypes": ["float32", "bfloat16"],
                 # sized for eager decoding at ~30 ms a token on a GPU (Python-bound; docs/results.md "On a GPU")
                 "correctness": {"prompts": 3 if dry else 2, "max_new_tokens": 12 if dry else 24},
@@ -249,7 +250,8 @@ class Visit:
                 "overwrite=true", f"model.n={name[1:]}"]
         if self.dry:
             keys += ["model.draft_vocab=0", "deepspeed.batch_size=2", "deepspeed.micro_batch=2",
-                     "data.max_length=256", "data.heldout=2", "eval_decodes=1", "eval_new_tokens=8"]
+                     "data.max_length=256", "data.heldout=2", "eval_decodes=1", "eval_new_tokens=8",
+                     "model.stage_bounds=null"]   # the tiny target's 10 layers: even stages
         return keys
 
     def train(self, name: str, box: float) -> dict:
@@ -257,7 +259,7 @@ class Visit:
         record = self.session["steps"][f"train_{name}"] = {"status": "running", "box_s": box}
         started = time.time()
         deadline = started + box
-        config = os.path.join(REPO, "configs", "train", "gpu_n5.yaml")
+        config = os.path.join(REPO, "configs", "train", f"gpu_{name}.yaml")
         run_py = os.path.join(REPO, "train", "run.py")
         probe_dir = os.path.join(self.work, f"probe_{name}")
         probe_steps = 4 if self.dry else self.args.probe_steps
@@ -415,6 +417,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stash", default="/tmp/spd_gpu_stash", help="where carried parts wait for the others")
     ap.add_argument("--work", default=None, help="scratch directory (default: beside --out)")
     ap.add_argument("--skip", default="", help="steps left out, e.g. correctness,speed (a second call that only trains)")
+    ap.add_argument("--rows", default="",
+                    help="correctness and speed rows to run, e.g. lookup_chain,hf_dynamic (default: all; a later "
+                         "visit runs what earlier ones left unmeasured)")
     ap.add_argument("--probe-steps", type=int, default=8, help="training steps that measure tokens/s (default 8)")
     ap.add_argument("--no-install", action="store_true",
                     help="use this interpreter's packages, not the carried wheels (a CPU rehearsal of a visit)")

@@ -138,7 +138,8 @@ def correctness_rows(plan: dict) -> list[tuple[str, list[str], str | None, int]]
              ("lookup_chain", ["method=lookup"], None, 1),
              ("ppsd_local_eager_w1", ["method=ppsd", "checkpoint=random"], "local_eager", 1),
              ("spd_local_eager_w1", spd + ["W=1"], "local_eager", 1)]
-    return rows
+    only = plan.get("rows")   # a later visit runs what earlier ones left unmeasured (gpu_session.py --rows)
+    return [row for row in rows if only is None or row[0] in only]
 
 
 def top2(staged_whole: StagedTarget, ids: list[int]) -> tuple[float, float]:
@@ -218,7 +219,9 @@ def step_speed(plan: dict, deadline: float, result: Result) -> None:
         run = {"weight_bytes": weight_bytes, "roofline_tokens_per_s": roofline, "n": session.staged.n,
                "checkpoint": session.checkpoint, "prompts": len(prompts), "max_new_tokens": cfg["max_new_tokens"]}
         result.data.setdefault("runs", {})[dtype] = run
-        rows, executors = gpu.suite_rows(session, prompts, cfg["max_new_tokens"], device, deadline=deadline)
+        only = frozenset(plan["rows"]) if plan.get("rows") is not None else None
+        rows, executors = gpu.suite_rows(session, prompts, cfg["max_new_tokens"], device, deadline=deadline,
+                                         only=only)
         run["rows"] = rows
         result.save()
         if time.time() < deadline and "spd_streams_graphs" in executors:
@@ -226,7 +229,7 @@ def step_speed(plan: dict, deadline: float, result: Result) -> None:
                                                      device, gpu.capture_of(session))
             result.save()
         rows.update(gpu.hf_rows(session.loaded.model, prompts, cfg["max_new_tokens"], device, cfg["compile"],
-                                session.eos_ids, deadline=deadline))
+                                session.eos_ids, deadline=deadline, only=only))
         for row in rows.values():
             if "tokens_per_s" in row:
                 row["fraction_of_roofline"] = row["tokens_per_s"] / roofline
