@@ -63,13 +63,13 @@ def timed(device, fn) -> tuple[list[int], float]:
 
 
 def hf_rows(model, prompts, max_new, device, compile_static: bool, eos, deadline: float | None = None,
-            only: frozenset[str] | None = None) -> dict:
-    """deadline (time.time()): rows not started by then are marked skipped; only: the rows to run (None: all)."""
-    rows = {}
+            only: frozenset[str] | None = None, rows: dict | None = None, saved=lambda: None) -> dict:
+    """deadline (time.time()): rows not started by then are marked skipped; only: the rows to run (None: all).
+    Each row goes into `rows` and `saved()` runs as it finishes: a step killed while compiling keeps the others."""
+    rows = {} if rows is None else rows
     kinds = [("hf_dynamic", {})]
     if compile_static:
         kinds.append(("hf_static_compile", {"cache_implementation": "static"}))
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     for name, extra in kinds:
         if only is not None and name not in only:
             rows[name] = {"skipped": "not asked"}
@@ -82,12 +82,18 @@ def hf_rows(model, prompts, max_new, device, compile_static: bool, eos, deadline
             out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new, do_sample=False,
                                  eos_token_id=list(eos) or None, pad_token_id=0, **extra)
             return out[0, len(ids):].tolist()
-        run(prompts[0])                                    # warm-up (and compilation)
-        tokens, seconds = 0, 0.0
-        for ids in prompts:
-            out, s = timed(device, lambda: run(ids))
-            tokens, seconds = tokens + len(out), seconds + s
-        rows[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        try:
+            if extra:   # compiled only for its own row: the dynamic row measures eager generate
+                model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            run(prompts[0])                                    # warm-up (and compilation)
+            tokens, seconds = 0, 0.0
+            for ids in prompts:
+                out, s = timed(device, lambda: run(ids))
+                tokens, seconds = tokens + len(out), seconds + s
+            rows[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        except Exception as e:   # a row that fails keeps the others (the visit of 2026-11-27: inductor's graphs)
+            rows[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        saved()
     return rows
 
 

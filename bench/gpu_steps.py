@@ -228,8 +228,8 @@ def step_speed(plan: dict, deadline: float, result: Result) -> None:
             run["stage_overlap"] = gpu.stage_overlap(executors["spd_streams_graphs"], session.staged, prompts[0],
                                                      device, gpu.capture_of(session))
             result.save()
-        rows.update(gpu.hf_rows(session.loaded.model, prompts, cfg["max_new_tokens"], device, cfg["compile"],
-                                session.eos_ids, deadline=deadline, only=only))
+        gpu.hf_rows(session.loaded.model, prompts, cfg["max_new_tokens"], device, cfg["compile"], session.eos_ids,
+                    deadline=deadline, only=only, rows=rows, saved=result.save)
         for row in rows.values():
             if "tokens_per_s" in row:
                 row["fraction_of_roofline"] = row["tokens_per_s"] / roofline
