@@ -356,7 +356,7 @@ class Visit:
             if name not in self.args.skip.split(","):
                 self.step(name, self.box(name))
         trained = []
-        for name in self.args.train.split(","):
+        for name in filter(None, self.args.train.split(",")):
             box = self.end - time.time() - self.box("eval") - RESERVE_S[self.i]
             box = min(box, DRY_TRAIN_S) if self.dry else box
             if box < MIN_TRAIN_S[self.i]:
@@ -413,7 +413,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (a visit) or cpu (the dry run, a rehearsal)")
     ap.add_argument("--minutes", type=float, default=9.0, help="the whole visit (default 9)")
     ap.add_argument("--dry-run", action="store_true", help="a tiny random target, small boxes: checks the script")
-    ap.add_argument("--train", default="n5", help="modules to train in order, e.g. n5,n2 (default n5)")
+    ap.add_argument("--train", default="n5",
+                    help="modules to train in order, e.g. n5,n2 (default n5; '' trains none)")
     ap.add_argument("--stash", default="/tmp/spd_gpu_stash", help="where carried parts wait for the others")
     ap.add_argument("--work", default=None, help="scratch directory (default: beside --out)")
     ap.add_argument("--skip", default="", help="steps left out, e.g. correctness,speed (a second call that only trains)")
