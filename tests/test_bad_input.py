@@ -92,7 +92,8 @@ VALUES = {
               ("resume=true overwrite=true", "contradict"), ("model.init_fc=magic", "init_fc"),
               ("teacher_cache_dtype=int4", "teacher_cache_dtype"), ("model.feature_norm=layer", "feature_norm"),
               ("model.init_attention=previous", "needs model.fc_bias=true"),
-              ("model.init_attention=sideways", "init_attention")],
+              ("model.init_attention=sideways", "init_attention"),
+              ("model.n=2 model.stage_bounds=[18]", "model.stage_bounds=[18] must be")],
 }
 
 

@@ -216,7 +216,10 @@ def prepare(cfg, log):
     L = loaded.model.config.num_hidden_layers
     if not 1 <= cfg.model.n <= L:
         raise UserError(f"model.n={cfg.model.n} must be within 1..{L} for this target")
-    staged = StagedTarget(loaded.model, cfg.model.n, list(cfg.model.stage_bounds) if cfg.model.stage_bounds else None)
+    try:
+        staged = StagedTarget(loaded.model, cfg.model.n, list(cfg.model.stage_bounds) if cfg.model.stage_bounds else None)
+    except ValueError as exc:      # bounds that do not fit this target's layers
+        raise UserError(f"model.{exc}") from None
     convs = load_conversations(cfg.data.path, cfg.data.max_conversations + cfg.data.heldout)
     if cfg.data.regenerate:
         convs = regenerated_conversations(cfg, loaded, convs, log)
