@@ -139,7 +139,9 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model, c
                                              repeats=10)
     base = {"n": n, "bounds": kind, "stage_bounds": bounds, "threads_per_process": threads, "processes": processes,
             "controller": controller,
-            "module": "trained" if checkpoint else "untrained", "checkpoint": checkpoint,
+            # the session drafts with the shipped module for this n and bounds when none is given (spd.shipped)
+            "module": "trained" if checkpoint else "shipped" if session.checkpoint else "untrained",
+            "checkpoint": checkpoint or session.checkpoint,
             "balance": probe.balance}
     rows = []
     capture = session.drafter().layers_needed(bounds)
