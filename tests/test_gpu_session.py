@@ -89,6 +89,26 @@ def test_a_failing_row_is_recorded_and_the_step_goes_on(tmp_path):
     assert "ZeroDivisionError" in rows[0]["traceback"]
 
 
+def test_a_later_visit_runs_only_the_rows_it_names():
+    import gpu
+    from gpu_steps import correctness_rows
+
+    everything = [row[0] for row in correctness_rows({"spd_checkpoint": "c"})]
+    assert len(everything) == 12 and "lookup_chain" in everything
+    named = correctness_rows({"spd_checkpoint": "c", "rows": ["lookup_chain", "spd_streams_graphs_w4", "hf_dynamic"]})
+    assert [row[0] for row in named] == ["spd_streams_graphs_w4", "lookup_chain"]
+
+    class Refusing:                   # transformers' generate failing as the 2026-11-27 visit's did
+        def generate(self, *args, **kwargs):
+            raise RuntimeError("accessing tensor output of CUDAGraphs that has been overwritten")
+
+    saved = []
+    rows = gpu.hf_rows(Refusing(), [[1, 2]], 4, torch.device("cpu"), True, frozenset(),
+                       only=frozenset({"hf_dynamic"}), saved=lambda: saved.append(1))
+    assert rows["hf_static_compile"] == {"skipped": "not asked"}
+    assert rows["hf_dynamic"]["error"].startswith("RuntimeError: accessing tensor output") and saved == [1]
+
+
 def test_a_step_that_overruns_its_box_is_killed(tmp_path):
     from types import SimpleNamespace
 
