@@ -48,7 +48,7 @@ from gpu_pack import MIB, PACK_DIR, stash_and_assemble  # noqa: E402
 
 # seconds per step: (GPU visit, dry run). The train box is whatever is left of --minutes after the others.
 # The H200 visit of 2026-11-26 (docs/results.md) trained a whole epoch of the extract in 218 s but ran out of box in
-# correctness (10 of 26 rows) and speed (3 of 9): the boxes moved from training to them.
+# correctness (14 of 24 rows ran) and speed (6 of 9): the boxes moved from training to them.
 BOXES = {"setup": (36, 150), "correctness": (140, 120), "speed": (100, 90), "eval": (45, 90)}
 RESERVE_S = (10, 10)           # packing the results at the end
 MIN_TRAIN_S = (180, 20)
