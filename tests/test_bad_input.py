@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch.distributed
 
 from spd.checkpoint import save_checkpoint
 from spd.cli import main as spd_infer
@@ -34,7 +35,13 @@ train_main = load_train_main()
 def refused(capsys, command: str, argv: list[str], needle: str, root) -> None:
     """Run one entry point in-process and check the whole contract."""
     before = snapshot(root)
+    launcher_env = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                         "MASTER_PORT")}
     code = spd_infer(argv) if command == "spd-infer" else train_main(argv)
+    # nothing of a refused run stays in this process: a process group or torchrun's variables left behind would make
+    # every later pipeline in it think it runs under torchrun
+    assert not torch.distributed.is_initialized()
+    assert {key: os.environ.get(key) for key in launcher_env} == launcher_env
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == 2, err

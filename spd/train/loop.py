@@ -6,6 +6,7 @@ uninterrupted one would.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -110,15 +111,28 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def init_distributed():
-    """One process (python train/run.py) or many (deepspeed / torchrun): gloo on CPU, nccl on CUDA."""
+@contextlib.contextmanager
+def distributed():
+    """(rank, world) of one process (python train/run.py) or many (deepspeed / torchrun): gloo on CPU, nccl on CUDA.
+    What it set up it takes down on the way out — the process group it created and the environment variables it
+    added — so a caller in the same process (a test, a notebook) is not left looking like a torchrun worker."""
     import deepspeed
+    import torch.distributed as dist
 
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", _free_port())
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    added = {key: value for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                                           "MASTER_ADDR": "127.0.0.1"}.items() if key not in os.environ}
+    if "MASTER_PORT" not in os.environ:
+        added["MASTER_PORT"] = _free_port()
+    os.environ.update(added)
+    created = not dist.is_initialized()
+    try:
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        yield int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def deepspeed_config(cfg, world: int) -> dict:
@@ -238,10 +252,14 @@ def prepare(cfg, log):
 
 
 def train(cfg) -> dict:
+    check_paths(cfg)
+    with distributed() as (rank, world):
+        return _train(cfg, rank, world)
+
+
+def _train(cfg, rank: int, world: int) -> dict:
     import deepspeed
 
-    check_paths(cfg)
-    rank, world = init_distributed()
     log = (lambda msg: tqdm.write(f"[train] {msg}")) if rank == 0 else (lambda msg: None)
     out_dir = cfg.output_dir
     resolved = OmegaConf.to_container(cfg, resolve=True)
