@@ -15,13 +15,13 @@ killed and what it finished stays), so a slow one cannot starve the rest:
     speed        1.7  bench/gpu.py's rows in bfloat16: transformers generate (dynamic; static + torch.compile), the
                       suite's AR eager / graphs, SPD local eager / graphs / streams, each stage alone and all on
                       their streams, the bandwidth roofline
-    train        3.5+ the rest: distillation of an n = 5 module (recipe of configs/train/gpu_n5.yaml) on the carried
-                      ShareGPT extract; a short probe measures tokens/s, the run's steps and lr schedule are
+    train        3.5+ the rest: distillation of each --train module (n5, n2, eagle3: configs/train/gpu_<name>.yaml)
+                      on the carried ShareGPT extract; a short probe measures tokens/s, the run's steps and lr schedule are
                       planned from it, checkpoints every minute leave as float16 files of <= 16 MiB; Ctrl-C (SIGINT)
                       25 s before the box's end saves the last state
     eval         0.75 the exact fast evaluator (spd-infer eval) on 2 prompts per set x 128 tokens for the shipped
-                      module and the GPU-trained one, on the same traces
-    (n = 2 is trained after n = 5 only with --train n5,n2 and time left: at 9 minutes there is none)
+                      module and the GPU-trained one(s), on the same traces (EAGLE-3: tau)
+    (a second module is trained only with time left, e.g. --train n5,n2: at 9 minutes there is none)
 
 Writes at most 8 files to --out (the device tool returns 8): session.json (every step's result, timings,
 tracebacks), log.txt (the steps' output), and each trained module's float16 weights cut into <= 16 MiB parts
@@ -247,7 +247,7 @@ class Visit:
 
     def train_keys(self, name: str) -> list[str]:
         keys = [f"data.path={self.plan['data']}", f"model.target={self.plan['target']}", "wandb.mode=disabled",
-                "overwrite=true", f"model.n={name[1:]}"]
+                "overwrite=true"] + ([f"model.n={name[1:]}"] if name[1:].isdigit() else [])   # n2, n5; eagle3
         if self.dry:
             keys += ["model.draft_vocab=0", "deepspeed.batch_size=2", "deepspeed.micro_batch=2",
                      "data.max_length=256", "data.heldout=2", "eval_decodes=1", "eval_new_tokens=8",
@@ -414,7 +414,7 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=9.0, help="the whole visit (default 9)")
     ap.add_argument("--dry-run", action="store_true", help="a tiny random target, small boxes: checks the script")
     ap.add_argument("--train", default="n5",
-                    help="modules to train in order, e.g. n5,n2 (default n5; '' trains none)")
+                    help="modules to train in order: n5, n2, eagle3 (default n5; '' trains none)")
     ap.add_argument("--stash", default="/tmp/spd_gpu_stash", help="where carried parts wait for the others")
     ap.add_argument("--work", default=None, help="scratch directory (default: beside --out)")
     ap.add_argument("--skip", default="", help="steps left out, e.g. correctness,speed (a second call that only trains)")

@@ -247,17 +247,33 @@ def step_eval(plan: dict, deadline: float, result: Result) -> None:
     cfg = plan["eval"]
     for label, checkpoint in cfg["modules"].items():
         def one(label=label, checkpoint=checkpoint):
-            keys = [f"target={plan['target']}", f"checkpoint={checkpoint}", f"limit={cfg['limit']}",
+            keys = [f"target={plan['target']}", f"checkpoint={checkpoint}", f"method={method_of(checkpoint)}",
+                    f"limit={cfg['limit']}",
                     f"max_new_tokens={cfg['max_new_tokens']}", f"device={plan['device']}", "dtype=float32",
                     "calibrate=false", f"output_dir={os.path.join(plan['work'], 'eval', plan['stamp'], label)}", "resume=false",
                     f"trace_cache_dir={os.path.join(plan['work'], 'traces')}", "wandb.mode=disabled"]
             summary = run_eval(load_config(EvalConfig, None, keys), log=lambda m: print(f"[eval] {m}", flush=True))
-            pooled = summary["overall"]["eal_pooled"]
-            return {"label": label, "checkpoint": checkpoint, "eal_pooled": pooled,
-                    "eal_per_dataset": {name: ds["eal_pooled"] for name, ds in summary["datasets"].items()},
+            # SPD's modules: L'acc; EAGLE-3's chain: tau, tokens per target forward (spd.eval.summary)
+            metric = "eal_pooled" if "eal_pooled" in summary["overall"] else "tau_pooled"
+            pooled = summary["overall"][metric]
+            return {"label": label, "checkpoint": checkpoint, "metric": metric, metric: pooled,
+                    f"{metric[:-7]}_per_dataset": {name: ds[metric] for name, ds in summary["datasets"].items()},
                     "samples": summary["overall"]["samples"], "limit": cfg["limit"],
-                    "max_new_tokens": cfg["max_new_tokens"], "summary": f"L'acc {pooled:.3f}"}
+                    "max_new_tokens": cfg["max_new_tokens"],
+                    "summary": f"{NAMES[metric]} {pooled:.3f}"}
         guarded(result, f"eval_{label}", deadline, one)
+
+
+NAMES = {"eal_pooled": "L'acc", "tau_pooled": "tau"}
+
+
+def method_of(checkpoint: str) -> str:
+    """The method a module directory was trained as (its config.json), so the eval decodes it as such."""
+    path = os.path.join(checkpoint, "config.json")
+    if checkpoint == "random" or not os.path.isfile(path):
+        return "spd"
+    with open(path) as f:
+        return json.load(f).get("method", "spd")
 
 
 # --- export: a checkpoint in float16, cut into files the device tool returns --------------------------------

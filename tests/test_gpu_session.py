@@ -153,3 +153,28 @@ def test_help_names_every_step_and_its_minutes():
     for step in ("setup", "correctness", "speed", "train", "eval"):
         assert step in proc.stdout
     assert "9 minutes" in proc.stdout or "(default 9)" in proc.stdout
+
+
+def test_a_visit_trains_eagle3_and_brings_it_home(tmp_path):
+    """`--train eagle3` (configs/train/gpu_eagle3.yaml): the baseline at the shipped modules' scale on a later visit;
+    its eval decodes it as EAGLE-3 (tau) and `unpack` rebuilds it as an EAGLE-3 checkpoint."""
+    root = tmp_path / "visit"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_session.py"), "--device", "cpu", "--dry-run",
+                           "--skip", "correctness,speed", "--train", "eagle3", "--out", str(root / "out"),
+                           "--work", str(root / "work")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    session = json.loads((root / "out" / "session.json").read_text())
+    train = session["steps"]["train_eagle3"]
+    assert train["status"] == "ok" and "configs/train/gpu_eagle3.yaml" in train["command"]
+    assert "model.n=" not in train["command"]
+    evals = {r["label"]: r for r in session["steps"]["eval"]["rows"]}
+    assert evals["gpu_eagle3"]["status"] == "ok" and evals["gpu_eagle3"]["metric"] == "tau_pooled"
+    assert evals["gpu_eagle3"]["tau_pooled"] >= 1 and evals["random_n5"]["metric"] == "eal_pooled"
+    home = tmp_path / "home"
+    home.mkdir()
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_pack.py"), "unpack", str(root / "out")],
+                          cwd=home, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    module = home / "outputs" / "gpu" / session["stamp"] / "eagle3"
+    assert json.loads((module / "config.json").read_text())["method"] == "eagle3"
+    assert (module / "model.safetensors").is_file()
