@@ -234,8 +234,8 @@ class Visit:
     def make_plan(self, target: str, spd_checkpoint: str, data: str) -> dict:
         dry = self.dry
         return {"device": self.args.device, "target": target, "spd_checkpoint": spd_checkpoint, "data": data,
-                "stamp": self.session["stamp"],
-                "rows": self.args.rows.split(",") if self.args.rows else None,   # a second call on the same machine writes beside the first
+                "stamp": self.session["stamp"],   # a second call on the same machine writes beside the first
+                "rows": self.args.rows.split(",") if self.args.rows else None,   # None: every row
                 "work": self.work, "out": self.out, "dtypes": ["float32", "bfloat16"],
                 # sized for eager decoding at ~30 ms a token on a GPU (Python-bound; docs/results.md "On a GPU")
                 "correctness": {"prompts": 3 if dry else 2, "max_new_tokens": 12 if dry else 24},

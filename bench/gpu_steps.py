@@ -138,8 +138,13 @@ def correctness_rows(plan: dict) -> list[tuple[str, list[str], str | None, int]]
              ("lookup_chain", ["method=lookup"], None, 1),
              ("ppsd_local_eager_w1", ["method=ppsd", "checkpoint=random"], "local_eager", 1),
              ("spd_local_eager_w1", spd + ["W=1"], "local_eager", 1)]
-    only = plan.get("rows")   # a later visit runs what earlier ones left unmeasured (gpu_session.py --rows)
+    only = asked(plan)
     return [row for row in rows if only is None or row[0] in only]
+
+
+def asked(plan: dict) -> frozenset[str] | None:
+    """The rows a visit names (gpu_session.py --rows: what earlier visits left unmeasured); None: every row."""
+    return frozenset(plan["rows"]) if plan.get("rows") is not None else None
 
 
 def top2(staged_whole: StagedTarget, ids: list[int]) -> tuple[float, float]:
@@ -219,7 +224,7 @@ def step_speed(plan: dict, deadline: float, result: Result) -> None:
         run = {"weight_bytes": weight_bytes, "roofline_tokens_per_s": roofline, "n": session.staged.n,
                "checkpoint": session.checkpoint, "prompts": len(prompts), "max_new_tokens": cfg["max_new_tokens"]}
         result.data.setdefault("runs", {})[dtype] = run
-        only = frozenset(plan["rows"]) if plan.get("rows") is not None else None
+        only = asked(plan)
         rows, executors = gpu.suite_rows(session, prompts, cfg["max_new_tokens"], device, deadline=deadline,
                                          only=only)
         run["rows"] = rows
@@ -257,7 +262,7 @@ def step_eval(plan: dict, deadline: float, result: Result) -> None:
             metric = "eal_pooled" if "eal_pooled" in summary["overall"] else "tau_pooled"
             pooled = summary["overall"][metric]
             return {"label": label, "checkpoint": checkpoint, "metric": metric, metric: pooled,
-                    f"{metric[:-7]}_per_dataset": {name: ds[metric] for name, ds in summary["datasets"].items()},
+                    metric.replace("_pooled", "_per_dataset"): {name: ds[metric] for name, ds in summary["datasets"].items()},
                     "samples": summary["overall"]["samples"], "limit": cfg["limit"],
                     "max_new_tokens": cfg["max_new_tokens"],
                     "summary": f"{NAMES[metric]} {pooled:.3f}"}
