@@ -20,13 +20,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 from tqdm import tqdm
 
 from spd.decoding import Request, eos_ids_of
+from spd.checkpoint import load_checkpoint
+from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.suffix import SuffixDrafter, _Node
+from spd.drafters.suffix_eagle3 import SuffixEagle3Drafter
 from spd.engine import build_decoder
 from spd.eval.output import write_json
 from spd.fast_eval_chain import replay
@@ -118,22 +122,43 @@ def coverage(records: list[dict], ks=(1, 2, 4, 8, 16)) -> dict:
             "recycled_top_k": {k: v / n for k, v in recycled.items()}}
 
 
-def priced_replays(records: list[dict], costs) -> list[dict]:
+def priced_replays(records: list[dict], costs, eagle3=None) -> list[dict]:
+    """Each drafter replayed over the sampled answers: tau, rows a cycle, and the speedup the row costs predict —
+    before the drafter's own time, and with it (the replay's seconds, which are the drafter's work: its passes, its
+    statistics, the replay's walk). eagle3: (loaded, module) adds EAGLE-3's children beside the statistics."""
     drafters = {"lookup chain m = 7": (lambda r: LookupDrafter(2, 8), 7, 1, 7),
                 "suffix W = 4 (the default)": (lambda r: SuffixDrafter(1, 8, costs), 15, 4, 16),
                 "suffix W = 4 + recycled (8 at depth 1, 2 below)": (lambda r: RecyclingSuffix(r, costs), 15, 4, 16),
                 "recycled only": (lambda r: RecyclingSuffix(r, costs, only=True), 15, 4, 16)}
+    states = {}
+    if eagle3 is not None:
+        loaded, module = eagle3
+        embed = loaded.model.get_input_embeddings()
+        for width, depth, gate in ((4, 1, 1.0), (4, 2, 1.0), (2, 1, 1.0), (4, 1, 0.6), (4, 2, 0.6)):
+            drafters[f"suffix W = 4 + EAGLE-3 (width {width}, depth {depth}, gate {gate})"] = (
+                lambda r, w=width, d=depth, g=gate: SuffixEagle3Drafter(Eagle3Drafter(module, embed), costs, 8, w, d,
+                                                                         g), 15, 4, 16)
+        staged = StagedTarget(loaded.model, 1)
+        for r in tqdm(records, desc="target states", unit="answer"):
+            ids = torch.tensor([r["prompt"] + r["answer"]])
+            with torch.no_grad():
+                states[id(r)] = staged.forward_all(ids, None, capture=frozenset(module.layers_needed()))[1]
     rows = []
     for name, (make, m, width, budget) in drafters.items():
-        tokens = seconds = cycles = fed = 0
+        tokens = seconds = cycles = fed = spent = 0
         for r in records:
             prompt_len = len(r["prompt"])
             margins = r["margin"][prompt_len - 1: prompt_len - 1 + len(r["answer"])]
-            got = replay(make(r), r["prompt"], r["answer"], m, width, budget, margins=margins)["rows_per_cycle"]
+            drafter, began = make(r), time.perf_counter()
+            got = replay(drafter, r["prompt"], r["answer"], m, width, budget, hidden=states.get(id(r)),
+                         margins=margins)["rows_per_cycle"]
+            spent += time.perf_counter() - began
             tokens, cycles, fed = tokens + len(r["answer"]), cycles + len(got), fed + sum(got)
             seconds += sum(costs.seconds[min(x, costs.max_rows) - 1] for x in got)
         rows.append({"drafter": name, "tau": tokens / cycles, "rows_per_cycle": fed / cycles,
-                     "predicted_speedup": tokens * costs.seconds[0] / seconds})
+                     "predicted_speedup": tokens * costs.seconds[0] / seconds,
+                     "drafter_seconds_per_cycle": spent / cycles,
+                     "predicted_speedup_with_drafter": tokens * costs.seconds[0] / (seconds + spent)})
     return rows
 
 
@@ -143,6 +168,8 @@ def main() -> int:
     ap.add_argument("--everyday-limit", type=int, default=30)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--cache", default="outputs/cache/t1_sources.pt", help="the sampled answers, reused when present")
+    ap.add_argument("--eagle3", default=None, help="an EAGLE-3 checkpoint: also its children beside the statistics")
+    ap.add_argument("--sets", default="everyday,eval")
     ap.add_argument("--out", default="docs/results/t1_sources.json")
     args = ap.parse_args()
     loaded = load_target()
@@ -157,13 +184,22 @@ def main() -> int:
         os.replace(args.cache + ".tmp", args.cache)
     costs = cached_row_costs(StagedTarget(loaded.model, 1), 17)
     result = {"command": " ".join(["python", *sys.argv]), "row_costs_s": list(costs.seconds), "sets": {}}
+    eagle3 = None
+    if args.eagle3:
+        staged = StagedTarget(loaded.model, 1)
+        eagle3 = (loaded, load_checkpoint(args.eagle3, staged, loaded).eval())
+        result["eagle3"] = args.eagle3
     for name, records in cached["sets"].items():
-        result["sets"][name] = {"prompts": len(records), **coverage(records), "replays": priced_replays(records, costs)}
+        if name not in args.sets.split(","):
+            continue
+        result["sets"][name] = {"prompts": len(records), **coverage(records),
+                                "replays": priced_replays(records, costs, eagle3)}
         print(name, {k: round(v, 3) for k, v in result["sets"][name]["own_top_k"].items()},
               {k: round(v, 3) for k, v in result["sets"][name]["recycled_top_k"].items()})
         for row in result["sets"][name]["replays"]:
-            print(f"  {row['drafter']:48s} tau {row['tau']:.3f} rows {row['rows_per_cycle']:.2f} "
-                  f"predicted {row['predicted_speedup']:.3f}x")
+            print(f"  {row['drafter']:60s} tau {row['tau']:.3f} rows {row['rows_per_cycle']:.2f} "
+                  f"predicted {row['predicted_speedup']:.3f}x, with the drafter's time "
+                  f"{row['predicted_speedup_with_drafter']:.3f}x ({1000 * row['drafter_seconds_per_cycle']:.1f} ms)")
     write_json(args.out, result)
     return 0
 

@@ -43,7 +43,7 @@ from spd.engine import build_decoder, open_engine, pick_decoder
 from spd.eval.calibrate import calibrate, measured_cost_speedup, step_time
 from spd.eval.output import write_json
 from spd.drafters.lookup import LookupDrafter
-from spd.methods import AR, CHAIN, PIPELINE
+from spd.methods import AR, CHAIN, PIPELINE, SUFFIX_MODULE
 from spd.runtime.stages import open_stages, threads_for
 from spd.sampling import SamplingParams
 from spd.session import open_session
@@ -204,19 +204,22 @@ def local_spd_rows(args, prompts, cores: int) -> list[dict]:
 
 
 def eagle3_rows(args, prompts, cores: int) -> list[dict]:
-    """EAGLE-3's chain (W = 1) and dynamic tree (W > 1, --tree-nodes nodes) with the module at --eagle3."""
+    """EAGLE-3's chain (W = 1) and dynamic tree (W > 1, --tree-nodes nodes) with the module at --eagle3; per
+    --eagle3-sources, also beside the priced context statistics (draft_source=suffix+module, --suffix-length deep)."""
     torch.set_num_threads(cores)
     rows = []
-    for width in args.widths:
+    for width, source in itertools.product(args.widths, args.eagle3_sources):
+        deep = [f"draft_length={args.suffix_length}"] if source == SUFFIX_MODULE else []
         cfg = load_config(GenerateConfig, None, [f"target={args.target}", "method=eagle3", f"checkpoint={args.eagle3}",
-                                                 f"W={width}", f"tree_nodes={args.tree_nodes}"])
+                                                 f"W={width}", f"tree_nodes={args.tree_nodes}",
+                                                 f"draft_source={source}", *deep])
         session = open_session(cfg)
         decoder = pick_decoder("eagle3", cfg, session, None, session.drafter())   # the chain, or the tree at W > 1
         for temperature in args.temperatures:
             result = decode_all(prompts, lambda key, ids: decoder.generate(
                 ids, Request(args.max_new_tokens, params_for(temperature), seed_of(key))))
             rows.append({"method": "eagle3", "runtime": "single process", "processes": 1, "threads_per_process": cores,
-                         "module": "trained", "checkpoint": args.eagle3, "W": width,
+                         "module": "trained", "checkpoint": args.eagle3, "W": width, "draft_source": source,
                          "draft_length": session.draft_length, "tree_nodes": session.tree_nodes if width > 1 else None,
                          "temperature": temperature, **result})
     return rows
@@ -359,6 +362,8 @@ def main() -> int:
     ap.add_argument("--lookup-ngrams", default="2,8", help="the lookup chain's shortest,longest suffix match")
     ap.add_argument("--local-spd", action="store_true", help="also SPD with the shipped n = 5 module, runtime=local")
     ap.add_argument("--eagle3", help="also EAGLE-3 with this trained module (the chain, and trees per --widths)")
+    ap.add_argument("--eagle3-sources", default="module",
+                    help="--eagle3 rows per draft source: module, suffix+module (beside the context statistics)")
     ap.add_argument("--widths", default="1", help="draft-tree widths W for --local-spd and --eagle3 rows")
     ap.add_argument("--tree-nodes", type=int, default=16, help="EAGLE-3's drafted nodes per verification at W > 1")
     ap.add_argument("--batch", default="", help="e.g. 1,2,4,8: batched rows at these max_batch (issue 35)")
@@ -376,6 +381,7 @@ def main() -> int:
     args.draft_sources = args.draft_sources.split(",")
     args.draft_length = [int(m) for m in args.draft_length.split(",")]
     args.widths = [int(w) for w in args.widths.split(",")]
+    args.eagle3_sources = [s for s in args.eagle3_sources.split(",") if s]
     args.batch = [int(b) for b in args.batch.split(",") if b]
     args.suffix_widths = [int(w) for w in args.suffix_widths.split(",") if w]
     loaded = load_target(args.target)

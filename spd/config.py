@@ -63,8 +63,9 @@ class GenerateConfig:
     segment: int = 4                     # method=flowspec: S, the tree's nodes per segment (one segment enters a step)
     draft_source: Optional[str] = None   # spd, ppsd, spd_output_state: module | lookup+module (the context lookup's token
                                          # where the context's suffix matched earlier, else the module's draft); flowspec:
-                                         # suffix | lookup (its trees from the context's statistics or lookup); None =
-                                         # the method's first
+                                         # suffix | lookup (its trees from the context's statistics or lookup); eagle3:
+                                         # module | suffix+module (the context's statistics with EAGLE-3's children
+                                         # beside them, priced); None = the method's first
     lookup_min_ngram: int = 2            # lookup, lookup+module, suffix: shortest suffix of the context that may match
                                          # earlier
     lookup_max_ngram: int = 8            # lookup, lookup+module, suffix: longest suffix compared (the longest match wins)

@@ -24,6 +24,7 @@ from spd.drafters.base import ChainDrafter
 from spd.drafters.lookup import LookupDrafter
 from spd.eagle3_module import Eagle3Module
 from spd.fast_eval import GreedyTrace
+from spd.methods import SUFFIX_MODULE
 from spd.metrics import ChainStats
 from spd.sampling import Proposal, SamplingParams, propose
 from spd.tree import DraftTree
@@ -151,11 +152,12 @@ def fast_lookup_stats(trace: GreedyTrace, min_n: int, max_n: int, m: int, on_set
 
 
 def fast_eagle3_eval(trace: GreedyTrace, *, module: Eagle3Module, make_drafter, draft_length: int, width: int,
-                     tree_nodes: int, **_) -> dict:
-    """EAGLE-3's exact greedy replay (spd.methods): its chain, or at W > 1 its dynamic tree drafted by the
-    runtime's own drafter (make_drafter())."""
-    if width > 1:
-        return fast_tree_stats(make_drafter(), trace, draft_length, width, tree_nodes)
+                     tree_nodes: int, draft_source: str | None = None, **_) -> dict:
+    """EAGLE-3's exact greedy replay (spd.methods): its chain, or at W > 1 its dynamic tree — and beside the
+    context's statistics (draft_source=suffix+module) at any W — drafted by the runtime's own drafter
+    (make_drafter())."""
+    if width > 1 or draft_source == SUFFIX_MODULE:
+        return fast_tree_stats(make_drafter(), trace, draft_length, width, tree_nodes if width > 1 else draft_length)
     return fast_chain_stats(module, trace, draft_length)
 
 

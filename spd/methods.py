@@ -48,6 +48,10 @@ class Method:
                                       # the W best by cumulative log q alone
     sources: tuple[str, ...] = ()     # the draft_source= values it takes, its default first (none: no choice)
 
+    def prices(self, source: str | None) -> bool:
+        """Its drafter, drafting from `source`, prices each cycle with this machine's row costs (spd.pricing)."""
+        return self.priced or source == SUFFIX_MODULE
+
     @property
     def fast_eval(self) -> bool:
         """Greedy eval can score it from the target's cached traces (spd.fast_eval*)."""
@@ -77,7 +81,9 @@ class Method:
 # Where a pipelined method's drafts come from: its module alone, or the context lookup where the context's suffix
 # matched earlier and the module otherwise (spd.drafters.hybrid); FlowSpec's trees: the context's statistics or its
 # lookup (spd.drafters.hybrid.segment_drafter).
-MODULE, LOOKUP_MODULE, SUFFIX, LOOKUP = "module", "lookup+module", "suffix", "lookup"
+# EAGLE-3's: its module alone, or the context's statistics with its module's children beside them, priced
+# (spd.drafters.suffix_eagle3).
+MODULE, LOOKUP_MODULE, SUFFIX, LOOKUP, SUFFIX_MODULE = "module", "lookup+module", "suffix", "lookup", "suffix+module"
 
 _PIPELINED = dict(module="speculation", sources=(MODULE, LOOKUP_MODULE), fast_evaluator="spd.fast_eval:fast_pipeline_eval",
                   drafter="spd.drafters.hybrid:pipelined_drafter", objective="spd.train.methods:PipelinedObjective")
@@ -87,8 +93,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("ppsd", "PPSD", PIPELINE, plan=Plan(single=1, after_step=True), **_PIPELINED),
     Method("spd_output_state", "SPD output states", PIPELINE, plan=Plan(shift=1, after_step=True), **_PIPELINED),
     Method("eagle3", "EAGLE-3", CHAIN, "eagle3", fast_evaluator="spd.fast_eval_chain:fast_eagle3_eval",
-           draft_length=5, drafter="spd.drafters.eagle3:chain_drafter", objective="spd.train.methods:Eagle3Objective",
-           replays_trees=True),
+           draft_length=5, drafter="spd.drafters.suffix_eagle3:chain_drafter",
+           objective="spd.train.methods:Eagle3Objective", replays_trees=True, sources=(MODULE, SUFFIX_MODULE)),
     # 7: 8 target rows a cycle, which a CPU computes faster than 7 (bench/lookup_grid.py); m = 15 measured within
     # 4% of it on 256-token answers (docs/results.md) and costs more on a miss
     Method("lookup", "Context lookup", CHAIN, None, fast_evaluator="spd.fast_eval_chain:fast_lookup_eval",

@@ -147,7 +147,8 @@ def open_session(cfg) -> Session:
     draft_length, width, tree_nodes = (cfg.draft_length or METHODS[method].draft_length, getattr(cfg, "W", 1),
                                        getattr(cfg, "tree_nodes", 16))
     row_costs = memory = None
-    if METHODS[method].priced:
+    source = getattr(cfg, "draft_source", None) or (METHODS[method].sources or (MODULE,))[0]
+    if METHODS[method].prices(source):
         if getattr(cfg, "draft_pricing", True):
             row_costs = cached_row_costs(staged, 1 + (tree_nodes if width > 1 else draft_length))
         if getattr(cfg, "suffix_memory", False):
@@ -160,7 +161,7 @@ def open_session(cfg) -> Session:
         draft_model = DraftLM(staged, cfg.draft_layers)
     return Session(loaded, staged, module.eval() if module else None, params,
                    eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
-                   method, ngrams, getattr(cfg, "draft_source", None) or (METHODS[method].sources or (MODULE,))[0],
+                   method, ngrams, source,
                    draft_length, width, tree_nodes, row_costs,
                    memory, getattr(cfg, "source_pricing", False), draft_model, getattr(cfg, "children", None),
                    getattr(cfg, "segment", 4))

@@ -183,7 +183,7 @@ class SuffixDrafter(ChainDrafter):
         chosen = sorted(order[:take])          # candidate order is parents first
         tree, node_of = DraftTree(root), {-1: 0}
         for i in chosen:
-            node_of[i] = tree.add(node_of[nodes[i].parent], Proposal(nodes[i].token, source="suffix"))
+            node_of[i] = tree.add(node_of[nodes[i].parent], Proposal(nodes[i].token, source=evidence[i].source))
         self.last = (nodes, evidence)
         return tree
 
