@@ -379,7 +379,7 @@ def main() -> int:
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.lookup_ngrams = tuple(int(x) for x in args.lookup_ngrams.split(","))
     args.draft_sources = args.draft_sources.split(",")
-    args.draft_length = [int(m) for m in args.draft_length.split(",")]
+    args.draft_length = [int(m) for m in args.draft_length.split(",") if m]
     args.widths = [int(w) for w in args.widths.split(",")]
     args.eagle3_sources = [s for s in args.eagle3_sources.split(",") if s]
     args.batch = [int(b) for b in args.batch.split(",") if b]

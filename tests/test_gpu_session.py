@@ -109,6 +109,21 @@ def test_a_later_visit_runs_only_the_rows_it_names():
     assert rows["hf_dynamic"]["error"].startswith("RuntimeError: accessing tensor output") and saved == [1]
 
 
+def test_a_visit_can_give_a_step_a_longer_box(tmp_path):
+    from types import SimpleNamespace
+
+    from gpu_session import BOXES, Visit, parse_boxes
+
+    assert parse_boxes(["speed=300", "eval=60"]) == {"speed": 300.0, "eval": 60.0}
+    for bad in ("speed", "speed=0", "speed=soon", "warmup=30"):
+        with pytest.raises(ValueError, match="STEP=SECONDS"):
+            parse_boxes([bad])
+    args = SimpleNamespace(dry_run=False, minutes=9, out=str(tmp_path / "o"), work=str(tmp_path / "w"), device="cpu",
+                           boxes=parse_boxes(["speed=300"]))
+    visit = Visit(args)
+    assert visit.box("speed") == 300 and visit.box("eval") == BOXES["eval"][0]
+
+
 def test_a_step_that_overruns_its_box_is_killed(tmp_path):
     from types import SimpleNamespace
 
