@@ -28,9 +28,12 @@ def test_which_module_a_run_gets():
     n5 = next(m for m in SHIPPED if m["n"] == 5)
     inner = n5["stage_bounds"][1:-1]
     assert checkpoint_for(None, "smollm2", None, None) == n5["path"]        # no n: the default pipeline's
-    for m in SHIPPED:                                                      # the run's n and bounds pick it
-        assert checkpoint_for(None, "smollm2", m["n"], m["stage_bounds"][1:-1]) == m["path"]
-        assert checkpoint_for(None, "smollm2", m["n"], None) == m["path"]
+    for m in SHIPPED:                                       # the run's method, n and bounds pick it
+        method = m.get("method", "spd")
+        assert checkpoint_for(None, "smollm2", m["n"], m["stage_bounds"][1:-1], method) == m["path"]
+        assert checkpoint_for(None, "smollm2", m["n"], None, method) == m["path"]
+        if method != "spd":                                 # never another method's module
+            assert checkpoint_for(None, "smollm2", m["n"], None) != m["path"]
     assert checkpoint_for(None, "smollm2", 5, None) == n5["path"]
     assert checkpoint_for(None, "smollm2", 5, inner) == n5["path"]
     assert checkpoint_for(RANDOM, "smollm2", 5, None) is None              # untrained on request
@@ -57,9 +60,18 @@ def test_shipped_module_loads_on_the_default_target_and_is_lossless(module):
     ids = chat_prompt_ids(loaded.tokenizer, "Tom has 3 boxes of 12 pencils and gives away 7. How many are left?")
     eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
     reference = ARDecoder(StagedTarget(loaded.model, 1), eos).generate(ids, Request(48, SamplingParams()))
-    out = PipelineDecoder(staged, ModuleDrafter(drafter_module), eos).generate(ids, Request(48, SamplingParams()))
+    if cfg.get("method") == "eagle3":                 # a chain's drafter: m = 5 drafts, one target forward
+        from spd.drafters.eagle3 import Eagle3Drafter
+        from spd.runtime.chain import ChainDecoder
+
+        decoder = ChainDecoder(staged, Eagle3Drafter(drafter_module, staged.embed), eos, 5)
+        out = decoder.generate(ids, Request(48, SamplingParams()))
+        accepted = out.stats.tau
+    else:
+        out = PipelineDecoder(staged, ModuleDrafter(drafter_module), eos).generate(ids, Request(48, SamplingParams()))
+        accepted = out.stats.eal
     assert out.token_ids == reference.token_ids
-    assert out.stats.eal > 1.1, out.stats    # a trained module: drafts get accepted
+    assert accepted > 1.1, out.stats    # a trained module: drafts get accepted
 
 
 def test_ship_script_halves_the_weights_and_records_provenance(tmp_path, monkeypatch):
@@ -103,3 +115,20 @@ def test_ship_script_halves_the_weights_and_records_provenance(tmp_path, monkeyp
     with torch.no_grad():
         torch.testing.assert_close(again(hidden, torch.tensor([2])), module(hidden, torch.tensor([2])),
                                    atol=2e-2, rtol=2e-2)
+
+
+def test_ship_records_eagle3s_tau_from_an_eval_summary(tmp_path):
+    import importlib.util
+    import json
+    import os
+
+    spec = importlib.util.spec_from_file_location("ship", os.path.join(os.path.dirname(__file__), "..", "train",
+                                                                       "ship.py"))
+    ship = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ship)
+    summary = {"run": {"max_new_tokens": 256, "temperature": 0.0}, "overall": {"tau_pooled": 1.4, "samples": 6},
+               "datasets": {"gsm8k": {"tau_pooled": 1.3}, "humaneval": {"tau_pooled": 1.5}}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    got = ship.measured_of(str(tmp_path / "summary.json"), "spd-infer eval method=eagle3 ...")
+    assert got["tau_pooled"] == 1.4 and got["tau_per_dataset"] == {"gsm8k": 1.3, "humaneval": 1.5}
+    assert "eal_pooled" not in got and got["samples"] == 6

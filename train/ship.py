@@ -21,9 +21,10 @@ def measured_of(path: str, command: str) -> dict:
     if "eal_pooled" in data:   # bench/acceptance.py
         keep = ("eal_pooled", "eal_per_dataset", "limit", "max_new_tokens")
         return {"source": path, "command": command, **{k: data[k] for k in keep}}
-    if "run" in data:          # spd-infer eval summary.json
-        return {"source": path, "command": command, "eal_pooled": data["overall"]["eal_pooled"],
-                "eal_per_dataset": {name: ds["eal_pooled"] for name, ds in data["datasets"].items()},
+    if "run" in data:          # spd-infer eval summary.json: L'acc, or EAGLE-3's tau
+        metric = "eal_pooled" if "eal_pooled" in data["overall"] else "tau_pooled"
+        return {"source": path, "command": command, metric: data["overall"][metric],
+                f"{metric.split('_')[0]}_per_dataset": {name: ds[metric] for name, ds in data["datasets"].items()},
                 "samples": data["overall"]["samples"], "max_new_tokens": data["run"]["max_new_tokens"],
                 "temperature": data["run"]["temperature"]}
     raise SystemExit(f"ship.py: error: {path} is neither a bench/acceptance.py result nor an eval summary.json")
