@@ -102,10 +102,16 @@ def test_the_lookup_chain_is_scored_fast_and_equals_its_runtime(capsys, tiny_tar
 def test_eagle3_trees_are_scored_fast_and_equal_their_runtime(capsys, tiny_target_dir, tmp_path):
     """EAGLE-3's dynamic tree (W = 4): greedy eval replays it over the traces (`fast_tree_stats`), and each sample
     equals the step-by-step chain runtime's (which is checked against AR)."""
-    fast, exact = str(tmp_path / "fast"), str(tmp_path / "exact")
     common = ["method=eagle3", "limit=1", "draft_length=3", "W=4", "tree_nodes=8", "max_new_tokens=24", "calibrate=false"]
-    assert run_eval(capsys, tiny_target_dir, fast, *common)[0] == 0
-    assert run_eval(capsys, tiny_target_dir, exact, *common, "exact_trace=true")[0] == 0
+    fast_equals_runtime(capsys, tiny_target_dir, tmp_path, common)
+
+
+def fast_equals_runtime(capsys, target, tmp_path, common: list[str]) -> None:
+    """Greedy eval with `common` scored fast and by the step-by-step runtime (checked against AR): every sample's
+    figures equal."""
+    fast, exact = str(tmp_path / "fast"), str(tmp_path / "exact")
+    assert run_eval(capsys, target, fast, *common)[0] == 0
+    assert run_eval(capsys, target, exact, *common, "exact_trace=true")[0] == 0
     a, b = samples(fast), samples(exact)
     assert [r["mode"] for r in a] == ["fast"] * 3 and [r["mode"] for r in b] == ["runtime"] * 3
     assert all(r["ar_match"] for r in b)

@@ -125,15 +125,8 @@ def test_sampling_keeps_the_target_distribution():
 def test_eval_scores_it_fast_as_the_runtime_decodes_it(capsys, tiny_target_dir, tmp_path, width):
     """Greedy eval replays the runtime's own drafter over the traces; each sample equals the step-by-step runtime's
     (which is checked against AR)."""
-    from test_eval import run_eval, samples
+    from test_eval import fast_equals_runtime
 
-    fast, exact = str(tmp_path / "fast"), str(tmp_path / "exact")
-    common = ["method=eagle3", "draft_source=suffix+module", "limit=1", "draft_length=4", f"W={width}",
-              "tree_nodes=8", "max_new_tokens=24", "calibrate=false"]
-    assert run_eval(capsys, tiny_target_dir, fast, *common)[0] == 0
-    assert run_eval(capsys, tiny_target_dir, exact, *common, "exact_trace=true")[0] == 0
-    a, b = samples(fast), samples(exact)
-    assert [r["mode"] for r in a] == ["fast"] * 3 and [r["mode"] for r in b] == ["runtime"] * 3
-    assert all(r["ar_match"] for r in b)
-    figures = ("N", "cycles", "accepted", "accepted_histogram", "drafted", "text")
-    assert [[r[k] for k in figures] for r in a] == [[r[k] for k in figures] for r in b]
+    fast_equals_runtime(capsys, tiny_target_dir, tmp_path,
+                        ["method=eagle3", "draft_source=suffix+module", "limit=1", "draft_length=4", f"W={width}",
+                         "tree_nodes=8", "max_new_tokens=24", "calibrate=false"])
