@@ -125,20 +125,18 @@ def coverage(records: list[dict], ks=(1, 2, 4, 8, 16)) -> dict:
 def priced_replays(records: list[dict], costs, eagle3=None) -> list[dict]:
     """Each drafter replayed over the sampled answers: tau, rows a cycle, and the speedup the row costs predict —
     before the drafter's own time, and with it (the replay's seconds, which are the drafter's work: its passes, its
-    statistics, the replay's walk). eagle3: (loaded, module) adds EAGLE-3's children beside the statistics."""
+    statistics, the replay's walk). eagle3: (staged target, module) adds EAGLE-3's children beside the statistics."""
     drafters = {"lookup chain m = 7": (lambda r: LookupDrafter(2, 8), 7, 1, 7),
                 "suffix W = 4 (the default)": (lambda r: SuffixDrafter(1, 8, costs), 15, 4, 16),
                 "suffix W = 4 + recycled (8 at depth 1, 2 below)": (lambda r: RecyclingSuffix(r, costs), 15, 4, 16),
                 "recycled only": (lambda r: RecyclingSuffix(r, costs, only=True), 15, 4, 16)}
     states = {}
     if eagle3 is not None:
-        loaded, module = eagle3
-        embed = loaded.model.get_input_embeddings()
+        staged, module = eagle3
         for width, depth, gate in ((4, 1, 1.0), (4, 2, 1.0), (2, 1, 1.0), (4, 1, 0.6), (4, 2, 0.6)):
             drafters[f"suffix W = 4 + EAGLE-3 (width {width}, depth {depth}, gate {gate})"] = (
-                lambda r, w=width, d=depth, g=gate: SuffixEagle3Drafter(Eagle3Drafter(module, embed), costs, 8, w, d,
+                lambda r, w=width, d=depth, g=gate: SuffixEagle3Drafter(Eagle3Drafter(module, staged.embed), costs, 8, w, d,
                                                                          g), 15, 4, 16)
-        staged = StagedTarget(loaded.model, 1)
         for r in tqdm(records, desc="target states", unit="answer"):
             ids = torch.tensor([r["prompt"] + r["answer"]])
             with torch.no_grad():
@@ -182,12 +180,12 @@ def main() -> int:
         os.makedirs(os.path.dirname(args.cache) or ".", exist_ok=True)
         torch.save(cached, args.cache + ".tmp")
         os.replace(args.cache + ".tmp", args.cache)
-    costs = cached_row_costs(StagedTarget(loaded.model, 1), 17)
+    staged = StagedTarget(loaded.model, 1)
+    costs = cached_row_costs(staged, 17)
     result = {"command": " ".join(["python", *sys.argv]), "row_costs_s": list(costs.seconds), "sets": {}}
     eagle3 = None
     if args.eagle3:
-        staged = StagedTarget(loaded.model, 1)
-        eagle3 = (loaded, load_checkpoint(args.eagle3, staged, loaded).eval())
+        eagle3 = (staged, load_checkpoint(args.eagle3, staged, loaded).eval())
         result["eagle3"] = args.eagle3
     for name, records in cached["sets"].items():
         if name not in args.sets.split(","):

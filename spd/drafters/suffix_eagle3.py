@@ -53,8 +53,7 @@ class SuffixEagle3Drafter(SuffixDrafter):
 
     def candidates(self, m: int, width: int, budget: int) -> tuple[list[_Node], list[Evidence]]:
         nodes, evidence = super().candidates(m, width, budget)
-        firsts = {node.token: i for i, node in enumerate(nodes) if node.parent == -1}
-        best = max((self.predictor.predict(evidence[i]) for i in firsts.values()), default=0.0)
+        best = max((self.predictor.predict(e) for node, e in zip(nodes, evidence) if node.parent == -1), default=0.0)
         if best >= self.gate:
             return nodes, evidence
         self.consulted += 1
@@ -62,10 +61,11 @@ class SuffixEagle3Drafter(SuffixDrafter):
         parent, h = -1, eagle.last_h
         for level in range(1, min(self.eagle_depth, m) + 1):
             children = children_of_rows(eagle._logits(h)[-1:], self.eagle_width)[0]
-            taken = {node.token: i for i, node in enumerate(nodes) if node.parent == parent}
+            taken = {node.token for node in nodes if node.parent == parent}
             for proposal, log_q in children:
                 if proposal.token not in taken:
                     nodes.append(_Node(proposal.token, parent, level))
+                    # match 9: the predictor's longest-match bin, so its prior is ~0.8 q (spd.pricing)
                     evidence.append(Evidence(EAGLE3, 9, math.exp(log_q), 1.0, level, self.margin))
             if level == min(self.eagle_depth, m) or not children:
                 break
