@@ -83,14 +83,17 @@ def hf_rows(model, prompts, max_new, device, compile_static: bool, eos, deadline
                                  eos_token_id=list(eos) or None, pad_token_id=0, **extra)
             return out[0, len(ids):].tolist()
         try:
-            if extra:   # compiled only for its own row: the dynamic row measures eager generate
-                model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            # A static cache makes `generate` compile its own decode step (mode reduce-overhead) on CUDA; wrapping
+            # model.forward by hand as well (the visits before 2026-11-27 16:09) compiled twice and read CUDA-graph
+            # outputs a later replay had overwritten.
             run(prompts[0])                                    # warm-up (and compilation)
             tokens, seconds = 0, 0.0
             for ids in prompts:
                 out, s = timed(device, lambda: run(ids))
                 tokens, seconds = tokens + len(out), seconds + s
             rows[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+            if extra:   # transformers skips compilation silently where its criteria fail (e.g. CPU)
+                rows[name]["compiled"] = hasattr(model, "_compiled_call")
         except Exception as e:   # a row that fails keeps the others (the visit of 2026-11-27: inductor's graphs)
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
         saved()
