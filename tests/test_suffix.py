@@ -155,7 +155,8 @@ def test_the_row_cost_profile_is_measured_once_per_machine(tmp_path, monkeypatch
     first = row_costs.cached_row_costs(staged, 6)
     assert len(first.seconds) == 6 and all(s > 0 for s in first.seconds)
     measured = []
-    monkeypatch.setattr(row_costs, "measure_row_costs", lambda *a, **k: measured.append(a) or RowCosts.flat(9))
+    monkeypatch.setattr(row_costs, "measure_row_costs",
+                        lambda *a, **k: measured.append(a) or (RowCosts.flat(9), frozenset({3})))
     assert row_costs.cached_row_costs(staged, 4).seconds == first.seconds[:4]    # read back, not re-measured
     assert not measured
     assert row_costs.cached_row_costs(staged, 9) == RowCosts.flat(9) and measured      # longer: measured again

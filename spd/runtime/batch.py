@@ -28,6 +28,7 @@ from spd.decoding import Decoder, Request
 from spd.drafters.base import ChainDrafter
 from spd.runtime.sequence import ChainSequence
 from spd.targets.ragged import Segment, few_rows_products, forward_segments
+from spd.targets.row_costs import use_machine_products
 from spd.targets.stages import StagedTarget
 
 
@@ -117,6 +118,7 @@ class BatchDecoder(ManySequences):
         self.target, self.eos_ids, self.new_drafter = target, eos_ids, new_drafter
         self.m, self.width, self.budget, self.max_batch = m, width, budget, max_batch
         self.capture = frozenset(capture)
+        use_machine_products(target)            # a step's few rows, multiplied the faster way here
         self.waiting: deque[Ticket] = deque()
         self.running: list[Ticket] = []
         self.lock = threading.Lock()

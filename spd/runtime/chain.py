@@ -13,11 +13,16 @@ each with exactly its share of p — so the output is the target's own distribut
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from spd.decoding import Decoder, Request
 from spd.drafters.base import ChainDrafter
 from spd.runtime.sequence import ChainSequence
+from spd.targets import ragged
+from spd.targets.ragged import few_rows_products
+from spd.targets.row_costs import use_machine_products
 from spd.targets.stages import StagedTarget
 from spd.tree import DraftTree
 
@@ -33,16 +38,18 @@ class ChainDecoder(Decoder):
         self.target, self.drafter, self.eos_ids, self.m = target, drafter, eos_ids, m
         self.width, self.budget = width, budget or m
         self.capture = frozenset(drafter.layers_needed())
+        use_machine_products(target)    # a verification forward's few rows, multiplied the faster way here
 
     def forward_tree(self, tree: DraftTree, cache, fed: int):
         """The target over every node of the tree (the root at position `fed`): (logits [T, V], captured)."""
         ids = torch.tensor([tree.tokens()], device=self.target.device)
-        if tree.is_chain():     # contiguous positions, causal: the plain path, bit for bit
-            out, captured = self.target.forward_all(ids, cache, fed, self.capture)
-        else:
-            out, captured = self.target.forward_all(ids, cache, fed, self.capture,
-                                                    offsets=torch.tensor(tree.depths()), visible=tree.visibility())
-        return self.target.logits(out[0]), captured
+        with few_rows_products() if len(ids[0]) in ragged.FEW_ROWS else nullcontext():
+            if tree.is_chain():     # contiguous positions, causal: the plain path, bit for bit
+                out, captured = self.target.forward_all(ids, cache, fed, self.capture)
+            else:
+                out, captured = self.target.forward_all(ids, cache, fed, self.capture,
+                                                        offsets=torch.tensor(tree.depths()), visible=tree.visibility())
+            return self.target.logits(out[0]), captured
 
     @torch.no_grad()
     def stream(self, prompt_ids: list[int], request: Request):

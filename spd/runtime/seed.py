@@ -39,6 +39,7 @@ from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import SHARED_STEP, DraftWanted, PipelineDecoder
 from spd.runtime.schedule import Step
 from spd.targets.ragged import Segment, exit_logits, run_rows
+from spd.targets.row_costs import use_machine_products
 from spd.targets.stages import StagedTarget
 
 
@@ -59,6 +60,7 @@ class StageHub:
 
     def __init__(self, target: StagedTarget):
         self.target = target
+        use_machine_products(target)      # the stages' few rows, multiplied the faster way here
         self.works: list[Work] = []
         self.forwards = 0                 # stage forwards run, and the rows they carried
         self.rows = 0

@@ -105,16 +105,20 @@ AttentionInterface.register(KERNEL, ragged_attention)
 
 
 _LINEAR = F.linear
-# where the product below made a whole batched step faster (docs/results.md, "Many sequences at once": 2 rows 34 ms
-# against 68, 8 rows 65 against 73; at 16 rows mixed, at 32 slower)
-FEW_ROWS = range(2, 9)
+CANDIDATES = range(2, 9)     # at 16 rows the AMD A/B was mixed, at 32 weight-first was slower
+# The row counts this process multiplies weight-first. Which way is faster is the machine's: on the AMD EPYC
+# machines of docs/results.md ("Many sequences at once") weight-first made a batched step of 2 rows 34 ms against
+# 68 and 8 rows 65 against 73; on an Intel Xeon with AMX it made them 96 against 46 and 127 against 93 ("Products
+# chosen per machine"). Every single-process decoder of several rows installs its machine's measured choice
+# (spd.targets.row_costs.use_machine_products); a process that installs none (a distributed stage) keeps this.
+FEW_ROWS: frozenset[int] = frozenset(CANDIDATES)
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b for x [..., d_in] of 2..8 rows, computed as (W x^T)^T. The same product; on these CPUs' torch
-    (MKL) `F.linear` runs 2 or 3 rows as 2 or 3 one-row products (2 rows of SmolLM2's MLP: 94 µs against 48 for
-    one, the head 16 ms against 7), which would leave a batch of 2 no cheaper per row than decoding alone; with the
-    weight as the left operand the same rows cost 60 µs and 2.6 ms. One row keeps `F.linear` (the solo path)."""
+    """x W^T + b for x [..., d_in] of a row count in FEW_ROWS, computed as (W x^T)^T. The same product; some CPUs'
+    torch (MKL) runs `F.linear` over 2 or 3 rows as 2 or 3 one-row products (AMD EPYC: 2 rows of SmolLM2's MLP
+    94 µs against 48 for one, the head 16 ms against 7), where the weight as the left operand takes 60 µs and
+    2.6 ms. One row keeps `F.linear` (the solo path)."""
     rows = x.numel() // x.shape[-1]
     if rows not in FEW_ROWS or x.device.type != "cpu":
         return _LINEAR(x, weight, bias)

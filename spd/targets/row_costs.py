@@ -1,7 +1,12 @@
 """What one verification forward of r rows costs on this machine (spd.pricing.RowCosts): the target over r new
 rows after `context` cached tokens, and its head over all r, the shapes taking turns so that a slow moment of the
 machine is shared by all of them. Measured once per machine, target, dtype and thread count and kept under the
-suite's cache directory (like the stage-balance profile), since the curve is the machine's, not the run's."""
+suite's cache directory (like the stage-balance profile), since the curve is the machine's, not the run's.
+
+Each row count of spd.targets.ragged.CANDIDATES is timed both ways a product of few rows can be multiplied
+(`F.linear`, and the weight as left operand: spd.targets.ragged.few_rows_linear); which is faster depends on the
+CPU and its BLAS, so the profile keeps the faster one's cost and the row counts where the weight-first product won,
+and every multi-row decoder installs that choice (`use_machine_products`)."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import time
 import torch
 
 from spd.pricing import RowCosts
+from spd.targets import ragged
 from spd.targets.stages import StagedTarget
 from spd.timing import sync
 from spd.targets.weight_cache import cache_root, write_json_atomic
@@ -43,41 +49,74 @@ def machine_key(staged: StagedTarget) -> str:
 
 
 @torch.no_grad()
-def measure_row_costs(staged: StagedTarget, max_rows: int, context: int = 256, rounds: int = 9) -> RowCosts:
+def measure_row_costs(staged: StagedTarget, max_rows: int, context: int = 256,
+                      rounds: int = 9) -> tuple[RowCosts, frozenset[int]]:
     """Median seconds of a forward of 1..max_rows rows (embedding, every layer, the head over every row) after
-    `context` cached tokens; each round times every row count once, in turn."""
+    `context` cached tokens, each row count of ragged.CANDIDATES both with `F.linear` and weight-first; each round
+    times every shape once, in turn. Returns the costs (the faster product's) and the row counts weight-first won."""
     device = staged.device
     generator = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(staged.config.vocab_size, (1, context + max_rows), generator=generator).to(device)
     cache = staged.new_cache(context + max_rows)
     staged.forward_all(ids[:, :context], cache, 0)
 
-    def forward(rows: int) -> None:
-        out, _ = staged.forward_all(ids[:, context: context + rows], cache, context)
-        staged.logits(out[0])
+    def forward(rows: int, weight_first: bool) -> None:
+        ragged.FEW_ROWS = frozenset([rows]) if weight_first else frozenset()
+        with ragged.few_rows_products():
+            out, _ = staged.forward_all(ids[:, context: context + rows], cache, context)
+            staged.logits(out[0])
         cache.crop(context)
 
-    times: dict[int, list[float]] = {rows: [] for rows in range(1, max_rows + 1)}
-    for round_ in range(rounds + 1):
-        for rows in times:
-            sync(device)
-            start = time.perf_counter()
-            forward(rows)
-            sync(device)
-            if round_:              # the first round warms every shape up
-                times[rows].append(time.perf_counter() - start)
-    return RowCosts(tuple(statistics.median(times[rows]) for rows in sorted(times)))
+    both = device.type == "cpu"          # few_rows_linear multiplies CPU tensors only
+    shapes = [(rows, False) for rows in range(1, max_rows + 1)]
+    shapes += [(rows, True) for rows in ragged.CANDIDATES if both and rows <= max_rows]
+    times: dict[tuple[int, bool], list[float]] = {shape: [] for shape in shapes}
+    installed = ragged.FEW_ROWS
+    try:
+        for round_ in range(rounds + 1):
+            for shape in shapes:
+                sync(device)
+                start = time.perf_counter()
+                forward(*shape)
+                sync(device)
+                if round_:              # the first round warms every shape up
+                    times[shape].append(time.perf_counter() - start)
+    finally:
+        ragged.FEW_ROWS = installed
+    median = {shape: statistics.median(t) for shape, t in times.items()}
+    weight_first = frozenset(rows for rows, first in median if first and median[rows, True] < median[rows, False])
+    seconds = tuple(median[rows, rows in weight_first] for rows in range(1, max_rows + 1))
+    return RowCosts(seconds), weight_first
 
 
-def cached_row_costs(staged: StagedTarget, max_rows: int) -> RowCosts:
-    """This machine's profile from the cache, measured (a few seconds) and kept the first time."""
+def _profile(staged: StagedTarget, max_rows: int) -> tuple[RowCosts, frozenset[int]]:
+    """This machine's profile of at least max_rows rows from the cache, measured (seconds) and kept the first time.
+    A profile from before the products were compared (no "weight_first" entry) is measured again."""
     path = os.path.join(cache_root(), "row_costs", f"{machine_key(staged)}.json")
     if os.path.isfile(path):
         with open(path) as f:
-            seconds = json.load(f)["seconds"]
-        if len(seconds) >= max_rows:
-            return RowCosts(tuple(seconds[:max_rows]))
-    costs = measure_row_costs(staged, max_rows)
+            saved = json.load(f)
+        if len(saved["seconds"]) >= max_rows and "weight_first" in saved:
+            return RowCosts(tuple(saved["seconds"])), frozenset(saved["weight_first"])
+    costs, weight_first = measure_row_costs(staged, max_rows)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_json_atomic(path, {"seconds": list(costs.seconds), "cpu": _cpu_name(), "threads": torch.get_num_threads()})
-    return costs
+    write_json_atomic(path, {"seconds": list(costs.seconds), "weight_first": sorted(weight_first),
+                             "cpu": _cpu_name(), "threads": torch.get_num_threads()})
+    return costs, weight_first
+
+
+def cached_row_costs(staged: StagedTarget, max_rows: int) -> RowCosts:
+    """This machine's costs of 1..max_rows rows (the cached profile), with its products installed: the costs hold
+    only when the rows are multiplied the way they were timed."""
+    costs, weight_first = _profile(staged, max(max_rows, max(ragged.CANDIDATES)))
+    ragged.FEW_ROWS = weight_first
+    return RowCosts(costs.seconds[:max_rows])
+
+
+def use_machine_products(staged: StagedTarget) -> frozenset[int]:
+    """Install this machine's choice of product for few rows (spd.targets.ragged.FEW_ROWS), measured once and
+    cached with the row costs; a GPU target multiplies with `F.linear` (nothing to install)."""
+    if staged.device.type != "cpu":
+        return frozenset()
+    cached_row_costs(staged, max(ragged.CANDIDATES))
+    return ragged.FEW_ROWS
