@@ -16,6 +16,7 @@ import os
 import platform
 import statistics
 import time
+import weakref
 
 import torch
 
@@ -118,5 +119,11 @@ def use_machine_products(staged: StagedTarget) -> frozenset[int]:
     cached with the row costs; a GPU target multiplies with `F.linear` (nothing to install)."""
     if staged.device.type != "cpu":
         return frozenset()
-    cached_row_costs(staged, max(ragged.CANDIDATES))
+    if staged not in _INSTALLED:    # a decoder is built per request in places: read the profile once per target
+        cached_row_costs(staged, max(ragged.CANDIDATES))
+        _INSTALLED[staged] = ragged.FEW_ROWS
+    ragged.FEW_ROWS = _INSTALLED[staged]
     return ragged.FEW_ROWS
+
+
+_INSTALLED: "weakref.WeakKeyDictionary[StagedTarget, frozenset[int]]" = weakref.WeakKeyDictionary()
