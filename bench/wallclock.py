@@ -15,6 +15,7 @@ once per --draft-sources entry (module, lookup+module), with the acceptance of e
 its pricing left plain. Prompts (--sets): the first --limit of each eval set and/or the everyday set (30 held-out
 ShareGPT first turns), chat template, --max-new-tokens each, stopping at EOS; greedy and T=1 (top-k 50, top-p 1.0).
 Every greedy row is checked token for token against the suite's AR; every row's worst prompt against AR is kept.
+The single-process rows (both temperatures) take turns on each prompt, so a drifting machine is shared by all of them.
 
     python bench/wallclock.py --checkpoint outputs/smollm2_n2_balanced/checkpoint --ns 1,2 --limit 20
     python bench/wallclock.py --sets everyday,eval --limit 10 --max-new-tokens 256 --lookup --suffix-widths 1,4 --ns ""
@@ -34,6 +35,7 @@ import time
 import zlib
 
 import torch
+from tqdm import tqdm
 
 from spd.checkpoint import read_checkpoint_config
 from spd.config import GenerateConfig, load_config
@@ -78,33 +80,60 @@ def seed_of(key: str) -> int:
     return zlib.crc32(key.encode())
 
 
-def decode_all(prompts, run) -> dict:
-    """run(key, ids) -> GenerationResult; pooled tokens/s over every prompt, and L′acc where there are steps.
-    `outputs` ({prompt key: token ids}) lets main() check every greedy row against the suite's AR."""
-    tokens = seconds = N = K = cycles = drafted = 0
-    outputs, sources, per_prompt = {}, {}, {}
-    for key, ids in prompts:
-        result = run(key, ids)
-        outputs[key] = result.token_ids
-        per_prompt[key] = len(result.token_ids) / result.seconds
-        drafted += getattr(result.stats, "drafted", 0)
-        for source, (verified, accepted) in (result.stats.sources.items() if result.stats else ()):
-            total = sources.setdefault(source, [0, 0])
+class Tally:
+    """One row's totals over its prompts: pooled tokens/s, each prompt's tokens/s, each source's acceptance, and
+    L′acc (or τ for a chain) where there are steps. `outputs` ({prompt key: token ids}) lets main() check every
+    greedy row against the suite's AR."""
+
+    def __init__(self):
+        self.tokens = self.seconds = self.N = self.K = self.cycles = self.drafted = 0
+        self.outputs, self.sources, self.per_prompt = {}, {}, {}
+
+    def add(self, key: str, result) -> None:
+        self.outputs[key] = result.token_ids
+        self.per_prompt[key] = len(result.token_ids) / result.seconds
+        stats = result.stats
+        self.drafted += getattr(stats, "drafted", 0)
+        for source, (verified, accepted) in (stats.sources.items() if stats else ()):
+            total = self.sources.setdefault(source, [0, 0])
             total[0], total[1] = total[0] + verified, total[1] + accepted
-        tokens += len(result.token_ids)
-        seconds += result.seconds
-        if hasattr(result.stats, "cycles"):    # a chain: tau = tokens after the first per target forward
-            N, cycles = N + result.stats.N - 1, cycles + result.stats.cycles
-        elif result.stats is not None:
-            N, K = N + result.stats.N, K + result.stats.K
-    out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs,
-           "per_prompt_tokens_per_s": per_prompt,
-           "sources": {source: {"verified": v, "accepted": a, "acceptance": a / v} for source, (v, a) in sources.items()}}
-    if K:
-        out.update(N=N, K=K, alpha=N / K)
-    if cycles:
-        out.update(cycles=cycles, tau=N / cycles, rows_per_cycle=1 + drafted / cycles)
-    return out
+        self.tokens += len(result.token_ids)
+        self.seconds += result.seconds
+        if hasattr(stats, "cycles"):    # a chain: tau = tokens after the first per target forward
+            self.N, self.cycles = self.N + stats.N - 1, self.cycles + stats.cycles
+        elif stats is not None:
+            self.N, self.K = self.N + stats.N, self.K + stats.K
+
+    def summary(self) -> dict:
+        out = {"tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens / self.seconds,
+               "outputs": self.outputs, "per_prompt_tokens_per_s": self.per_prompt,
+               "sources": {source: {"verified": v, "accepted": a, "acceptance": a / v}
+                           for source, (v, a) in self.sources.items()}}
+        if self.K:
+            out.update(N=self.N, K=self.K, alpha=self.N / self.K)
+        if self.cycles:
+            out.update(cycles=self.cycles, tau=self.N / self.cycles, rows_per_cycle=1 + self.drafted / self.cycles)
+        return out
+
+
+def decode_all(prompts, run) -> dict:
+    """run(key, ids) -> GenerationResult over every prompt in turn: the row's Tally summary."""
+    tally = Tally()
+    for key, ids in prompts:
+        tally.add(key, run(key, ids))
+    return tally.summary()
+
+
+def decode_interleaved(prompts, runs: list) -> list[dict]:
+    """Every run(key, ids) on each prompt before the next prompt, the order rotated one place per prompt: the
+    machine's speed drifts over minutes (on one machine the same AR row measured 20.7 and 28 tokens/s two hours
+    apart), and a row timed over all prompts after another meets another machine than its neighbour; taking turns
+    per prompt, every row meets the same moments. Returns each run's Tally summary, in the order given."""
+    tallies = [Tally() for _ in runs]
+    for i, (key, ids) in enumerate(tqdm(prompts, desc="prompts, every row in turn")):
+        for j in [(i + k) % len(runs) for k in range(len(runs))]:
+            tallies[j].add(key, runs[j](key, ids))
+    return [tally.summary() for tally in tallies]
 
 
 def matching_checkpoint(checkpoints: list[str], n: int, bounds: list[int]) -> str | None:
@@ -226,15 +255,28 @@ def eagle3_rows(args, prompts, cores: int) -> list[dict]:
 
 
 def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
+    """The single-process field at every temperature — the suite's AR, transformers `generate` (and its prompt
+    lookup), the priced context statistics, the lookup chain — timed taking turns on each prompt
+    (decode_interleaved), so every row of a cell meets the same machine."""
     torch.set_num_threads(cores)
     eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
     staged = StagedTarget(loaded.model, 1)
     base = {"runtime": "single process", "threads_per_process": cores, "processes": 1}
-    rows = []
+    lo, hi = args.lookup_ngrams
+    rows, runs, drafters = [], [], {}
+
+    def add(row: dict, run, drafter=None) -> None:
+        rows.append({**row, **base})
+        runs.append(run)
+        drafters[len(rows) - 1] = drafter
+
+    def chain_run(decoder, params):
+        return lambda key, ids: decoder.generate(ids, Request(args.max_new_tokens, params, seed_of(key)))
+
     for temperature in args.temperatures:
         params = params_for(temperature)
 
-        def hf(key, ids, lookup=None):
+        def hf(key, ids, lookup=None, temperature=temperature):
             from spd.decoding import GenerationResult
 
             torch.manual_seed(seed_of(key))
@@ -247,37 +289,31 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
                                         pad_token_id=loaded.tokenizer.pad_token_id or 0, **sample)
             return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
 
-        ar = build_decoder(AR, staged, eos)
-        result = decode_all(prompts, lambda key, ids: ar.generate(ids, Request(args.max_new_tokens, params,
-                                                                                seed_of(key))))
-        rows.append({"method": "ar", **base, "temperature": temperature, **result})
+        add({"method": "ar", "temperature": temperature}, chain_run(build_decoder(AR, staged, eos), params))
         if not args.skip_hf:
-            rows.append({"method": "hf_generate", **base, "temperature": temperature, **decode_all(prompts, hf)})
+            add({"method": "hf_generate", "temperature": temperature}, hf)
         if not args.lookup:
             continue
         if not args.skip_hf:
-            result = decode_all(prompts, lambda key, ids: hf(key, ids, lookup=args.hf_lookup_tokens))
-            rows.append({"method": "hf_prompt_lookup", **base, "temperature": temperature,
-                         "draft_length": args.hf_lookup_tokens, **result})
-        lo, hi = args.lookup_ngrams
+            add({"method": "hf_prompt_lookup", "temperature": temperature, "draft_length": args.hf_lookup_tokens},
+                lambda key, ids, hf=hf: hf(key, ids, lookup=args.hf_lookup_tokens))
         for width in args.suffix_widths:     # context statistics, priced with this machine's row costs
             budget = args.tree_nodes if width > 1 else args.suffix_length
             costs = cached_row_costs(staged, budget + 1)
             drafter = SuffixDrafter(1, hi, costs)       # what method=suffix builds (spd.drafters.suffix)
             decoder = build_decoder(CHAIN, staged, eos, drafter, draft_length=args.suffix_length, width=width,
                                     tree_nodes=args.tree_nodes)
-            result = decode_all(prompts, lambda key, ids: decoder.generate(
-                ids, Request(args.max_new_tokens, params, seed_of(key))))
-            rows.append({"method": "suffix", **base, "temperature": temperature, "draft_length": args.suffix_length,
-                         "W": width, "tree_nodes": args.tree_nodes if width > 1 else None, "ngrams": [lo, hi],
-                         "priced_out_share": drafter.priced_out / max(drafter.cycles, 1),
-                         "row_costs_s": list(costs.seconds), **result})
+            add({"method": "suffix", "temperature": temperature, "draft_length": args.suffix_length, "W": width,
+                 "tree_nodes": args.tree_nodes if width > 1 else None, "ngrams": [lo, hi],
+                 "row_costs_s": list(costs.seconds)}, chain_run(decoder, params), drafter)
         for m in args.draft_length:
             decoder = build_decoder(CHAIN, staged, eos, LookupDrafter(lo, hi), draft_length=m)
-            result = decode_all(prompts, lambda key, ids: decoder.generate(
-                ids, Request(args.max_new_tokens, params, seed_of(key))))
-            rows.append({"method": "lookup", **base, "temperature": temperature, "draft_length": m,
-                         "ngrams": [lo, hi], **result})
+            add({"method": "lookup", "temperature": temperature, "draft_length": m, "ngrams": [lo, hi]},
+                chain_run(decoder, params))
+    for i, result in enumerate(decode_interleaved(prompts, runs)):
+        rows[i].update(result)
+        if drafters[i] is not None:
+            rows[i]["priced_out_share"] = drafters[i].priced_out / max(drafters[i].cycles, 1)
     return rows
 
 
