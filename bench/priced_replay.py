@@ -2,8 +2,8 @@
 statistics at each W), its exact greedy cycles (spd.fast_eval_chain.replay) over the eval's cached 512-token
 traces, priced with this machine's row costs (spd.targets.row_costs, the profile the runtime uses): τ, rows per
 cycle, the share of cycles drafted, and the predicted speedup over AR = tokens × cost(1 row) / Σ cost(rows of each
-cycle) — on all positions and on the first 128 tokens of each answer. bench/wallclock.py checks the winners by the
-clock.
+cycle) — on all positions and on the first --heads tokens of each answer (128 unless asked). bench/wallclock.py
+checks the winners by the clock.
 
     spd-infer eval --config configs/eval/greedy.yaml           # records the 240 traces once (the trace cache)
     python bench/priced_replay.py --out docs/results/priced_replay.json
@@ -70,8 +70,10 @@ def main() -> int:
     ap.add_argument("--suffix-length", type=int, default=15)
     ap.add_argument("--tree-nodes", type=int, default=16)
     ap.add_argument("--lookup-length", type=int, default=7)
+    ap.add_argument("--heads", default="128", help="also each answer's first tokens alone, at these lengths")
     ap.add_argument("--out", default="docs/results/priced_replay.json")
     args = ap.parse_args()
+    heads = [int(h) for h in args.heads.split(",") if h]
     cfg = load_config(EvalConfig, "configs/eval/greedy.yaml", ["method=lookup"])
     session = open_session(cfg)
     traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens)
@@ -90,13 +92,13 @@ def main() -> int:
                                                                args.suffix_length, width, args.tree_nodes)
                      for width in (1, 4)}
         for name, (make, m, width, budget) in {**configs, **hindsight}.items():
-            for head in (None, 128):
+            for head in (None, *heads):
                 got = priced(make(), trace, m, width, budget, costs, head)
                 key = (name, head)
                 totals[key] = [a + b for a, b in zip(totals.get(key, [0, 0.0, 0, 0]), got)]
     rows = []
     for (name, head), (tokens, seconds, cycles, fed) in totals.items():
-        rows.append({"drafter": name, "positions": "first 128" if head else "all", "tokens": tokens,
+        rows.append({"drafter": name, "positions": f"first {head}" if head else "all", "tokens": tokens,
                      "tau": tokens / cycles, "rows_per_cycle": fed / cycles,
                      "predicted_speedup": tokens * costs.seconds[0] / seconds})
         print(f"{name:18s} {rows[-1]['positions']:9s} tau {rows[-1]['tau']:.3f} rows/cycle "
