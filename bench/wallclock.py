@@ -35,7 +35,6 @@ import time
 import zlib
 
 import torch
-from tqdm import tqdm
 
 from spd.checkpoint import read_checkpoint_config
 from spd.config import GenerateConfig, load_config
@@ -55,6 +54,7 @@ from spd.drafters.suffix import SuffixDrafter
 from spd.targets.row_costs import cached_row_costs
 from wallclock_sets import REPEAT_SPAN, prompt_set, summarise_set
 from wallclock_table import markdown
+from wallclock_turns import decode_all, decode_interleaved
 
 
 class TimedDrafter(WrappedDrafter):
@@ -78,62 +78,6 @@ def params_for(temperature: float) -> SamplingParams:
 
 def seed_of(key: str) -> int:
     return zlib.crc32(key.encode())
-
-
-class Tally:
-    """One row's totals over its prompts: pooled tokens/s, each prompt's tokens/s, each source's acceptance, and
-    L′acc (or τ for a chain) where there are steps. `outputs` ({prompt key: token ids}) lets main() check every
-    greedy row against the suite's AR."""
-
-    def __init__(self):
-        self.tokens = self.seconds = self.N = self.K = self.cycles = self.drafted = 0
-        self.outputs, self.sources, self.per_prompt = {}, {}, {}
-
-    def add(self, key: str, result) -> None:
-        self.outputs[key] = result.token_ids
-        self.per_prompt[key] = len(result.token_ids) / result.seconds
-        stats = result.stats
-        self.drafted += getattr(stats, "drafted", 0)
-        for source, (verified, accepted) in (stats.sources.items() if stats else ()):
-            total = self.sources.setdefault(source, [0, 0])
-            total[0], total[1] = total[0] + verified, total[1] + accepted
-        self.tokens += len(result.token_ids)
-        self.seconds += result.seconds
-        if hasattr(stats, "cycles"):    # a chain: tau = tokens after the first per target forward
-            self.N, self.cycles = self.N + stats.N - 1, self.cycles + stats.cycles
-        elif stats is not None:
-            self.N, self.K = self.N + stats.N, self.K + stats.K
-
-    def summary(self) -> dict:
-        out = {"tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens / self.seconds,
-               "outputs": self.outputs, "per_prompt_tokens_per_s": self.per_prompt,
-               "sources": {source: {"verified": v, "accepted": a, "acceptance": a / v}
-                           for source, (v, a) in self.sources.items()}}
-        if self.K:
-            out.update(N=self.N, K=self.K, alpha=self.N / self.K)
-        if self.cycles:
-            out.update(cycles=self.cycles, tau=self.N / self.cycles, rows_per_cycle=1 + self.drafted / self.cycles)
-        return out
-
-
-def decode_all(prompts, run) -> dict:
-    """run(key, ids) -> GenerationResult over every prompt in turn: the row's Tally summary."""
-    tally = Tally()
-    for key, ids in prompts:
-        tally.add(key, run(key, ids))
-    return tally.summary()
-
-
-def decode_interleaved(prompts, runs: list) -> list[dict]:
-    """Every run(key, ids) on each prompt before the next prompt, the order rotated one place per prompt: the
-    machine's speed drifts over minutes (on one machine the same AR row measured 20.7 and 28 tokens/s two hours
-    apart), and a row timed over all prompts after another meets another machine than its neighbour; taking turns
-    per prompt, every row meets the same moments. Returns each run's Tally summary, in the order given."""
-    tallies = [Tally() for _ in runs]
-    for i, (key, ids) in enumerate(tqdm(prompts, desc="prompts, every row in turn")):
-        for j in [(i + k) % len(runs) for k in range(len(runs))]:
-            tallies[j].add(key, runs[j](key, ids))
-    return [tally.summary() for tally in tallies]
 
 
 def matching_checkpoint(checkpoints: list[str], n: int, bounds: list[int]) -> str | None:
@@ -263,12 +207,12 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
     staged = StagedTarget(loaded.model, 1)
     base = {"runtime": "single process", "threads_per_process": cores, "processes": 1}
     lo, hi = args.lookup_ngrams
-    rows, runs, drafters = [], [], {}
+    rows, runs, drafters = [], [], []
 
     def add(row: dict, run, drafter=None) -> None:
         rows.append({**row, **base})
         runs.append(run)
-        drafters[len(rows) - 1] = drafter
+        drafters.append(drafter)
 
     def chain_run(decoder, params):
         return lambda key, ids: decoder.generate(ids, Request(args.max_new_tokens, params, seed_of(key)))

@@ -1,6 +1,6 @@
-"""bench/wallclock.py times its single-process rows taking turns on each prompt: every row decodes every prompt,
-the order rotates one place per prompt (so no row always runs first, after a warm-up or a cold cache), and each
-row's totals are its own prompts' results."""
+"""bench/wallclock.py times its single-process rows taking turns on each prompt (bench/wallclock_turns.py): every
+row decodes every prompt, the order rotates one place per prompt (so no row always runs first, after a warm-up or a
+cold cache), and each row's totals are its own prompts' results."""
 
 import os
 import sys
@@ -10,7 +10,7 @@ from spd.metrics import ChainStats
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-from wallclock import decode_all, decode_interleaved  # noqa: E402
+from wallclock_turns import decode_all, decode_interleaved  # noqa: E402
 
 
 def test_rows_take_turns_and_keep_their_own_totals():
