@@ -109,6 +109,24 @@ def test_a_later_visit_runs_only_the_rows_it_names():
     assert rows["hf_dynamic"]["error"].startswith("RuntimeError: accessing tensor output") and saved == [1]
 
 
+def test_hf_rows_time_each_prompt_after_its_own_warm_up():
+    import gpu
+
+    class Recording:                  # a static cache compiles again for every new prompt length
+        calls = []
+
+        def generate(self, input_ids, max_new_tokens, **kwargs):
+            self.calls.append(input_ids.shape[1])
+            return torch.cat([input_ids, torch.full((1, max_new_tokens), 7)], dim=1)
+
+    model = Recording()
+    rows = gpu.hf_rows(model, [[1, 2], [1, 2, 3]], 4, torch.device("cpu"), True, frozenset(),
+                       only=frozenset({"hf_dynamic"}))
+    assert model.calls == [2, 2, 3, 3]        # each prompt warmed, then timed
+    row = rows["hf_dynamic"]
+    assert row["tokens"] == 8 and row["first_call_seconds"] > 0 and row["tokens_per_s"] > 0
+
+
 def test_a_visit_can_give_a_step_a_longer_box(tmp_path):
     from types import SimpleNamespace
 
