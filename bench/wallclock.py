@@ -176,31 +176,29 @@ def local_spd_rows(args, prompts, cores: int) -> list[dict]:
     return rows
 
 
-def eagle3_rows(args, prompts, cores: int) -> list[dict]:
+def eagle3_decoders(args) -> list[tuple[dict, object, object]]:
     """EAGLE-3's chain (W = 1) and dynamic tree (W > 1, --tree-nodes nodes) with the module at --eagle3; per
-    --eagle3-sources, also beside the priced context statistics (draft_source=suffix+module, --suffix-length deep)."""
-    torch.set_num_threads(cores)
-    rows = []
+    --eagle3-sources, also beside the priced context statistics (draft_source=suffix+module, --suffix-length deep).
+    (row fields, decoder, drafter) each, built once for every temperature."""
+    built = []
     for width, source in itertools.product(args.widths, args.eagle3_sources):
         deep = [f"draft_length={args.suffix_length}"] if source == SUFFIX_MODULE else []
         cfg = load_config(GenerateConfig, None, [f"target={args.target}", "method=eagle3", f"checkpoint={args.eagle3}",
                                                  f"W={width}", f"tree_nodes={args.tree_nodes}",
                                                  f"draft_source={source}", *deep])
         session = open_session(cfg)
-        decoder = pick_decoder("eagle3", cfg, session, None, session.drafter())   # the chain, or the tree at W > 1
-        for temperature in args.temperatures:
-            result = decode_all(prompts, lambda key, ids: decoder.generate(
-                ids, Request(args.max_new_tokens, params_for(temperature), seed_of(key))))
-            rows.append({"method": "eagle3", "runtime": "single process", "processes": 1, "threads_per_process": cores,
-                         "module": "trained", "checkpoint": args.eagle3, "W": width, "draft_source": source,
-                         "draft_length": session.draft_length, "tree_nodes": session.tree_nodes if width > 1 else None,
-                         "temperature": temperature, **result})
-    return rows
+        drafter = session.drafter()
+        decoder = pick_decoder("eagle3", cfg, session, None, drafter)   # the chain, or the tree at W > 1
+        built.append(({"method": "eagle3", "module": "trained", "checkpoint": args.eagle3, "W": width,
+                       "draft_source": source, "draft_length": session.draft_length,
+                       "tree_nodes": session.tree_nodes if width > 1 else None}, decoder,
+                      drafter if source == SUFFIX_MODULE else None))
+    return built
 
 
 def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
     """The single-process field at every temperature — the suite's AR, transformers `generate` (and its prompt
-    lookup), the priced context statistics, the lookup chain — timed taking turns on each prompt
+    lookup), the priced context statistics, the lookup chain, EAGLE-3 (--eagle3) — timed taking turns on each prompt
     (decode_interleaved), so every row of a cell meets the same machine."""
     torch.set_num_threads(cores)
     eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
@@ -208,6 +206,8 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
     base = {"runtime": "single process", "threads_per_process": cores, "processes": 1}
     lo, hi = args.lookup_ngrams
     rows, runs, drafters = [], [], []
+    # per temperature: a drafter's tallies (cycles, priced out, module consulted) belong to one row
+    eagle3 = {t: eagle3_decoders(args) for t in args.temperatures} if args.eagle3 else {}
 
     def add(row: dict, run, drafter=None) -> None:
         rows.append({**row, **base})
@@ -254,10 +254,15 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
             decoder = build_decoder(CHAIN, staged, eos, LookupDrafter(lo, hi), draft_length=m)
             add({"method": "lookup", "temperature": temperature, "draft_length": m, "ngrams": [lo, hi]},
                 chain_run(decoder, params))
+    for temperature in args.temperatures:      # EAGLE-3 takes its turns too (its own session, built once)
+        for fields, decoder, drafter in eagle3.get(temperature, []):
+            add({**fields, "temperature": temperature}, chain_run(decoder, params_for(temperature)), drafter)
     for i, result in enumerate(decode_interleaved(prompts, runs)):
         rows[i].update(result)
         if drafters[i] is not None:
             rows[i]["priced_out_share"] = drafters[i].priced_out / max(drafters[i].cycles, 1)
+            if hasattr(drafters[i], "consulted"):      # cycles EAGLE-3's module drafted beside the statistics
+                rows[i]["module_consulted_share"] = drafters[i].consulted / max(drafters[i].cycles, 1)
     return rows
 
 
@@ -390,8 +395,6 @@ def set_rows(args, prompts, loaded) -> list[dict]:
     rows = single_process_rows(args, prompts, args.cores, loaded)
     if args.local_spd:
         rows += local_spd_rows(args, prompts, args.cores)
-    if args.eagle3:
-        rows += eagle3_rows(args, prompts, args.cores)
     if args.batch:
         rows += batched_rows(args, prompts, args.cores, loaded)
     for n in [int(x) for x in args.ns.split(",") if x]:          # --ns "": single-process rows only
