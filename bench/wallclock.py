@@ -152,28 +152,23 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model, c
     return rows
 
 
-def local_spd_rows(args, prompts, cores: int) -> list[dict]:
+def local_spd_decoders(args, stack: contextlib.ExitStack) -> dict[float, list[tuple[dict, object]]]:
     """SPD with the shipped n = 5 module, stages one after another in this process (the default until issue 22),
-    once per --widths entry (W > 1: draft trees)."""
-    torch.set_num_threads(cores)
-    rows = []
+    once per --widths entry (W > 1: draft trees): {temperature: [(row fields, decoder)]}, the stages held open by
+    `stack` while the field takes its turns."""
+    built: dict[float, list] = {t: [] for t in args.temperatures}
     for width in args.widths:
         cfg = load_config(GenerateConfig, None, [f"target={args.target}", "method=spd", "runtime=local", f"W={width}"])
         session = open_session(cfg)
-        with open_stages(session.staged, cfg, session.drafter().layers_needed(session.staged.bounds),
-                         session.cache_dir) as stages:
-            for temperature in args.temperatures:
-                decoder = build_decoder(PIPELINE, session.staged, session.eos_ids, session.drafter(), stages=stages,
-                                        width=session.width)
-                result = decode_all(prompts, lambda key, ids: decoder.generate(
-                    ids, Request(args.max_new_tokens, params_for(temperature), seed_of(key))))
-                n = session.staged.n
-                rows.append({"n": n, "bounds": "even", "stage_bounds": session.staged.bounds, "module": "shipped",
-                             "checkpoint": session.checkpoint, "method": "spd", "draft_source": "module", "W": width,
-                             "runtime": "local", "processes": 1, "threads_per_process": cores,
-                             "temperature": temperature, **result, "eal": n * result["alpha"],
-                             "s_per_step": result["seconds"] / result["K"]})
-    return rows
+        stages = stack.enter_context(open_stages(session.staged, cfg, session.drafter().layers_needed(
+            session.staged.bounds), session.cache_dir))
+        for temperature in args.temperatures:
+            decoder = build_decoder(PIPELINE, session.staged, session.eos_ids, session.drafter(), stages=stages,
+                                    width=session.width)
+            built[temperature].append(({"n": session.staged.n, "bounds": "even", "stage_bounds": session.staged.bounds,
+                                        "module": "shipped", "checkpoint": session.checkpoint, "method": "spd",
+                                        "draft_source": "module", "W": width, "runtime": "local"}, decoder))
+    return built
 
 
 def eagle3_decoders(args) -> list[tuple[dict, object, object]]:
@@ -198,8 +193,8 @@ def eagle3_decoders(args) -> list[tuple[dict, object, object]]:
 
 def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
     """The single-process field at every temperature — the suite's AR, transformers `generate` (and its prompt
-    lookup), the priced context statistics, the lookup chain, EAGLE-3 (--eagle3) — timed taking turns on each prompt
-    (decode_interleaved), so every row of a cell meets the same machine."""
+    lookup), the priced context statistics, the lookup chain, SPD in one process (--local-spd), EAGLE-3 (--eagle3) —
+    timed taking turns on each prompt (decode_interleaved), so every row of a cell meets the same machine."""
     torch.set_num_threads(cores)
     eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
     staged = StagedTarget(loaded.model, 1)
@@ -208,9 +203,11 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
     rows, runs, drafters = [], [], []
     # per temperature: a drafter's tallies (cycles, priced out, module consulted) belong to one row
     eagle3 = {t: eagle3_decoders(args) for t in args.temperatures} if args.eagle3 else {}
+    stack = contextlib.ExitStack()
+    spd = local_spd_decoders(args, stack) if args.local_spd else {}
 
     def add(row: dict, run, drafter=None) -> None:
-        rows.append({**row, **base})
+        rows.append({**base, **row})   # SPD says runtime=local
         runs.append(run)
         drafters.append(drafter)
 
@@ -254,11 +251,17 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
             decoder = build_decoder(CHAIN, staged, eos, LookupDrafter(lo, hi), draft_length=m)
             add({"method": "lookup", "temperature": temperature, "draft_length": m, "ngrams": [lo, hi]},
                 chain_run(decoder, params))
-    for temperature in args.temperatures:      # EAGLE-3 takes its turns too (its own session, built once)
+    for temperature in args.temperatures:      # SPD and EAGLE-3 take their turns too (own sessions, built once)
+        for fields, decoder in spd.get(temperature, []):
+            add({**fields, "temperature": temperature}, chain_run(decoder, params_for(temperature)))
         for fields, decoder, drafter in eagle3.get(temperature, []):
             add({**fields, "temperature": temperature}, chain_run(decoder, params_for(temperature)), drafter)
-    for i, result in enumerate(decode_interleaved(prompts, runs)):
+    with stack:
+        results = decode_interleaved(prompts, runs)
+    for i, result in enumerate(results):
         rows[i].update(result)
+        if rows[i]["method"] == "spd":
+            rows[i].update(eal=rows[i]["n"] * result["alpha"], s_per_step=result["seconds"] / result["K"])
         if drafters[i] is not None:
             rows[i]["priced_out_share"] = drafters[i].priced_out / max(drafters[i].cycles, 1)
             if hasattr(drafters[i], "consulted"):      # cycles EAGLE-3's module drafted beside the statistics
@@ -393,8 +396,6 @@ def main() -> int:
 
 def set_rows(args, prompts, loaded) -> list[dict]:
     rows = single_process_rows(args, prompts, args.cores, loaded)
-    if args.local_spd:
-        rows += local_spd_rows(args, prompts, args.cores)
     if args.batch:
         rows += batched_rows(args, prompts, args.cores, loaded)
     for n in [int(x) for x in args.ns.split(",") if x]:          # --ns "": single-process rows only
