@@ -31,8 +31,7 @@ from spd.engine import open_engine
 from spd.eval.output import write_json
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
-from wallclock import params_for, seed_of
-from wallclock_turns import decode_all
+from wallclock_turns import decode_all, params_for, seed_of
 from wallclock_sets import prompt_set
 
 

@@ -1,9 +1,23 @@
-"""How bench/wallclock.py (and bench/pipeline_rivals.py) total a row over its prompts, and how the rows of one field
-take turns on each prompt so that a machine whose speed drifts is shared by all of them."""
+"""How bench/wallclock.py (and bench/pipeline_rivals.py) sample and seed a prompt, total a row over its prompts, and how
+the rows of one field take turns on each prompt so that a machine whose speed drifts is shared by all of them."""
 
 from __future__ import annotations
 
+import zlib
+
 from tqdm import tqdm
+
+from spd.sampling import SamplingParams
+
+
+def params_for(temperature: float) -> SamplingParams:
+    """How every row samples at `temperature` (T = 0: greedy; T > 0: top-k 50, top-p 1)."""
+    return SamplingParams() if temperature == 0 else SamplingParams(temperature=temperature, top_k=50, top_p=1.0)
+
+
+def seed_of(key: str) -> int:
+    """One seed per prompt, the same for every row: sampled rows of a cell draw from the same seeds."""
+    return zlib.crc32(key.encode())
 
 
 class Tally:
