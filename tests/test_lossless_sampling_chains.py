@@ -1,0 +1,121 @@
+"""Sampling is lossless for the chain decoders (draft, then one target forward): the lookup chain and its trees, and
+the priced context statistics' trees — deterministic children verified by one draw of p per node. The model, prompt,
+exact distribution and the chi-square's power are tests/test_lossless_sampling.py's."""
+
+import pytest
+
+from spd.decoding import Request
+from spd.targets.stages import StagedTarget
+from spd.targets.tiny import tiny_model
+from test_lossless_sampling import ALPHA, LENGTH, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    return tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
+
+
+def sample_lookup(model, samples, seed, width=1, verdicts=None):
+    """The lookup chain (drafts copied from the context: deterministic, q = None) over PROMPT, whose one-token
+    n-grams recur in the short samples; returns the counts of each sampled continuation. width > 1: its trees
+    (PROMPT's "1" was followed by 4 and by 5: the root branches). verdicts: a list that receives every node's."""
+    from spd.drafters.lookup import LookupDrafter
+    from spd.runtime.chain import ChainDecoder
+
+    decoder = ChainDecoder(StagedTarget(model, 1), LookupDrafter(min_n=1, max_n=2), frozenset(), 2, width,
+                           8 if width > 1 else None)
+    return sample_chain(decoder, samples, seed, verdicts)
+
+
+def sample_chain(decoder, samples, seed, verdicts=None):
+    """Counts of each sampled continuation of PROMPT by a chain decoder; verdicts receives every node's."""
+    counts = {}
+    for i in range(samples):
+        out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i))
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        if verdicts is not None:
+            verdicts += out.stats.verdicts
+    return counts
+
+
+@pytest.mark.slow
+def test_lookup_chain_samples_the_target_distribution(small_vocab_model, monkeypatch):
+    """Point-mass drafts: accepted with probability p(x), else the residual p without x."""
+    import spd.sampling
+
+    verdicts = []
+    rule = spd.sampling.verify_point_mass
+
+    def counted(draft, p, g):
+        verdicts.append(rule(draft, p, g))
+        return verdicts[-1]
+
+    monkeypatch.setattr(spd.sampling, "verify_point_mass", counted)
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    counts = sample_lookup(small_vocab_model, SHORT, seed=4)
+    rejected = sum(not ok for ok, _ in verdicts)
+    assert rejected > SHORT * 0.1 and len(verdicts) - rejected > SHORT * 0.1    # both outcomes, often
+    assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+@pytest.mark.slow
+def test_lookup_tree_samples_the_target_distribution(small_vocab_model):
+    """W = 4: branching lookup candidates, deterministic, verified by one draw of p per node."""
+    from spd.drafters.lookup import LookupDrafter
+
+    drafter = LookupDrafter(min_n=1, max_n=2)
+    drafter.start(None, PROMPT + [1])
+    assert len(drafter.draft_tree(1, 2, 4, 8).children(0)) == 2           # after a sampled "1" the root branches
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    verdicts = []
+    counts = sample_lookup(small_vocab_model, SHORT, seed=8, width=4, verdicts=verdicts)
+    kept = sum(ok for _, _, ok in verdicts)
+    assert kept > SHORT * 0.1 and len(verdicts) - kept > SHORT * 0.1      # nodes kept and missed, often
+    assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+def test_a_point_mass_verifier_that_accepts_everything_is_caught(small_vocab_model, monkeypatch):
+    import spd.sampling
+
+    monkeypatch.setattr(spd.sampling, "verify_point_mass", lambda draft, p, g: (True, draft))
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    counts = sample_lookup(small_vocab_model, 1500, seed=5)
+    assert chi2_pvalue(counts, dist, 1500) < ALPHA
+
+
+def sample_suffix(model, samples, seed, verdicts=None):
+    """Context statistics, priced on a CPU-like curve (2 and 3 rows dearer than 4), W = 4 trees over PROMPT (its
+    "1" was followed by 4 and by 5: the root branches); each sample's predictor starts from its prior."""
+    from spd.drafters.suffix import SuffixDrafter
+    from spd.runtime.chain import ChainDecoder
+    from test_suffix import CPU_LIKE
+
+    decoder = ChainDecoder(StagedTarget(model, 1), SuffixDrafter(1, 2, CPU_LIKE), frozenset(), 2, 4, 8)
+    return sample_chain(decoder, samples, seed, verdicts)
+
+
+def test_priced_suffix_trees_sample_the_target_distribution(small_vocab_model):
+    """Deterministic children, several per node, verified by one draw of p; drafts priced per cycle."""
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    verdicts = []
+    counts = sample_suffix(small_vocab_model, SHORT, seed=9, verdicts=verdicts)
+    kept = sum(ok for _, _, ok in verdicts)
+    # nodes kept often, missed too (top_k=2: a node whose children hold both warped tokens never misses)
+    assert kept > SHORT * 0.1 and len(verdicts) - kept > SHORT * 0.05
+    assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+def test_a_chain_tree_verifier_that_keeps_the_first_child_is_caught(small_vocab_model, monkeypatch):
+    import spd.runtime.sequence
+
+    rule = spd.runtime.sequence.settle_children
+
+    def first_child(logits, children, params, generator):
+        index, token = rule(logits, children, params, generator)
+        return (0, children[0].token) if index is None else (index, token)
+
+    monkeypatch.setattr(spd.runtime.sequence, "settle_children", first_child)
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    counts = sample_suffix(small_vocab_model, 1500, seed=10)
+    assert chi2_pvalue(counts, dist, 1500) < ALPHA
