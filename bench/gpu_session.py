@@ -35,7 +35,6 @@ import json
 import lzma
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from gpu_pack import MIB, PACK_DIR, stash_and_assemble  # noqa: E402
+from gpu_training import DRY_TRAIN_S, Training  # noqa: E402
 
 # seconds per step: (GPU visit, dry run). The train box is whatever is left of --minutes after the others.
 # The H200 visit of 2026-11-26 (docs/results.md) trained a whole epoch of the extract in 218 s but ran out of box in
@@ -52,11 +52,10 @@ from gpu_pack import MIB, PACK_DIR, stash_and_assemble  # noqa: E402
 BOXES = {"setup": (36, 150), "correctness": (140, 120), "speed": (100, 90), "eval": (45, 90)}
 RESERVE_S = (10, 10)           # packing the results at the end
 MIN_TRAIN_S = (180, 20)
-DRY_TRAIN_S = 20               # the dry run's training box (probe, plan, train, SIGINT, export)
 RETURN_FILES, RETURN_BYTES, FILE_BYTES = 8, 64 * MIB, 16 * MIB
 
 
-class Visit:
+class Visit(Training):
     def __init__(self, args):
         self.args = args
         self.dry = args.dry_run
@@ -243,106 +242,6 @@ class Visit:
                           "max_new_tokens": 8 if dry else 64, "compile": not dry, "copy_mib": 8 if dry else 512},
                 "eval": {"limit": 1 if dry else 2, "max_new_tokens": 16 if dry else 128}}
 
-    # --- training ------------------------------------------------------------------------------------------
-
-    def train_keys(self, name: str) -> list[str]:
-        keys = [f"data.path={self.plan['data']}", f"model.target={self.plan['target']}", "wandb.mode=disabled",
-                "overwrite=true"] + ([f"model.n={name[1:]}"] if name[1:].isdigit() else [])   # n2, n5; eagle3
-        if self.dry:
-            keys += ["model.draft_vocab=0", "deepspeed.batch_size=2", "deepspeed.micro_batch=2",
-                     "data.max_length=256", "data.heldout=2", "eval_decodes=1", "eval_new_tokens=8",
-                     "model.stage_bounds=null"]   # the tiny target's 10 layers: even stages
-        return keys
-
-    def train(self, name: str, box: float) -> dict:
-        """Probe, plan, train until the box ends (SIGINT: the trainer saves), exporting every checkpoint."""
-        record = self.session["steps"][f"train_{name}"] = {"status": "running", "box_s": box}
-        started = time.time()
-        deadline = started + box
-        config = os.path.join(REPO, "configs", "train", f"gpu_{name}.yaml")
-        run_py = os.path.join(REPO, "train", "run.py")
-        probe_dir = os.path.join(self.work, f"probe_{name}")
-        probe_steps = 4 if self.dry else self.args.probe_steps
-        rc, probe_s = self.run_process([sys.executable, run_py, "--config", config, *self.train_keys(name),
-                                        f"output_dir={probe_dir}", f"optim.steps={probe_steps}",
-                                        "data.max_conversations=64" if self.dry else "data.max_conversations=512",
-                                        "eval_decodes=0", "save_every=0"],
-                                       # the dry run's box is short; a fresh machine's first DeepSpeed start builds
-                                       # an op first (~20 s), so its probe may take longer and the box starts after
-                                       300 if self.dry else deadline - time.time())
-        if self.dry:
-            deadline = max(deadline, time.time() + DRY_TRAIN_S / 2)
-        metrics = read_metrics(os.path.join(probe_dir, "metrics.jsonl"))
-        if rc != 0 or len(metrics) < 3:
-            record.update(status="failed", why=f"the probe run ended with {rc} after {len(metrics)} steps",
-                          probe_s=probe_s)
-            self.save()
-            return record
-        steady = metrics[1:]
-        tps = sorted(m["tokens_per_s"] for m in steady)[len(steady) // 2]
-        per_step = (metrics[-1]["train/tokens_seen"] - metrics[0]["train/tokens_seen"]) / (len(metrics) - 1)
-        startup_s = probe_s - sum(per_step / m["tokens_per_s"] for m in metrics)
-        left = deadline - time.time() - 1.5 * startup_s - 25 - 10
-        steps = max(2, int(left * tps / per_step))
-        if self.dry:        # far more steps than the box holds: the dry run's box always ends the run by SIGINT
-            steps = max(steps, 10**5)
-        save_every = max(1, int(60 * tps / per_step)) if not self.dry else 2
-        record.update(probe={"steps": len(metrics), "tokens_per_s": tps, "tokens_per_step": per_step,
-                             "startup_s": startup_s, "seconds": probe_s},
-                      planned_steps=steps, planned_tokens=int(steps * per_step), save_every=save_every)
-        self.log(f"train {name}: probe {tps:.0f} tokens/s, {per_step:.0f} tokens/step -> {steps} steps "
-                 f"(~{steps * per_step / 1e6:.2f}M tokens), a checkpoint every {save_every} steps")
-        self.save()
-        out_dir = os.path.join(self.work, f"train_{name}")
-        argv = [sys.executable, run_py, "--config", config, *self.train_keys(name), f"output_dir={out_dir}",
-                f"optim.steps={steps}", f"save_every={save_every}"]
-        self.log(f"train {name}: {' '.join(argv[1:])}")
-        record["command"] = " ".join(["python", *[os.path.relpath(a, REPO) if a.startswith(REPO) else a
-                                                  for a in argv[1:]]])
-        with open(self.log_path, "a") as log:
-            proc = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-            exported, stopped = None, None
-            while proc.poll() is None:
-                # the dry run stops only a run that has saved once: its box is too short to be sure of reaching the
-                # loop, and SIGINT during start-up would kill it without the save this path is there to check
-                # SIGINT 25 s before the box ends: the step in flight, the save and the last export fit inside it
-                stop_at = deadline - (0 if self.dry else 25)
-                due = time.time() > stop_at and (not self.dry or exported is not None or time.time() > stop_at + 60)
-                if due and stopped is None:
-                    proc.send_signal(signal.SIGINT)          # finish the step, save, exit 130
-                    stopped = time.time()
-                    self.log(f"train {name}: the box ended, SIGINT sent")
-                if stopped is not None and time.time() > stopped + (15 if self.dry else 30):
-                    proc.kill()
-                    self.log(f"train {name}: killed, no exit after SIGINT")
-                exported = self.export_if_new(name, out_dir, exported)
-                time.sleep(1 if self.dry else 5)
-            rc = proc.wait()
-        self.export_if_new(name, out_dir, exported)
-        metrics = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
-        record.update(rc=rc, seconds=time.time() - started, steps_done=len(metrics), stopped_by_box=stopped is not None,
-                      last=metrics[-1] if metrics else None,
-                      curve=[{k: m.get(k) for k in ("step", "train/loss", "train/top1", "tokens_per_s",
-                                                     "train/tokens_seen")} for m in metrics[:: max(1, len(metrics) // 40)]],
-                      status="ok" if name in self.session["modules"] else "failed")
-        self.save()
-        return record
-
-    def export_if_new(self, name: str, out_dir: str, exported):
-        config = os.path.join(out_dir, "checkpoint", "config.json")
-        if not os.path.isfile(config) or os.path.getmtime(config) == exported:
-            return exported
-        stamp = os.path.getmtime(config)
-        result = os.path.join(self.work, f"export_{name}.json")
-        rc, _ = self.run_process([sys.executable, os.path.join(HERE, "gpu_steps.py"), "export", "--plan",
-                                  self.plan_path, "--checkpoint", os.path.join(out_dir, "checkpoint"), "--name", name,
-                                  "--result", result], 120)
-        if rc == 0:
-            with open(result) as f:
-                self.session["modules"][name] = json.load(f)
-            self.save()
-        return stamp
-
     # --- the visit -----------------------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -391,19 +290,6 @@ class Visit:
         self.save()
         self.log(f"done in {time.time() - self.start:.0f} s: {len(files)} files, "
                  f"{sum(sizes.values()) / MIB:.1f} MiB in {self.out}" + ("" if ok else " (OVER the return limits)"))
-
-
-def read_metrics(path: str) -> list[dict]:
-    if not os.path.isfile(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
 
 
 def parse_boxes(words: list[str]) -> dict[str, float]:
