@@ -326,3 +326,15 @@ def test_a_lookup_in_the_pipeline_that_is_always_kept_is_caught(small_vocab_mode
     dist = exact_distribution(small_vocab_model, PARAMS)
     counts, _ = sample_spd(small_vocab_model, n=2, samples=1500, seed=7, lookup=True)
     assert chi2_pvalue(counts, dist, 1500) < ALPHA
+
+
+def sample_chain(decoder, samples, seed, verdicts=None):
+    """Counts of each sampled continuation of PROMPT by a chain decoder; verdicts receives every node's."""
+    counts = {}
+    for i in range(samples):
+        out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i))
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        if verdicts is not None:
+            verdicts += out.stats.verdicts
+    return counts

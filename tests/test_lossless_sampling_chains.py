@@ -4,10 +4,9 @@ exact distribution and the chi-square's power are tests/test_lossless_sampling.p
 
 import pytest
 
-from spd.decoding import Request
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
-from test_lossless_sampling import ALPHA, LENGTH, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
+from test_lossless_sampling import ALPHA, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution, sample_chain
 
 
 @pytest.fixture(scope="module")
@@ -25,18 +24,6 @@ def sample_lookup(model, samples, seed, width=1, verdicts=None):
     decoder = ChainDecoder(StagedTarget(model, 1), LookupDrafter(min_n=1, max_n=2), frozenset(), 2, width,
                            8 if width > 1 else None)
     return sample_chain(decoder, samples, seed, verdicts)
-
-
-def sample_chain(decoder, samples, seed, verdicts=None):
-    """Counts of each sampled continuation of PROMPT by a chain decoder; verdicts receives every node's."""
-    counts = {}
-    for i in range(samples):
-        out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i))
-        key = tuple(out.token_ids)
-        counts[key] = counts.get(key, 0) + 1
-        if verdicts is not None:
-            verdicts += out.stats.verdicts
-    return counts
 
 
 @pytest.mark.slow
