@@ -70,23 +70,25 @@ def local_spd_decoders(args, stack: contextlib.ExitStack) -> dict[float, list[tu
     return built
 
 
-def eagle3_decoders(args) -> list[tuple[dict, object, object]]:
+def eagle3_decoders(args) -> dict[float, list[tuple[dict, object, object]]]:
     """EAGLE-3's chain (W = 1) and dynamic tree (W > 1, --tree-nodes nodes) with the module at --eagle3; per
     --eagle3-sources, also beside the priced context statistics (draft_source=suffix+module, --suffix-length deep).
-    (row fields, decoder, drafter) each, built once for every temperature."""
-    built = []
+    {temperature: [(row fields, decoder, drafter)]}: one session each, a drafter of its own per temperature (its
+    tallies -- cycles, priced out, module consulted -- belong to one row)."""
+    built: dict[float, list] = {t: [] for t in args.temperatures}
     for width, source in itertools.product(args.widths, args.eagle3_sources):
         deep = [f"draft_length={args.suffix_length}"] if source == SUFFIX_MODULE else []
         cfg = load_config(GenerateConfig, None, [f"target={args.target}", "method=eagle3", f"checkpoint={args.eagle3}",
                                                  f"W={width}", f"tree_nodes={args.tree_nodes}",
                                                  f"draft_source={source}", *deep])
         session = open_session(cfg)
-        drafter = session.drafter()
-        decoder = pick_decoder("eagle3", cfg, session, None, drafter)   # the chain, or the tree at W > 1
-        built.append(({"method": "eagle3", "module": "trained", "checkpoint": args.eagle3, "W": width,
-                       "draft_source": source, "draft_length": session.draft_length,
-                       "tree_nodes": session.tree_nodes if width > 1 else None}, decoder,
-                      drafter if source == SUFFIX_MODULE else None))
+        fields = {"method": "eagle3", "module": "trained", "checkpoint": args.eagle3, "W": width,
+                  "draft_source": source, "draft_length": session.draft_length,
+                  "tree_nodes": session.tree_nodes if width > 1 else None}
+        for temperature in args.temperatures:
+            drafter = session.drafter()
+            decoder = pick_decoder("eagle3", cfg, session, None, drafter)   # the chain, or the tree at W > 1
+            built[temperature].append((fields, decoder, drafter if source == SUFFIX_MODULE else None))
     return built
 
 
@@ -100,8 +102,7 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
     base = {"runtime": "single process", "threads_per_process": cores, "processes": 1}
     lo, hi = args.lookup_ngrams
     rows, runs, drafters = [], [], []
-    # per temperature: a drafter's tallies (cycles, priced out, module consulted) belong to one row
-    eagle3 = {t: eagle3_decoders(args) for t in args.temperatures} if args.eagle3 else {}
+    eagle3 = eagle3_decoders(args) if args.eagle3 else {}
     stack = contextlib.ExitStack()
     spd = local_spd_decoders(args, stack) if args.local_spd else {}
 
