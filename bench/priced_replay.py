@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from spd.config import load_config
 from spd.drafters.lookup import LookupDrafter
-from spd.drafters.suffix import SuffixDrafter
+from spd.drafters.suffix import Retrieval, SuffixDrafter
+from spd.retrieval import open_datastore
 from spd.eval.config import EvalConfig
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
@@ -71,6 +72,7 @@ def main() -> int:
     ap.add_argument("--tree-nodes", type=int, default=16)
     ap.add_argument("--lookup-length", type=int, default=7)
     ap.add_argument("--heads", default="128", help="also each answer's first tokens alone, at these lengths")
+    ap.add_argument("--datastore", default=None, help="e.g. sharegpt: each suffix row also with this datastore")
     ap.add_argument("--out", default="docs/results/priced_replay.json")
     args = ap.parse_args()
     heads = [int(h) for h in args.heads.split(",") if h]
@@ -80,9 +82,14 @@ def main() -> int:
     costs = cached_row_costs(session.staged, args.tree_nodes + 1)
     configs = {f"lookup m={args.lookup_length}": (lambda: LookupDrafter(2, 8), args.lookup_length, 1,
                                                  args.lookup_length)}
+    retrieval = Retrieval(open_datastore(args.datastore, session.loaded.tokenizer,
+                                         session.loaded.model.config.vocab_size)) if args.datastore else None
     for width in [int(w) for w in args.suffix_widths.split(",") if w]:
         budget = args.tree_nodes if width > 1 else args.suffix_length
         configs[f"suffix W={width}"] = (lambda: SuffixDrafter(1, 8, costs), args.suffix_length, width, budget)
+        if retrieval is not None:
+            configs[f"suffix W={width} + datastore"] = (lambda: SuffixDrafter(1, 8, costs, retrieval=retrieval),
+                                                        args.suffix_length, width, budget)
     totals: dict = {}
     work = [(ds, q) for ds in DATASETS for q in load_questions(ds)[: args.limit]]
     for ds, q in tqdm(work, desc="traces", unit="prompt"):

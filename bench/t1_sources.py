@@ -29,13 +29,14 @@ from spd.decoding import Request, eos_ids_of
 from spd.checkpoint import load_checkpoint
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.lookup import LookupDrafter
-from spd.drafters.suffix import SuffixDrafter, _Node
+from spd.drafters.suffix import Retrieval, SuffixDrafter, _Node
 from spd.drafters.suffix_eagle3 import SuffixEagle3Drafter
 from spd.engine import build_decoder
 from spd.eval.output import write_json
 from spd.fast_eval_chain import replay
 from spd.methods import AR
 from spd.pricing import Evidence
+from spd.retrieval import open_datastore
 from spd.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.row_costs import cached_row_costs
@@ -122,14 +123,17 @@ def coverage(records: list[dict], ks=(1, 2, 4, 8, 16)) -> dict:
             "recycled_top_k": {k: v / n for k, v in recycled.items()}}
 
 
-def priced_replays(records: list[dict], costs, eagle3=None) -> list[dict]:
+def priced_replays(records: list[dict], costs, eagle3=None, retrieval=None) -> list[dict]:
     """Each drafter replayed over the sampled answers: tau, rows a cycle, and the speedup the row costs predict —
     before the drafter's own time, and with it (the replay's seconds, which are the drafter's work: its passes, its
-    statistics, the replay's walk). eagle3: (staged target, module) adds EAGLE-3's children beside the statistics."""
+    statistics, the replay's walk). eagle3: (staged target, module) adds EAGLE-3's children beside the statistics;
+    retrieval (spd.drafters.suffix.Retrieval): the default with a datastore's candidates too."""
     drafters = {"lookup chain m = 7": (lambda r: LookupDrafter(2, 8), 7, 1, 7),
                 "suffix W = 4 (the default)": (lambda r: SuffixDrafter(1, 8, costs), 15, 4, 16),
                 "suffix W = 4 + recycled (8 at depth 1, 2 below)": (lambda r: RecyclingSuffix(r, costs), 15, 4, 16),
                 "recycled only": (lambda r: RecyclingSuffix(r, costs, only=True), 15, 4, 16)}
+    if retrieval is not None:
+        drafters["suffix W = 4 + datastore"] = (lambda r: SuffixDrafter(1, 8, costs, retrieval=retrieval), 15, 4, 16)
     states = {}
     if eagle3 is not None:
         staged, module = eagle3
@@ -168,6 +172,7 @@ def main() -> int:
     ap.add_argument("--cache", default="outputs/cache/t1_sources.pt", help="the sampled answers, reused when present")
     ap.add_argument("--eagle3", default=None, help="an EAGLE-3 checkpoint: also its children beside the statistics")
     ap.add_argument("--sets", default="everyday,eval")
+    ap.add_argument("--datastore", default=None, help="e.g. sharegpt: also the default with this datastore")
     ap.add_argument("--out", default="docs/results/t1_sources.json")
     args = ap.parse_args()
     loaded = load_target()
@@ -183,7 +188,10 @@ def main() -> int:
     staged = StagedTarget(loaded.model, 1)
     costs = cached_row_costs(staged, 17)
     result = {"command": " ".join(["python", *sys.argv]), "row_costs_s": list(costs.seconds), "sets": {}}
-    eagle3 = None
+    eagle3 = retrieval = None
+    if args.datastore:
+        retrieval = Retrieval(open_datastore(args.datastore, loaded.tokenizer, loaded.model.config.vocab_size))
+        result["datastore"] = args.datastore
     if args.eagle3:
         eagle3 = (staged, load_checkpoint(args.eagle3, staged, loaded).eval())
         result["eagle3"] = args.eagle3
@@ -191,7 +199,7 @@ def main() -> int:
         if name not in args.sets.split(","):
             continue
         result["sets"][name] = {"prompts": len(records), **coverage(records),
-                                "replays": priced_replays(records, costs, eagle3)}
+                                "replays": priced_replays(records, costs, eagle3, retrieval)}
         print(name, {k: round(v, 3) for k, v in result["sets"][name]["own_top_k"].items()},
               {k: round(v, 3) for k, v in result["sets"][name]["recycled_top_k"].items()})
         for row in result["sets"][name]["replays"]:

@@ -14,7 +14,8 @@ def label(row: dict) -> str:
         return (f"{row['method']}{', ' + row['draft_source'] if row.get('draft_source') else ''}{where}, batched "
                 f"{row['max_batch']}")
     if row["method"] == "suffix":
-        return f"suffix m={row['draft_length']}" + (f", W={row['W']}, {row['tree_nodes']} nodes" if row["W"] > 1 else "")
+        return f"suffix m={row['draft_length']}" + (f", W={row['W']}, {row['tree_nodes']} nodes" if row["W"] > 1 else "") \
+            + (f", datastore={row['datastore']}" if row.get("datastore") else "")
     if row["method"] == "lookup":
         return f"lookup m={row['draft_length']}, n-grams {row['ngrams'][0]}..{row['ngrams'][1]}"
     if row["method"] == "hf_prompt_lookup":

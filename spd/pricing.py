@@ -7,8 +7,8 @@ from what the rows cost here and how likely each drafted node is to be kept.
 - `AcceptancePredictor`: P(a node is kept | its parent was), per bucket of the drafter's own evidence (its source,
   the length of the context match behind it, the share of earlier continuations that agree, how many there were,
   its depth), counted online from the run's own verdicts over a prior from the evidence, scaled by the request's
-  calibration (kept over expected, pooled over the buckets, per bin of the target's top-2 margin at the newest
-  verified token). Verdicts are whatever verification decided — greedy or sampled — so at T = 1 it learns the
+  calibration (kept over expected, pooled over each source's buckets, per bin of the target's top-2 margin at the
+  newest verified token). Verdicts are whatever verification decided — greedy or sampled — so at T = 1 it learns the
   sampled acceptance; the drafter judges every candidate, drafted or not, so a bucket priced out can win back.
 - `choose`: the prefix of the candidates (best first, parents before children) that maximises expected tokens per
   second, 1 + sum of the kept nodes' reach probabilities over the forward's cost, where a draft must beat the plain
@@ -41,14 +41,15 @@ def _bin(value: float, edges: tuple[float, ...]) -> int:
 @dataclass
 class AcceptancePredictor:
     """Kept / proposed counts per bucket of evidence. A bucket's estimate starts from the drafter's own share, shrunk
-    by `prior_scale` and by the request's calibration — kept over expected across every bucket, so one run learns
-    within a few cycles whether its text repeats — with `prior_weight` pseudo-observations, and moves to what the
+    by `prior_scale` and by the request's calibration — kept over expected across every bucket of its source, so one
+    run learns within a few cycles whether its text repeats (and a corpus's continuations, kept far less often than
+    the context's own, do not talk the context down) — with `prior_weight` pseudo-observations, and moves to what the
     bucket's own verdicts say."""
     prior_weight: float = 2.0
     prior_scale: float = 0.8
     pool_weight: float = 4.0                           # pseudo-observations behind a calibration of 1
     counts: dict = field(default_factory=dict)        # bucket -> [kept, proposed]
-    pooled: dict = field(default_factory=dict)        # margin bin -> [kept, expected by the shares], every bucket
+    pooled: dict = field(default_factory=dict)        # (source, margin bin) -> [kept, expected by the shares]
 
     @staticmethod
     def bucket(e: Evidence) -> tuple:
@@ -56,7 +57,7 @@ class AcceptancePredictor:
                 _bin(e.support, (2, 4, 8)), _bin(e.depth, (2, 4)))
 
     def calibration(self, e: Evidence) -> float:
-        kept, expected = self.pooled.get(_bin(e.margin, MARGIN_EDGES), (0.0, 0.0))
+        kept, expected = self.pooled.get((e.source, _bin(e.margin, MARGIN_EDGES)), (0.0, 0.0))
         return (kept + self.pool_weight) / (expected + self.pool_weight)
 
     def prior(self, e: Evidence) -> float:
@@ -73,7 +74,7 @@ class AcceptancePredictor:
         entry = self.counts.setdefault(self.bucket(e), [0.0, 0.0])
         entry[0] += kept
         entry[1] += 1
-        pooled = self.pooled.setdefault(_bin(e.margin, MARGIN_EDGES), [0.0, 0.0])
+        pooled = self.pooled.setdefault((e.source, _bin(e.margin, MARGIN_EDGES)), [0.0, 0.0])
         pooled[0] += kept
         pooled[1] += self.prior(e)
 

@@ -14,7 +14,7 @@ from spd.drafters.draft_model import DraftLM
 from spd.eagle3_module import Eagle3Module
 from spd.errors import UserError
 from spd.methods import AR, METHODS, MODULE, behaviour, module_class
-from spd.drafters.suffix import SuffixMemory
+from spd.drafters.suffix import Retrieval, SuffixMemory
 from spd.module import SpeculationModule
 from spd.pricing import RowCosts
 from spd.prompts import conversation_ids
@@ -23,6 +23,7 @@ from spd.shipped import DEFAULT_N, checkpoint_for
 from spd.runtime.stages import check_runtime
 from spd.targets.loaded import DTYPES
 from spd.targets.loading import LoadedTarget, load_target
+from spd.retrieval import open_datastore
 from spd.targets.row_costs import cached_row_costs
 from spd.targets.weight_cache import load_parts, materialize
 from spd.targets.stages import StagedTarget
@@ -51,6 +52,7 @@ class Session:
     draft_model: DraftLM | None = None  # PipeDec: the draft model its first stage runs
     children: int | None = None        # pipelined trees: candidates drafted per tip (None: W)
     segment: int = 4                   # FlowSpec: nodes per segment
+    retrieval: Retrieval | None = None  # suffix with datastore=: a corpus's continuations are candidates too
 
     def drafter(self, use_cache: bool = True) -> Drafter | ChainDrafter | None:
         """The method's drafter (spd.methods names its factory); None for plain AR."""
@@ -59,7 +61,8 @@ class Session:
             return None
         return behaviour(make)(module=self.module, embed=self.staged.embed, draft_source=self.draft_source,
                                ngrams=self.lookup_ngrams, use_cache=use_cache, row_costs=self.row_costs,
-                               memory=self.memory, source_pricing=self.source_pricing, draft_model=self.draft_model)
+                               memory=self.memory, source_pricing=self.source_pricing, draft_model=self.draft_model,
+                               retrieval=self.retrieval)
 
     @property
     def drafts_with(self) -> str:
@@ -146,13 +149,18 @@ def open_session(cfg) -> Session:
     ngrams = (getattr(cfg, "lookup_min_ngram", 2), getattr(cfg, "lookup_max_ngram", 8))
     draft_length, width, tree_nodes = (cfg.draft_length or METHODS[method].draft_length, getattr(cfg, "W", 1),
                                        getattr(cfg, "tree_nodes", 16))
-    row_costs = memory = None
+    row_costs = memory = retrieval = None
     source = getattr(cfg, "draft_source", None) or (METHODS[method].sources or (MODULE,))[0]
     if METHODS[method].prices(source):
         if getattr(cfg, "draft_pricing", True):
             row_costs = cached_row_costs(staged, 1 + (tree_nodes if width > 1 else draft_length))
         if getattr(cfg, "suffix_memory", False):
             memory = SuffixMemory(1, ngrams[1])        # the sizes the drafter matches (spd.drafters.suffix)
+        if getattr(cfg, "datastore", None):
+            retrieval = Retrieval(open_datastore(cfg.datastore, loaded.tokenizer, loaded.model.config.vocab_size))
+    elif getattr(cfg, "datastore", None):
+        raise UserError(f"datastore= is read by method=suffix (and method=eagle3 draft_source=suffix+module); "
+                        f"method={method} drafts without it; drop datastore= or choose method=suffix")
     draft_model = None
     if METHODS[method].draft_model:
         if not 1 <= cfg.draft_layers <= num_layers:
@@ -164,7 +172,7 @@ def open_session(cfg) -> Session:
                    method, ngrams, source,
                    draft_length, width, tree_nodes, row_costs,
                    memory, getattr(cfg, "source_pricing", False), draft_model, getattr(cfg, "children", None),
-                   getattr(cfg, "segment", 4))
+                   getattr(cfg, "segment", 4), retrieval)
 
 
 def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> str:

@@ -1,6 +1,7 @@
 """Sampling is lossless for the chain decoders (draft, then one target forward): the lookup chain and its trees, and
 the priced context statistics' trees — deterministic children verified by one draw of p per node. The model, prompt,
-exact distribution and the chi-square's power are tests/test_lossless_sampling.py's."""
+exact distribution and the chi-square's power are tests/test_lossless_sampling.py's. With a datastore too
+(spd.datastore): its children are deterministic as well."""
 
 import pytest
 
@@ -106,3 +107,23 @@ def test_a_chain_tree_verifier_that_keeps_the_first_child_is_caught(small_vocab_
     dist = exact_distribution(small_vocab_model, PARAMS)
     counts = sample_suffix(small_vocab_model, 1500, seed=10)
     assert chi2_pvalue(counts, dist, 1500) < ALPHA
+
+
+def test_priced_suffix_trees_with_a_datastore_sample_the_target_distribution(small_vocab_model):
+    """The corpus's deterministic children beside the context's (spd.datastore), priced, verified by one draw of p."""
+    import random
+
+    from spd.datastore import Datastore
+    from spd.drafters.suffix import DATASTORE, Retrieval, SuffixDrafter
+    from spd.runtime.chain import ChainDecoder
+    from test_suffix import CPU_LIKE
+
+    rng = random.Random(4)
+    store = Datastore.build([[rng.randrange(16) for _ in range(400)]], 16)
+    drafter = SuffixDrafter(1, 2, CPU_LIKE, retrieval=Retrieval(store, min_n=1))
+    decoder = ChainDecoder(StagedTarget(small_vocab_model, 1), drafter, frozenset(), 2, 4, 8)
+    verdicts = []
+    counts = sample_chain(decoder, SHORT, seed=11, verdicts=verdicts)
+    ours = [ok for _, source, ok in verdicts if source == DATASTORE]
+    assert sum(ours) > SHORT * 0.05 and len(ours) - sum(ours) > SHORT * 0.05     # corpus nodes kept and missed
+    assert chi2_pvalue(counts, exact_distribution(small_vocab_model, PARAMS), SHORT) > ALPHA

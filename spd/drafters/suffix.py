@@ -24,14 +24,16 @@ never use the memory) cannot change each other's figures, and the fast evaluator
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from spd.datastore import Datastore
 from spd.drafters.base import ChainDrafter
 from spd.drafters.lookup import NgramIndex
 from spd.pricing import AcceptancePredictor, Evidence, RowCosts, choose
 from spd.sampling import Proposal
 from spd.tree import DraftTree
 
+DATASTORE = "datastore"   # the source of candidates a datastore proposed
 SEPARATOR = -1      # between requests in a memory: no n-gram of real tokens contains it
 
 
@@ -45,6 +47,18 @@ class SuffixMemory:
     def add(self, tokens: list[int]) -> None:
         if len(self.index) + len(tokens) + 1 <= self.max_tokens:   # full: the memory stops growing
             self.index.extend([*tokens, SEPARATOR])
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """How the drafter reads a datastore (spd.datastore): the longest match of the context's last max_n tokens (at
+    least min_n), `limit` of its occurrences spread over the corpus, their next `depth` tokens. Over the 30 eval
+    prompts' greedy traces a sample of 16 predicted the same speedup as 64 or 256 (docs/results.md)."""
+    store: Datastore
+    max_n: int = 16
+    min_n: int = 2
+    limit: int = 16
+    depth: int = 8
 
 
 @dataclass
@@ -61,11 +75,13 @@ class SuffixDrafter(ChainDrafter):
     uses_margin = True
 
     def __init__(self, min_n: int = 1, max_n: int = 8, costs: RowCosts | None = None,
-                 memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64, edge: float = 0.1):
+                 memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64, edge: float = 0.1,
+                 retrieval: "Retrieval | None" = None):
         """costs: this machine's row costs (None: every row count costs the same, so every candidate is drafted up
         to the budget); enough: occurrences of the longest match after which shorter matches are not consulted;
-        edge: how much a draft's predicted rate must beat a plain step's (spd.pricing.choose)."""
-        self.min_n, self.max_n = min_n, max_n
+        edge: how much a draft's predicted rate must beat a plain step's (spd.pricing.choose); retrieval: a datastore
+        whose continuations of the context's suffix are candidates too (source "datastore")."""
+        self.min_n, self.max_n, self.retrieval = min_n, max_n, retrieval
         self.costs, self.memory, self.edge = costs, memory, edge
         self.enough, self.max_occurrences = enough, max_occurrences
         self.predictor = AcceptancePredictor()
@@ -134,50 +150,31 @@ class SuffixDrafter(ChainDrafter):
 
     def candidates(self, m: int, width: int, budget: int) -> tuple[list[_Node], list[Evidence]]:
         """The trie of the occurrences' continuations, best first (parents before children) with each node's
-        evidence; at most `budget` nodes, W children a node, depth m."""
+        evidence; at most `budget` nodes, W children a node, depth m. With a datastore, its trie's best `budget`
+        nodes follow as another source, under first tokens the context did not propose and in the root's room left
+        (a chain, W = 1, reads the corpus only where the context proposes nothing)."""
         longest, found = self._occurrences()
-        nodes: list[_Node] = []
-        root_children: dict[int, int] = {}
-        total = 0.0
-        for index, start, weight in found:
-            total += weight
-            children, parent = root_children, -1
-            for token in _continuation(index, start, m, index is self.index):
-                child = children.get(token)
-                if child is None:
-                    child = children[token] = len(nodes)
-                    nodes.append(_Node(token, parent, 1 if parent < 0 else nodes[parent].depth + 1))
-                nodes[child].weight += weight
-                children, parent = nodes[child].children, child
-        share = [node.weight / (nodes[node.parent].weight if node.parent >= 0 else total) for node in nodes]
-        reach = _along_paths(nodes, share)
-        order = sorted(range(len(nodes)), key=lambda i: (-reach[i], nodes[i].depth, i))
-        kept, position, count_of = [], {}, {}
-        for i in order:
-            if len(kept) == budget:
-                break
-            parent = nodes[i].parent
-            if parent >= 0 and parent not in position:
-                continue
-            if count_of.get(parent, 0) >= width:
-                continue
-            count_of[parent] = count_of.get(parent, 0) + 1
-            position[i] = len(kept)
-            kept.append(i)
-        out = [_Node(nodes[i].token, position[nodes[i].parent] if nodes[i].parent >= 0 else -1, nodes[i].depth,
-                     nodes[i].weight) for i in kept]
-        evidence = [Evidence("suffix", longest, share[i],
-                             nodes[nodes[i].parent].weight if nodes[i].parent >= 0 else total, nodes[i].depth,
-                             self.margin)
-                    for i in kept]
-        return out, evidence
+        paths = [(_continuation(index, start, m, index is self.index), weight) for index, start, weight in found]
+        nodes, evidence = _best_first(paths, width, budget, Evidence("suffix", longest, 0.0, 0.0, 0, self.margin))
+        if self.retrieval is not None:
+            r = self.retrieval
+            n, following = r.store.continuations(self.index.tokens, r.max_n, r.min_n, r.limit, min(m, r.depth))
+            first = {node.token for node in nodes if node.parent < 0}
+            more, more_evidence = _best_first([(path, 1.0) for path in following], width, budget,
+                                              Evidence(DATASTORE, n, 0.0, 0.0, 0, self.margin), skip=first)
+            offset = len(nodes)
+            nodes += [_Node(node.token, node.parent + offset if node.parent >= 0 else -1, node.depth, node.weight)
+                      for node in more]
+            evidence += more_evidence
+        return nodes, evidence
 
     def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
         nodes, evidence = self.candidates(m, width, budget)
         reach = _along_paths(nodes, [self.predictor.predict(e) for e in evidence])
         # the candidates by predicted reach, parents first (a child's reach never exceeds its parent's)
         order = sorted(range(len(nodes)), key=lambda i: (-reach[i], nodes[i].depth, i))
-        take = len(order) if self.costs is None else choose([reach[i] for i in order], self.costs, self.edge)
+        take = min(len(order), budget) if self.costs is None else \
+            choose([reach[i] for i in order[:budget]], self.costs, self.edge)
         self.cycles += 1
         self.priced_out += bool(nodes) and take == 0
         chosen = sorted(order[:take])          # candidate order is parents first
@@ -186,6 +183,47 @@ class SuffixDrafter(ChainDrafter):
             node_of[i] = tree.add(node_of[nodes[i].parent], Proposal(nodes[i].token, source=evidence[i].source))
         self.last = (nodes, evidence)
         return tree
+
+
+def _best_first(paths: list[tuple[list[int], float]], width: int, budget: int, like: Evidence,
+                skip: set[int] = frozenset()) -> tuple[list[_Node], list[Evidence]]:
+    """paths [(tokens, weight)] merged into a trie whose nodes carry the weight that reached them; its best `budget`
+    nodes by the product of shares along the path (parents before children, W children a node; the root's first
+    tokens in `skip` are another source's, left out and counted against its W), each with its evidence: `like`
+    with the node's share, support and depth."""
+    nodes: list[_Node] = []
+    root_children: dict[int, int] = {}
+    total = 0.0
+    for path, weight in paths:
+        total += weight
+        children, parent = root_children, -1
+        for token in path:
+            child = children.get(token)
+            if child is None:
+                child = children[token] = len(nodes)
+                nodes.append(_Node(token, parent, 1 if parent < 0 else nodes[parent].depth + 1))
+            nodes[child].weight += weight
+            children, parent = nodes[child].children, child
+    share = [node.weight / (nodes[node.parent].weight if node.parent >= 0 else total) for node in nodes]
+    reach = _along_paths(nodes, share)
+    order = sorted(range(len(nodes)), key=lambda i: (-reach[i], nodes[i].depth, i))
+    kept, position, count_of = [], {}, {-1: len(skip)}
+    for i in order:
+        if len(kept) == budget:
+            break
+        parent = nodes[i].parent
+        if (parent >= 0 and parent not in position) or (parent < 0 and nodes[i].token in skip):
+            continue
+        if count_of.get(parent, 0) >= width:
+            continue
+        count_of[parent] = count_of.get(parent, 0) + 1
+        position[i] = len(kept)
+        kept.append(i)
+    out = [_Node(nodes[i].token, position[nodes[i].parent] if nodes[i].parent >= 0 else -1, nodes[i].depth,
+                 nodes[i].weight) for i in kept]
+    evidence = [replace(like, share=share[i], depth=nodes[i].depth,
+                        support=nodes[nodes[i].parent].weight if nodes[i].parent >= 0 else total) for i in kept]
+    return out, evidence
 
 
 def _along_paths(nodes: list[_Node], chance: list[float]) -> list[float]:
@@ -210,8 +248,8 @@ def _continuation(index: NgramIndex, start: int, count: int, loops: bool) -> lis
 
 
 def chain_drafter(*, ngrams: tuple[int, int], row_costs: RowCosts | None = None, memory: SuffixMemory | None = None,
-                  **_) -> SuffixDrafter:
+                  retrieval: Retrieval | None = None, **_) -> SuffixDrafter:
     """The context statistics' drafter (spd.methods), priced with this machine's row costs: matches of one token up
     to ngrams[1] (lookup_min_ngram is the lookup's: here the pricing decides whether a short match drafts; over the
     240 eval traces one-token matches raise the predicted speedup from 2.21x to 2.27x, docs/results.md)."""
-    return SuffixDrafter(1, ngrams[1], costs=row_costs, memory=memory)
+    return SuffixDrafter(1, ngrams[1], costs=row_costs, memory=memory, retrieval=retrieval)

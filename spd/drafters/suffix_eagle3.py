@@ -22,7 +22,7 @@ import math
 import torch
 
 from spd.drafters.eagle3 import Eagle3Drafter
-from spd.drafters.suffix import SuffixDrafter, _Node
+from spd.drafters.suffix import Retrieval, SuffixDrafter, _Node
 from spd.methods import MODULE, SUFFIX_MODULE
 from spd.pricing import Evidence, RowCosts
 from spd.sampling import children_of_rows
@@ -32,8 +32,8 @@ EAGLE3 = "eagle3"
 
 class SuffixEagle3Drafter(SuffixDrafter):
     def __init__(self, eagle: Eagle3Drafter, costs: RowCosts | None = None, max_n: int = 8, width: int = 4,
-                 depth: int = 1, gate: float = 1.0):
-        super().__init__(1, max_n, costs)
+                 depth: int = 1, gate: float = 1.0, retrieval: Retrieval | None = None):
+        super().__init__(1, max_n, costs, retrieval=retrieval)
         self.eagle, self.eagle_width, self.eagle_depth, self.gate = eagle, width, depth, gate
         self.consulted = 0           # cycles EAGLE-3 drafted children in
 
@@ -78,9 +78,10 @@ class SuffixEagle3Drafter(SuffixDrafter):
 
 
 def chain_drafter(*, module, embed, draft_source: str = MODULE, row_costs: RowCosts | None = None,
-                  ngrams: tuple[int, int] = (1, 8), **_) -> Eagle3Drafter | SuffixEagle3Drafter:
+                  ngrams: tuple[int, int] = (1, 8), retrieval: Retrieval | None = None,
+                  **_) -> Eagle3Drafter | SuffixEagle3Drafter:
     """EAGLE-3's drafter (spd.methods): its module alone, or beside the context's statistics
     (draft_source=suffix+module)."""
     if draft_source == SUFFIX_MODULE:
-        return SuffixEagle3Drafter(Eagle3Drafter(module, embed), row_costs, ngrams[1])
+        return SuffixEagle3Drafter(Eagle3Drafter(module, embed), row_costs, ngrams[1], retrieval=retrieval)
     return Eagle3Drafter(module, embed)

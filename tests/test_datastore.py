@@ -1,0 +1,135 @@
+"""Drafting from a datastore (spd.datastore, datastore=): the suffix array finds what a scan of the corpus finds, the
+file round-trips and a wrong one is refused, its candidates are their own source for the pricing, and greedy decoding with
+them is the target's own while they are drafted and kept (sampling: tests/test_lossless_sampling_chains.py)."""
+
+import os
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from helpers import GREEDY, ar_run, prompt
+from spd.datastore import Datastore
+from spd.decoding import Request
+from spd.drafters.suffix import DATASTORE, Retrieval, SuffixDrafter
+from spd.errors import UserError
+from spd.pricing import AcceptancePredictor, Evidence
+from spd.runtime.chain import ChainDecoder
+from spd.targets.stages import StagedTarget
+from spd.targets.tiny import FAMILIES, tiny_model
+from test_suffix import CPU_LIKE
+
+
+def scan(documents, context, max_n, length):
+    """By brute force: the longest suffix of context (<= max_n) found inside one document, and every continuation."""
+    best, found = 0, []
+    for n in range(1, min(max_n, len(context)) + 1):
+        gram = context[len(context) - n:]
+        hits = [doc[i + n: i + n + length] for doc in documents for i in range(len(doc) - n + 1) if doc[i: i + n] == gram]
+        if not hits:
+            break
+        best, found = n, hits
+    return best, sorted(h for h in found if h)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=30), min_size=1, max_size=6),
+       st.lists(st.integers(0, 5), min_size=1, max_size=12), st.integers(1, 6))
+def test_the_suffix_array_finds_what_a_scan_finds(documents, context, max_n):
+    store = Datastore.build(documents, 6)
+    n, following = store.continuations(context, max_n, 1, limit=10_000, length=4)
+    want_n, want = scan(documents, context, max_n, 4)
+    assert n == want_n
+    assert sorted(following) == want
+
+
+def test_a_frequent_match_is_sampled_evenly_and_stops_at_a_document_end():
+    documents = [[1, 2, 3, i % 7 + 10] for i in range(500)] + [[9, 1, 2]]
+    store = Datastore.build(documents, 20)
+    n, following = store.continuations([5, 1, 2], 8, 1, limit=16, length=3)
+    assert n == 2 and len(following) == 16                       # "1 2" occurs 501 times: 16 of them, spread
+    assert all(path[0] == 3 and len(path) == 2 for path in following)    # the separator ends each continuation
+    assert len({path[1] for path in following}) == 7             # spread evenly: every one of the 7 endings
+    assert store.continuations([4, 4], 8, 1, 16, 3) == (0, [])  # a token the corpus never holds
+    assert store.continuations([7, 2], 8, 2, 16, 3) == (0, [])  # a one-token match, where two are asked
+
+
+def test_the_file_round_trips_and_a_wrong_one_is_refused(tmp_path):
+    from spd.retrieval import open_datastore
+
+    class Tokenizer:                   # what open_datastore reads of a tokenizer
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+        def __len__(self):
+            return len(self.vocab)
+
+    from spd.datastore import tokenizer_key
+
+    ours, theirs = Tokenizer({"a": 0, "b": 1, "c": 2}), Tokenizer({"a": 0, "c": 1, "b": 2})
+    store = Datastore.build([[0, 1, 2, 0, 1]], 3, {"tokenizer": tokenizer_key(ours)})
+    path = str(tmp_path / "store.safetensors")
+    store.save(path)
+    assert os.listdir(tmp_path) == ["store.safetensors"]           # nothing half-written beside it
+    again = open_datastore(path, ours, 3)
+    assert again.continuations([1, 2], 8, 1, 8, 4) == store.continuations([1, 2], 8, 1, 8, 4) == (2, [[0, 1]])
+    with pytest.raises(UserError, match="another tokenizer"):
+        open_datastore(path, theirs, 3)
+    with pytest.raises(UserError, match="neither 'sharegpt' nor a datastore file"):
+        open_datastore(str(tmp_path / "missing.safetensors"), ours, 3)
+    (tmp_path / "junk.safetensors").write_text("not a datastore")
+    with pytest.raises(UserError, match="not a datastore file"):
+        open_datastore(str(tmp_path / "junk.safetensors"), ours, 3)
+
+
+def test_a_corpus_that_is_seldom_right_does_not_talk_the_context_down():
+    predictor = AcceptancePredictor()
+    context = Evidence("suffix", 4, 1.0, 3, 1, margin=2.0)
+    before = predictor.predict(context)
+    corpus = Evidence(DATASTORE, 4, 1.0, 3, 1, margin=2.0)
+    for _ in range(40):
+        predictor.observe(corpus, False)
+    assert predictor.predict(corpus) < 0.1
+    assert predictor.predict(context) == pytest.approx(before)      # the calibration is per source
+
+
+def test_candidates_from_the_context_come_first_and_the_corpus_adds_what_it_lacks():
+    store = Datastore.build([[1, 2, 7, 8], [1, 2, 3, 6]], 10)
+    drafter = SuffixDrafter(1, 4, retrieval=Retrieval(store, min_n=2))
+    drafter.start(None, [5, 1, 2, 3, 9, 1, 2])
+    nodes, evidence = drafter.candidates(m=2, width=4, budget=8)
+    sources = [(nodes[i].token, nodes[i].parent, evidence[i].source) for i in range(len(nodes))]
+    assert sources[:2] == [(3, -1, "suffix"), (9, 0, "suffix")]
+    # the corpus's "1 2" went on with 7 8 and 3 6; 3 is the context's already, so its subtree is left out
+    assert sources[2:] == [(7, -1, DATASTORE), (8, 2, DATASTORE)]
+    assert [e.match for e in evidence[2:]] == [2, 2] and evidence[2].share == pytest.approx(0.5)
+
+
+def answers(model, prompts, length):
+    return [ar_run(model, p, length).token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("width,costs", [(1, None), (4, CPU_LIKE)])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_with_a_datastore_decodes_what_ar_decodes(family, width, costs):
+    """The corpus holds the AR answers of half the prompts (drafted and kept there) and random text (drafted and
+    missed): every output is AR's. Untied models: their answers depend on the whole context (a tied tiny model
+    repeats one token, which the context's own statistics already draft)."""
+    model = tiny_model(family, tied=False)
+    vocab = model.config.vocab_size
+    prompts = [prompt(seed + 300, vocab=vocab) for seed in range(4)]
+    want = answers(model, prompts, 40)
+    noise = [[random.Random(i).randrange(vocab) for _ in range(200)] for i in range(5)]
+    store = Datastore.build([prompts[0] + want[0], prompts[2] + want[2], *noise], vocab)
+    drafter = SuffixDrafter(1, 4, costs, retrieval=Retrieval(store, min_n=1))
+    decoder = ChainDecoder(StagedTarget(model, 1), drafter, frozenset(), 8, width, 12 if width > 1 else None)
+    kept = missed = 0
+    for p, ids in zip(prompts, want):
+        out = decoder.generate(p, Request(40, GREEDY))
+        assert out.token_ids == ids, family
+        verified, accepted = out.stats.sources.get(DATASTORE, (0, 0))
+        kept, missed = kept + accepted, missed + verified - accepted
+    assert kept >= 10 and missed >= 1
