@@ -11,6 +11,8 @@ tokens must equal the target's greedy trace. A difference is acceptable only whe
         --out docs/results/fast_eval_check_chain_lookup.json
     python bench/fast_eval_check_chain.py --checkpoint CKPT --ms 5 --width 4 --tree-nodes 16   # EAGLE-3's trees
     python bench/fast_eval_check_chain.py --method suffix --ms 15 --width 4 --limit 80 --max-new-tokens 16
+    python bench/fast_eval_check_chain.py --method suffix --ms 15 --width 4 --limit 80 --max-new-tokens 16 \
+        --datastore sharegpt --out docs/results/fast_eval_check_chain_datastore.json
 Resumable: finished (m, prompt) rows are kept in <out>l and skipped. Writes docs/results/fast_eval_check_chain.json.
 """
 
@@ -27,7 +29,8 @@ from spd.checkpoint import load_checkpoint
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.lookup import LookupDrafter
-from spd.drafters.suffix import SuffixDrafter
+from spd.drafters.suffix import Retrieval, SuffixDrafter
+from spd.retrieval import open_datastore
 from spd.engine import build_decoder
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
@@ -56,6 +59,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--cache-dir", default="outputs/cache/traces")
+    ap.add_argument("--datastore", default=None, help="method=suffix: with this datastore's candidates too (sharegpt)")
     ap.add_argument("--out", default="docs/results/fast_eval_check_chain.json")
     args = ap.parse_args()
     if args.method == "eagle3" and not args.checkpoint:
@@ -64,6 +68,8 @@ def main() -> int:
     loaded = load_target("smollm2")
     staged = StagedTarget(loaded.model, 1)
     module = load_checkpoint(args.checkpoint, staged, loaded).eval() if args.method == "eagle3" else None
+    retrieval = Retrieval(open_datastore(args.datastore, loaded.tokenizer, loaded.model.config.vocab_size)) \
+        if args.datastore else None
     rows_path = args.out + "l"
     done = finished_rows(rows_path, "m")
     prompts = eval_prompts(loaded.tokenizer, args.limit)
@@ -81,11 +87,12 @@ def main() -> int:
                 trace, _ = traces.get(ds, qid, ids)
                 with torch.no_grad():
                     if costs is not None:       # a fresh drafter per prompt on both sides: the predictor starts equal
-                        runtime = build_decoder(CHAIN, staged, traces.eos, SuffixDrafter(1, lookup[1], costs),
+                        runtime = build_decoder(CHAIN, staged, traces.eos,
+                                                SuffixDrafter(1, lookup[1], costs, retrieval=retrieval),
                                                 width=args.width, draft_length=m,
                                                 tree_nodes=args.tree_nodes if tree else None)
-                        fast = {**fast_tree_stats(SuffixDrafter(1, lookup[1], costs), trace, m, args.width,
-                                                  args.tree_nodes if tree else m), "min_module_margin": None}
+                        fast = {**fast_tree_stats(SuffixDrafter(1, lookup[1], costs, retrieval=retrieval), trace, m,
+                                                  args.width, args.tree_nodes if tree else m), "min_module_margin": None}
                     elif tree and module:    # the replay has no margins of its own; the target's still decide
                         fast = {**fast_tree_stats(Eagle3Drafter(module, staged.embed), trace, m, args.width,
                                                   args.tree_nodes), "min_module_margin": None}
@@ -98,6 +105,7 @@ def main() -> int:
                 f, s = summary(fast["stats"]), summary(slow.stats)
                 row = {"m": m, "W": args.width, "dataset": ds, "question_id": qid, "checkpoint": args.checkpoint, "method": args.method,
                        "fast": f, "runtime": s, "equal": f == s, "accepted_drafts": slow.stats.accepted,
+                       "datastore": args.datastore, "sources": slow.stats.sources,
                        "runtime_equals_target": slow.token_ids == trace.tokens,
                        "min_module_margin": fast["min_module_margin"], "min_target_margin": fast["min_target_margin"]}
                 sink.write(json.dumps(row) + "\n")
@@ -114,6 +122,9 @@ def main() -> int:
         entry["accepted_drafts"] += r["accepted_drafts"]
         entry["equal"] += r["equal"]
         entry["runtime_equals_target"] += r["runtime_equals_target"]
+        for source, (verified, accepted) in (r.get("sources") or {}).items():   # drafts verified and kept, per source
+            total = entry.setdefault("sources", {}).setdefault(source, [0, 0])
+            total[0], total[1] = total[0] + verified, total[1] + accepted
     result = {"max_new_tokens": args.max_new_tokens, "limit_per_dataset": args.limit, "per_m": per_m,
               "differences": differences, "unexplained_differences": len(unexplained_rows)}
     write_json(args.out, result)

@@ -8,14 +8,19 @@ a YAML file, means the user chose, and nothing is changed: `runtime=local` alone
 
 from __future__ import annotations
 
+from spd.targets.source import DEFAULT_TARGET
+
 # device type -> temperature regime -> the keys of the fastest lossless row. 2-core CPUs: bench/wallclock.py over the
 # eval and everyday sets (docs/results.md, "Drafts priced by the machine", second pass): greedy, the priced context
 # statistics' trees (W = 4) led on average (2.24x / 1.57x against the lookup chain's 2.03x / 1.61x); sampled, the same
 # trees by a hair (1.08x / 1.06x against 1.07x / 1.05x; the first pass had the chain ahead, with a predictor that
-# paid for its greedy prior in every sampled request). On CUDA the H200 visit's bfloat16 table (docs/results.md,
-# "The first prepared visit"), where AR through CUDA graphs ran 242 tokens/s and SPD with graphs 47 (the chains
-# were not measured there).
-FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4}, "sampled": {"method": "suffix", "W": 4}},
+# paid for its greedy prior in every sampled request). With the ShareGPT datastore's continuations beside them
+# (issue 36's eighth look, the rows taking turns): 2.28x / 1.11x / 1.69x / 1.13x against 2.19x / 1.09x / 1.59x /
+# 1.09x without (everyday T = 0, T = 1, eval T = 0, T = 1) — measured on the default target only (fastest_default).
+# On CUDA the H200 visit's bfloat16 table (docs/results.md, "The first prepared visit"), where AR through CUDA graphs
+# ran 242 tokens/s and SPD with graphs 47 (the chains were not measured there).
+FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4, "datastore": "sharegpt"},
+                   "sampled": {"method": "suffix", "W": 4, "datastore": "sharegpt"}},
            "cuda": {"greedy": {"method": "ar", "cuda_graphs": True}, "sampled": {"method": "ar", "cuda_graphs": True}}}
 
 # keys that ask for SPD's pipeline or a module: a user who sets one of them gets what they asked for
@@ -29,11 +34,16 @@ def device_type(device: str) -> str:
 
 def fastest_default(cfg, defaults, given: set[str]) -> dict:
     """The keys to set on `cfg`: nothing where a choosing key was given on the command line (`given`, whatever its
-    value) or differs from its default in `defaults` (set by a YAML file)."""
+    value) or differs from its default in `defaults` (set by a YAML file); of the fastest row's other keys, those the
+    user set (W=1, datastore=null) are kept. The datastore was measured on the default target only: another target
+    gets it by asking (it is built once for that target's tokenizer)."""
     if any(key in given or cfg[key] != defaults[key] for key in CHOOSING_KEYS):
         return {}
     regime = "greedy" if cfg.temperature == 0 else "sampled"
-    return dict(FASTEST.get(device_type(cfg.device), {}).get(regime, {}))
+    chosen = dict(FASTEST.get(device_type(cfg.device), {}).get(regime, {}))
+    if cfg.target != DEFAULT_TARGET:
+        chosen.pop("datastore", None)
+    return {key: value for key, value in chosen.items() if key not in given and cfg[key] == defaults[key]}
 
 
 def apply_fastest_default(cfg, schema: type, overrides: list[str]) -> bool:

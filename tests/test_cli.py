@@ -106,6 +106,7 @@ def test_bad_checkpoints(capsys, tiny_target_dir, checkpoint, tmp_path):
     # another target: same architecture, different weights
     other = tmp_path / "other_target"
     save_tiny_target(str(other), seed=1)
+    capsys.readouterr()     # transformers' "Writing model shards" bar is the save's, not a refusal's
     cases = [
         ([f"checkpoint={tmp_path / 'missing'}"], "does not exist"),
         ([f"checkpoint={checkpoint}", "n=3"], "n=5"),
@@ -174,6 +175,7 @@ def test_the_default_is_the_fastest_measured_here_and_any_choosing_key_overrides
     default = json.loads(out)
     greedy = FASTEST["cpu"]["greedy"]
     assert code == 0 and default["method"] == greedy["method"] and default["W"] == greedy.get("W", 1)
+    assert default["datastore"] is None       # the datastore joins the default on the default target only
     assert default["default"] is True and default["token_ids"] == ar["token_ids"]       # lossless like every method
     code, _, err = run(capsys, *common)
     tree = f" W={greedy['W']} tree_nodes=16" if greedy.get("W", 1) > 1 else ""
@@ -191,6 +193,23 @@ def test_the_default_is_the_fastest_measured_here_and_any_choosing_key_overrides
     yaml.write_text("n: 2\n")                                    # a file that sets a choosing key chooses too
     assert main(["generate", "--config", str(yaml), *common, "json=true"]) == 0
     assert json.loads(capsys.readouterr().out)["method"] == "spd"
+
+
+def test_the_default_keeps_the_keys_a_user_set_and_the_datastore_is_the_default_targets():
+    from omegaconf import OmegaConf
+
+    from spd.config import GenerateConfig
+    from spd.fastest import FASTEST, fastest_default
+
+    defaults = OmegaConf.structured(GenerateConfig)
+    cfg = OmegaConf.structured(GenerateConfig)
+    assert fastest_default(cfg, defaults, set()) == FASTEST["cpu"]["greedy"]
+    assert FASTEST["cpu"]["greedy"]["datastore"] == "sharegpt"
+    assert "W" not in fastest_default(OmegaConf.merge(cfg, {"W": 1}), defaults, {"W"})       # W=1: a priced chain
+    assert "datastore" not in fastest_default(cfg, defaults, {"datastore"})                   # datastore=null: off
+    other = OmegaConf.merge(cfg, {"target": "path/to/another/model"})
+    assert "datastore" not in fastest_default(other, defaults, {"target"})   # measured on the default target only
+    assert fastest_default(OmegaConf.merge(cfg, {"n": 3}), defaults, {"n"}) == {}              # a choosing key
 
 
 def test_a_checkpoint_decodes_as_the_method_it_was_trained_as(capsys, tiny_target_dir, tmp_path):

@@ -133,3 +133,24 @@ def test_greedy_with_a_datastore_decodes_what_ar_decodes(family, width, costs):
         verified, accepted = out.stats.sources.get(DATASTORE, (0, 0))
         kept, missed = kept + accepted, missed + verified - accepted
     assert kept >= 10 and missed >= 1
+
+
+def test_the_replay_settles_what_the_runtime_settles_with_a_datastore():
+    from spd.fast_eval import record_greedy_trace
+    from spd.fast_eval_chain import fast_tree_stats
+
+    model = tiny_model("llama", tied=False)
+    vocab = model.config.vocab_size
+    staged = StagedTarget(model, 1)
+    prompts = [prompt(seed + 320, vocab=vocab) for seed in range(3)]
+    store = Datastore.build([p + a for p, a in zip(prompts[:2], answers(model, prompts[:2], 40))], vocab)
+    drafted = 0
+    for p in prompts:
+        make = lambda: SuffixDrafter(1, 4, CPU_LIKE, retrieval=Retrieval(store, min_n=1))   # noqa: E731
+        out = ChainDecoder(staged, make(), frozenset(), 8, 3, 12).generate(p, Request(40, GREEDY))
+        got = fast_tree_stats(make(), record_greedy_trace(staged, p, 40, frozenset()), 8, 3, 12)
+        want = out.stats
+        assert (got["stats"].N, got["stats"].cycles, got["stats"].verdicts) == (want.N, want.cycles, want.verdicts)
+        assert sum(got["rows_per_cycle"]) == want.drafted + want.cycles
+        drafted += want.sources.get(DATASTORE, (0, 0))[0]
+    assert drafted > 0

@@ -70,7 +70,12 @@ def test_the_gate_skips_eagle3_where_the_statistics_are_sure(family_model):
     assert any(e.source == EAGLE3 for e in evidence) and drafter.consulted == 1
 
 
-@pytest.mark.parametrize("width,budget,costs,depth", [(1, None, None, 1), (1, None, CPU_LIKE, 2),
+# a gentle curve: each row 2% dearer. Each source is calibrated on its own verdicts (spd.pricing), so on CPU_LIKE's a
+# random module's children seldom pay for a chain's rows (a tiny Gemma3's never did over three prompts)
+GENTLE = RowCosts(tuple(1.0 + 0.02 * i for i in range(20)))
+
+
+@pytest.mark.parametrize("width,budget,costs,depth", [(1, None, None, 1), (1, None, GENTLE, 2),
                                                       (4, 12, CPU_LIKE, 1), (3, 12, RowCosts.flat(20), 2)])
 def test_greedy_decodes_what_ar_decodes(family_model, width, budget, costs, depth):
     family, model = family_model
