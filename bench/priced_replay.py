@@ -35,8 +35,8 @@ class HindsightSuffix(SuffixDrafter):
     """The ceiling of the context statistics on this machine: each cycle it knows the trace, so it drafts exactly
     the candidates that will be kept (the best-first tree walked along the trace) when those rows pay, else none."""
 
-    def __init__(self, reference: list[int], costs):
-        super().__init__(1, 8, costs)
+    def __init__(self, reference: list[int], costs, retrieval=None):
+        super().__init__(1, 8, costs, retrieval=retrieval)
         self.reference = reference
 
     def draft_tree(self, root, m, width, budget, propose=None):
@@ -98,6 +98,9 @@ def main() -> int:
         hindsight = {f"hindsight ceiling, suffix W={width}": (lambda: HindsightSuffix(reference, costs),
                                                                args.suffix_length, width, args.tree_nodes)
                      for width in (1, 4)}
+        if retrieval is not None:      # the ceiling of the statistics and the datastore's candidates together
+            hindsight["hindsight ceiling, suffix W=4 + datastore"] = (
+                lambda: HindsightSuffix(reference, costs, retrieval), args.suffix_length, 4, args.tree_nodes)
         for name, (make, m, width, budget) in {**configs, **hindsight}.items():
             for head in (None, *heads):
                 got = priced(make(), trace, m, width, budget, costs, head)

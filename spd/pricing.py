@@ -48,6 +48,7 @@ class AcceptancePredictor:
     prior_weight: float = 2.0
     prior_scale: float = 0.8
     pool_weight: float = 4.0                           # pseudo-observations behind a calibration of 1
+    per_source: bool = True                            # False: one calibration for every source (SourcePricer)
     counts: dict = field(default_factory=dict)        # bucket -> [kept, proposed]
     pooled: dict = field(default_factory=dict)        # (source, margin bin) -> [kept, expected by the shares]
 
@@ -56,8 +57,11 @@ class AcceptancePredictor:
         return (e.source, _bin(e.match, (2, 3, 4, 6, 9)), _bin(e.share, (0.25, 0.5, 0.75, 0.999)),
                 _bin(e.support, (2, 4, 8)), _bin(e.depth, (2, 4)))
 
+    def _pool(self, e: Evidence) -> tuple:
+        return (e.source if self.per_source else None, _bin(e.margin, MARGIN_EDGES))
+
     def calibration(self, e: Evidence) -> float:
-        kept, expected = self.pooled.get((e.source, _bin(e.margin, MARGIN_EDGES)), (0.0, 0.0))
+        kept, expected = self.pooled.get(self._pool(e), (0.0, 0.0))
         return (kept + self.pool_weight) / (expected + self.pool_weight)
 
     def prior(self, e: Evidence) -> float:
@@ -74,7 +78,7 @@ class AcceptancePredictor:
         entry = self.counts.setdefault(self.bucket(e), [0.0, 0.0])
         entry[0] += kept
         entry[1] += 1
-        pooled = self.pooled.setdefault((e.source, _bin(e.margin, MARGIN_EDGES)), [0.0, 0.0])
+        pooled = self.pooled.setdefault(self._pool(e), [0.0, 0.0])
         pooled[0] += kept
         pooled[1] += self.prior(e)
 
@@ -120,7 +124,9 @@ class SourcePricer:
     MODULE = Evidence("module", 1, 1.0, 1.0, 1)
 
     def __init__(self):
-        self.predictor = AcceptancePredictor()
+        # one calibration for both sources: only drafted positions are judged here, so a source calibrated on its own
+        # verdicts alone could be priced out before it had any (the text's repetitiveness lifts the lookup's prior)
+        self.predictor = AcceptancePredictor(per_source=False)
         self.pending: dict[int, Evidence] = {}        # drafted position -> its evidence, until its verdict
 
     @staticmethod

@@ -16,6 +16,10 @@ by the edge. A cycle worth nothing drafts nothing (a plain AR step). Every candi
 (q = None), so verification keeps each child with exactly its p (`spd.sampling.settle_children`): greedy follows
 the argmax, sampling one draw of p — at T = 1 the predictor learns the sampled acceptance.
 
+A datastore (`Retrieval`, spd.datastore: `datastore=sharegpt` in the default on a CPU) adds a second trie: the
+continuations of the context's longest match in a corpus, as candidates of their own source ("datastore"), priced and
+calibrated apart from the context's — kept a third to half as often, they would otherwise talk the context down.
+
 An opt-in memory (`SuffixMemory`, shared by the drafters of one engine) adds earlier requests' prompts and answers to
 the occurrences searched, and keeps the predictor's counts from one request to the next: it changes which tokens are
 drafted, never which are output. Without it each request starts from the predictor's prior, so eval's prompts (which
@@ -76,7 +80,7 @@ class SuffixDrafter(ChainDrafter):
 
     def __init__(self, min_n: int = 1, max_n: int = 8, costs: RowCosts | None = None,
                  memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64, edge: float = 0.1,
-                 retrieval: "Retrieval | None" = None):
+                 retrieval: Retrieval | None = None):
         """costs: this machine's row costs (None: every row count costs the same, so every candidate is drafted up
         to the budget); enough: occurrences of the longest match after which shorter matches are not consulted;
         edge: how much a draft's predicted rate must beat a plain step's (spd.pricing.choose); retrieval: a datastore
