@@ -93,6 +93,19 @@ def test_cli_default_target(capsys):
     assert out["N"] >= 1 and out["text"]
 
 
+def test_the_default_drafts_from_the_sharegpt_datastore_and_decodes_what_ar_decodes(capsys):
+    """The README's first command on the default target: built once into this test session's cache, the ShareGPT
+    datastore drafts beside the context's statistics, and the answer is AR's token for token."""
+    common = ["generate", "prompt=Give me three tips for keeping houseplants alive.", "max_new_tokens=48", "json=true"]
+    assert main(common) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main([*common, "method=ar"]) == 0
+    ar = json.loads(capsys.readouterr().out)
+    assert default["default"] and default["method"] == "suffix" and default["datastore"] == "sharegpt"
+    assert default["token_ids"] == ar["token_ids"]
+    assert default["sources"]["datastore"][0] > 0          # the corpus's candidates were drafted (and verified)
+
+
 def test_fast_evaluator_matches_runtime_on_smollm2(smollm2):
     from spd.fast_eval import fast_greedy_stats, record_greedy_trace
 
