@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 
-from spd.train.data import EVERYDAY_PATH, _sharegpt_file, complete_records, normalise
+from spd.sharegpt import EVERYDAY_PATH, _sharegpt_file, complete_records, normalise
 
 
 def english(text: str) -> bool:

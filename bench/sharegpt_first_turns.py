@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 
-from spd.train.data import _sharegpt_file, complete_records, normalise
+from spd.sharegpt import _sharegpt_file, complete_records, normalise
 from spd.train.regenerate import first_prompt
 
 

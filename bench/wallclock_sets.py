@@ -8,7 +8,7 @@ import json
 
 from repetition import repeating
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.train.data import EVERYDAY_PATH
+from spd.sharegpt import EVERYDAY_PATH
 
 REPEAT_SPAN = 32
 

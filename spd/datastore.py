@@ -9,7 +9,7 @@ what a few dictionary probes do. A continuation is what followed an occurrence i
 from where the occurrence ends in the reversed one; it stops at the separator between two documents.
 
 Built once per tokenizer from the ShareGPT conversations' assistant turns (`sharegpt`; the everyday set's and the eval
-sets' conversations held out, spd.train.data), cached under $SPD_CACHE_DIR/datastore as a safetensors file, or from
+sets' conversations held out, spd.sharegpt), cached under $SPD_CACHE_DIR/datastore as a safetensors file, or from
 any token sequences (`Datastore.build`). The datastore only chooses what is drafted; verification decides what is
 output, so no datastore can change a decoded token (tests/test_datastore.py).
 """

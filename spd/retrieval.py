@@ -28,7 +28,7 @@ def _folded(text: str) -> str:
 def sharegpt_documents(log=print) -> tuple[list[str], dict]:
     """The assistant turns a `sharegpt` datastore holds, and what was held out."""
     from spd.prompts import DATASETS, load_questions
-    from spd.train.data import _sharegpt_file, complete_records, held_out_ids, normalise
+    from spd.sharegpt import _sharegpt_file, complete_records, held_out_ids, normalise
 
     everyday = {record_id.rsplit("_", 1)[0] for record_id in held_out_ids()}
     openings = [_folded(q["turns"][0].replace("Complete the code I provided.", ""))[:OPENING]
