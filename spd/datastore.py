@@ -16,6 +16,7 @@ output, so no datastore can change a decoded token (tests/test_datastore.py).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -61,21 +62,8 @@ class Datastore:
         def key(i: int) -> int:           # a suffix that ends before depth sorts first
             at = int(order[i]) + depth
             return int(rev[at]) if at < end else -1
-        a, b = lo, hi
-        while a < b:
-            mid = (a + b) // 2
-            if key(mid) < token:
-                a = mid + 1
-            else:
-                b = mid
-        first, b = a, hi
-        while a < b:
-            mid = (a + b) // 2
-            if key(mid) <= token:
-                a = mid + 1
-            else:
-                b = mid
-        return first, a
+        rows = range(len(order))
+        return bisect.bisect_left(rows, token, lo, hi, key=key), bisect.bisect_right(rows, token, lo, hi, key=key)
 
     def match(self, context: list[int], max_n: int) -> tuple[int, int, int]:
         """(n, lo, hi): the longest suffix of `context` (n <= max_n tokens) that occurs in the corpus, and the range
