@@ -103,8 +103,8 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
     base = {"runtime": "single process", "threads_per_process": cores, "processes": 1}
     lo, hi = args.lookup_ngrams
     rows, runs, drafters = [], [], []
-    retrieval = [Retrieval(open_datastore(args.datastore, loaded.tokenizer, loaded.model.config.vocab_size))] \
-        if args.datastore else []
+    retrieval = [(spec, Retrieval(open_datastore(spec, loaded.tokenizer, loaded.model.config.vocab_size)))
+                 for spec in args.datastore.split(",") if spec]
     eagle3 = eagle3_decoders(args) if args.eagle3 else {}
     stack = contextlib.ExitStack()
     spd = local_spd_decoders(args, stack) if args.local_spd else {}
@@ -141,7 +141,8 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
         if not args.skip_hf:
             add({"method": "hf_prompt_lookup", "temperature": temperature, "draft_length": args.hf_lookup_tokens},
                 lambda key, ids, hf=hf: hf(key, ids, lookup=args.hf_lookup_tokens))
-        for width, store in [(w, s) for w in args.suffix_widths for s in (None, *retrieval)]:
+        stores = ([] if args.skip_suffix_alone and retrieval else [(None, None)]) + retrieval
+        for width, (spec, store) in [(w, s) for w in args.suffix_widths for s in stores]:
             # context statistics, priced with this machine's row costs; and with the datastore's candidates too
             budget = args.tree_nodes if width > 1 else args.suffix_length
             costs = cached_row_costs(staged, budget + 1)
@@ -150,7 +151,7 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
                                     tree_nodes=args.tree_nodes)
             add({"method": "suffix", "temperature": temperature, "draft_length": args.suffix_length, "W": width,
                  "tree_nodes": args.tree_nodes if width > 1 else None, "ngrams": [lo, hi],
-                 "datastore": args.datastore if store else None,
+                 "datastore": spec,
                  "row_costs_s": list(costs.seconds)}, chain_run(decoder, params), drafter)
         for m in args.draft_length:
             decoder = build_decoder(CHAIN, staged, eos, LookupDrafter(lo, hi), draft_length=m)
@@ -264,7 +265,10 @@ def main() -> int:
                     help="with --batch: also SPD's pipeline of this n in stage processes under SEED's schedule")
     ap.add_argument("--suffix-widths", default="", help="e.g. 1,4: method=suffix rows (priced) at these W")
     ap.add_argument("--suffix-length", type=int, default=15, help="method=suffix's depth bound m")
-    ap.add_argument("--datastore", default="", help="e.g. sharegpt: each method=suffix row also with this datastore")
+    ap.add_argument("--datastore", default="", help="e.g. sharegpt,answers+sharegpt: each method=suffix row also "
+                    "with each of these datastores")
+    ap.add_argument("--skip-suffix-alone", action="store_true", help="with --datastore: no method=suffix row "
+                    "without one")
     ap.add_argument("--sets", default="eval", help="eval (the first --limit of each eval set) and/or everyday (the "
                     "30 held-out ShareGPT first turns, answers to EOS or --max-new-tokens)")
     ap.add_argument("--everyday-limit", type=int, default=30)

@@ -8,9 +8,8 @@ at a time (two binary searches a token, no n-gram tables), and the longest match
 what a few dictionary probes do. A continuation is what followed an occurrence in the forward corpus, read backwards
 from where the occurrence ends in the reversed one; it stops at the separator between two documents.
 
-Built once per tokenizer from the ShareGPT conversations' assistant turns (`sharegpt`; the everyday set's and the eval
-sets' conversations held out, spd.sharegpt), cached under $SPD_CACHE_DIR/datastore as a safetensors file, or from
-any token sequences (`Datastore.build`). The datastore only chooses what is drafted; verification decides what is
+Built from the ShareGPT conversations' assistant turns or the target's own answers (spd.retrieval), or from any token
+sequences (`Datastore.build`); several are read in turn as one (`Stores`). The datastore only chooses what is drafted; verification decides what is
 output, so no datastore can change a decoded token (tests/test_datastore.py).
 """
 
@@ -126,3 +125,53 @@ def tokenizer_key(tokenizer) -> str:
     """What a datastore's ids mean: the tokenizer's vocabulary, hashed."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:20]
+
+
+def save_documents(path: str, documents, meta: dict) -> None:
+    """The documents alone — their ids (uint16 where every id fits) and lengths — as one safetensors file, written
+    whole or not at all: small enough to ship in the package; `load_documents` + `Datastore.build` sorts them again
+    (about a second a million tokens)."""
+    from safetensors.numpy import save_file
+
+    lengths = np.array([len(doc) for doc in documents], dtype=np.int64)
+    ids = np.concatenate([np.asarray(doc, dtype=np.int64) for doc in documents]) if documents else np.zeros(0, np.int64)
+    ids = ids.astype(np.uint16 if ids.size == 0 or ids.max() < 2 ** 16 else np.int32)
+    tmp = path + ".tmp"
+    save_file({"ids": ids, "lengths": lengths}, tmp, metadata={"format": f"documents-{FORMAT}",
+                                                              "meta": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def load_documents(path: str) -> tuple[list[np.ndarray], dict]:
+    """(documents, meta) of a file `save_documents` wrote."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="numpy") as f:
+        header = f.metadata() or {}
+        if header.get("format") != f"documents-{FORMAT}":
+            raise ValueError(f"{path}: not a documents file of format {FORMAT}")
+        ids, lengths = f.get_tensor("ids").astype(np.int32), f.get_tensor("lengths")
+    return np.split(ids, np.cumsum(lengths)[:-1]) if len(lengths) else [], json.loads(header.get("meta", "{}"))
+
+
+class Stores:
+    """Several datastores read as one, in order: the first's occurrences of its longest match, then the next's up to
+    `limit` in all (so a small corpus of the target's own answers speaks first and a large one fills in); the match
+    length reported is the longest any of them found."""
+
+    def __init__(self, stores: list[Datastore]):
+        self.stores = list(stores)
+        self.meta = {"stores": [store.meta.get("source") for store in self.stores]}
+
+    def __len__(self) -> int:
+        return sum(len(store) for store in self.stores)
+
+    def continuations(self, context: list[int], max_n: int, min_n: int, limit: int, length: int
+                      ) -> tuple[int, list[list[int]]]:
+        longest, out = 0, []
+        for store in self.stores:
+            if len(out) >= limit:
+                break
+            n, following = store.continuations(context, max_n, min_n, limit - len(out), length)
+            longest, out = max(longest, n), out + following
+        return longest, out

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from helpers import GREEDY, ar_run, prompt
-from spd.datastore import Datastore
+from spd.datastore import Datastore, Stores, load_documents, save_documents
 from spd.decoding import Request
 from spd.drafters.suffix import DATASTORE, Retrieval, SuffixDrafter
 from spd.errors import UserError
@@ -78,11 +78,64 @@ def test_the_file_round_trips_and_a_wrong_one_is_refused(tmp_path):
     assert again.continuations([1, 2], 8, 1, 8, 4) == store.continuations([1, 2], 8, 1, 8, 4) == (2, [[0, 1]])
     with pytest.raises(UserError, match="another tokenizer"):
         open_datastore(path, theirs, 3)
-    with pytest.raises(UserError, match="neither 'sharegpt' nor a datastore file"):
+    with pytest.raises(UserError, match="neither 'sharegpt', 'answers' nor a datastore file"):
         open_datastore(str(tmp_path / "missing.safetensors"), ours, 3)
     (tmp_path / "junk.safetensors").write_text("not a datastore")
     with pytest.raises(UserError, match="not a datastore file"):
         open_datastore(str(tmp_path / "junk.safetensors"), ours, 3)
+
+
+def test_several_stores_speak_in_turn_up_to_the_limit():
+    first = Datastore.build([[1, 2, 3, 4]], 10)
+    second = Datastore.build([[0, 1, 2, 5, 6], [1, 2, 7], [9, 0, 1, 2, 8]], 10)
+    n, following = Stores([first, second]).continuations([0, 1, 2], 8, 1, limit=3, length=2)
+    assert n == 3                                     # the second's match is the longer: its length is reported
+    assert following[0] == [3, 4]                      # the first's occurrence comes first
+    assert sorted(following[1:]) == [[5, 6], [8]]     # then the second's, of its own longest match
+    # a first store that fills the limit leaves the second nothing; one that finds nothing leaves it everything
+    assert Stores([second, first]).continuations([0, 1, 2], 8, 1, 2, 2) == second.continuations([0, 1, 2], 8, 1, 2, 2)
+    assert Stores([first, second]).continuations([9, 0], 8, 2, 4, 2) == second.continuations([9, 0], 8, 2, 4, 2)
+    assert len(Stores([first, second])) == len(first) + len(second)
+
+
+@pytest.mark.parametrize("top", [9, 70_000])
+def test_the_documents_file_round_trips(tmp_path, top):
+    documents = [[1, 2, top], [], [top, 0]]
+    path = str(tmp_path / "docs.safetensors")
+    save_documents(path, documents, {"source": "answers", "tokenizer": "k"})
+    assert os.listdir(tmp_path) == ["docs.safetensors"]
+    got, meta = load_documents(path)
+    assert [doc.tolist() for doc in got] == documents and meta == {"source": "answers", "tokenizer": "k"}
+    Datastore.build([[0, 1]], 3).save(str(tmp_path / "store.safetensors"))
+    with pytest.raises(ValueError, match="not a documents file"):
+        load_documents(str(tmp_path / "store.safetensors"))
+
+
+def test_the_shipped_answers_are_found_by_tokenizer_and_joined_with_plus(tmp_path, monkeypatch):
+    import spd.retrieval as retrieval
+    from spd.datastore import tokenizer_key
+
+    class Tokenizer:
+        def get_vocab(self):
+            return {"a": 0, "b": 1, "c": 2}
+
+        def __len__(self):
+            return 3
+
+    monkeypatch.setattr(retrieval, "ANSWERS_DIR", str(tmp_path / "assets"))
+    tokenizer = Tokenizer()
+    with pytest.raises(UserError, match="no answers of a target with this tokenizer"):
+        retrieval.open_datastore("answers", tokenizer, 3)
+    os.makedirs(tmp_path / "assets")
+    save_documents(retrieval.answers_path(tokenizer_key(tokenizer)), [[0, 1, 2]], {"source": "answers"})
+    store = Datastore.build([[0, 1, 0]], 3, {"tokenizer": tokenizer_key(tokenizer)})
+    store.save(str(tmp_path / "other.safetensors"))
+    assert retrieval.open_datastore("answers", tokenizer, 3).continuations([0, 1], 8, 1, 8, 4) == (2, [[2]])
+    both = retrieval.open_datastore(f"answers+{tmp_path / 'other.safetensors'}", tokenizer, 3)
+    assert both.continuations([0, 1], 8, 1, 8, 4) == (2, [[2], [0]])
+    for spec in ("answers+answers", "answers+", "+answers"):
+        with pytest.raises(UserError, match="join distinct datastores"):
+            retrieval.open_datastore(spec, tokenizer, 3)
 
 
 def test_a_corpus_that_is_seldom_right_does_not_talk_the_context_down():
@@ -112,18 +165,20 @@ def answers(model, prompts, length):
     return [ar_run(model, p, length).token_ids for p in prompts]
 
 
-@pytest.mark.parametrize("width,costs", [(1, None), (4, CPU_LIKE)])
+@pytest.mark.parametrize("width,costs,split", [(1, None, False), (4, CPU_LIKE, False), (4, CPU_LIKE, True)])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_with_a_datastore_decodes_what_ar_decodes(family, width, costs):
+def test_greedy_with_a_datastore_decodes_what_ar_decodes(family, width, costs, split):
     """The corpus holds the AR answers of half the prompts (drafted and kept there) and random text (drafted and
-    missed): every output is AR's. Untied models: their answers depend on the whole context (a tied tiny model
-    repeats one token, which the context's own statistics already draft)."""
+    missed): every output is AR's — also read from two stores in turn (split). Untied models: their answers depend
+    on the whole context (a tied tiny model repeats one token, which the context's own statistics already draft)."""
     model = tiny_model(family, tied=False)
     vocab = model.config.vocab_size
     prompts = [prompt(seed + 300, vocab=vocab) for seed in range(4)]
     want = answers(model, prompts, 40)
     noise = [[random.Random(i).randrange(vocab) for _ in range(200)] for i in range(5)]
-    store = Datastore.build([prompts[0] + want[0], prompts[2] + want[2], *noise], vocab)
+    store = Stores([Datastore.build([prompts[0] + want[0], *noise[:2]], vocab),
+                    Datastore.build([prompts[2] + want[2], *noise[2:]], vocab)]) if split else \
+        Datastore.build([prompts[0] + want[0], prompts[2] + want[2], *noise], vocab)
     drafter = SuffixDrafter(1, 4, costs, retrieval=Retrieval(store, min_n=1))
     decoder = ChainDecoder(StagedTarget(model, 1), drafter, frozenset(), 8, width, 12 if width > 1 else None)
     kept = missed = 0

@@ -191,3 +191,42 @@ def test_many_sequences_decode_as_each_alone_on_smollm2(smollm2):
                 assert float(top[0] - top[1]) < 1e-4, (name, at)
                 near_ties += 1
     assert near_ties == 0
+
+
+def test_the_answers_corpus_holds_the_targets_greedy_answers_and_resumes(smollm2, tmp_path, monkeypatch):
+    """bench/target_answers.py, 3 answers of 12 tokens in chunks of 2: each answer is the target's own greedy decode
+    of its prompt, none of the prompts is the everyday set's, and a second run decodes nothing and writes the same
+    file."""
+    import os
+    import runpy
+    import sys
+
+    from spd.datastore import load_documents
+    from spd.retrieval import answer_prompts
+    from spd.sharegpt import held_out_ids
+
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "target_answers.py")
+    out, cache = tmp_path / "answers.safetensors", tmp_path / "cache"
+
+    def run() -> tuple[list[list[int]], dict]:
+        monkeypatch.setattr(sys, "argv", [script, "--count", "3", "--chunk", "2", "--batch", "2",
+                                          "--max-new-tokens", "12", "--cache-dir", str(cache), "--out", str(out)])
+        with pytest.raises(SystemExit) as exit:
+            runpy.run_path(script, run_name="__main__")
+        assert exit.value.code == 0
+        documents, meta = load_documents(str(out))
+        assert meta["answers"] == 3 and meta["tokenizer"] and meta["source"] == "answers"
+        return [doc.tolist() for doc in documents], meta
+
+    documents, meta = run()
+    prompts = answer_prompts(log=lambda message: None)
+    everyday = {record_id.rsplit("_", 1)[0] for record_id in held_out_ids()}
+    assert everyday and not everyday & {record_id.rsplit("_", 1)[0] for record_id, _ in prompts}
+    assert meta["record_ids"] == [record_id for record_id, _ in prompts[:3]]
+    decoder = ARDecoder(StagedTarget(smollm2.model, 1), eos_ids_of(smollm2.model.config, smollm2.tokenizer))
+    for (_, text), doc in zip(prompts, documents):
+        assert doc == decoder.generate(chat_prompt_ids(smollm2.tokenizer, text), Request(12, GREEDY)).token_ids
+    chunks = {path: os.path.getmtime(path) for path in (str(p) for p in cache.rglob("chunk*.pt"))}
+    assert len(chunks) == 2
+    assert run() == (documents, meta)
+    assert {path: os.path.getmtime(path) for path in chunks} == chunks      # nothing decoded again

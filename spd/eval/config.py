@@ -27,7 +27,8 @@ class EvalConfig:
     lookup_max_ngram: int = 8           # lookup, lookup+module: longest suffix compared
     draft_pricing: bool = True          # suffix: drafts priced per cycle (spd.pricing; generate's key)
     source_pricing: bool = False        # lookup+module: the source priced per step (spd.pricing.SourcePricer)
-    datastore: Optional[str] = None     # suffix: a corpus's continuations as candidates too (sharegpt or a file)
+    datastore: Optional[str] = None     # suffix: a corpus's continuations as candidates too (sharegpt, answers, a
+                                        # file, or several joined by +: spd.retrieval)
     datasets: List[str] = field(default_factory=lambda: ["mt_bench", "gsm8k", "humaneval"])  # first turns, in order
     limit: Optional[int] = None         # the first `limit` prompts of each dataset; None = all 80
     n: Optional[int] = None             # None = the checkpoint's n, else 5

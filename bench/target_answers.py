@@ -1,0 +1,99 @@
+"""The target's own answers as a datastore (issue 36, `datastore=answers`): the default target's greedy answers to
+ShareGPT first turns that no benchmark set holds (spd.retrieval.answer_prompts: the everyday set's conversations and
+any that quote an eval prompt are held out), decoded many at a time (spd.runtime.batch, plain AR, float32), kept in
+chunks under --cache-dir as they finish (an interrupted or time-limited run resumes at the first missing chunk), and
+packed into spd/assets/datastore/answers-<tokenizer key>.safetensors (ids and lengths only; the suffix array is built
+when a run opens it).
+
+ShareGPT's own assistant turns are another model's phrasing; the target's answers to similar requests are its own,
+which is what the drafts must match.
+
+    python bench/target_answers.py --count 8192 --minutes 60      # about 9,000 tokens a minute on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from spd.datastore import save_documents, tokenizer_key
+from spd.decoding import Request, eos_ids_of
+from spd.engine import build_batch_decoder
+from spd.methods import AR
+from spd.prompts import chat_prompt_ids
+from spd.retrieval import ANSWERS, answer_prompts, answers_path
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
+
+
+def chunk_path(directory: str, index: int) -> str:
+    return os.path.join(directory, f"chunk{index:05d}.pt")
+
+
+def complete_chunks(directory: str, prompts: list[tuple[str, str]], size: int) -> int:
+    """How many chunks from the first are on disk and answer the prompts this list puts there."""
+    done = 0
+    while os.path.isfile(chunk_path(directory, done)):
+        saved = torch.load(chunk_path(directory, done))
+        if saved["prompts"] != [text for _, text in prompts[done * size: (done + 1) * size]]:
+            break
+        done += 1
+    return done
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--count", type=int, default=8192, help="answers in the corpus (the first of the fixed order)")
+    ap.add_argument("--minutes", type=float, default=None, help="stop decoding after this long; pack what is done")
+    ap.add_argument("--batch", type=int, default=32, help="sequences per forward")
+    ap.add_argument("--chunk", type=int, default=128, help="answers a file under --cache-dir")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--cache-dir", default="outputs/cache/answers")
+    ap.add_argument("--out", default=None, help="default: the package's answers file for this tokenizer")
+    args = ap.parse_args()
+    loaded = load_target()
+    tokenizer, key = loaded.tokenizer, tokenizer_key(loaded.tokenizer)
+    directory = os.path.join(args.cache_dir, f"{loaded.fingerprint[:16]}-greedy-{args.max_new_tokens}")
+    os.makedirs(directory, exist_ok=True)
+    prompts = answer_prompts(log=lambda message: None)[: args.count]
+    chunks = -(-len(prompts) // args.chunk)
+    done = complete_chunks(directory, prompts, args.chunk)
+    decoder = build_batch_decoder(AR, StagedTarget(loaded.model, 1), eos_ids_of(loaded.model.config, tokenizer),
+                                  max_batch=args.batch)
+    request = Request(args.max_new_tokens)
+    pending = {index: [decoder.submit(chat_prompt_ids(tokenizer, text), request)
+                       for _, text in prompts[index * args.chunk: (index + 1) * args.chunk]]
+               for index in range(done, chunks)}
+    deadline = time.time() + 60 * args.minutes if args.minutes else None
+    bar = tqdm(total=len(prompts), initial=done * args.chunk, desc="answers", unit="answer")
+    while pending and (deadline is None or time.time() < deadline):
+        decoder.step()
+        for index in [i for i, tickets in pending.items() if all(t.done for t in tickets)]:
+            tickets = pending.pop(index)
+            path = chunk_path(directory, index)
+            torch.save({"prompts": [text for _, text in prompts[index * args.chunk: (index + 1) * args.chunk]],
+                        "tokens": [t.tokens for t in tickets]}, path + ".tmp")
+            os.replace(path + ".tmp", path)
+            bar.update(len(tickets))
+    bar.close()
+    done = complete_chunks(directory, prompts, args.chunk)
+    documents = [tokens for index in range(done) for tokens in torch.load(chunk_path(directory, index))["tokens"]]
+    meta = {"source": ANSWERS, "tokenizer": key, "target": loaded.fingerprint, "decoding": "greedy, float32",
+            "max_new_tokens": args.max_new_tokens, "answers": len(documents),
+            "tokens": sum(map(len, documents)), "record_ids": [rid for rid, _ in prompts[: len(documents)]],
+            "command": " ".join(["python", *sys.argv])}
+    out = args.out or answers_path(key)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    save_documents(out, documents, meta)
+    print(f"{len(documents)} answers, {meta['tokens']} tokens -> {out}"
+          + (f" ({len(pending)} chunks left: run again to go on)" if pending else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
