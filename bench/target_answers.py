@@ -69,7 +69,7 @@ def main() -> int:
     pending = {index: [decoder.submit(chat_prompt_ids(tokenizer, text), request)
                        for _, text in prompts[index * args.chunk: (index + 1) * args.chunk]]
                for index in range(done, chunks)}
-    deadline = time.time() + 60 * args.minutes if args.minutes else None
+    deadline = time.time() + 60 * args.minutes if args.minutes is not None else None
     bar = tqdm(total=len(prompts), initial=done * args.chunk, desc="answers", unit="answer")
     while pending and (deadline is None or time.time() < deadline):
         decoder.step()
@@ -86,7 +86,7 @@ def main() -> int:
     meta = {"source": ANSWERS, "tokenizer": key, "target": loaded.fingerprint, "decoding": "greedy, float32",
             "max_new_tokens": args.max_new_tokens, "answers": len(documents),
             "tokens": sum(map(len, documents)), "record_ids": [rid for rid, _ in prompts[: len(documents)]],
-            "command": " ".join(["python", *sys.argv])}
+            "packed_by": " ".join(["python", *sys.argv])}
     out = args.out or answers_path(key)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     save_documents(out, documents, meta)

@@ -19,8 +19,8 @@ from spd.targets.source import DEFAULT_TARGET
 # 1.09x without (everyday T = 0, T = 1, eval T = 0, T = 1) — measured on the default target only (fastest_default).
 # On CUDA the H200 visit's bfloat16 table (docs/results.md, "The first prepared visit"), where AR through CUDA graphs
 # ran 242 tokens/s and SPD with graphs 47 (the chains were not measured there).
-FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4, "datastore": "sharegpt"},
-                   "sampled": {"method": "suffix", "W": 4, "datastore": "sharegpt"}},
+FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"},
+                   "sampled": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"}},
            "cuda": {"greedy": {"method": "ar", "cuda_graphs": True}, "sampled": {"method": "ar", "cuda_graphs": True}}}
 
 # keys that ask for SPD's pipeline or a module: a user who sets one of them gets what they asked for

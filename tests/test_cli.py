@@ -204,7 +204,7 @@ def test_the_default_keeps_the_keys_a_user_set_and_the_datastore_is_the_default_
     defaults = OmegaConf.structured(GenerateConfig)
     cfg = OmegaConf.structured(GenerateConfig)
     assert fastest_default(cfg, defaults, set()) == FASTEST["cpu"]["greedy"]
-    assert FASTEST["cpu"]["greedy"]["datastore"] == "sharegpt"
+    assert FASTEST["cpu"]["greedy"]["datastore"] == "answers+sharegpt"
     assert "W" not in fastest_default(OmegaConf.merge(cfg, {"W": 1}), defaults, {"W"})       # W=1: a priced chain
     assert "datastore" not in fastest_default(cfg, defaults, {"datastore"})                   # datastore=null: off
     other = OmegaConf.merge(cfg, {"target": "path/to/another/model"})

@@ -93,15 +93,23 @@ def test_cli_default_target(capsys):
     assert out["N"] >= 1 and out["text"]
 
 
-def test_the_default_drafts_from_the_sharegpt_datastore_and_decodes_what_ar_decodes(capsys):
-    """The README's first command on the default target: built once into this test session's cache, the ShareGPT
-    datastore drafts beside the context's statistics, and the answer is AR's token for token."""
+def test_the_default_drafts_from_the_datastores_and_decodes_what_ar_decodes(capsys, smollm2):
+    """The README's first command on the default target: the shipped answers of this target (none of them to an
+    everyday prompt) and the ShareGPT datastore, built once into this test session's cache, draft beside the
+    context's statistics, and the answer is AR's token for token."""
+    from spd.datastore import load_documents, tokenizer_key
+    from spd.retrieval import answers_path
+    from spd.sharegpt import held_out_ids
+
+    documents, meta = load_documents(answers_path(tokenizer_key(smollm2.tokenizer)))
+    assert meta["target"] == smollm2.fingerprint and len(documents) == meta["answers"] == len(meta["record_ids"])
+    assert not {r.rsplit("_", 1)[0] for r in held_out_ids()} & {r.rsplit("_", 1)[0] for r in meta["record_ids"]}
     common = ["generate", "prompt=Give me three tips for keeping houseplants alive.", "max_new_tokens=48", "json=true"]
     assert main(common) == 0
     default = json.loads(capsys.readouterr().out)
     assert main([*common, "method=ar"]) == 0
     ar = json.loads(capsys.readouterr().out)
-    assert default["default"] and default["method"] == "suffix" and default["datastore"] == "sharegpt"
+    assert default["default"] and default["method"] == "suffix" and default["datastore"] == "answers+sharegpt"
     assert default["token_ids"] == ar["token_ids"]
     assert default["sources"]["datastore"][0] > 0          # the corpus's candidates were drafted (and verified)
 
