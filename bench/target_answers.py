@@ -35,15 +35,21 @@ def chunk_path(directory: str, index: int) -> str:
     return os.path.join(directory, f"chunk{index:05d}.pt")
 
 
-def complete_chunks(directory: str, prompts: list[tuple[str, str]], size: int) -> int:
-    """How many chunks from the first are on disk and answer the prompts this list puts there."""
-    done = 0
-    while os.path.isfile(chunk_path(directory, done)):
-        saved = torch.load(chunk_path(directory, done))
-        if saved["prompts"] != [text for _, text in prompts[done * size: (done + 1) * size]]:
+def chunk_prompts(prompts: list[tuple[str, str]], index: int, size: int) -> list[str]:
+    return [text for _, text in prompts[index * size: (index + 1) * size]]
+
+
+def saved_chunks(directory: str, prompts: list[tuple[str, str]], size: int) -> dict[int, list[list[int]]]:
+    """The answers of the chunks on disk, from the first up to the first missing one or one that answers other prompts
+    than this list puts there."""
+    saved = {}
+    while os.path.isfile(chunk_path(directory, len(saved))):
+        index = len(saved)
+        chunk = torch.load(chunk_path(directory, index))
+        if chunk["prompts"] != chunk_prompts(prompts, index, size):
             break
-        done += 1
-    return done
+        saved[index] = chunk["tokens"]
+    return saved
 
 
 def main() -> int:
@@ -62,12 +68,13 @@ def main() -> int:
     os.makedirs(directory, exist_ok=True)
     prompts = answer_prompts(log=lambda message: None)[: args.count]
     chunks = -(-len(prompts) // args.chunk)
-    done = complete_chunks(directory, prompts, args.chunk)
+    saved = saved_chunks(directory, prompts, args.chunk)
+    done = len(saved)
     decoder = build_batch_decoder(AR, StagedTarget(loaded.model, 1), eos_ids_of(loaded.model.config, tokenizer),
                                   max_batch=args.batch)
     request = Request(args.max_new_tokens)
     pending = {index: [decoder.submit(chat_prompt_ids(tokenizer, text), request)
-                       for _, text in prompts[index * args.chunk: (index + 1) * args.chunk]]
+                       for text in chunk_prompts(prompts, index, args.chunk)]
                for index in range(done, chunks)}
     deadline = time.time() + 60 * args.minutes if args.minutes is not None else None
     bar = tqdm(total=len(prompts), initial=done * args.chunk, desc="answers", unit="answer")
@@ -76,13 +83,13 @@ def main() -> int:
         for index in [i for i, tickets in pending.items() if all(t.done for t in tickets)]:
             tickets = pending.pop(index)
             path = chunk_path(directory, index)
-            torch.save({"prompts": [text for _, text in prompts[index * args.chunk: (index + 1) * args.chunk]],
-                        "tokens": [t.tokens for t in tickets]}, path + ".tmp")
+            saved[index] = [t.tokens for t in tickets]
+            torch.save({"prompts": chunk_prompts(prompts, index, args.chunk), "tokens": saved[index]}, path + ".tmp")
             os.replace(path + ".tmp", path)
             bar.update(len(tickets))
     bar.close()
-    done = complete_chunks(directory, prompts, args.chunk)
-    documents = [tokens for index in range(done) for tokens in torch.load(chunk_path(directory, index))["tokens"]]
+    done = next(index for index in range(len(saved) + 1) if index not in saved)   # the first chunk still missing
+    documents = [tokens for index in range(done) for tokens in saved[index]]
     meta = {"source": ANSWERS, "tokenizer": key, "target": loaded.fingerprint, "decoding": "greedy, float32",
             "max_new_tokens": args.max_new_tokens, "answers": len(documents),
             "tokens": sum(map(len, documents)), "record_ids": [rid for rid, _ in prompts[: len(documents)]],

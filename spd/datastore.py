@@ -9,8 +9,8 @@ what a few dictionary probes do. A continuation is what followed an occurrence i
 from where the occurrence ends in the reversed one; it stops at the separator between two documents.
 
 Built from the ShareGPT conversations' assistant turns or the target's own answers (spd.retrieval), or from any token
-sequences (`Datastore.build`); several are read in turn as one (`Stores`). The datastore only chooses what is drafted; verification decides what is
-output, so no datastore can change a decoded token (tests/test_datastore.py).
+sequences (`Datastore.build`); several are read in turn as one (`Stores`). The datastore only chooses what is drafted;
+verification decides what is output, so no datastore can change a decoded token (tests/test_datastore.py).
 """
 
 from __future__ import annotations
@@ -161,7 +161,6 @@ class Stores:
 
     def __init__(self, stores: list[Datastore]):
         self.stores = list(stores)
-        self.meta = {"stores": [store.meta.get("source") for store in self.stores]}
 
     def __len__(self) -> int:
         return sum(len(store) for store in self.stores)
