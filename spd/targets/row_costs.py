@@ -128,6 +128,9 @@ def use_machine_products(staged: StagedTarget) -> tuple[frozenset[int], frozense
     if staged not in _INSTALLED:    # a decoder is built per request in places: read the profile once per target
         cached_row_costs(staged, PROFILED_ROWS)
         _INSTALLED[staged] = ragged.FEW_ROWS, ragged.PACKED_ROWS
+        if ragged.PACKED_ROWS:
+            with torch.no_grad():
+                ragged.pack_linears(staged.model)
     ragged.FEW_ROWS, ragged.PACKED_ROWS = _INSTALLED[staged]
     return _INSTALLED[staged]
 
