@@ -69,7 +69,7 @@ def test_a_profile_from_before_the_choice_is_measured_again(products, monkeypatc
     staged = StagedTarget(tiny_model("llama"), 1)
     os.makedirs(os.path.join(products, "row_costs"))
     with open(os.path.join(products, "row_costs", f"{row_costs.machine_key(staged)}.json"), "w") as f:
-        json.dump({"seconds": [1.0] * 20, "weight_first": []}, f)        # weight-first compared, packing not
+        json.dump({"seconds": [1.0] * 20, "weight_first": []}, f)        # an older way of measuring
     measured = []
     monkeypatch.setattr(row_costs, "measure_row_costs",
                         lambda s, rows: measured.append(rows) or (RowCosts.flat(rows), frozenset(), frozenset({3})))

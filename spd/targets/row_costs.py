@@ -53,7 +53,8 @@ def machine_key(staged: StagedTarget) -> str:
 def measure_row_costs(staged: StagedTarget, max_rows: int, context: int = 256,
                       rounds: int = 9) -> tuple[RowCosts, frozenset[int], frozenset[int]]:
     """Median seconds of a forward of 1..max_rows rows (embedding, every layer, the head over every row) after
-    `context` cached tokens, each row count with `F.linear`, those of ragged.CANDIDATES also weight-first and
+    `context` cached tokens, each timed right after a one-row forward (as in a decode loop), each row count with
+    `F.linear`, those of ragged.CANDIDATES also weight-first and
     every count of 2 or more with oneDNN's prepacked weights; each round times every shape once, in turn. Returns
     the costs (the fastest product's) and the row counts where weight-first and where the prepacked product won."""
     device = staged.device
@@ -70,6 +71,15 @@ def measure_row_costs(staged: StagedTarget, max_rows: int, context: int = 256,
             staged.logits(out[0])
         cache.crop(context)
 
+    def plain_step() -> None:
+        # what precedes a verification in a decode loop: a one-row forward (an AR step, a priced-out cycle) reads
+        # the plain weights. Timed alone, a product would find its own weights in the cache from the shape before;
+        # after a plain step a prepacked copy does not (the Intel Xeon with AMX: 16 rows 60.7 ms alone, 65.5 after
+        # a 3-row plain forward, against F.linear's 64.8 and 67.6; "Tenth look")
+        out, _ = staged.forward_all(ids[:, context: context + 1], cache, context)
+        staged.logits(out[0])
+        cache.crop(context)
+
     cpu = device.type == "cpu"          # few_rows_linear multiplies CPU tensors only
     shapes = [(rows, "linear") for rows in range(1, max_rows + 1)]
     shapes += [(rows, "weight_first") for rows in ragged.CANDIDATES if cpu and rows <= max_rows]
@@ -80,6 +90,7 @@ def measure_row_costs(staged: StagedTarget, max_rows: int, context: int = 256,
     try:
         for round_ in range(rounds + 1):
             for shape in shapes:
+                plain_step()
                 sync(device)
                 start = time.perf_counter()
                 forward(*shape)
@@ -99,16 +110,17 @@ def measure_row_costs(staged: StagedTarget, max_rows: int, context: int = 256,
 
 def _profile(staged: StagedTarget, max_rows: int) -> tuple[RowCosts, frozenset[int], frozenset[int]]:
     """This machine's profile of at least max_rows rows from the cache, measured (seconds) and kept the first time.
-    A profile from before the products were compared (no "weight_first" or "packed" entry) is measured again."""
+    A profile measured another way (an older PROFILE_VERSION, or none) is measured again."""
     path = os.path.join(cache_root(), "row_costs", f"{machine_key(staged)}.json")
     if os.path.isfile(path):
         with open(path) as f:
             saved = json.load(f)
-        if len(saved["seconds"]) >= max_rows and "weight_first" in saved and "packed" in saved:
+        if len(saved["seconds"]) >= max_rows and saved.get("version") == PROFILE_VERSION:
             return RowCosts(tuple(saved["seconds"])), frozenset(saved["weight_first"]), frozenset(saved["packed"])
     costs, weight_first, packed = measure_row_costs(staged, max_rows)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_json_atomic(path, {"seconds": list(costs.seconds), "weight_first": sorted(weight_first),
+    write_json_atomic(path, {"version": PROFILE_VERSION, "seconds": list(costs.seconds),
+                             "weight_first": sorted(weight_first),
                              "packed": sorted(packed), "cpu": _cpu_name(), "threads": torch.get_num_threads()})
     return costs, weight_first, packed
 
@@ -135,6 +147,9 @@ def use_machine_products(staged: StagedTarget) -> tuple[frozenset[int], frozense
     return _INSTALLED[staged]
 
 
+# 2: every product timed right after a plain one-row forward, prepacked weights among the products (1: weight-first
+# and F.linear, each shape timed after the previous shape)
+PROFILE_VERSION = 2
 # every profile covers the rows of a default tree's forward (16 nodes and its root), so the products of any
 # verification up to that size are chosen by measurement
 PROFILED_ROWS = 17
