@@ -57,7 +57,7 @@ def main() -> int:
     lengths = [int(x) for x in args.draft_lengths.split(",")]
     widths = [int(x) for x in args.widths.split(",")]
     max_rows = max(max(lengths), args.tree_nodes if max(widths) > 1 else 0) + 1
-    profile, _, _ = measure_row_costs(session.staged, max_rows, args.context, args.repeats)
+    profile, _ = measure_row_costs(session.staged, max_rows, args.context, args.repeats)
     costs = {rows: seconds for rows, seconds in enumerate(profile.seconds, start=1)}
     grid = []
     for min_n, m, width in itertools.product(min_ngrams, lengths, widths):

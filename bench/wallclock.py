@@ -45,9 +45,7 @@ from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 from spd.drafters.suffix import Retrieval, SuffixDrafter
 from spd.retrieval import open_datastore
-from spd.pricing import RowCosts
-from spd.targets import ragged
-from spd.targets.row_costs import PROFILED_ROWS, cached_row_costs, measure_row_costs
+from spd.targets.row_costs import cached_row_costs
 from wallclock_sets import REPEAT_SPAN, prompt_set, summarise_set
 from wallclock_table import markdown
 from wallclock_distributed import distributed_rows
@@ -95,29 +93,6 @@ def eagle3_decoders(args) -> dict[float, list[tuple[dict, object, object]]]:
     return built
 
 
-def products_without_packing(staged: StagedTarget):
-    """(row costs, weight-first rows, no packed rows): this machine's profile as it was before prepacked weights were
-    a choice (`--unpacked`, the A/B of the tenth look), measured now beside the cached one."""
-    packing, ragged.PACKING = ragged.PACKING, False
-    try:
-        costs, weight_first, _ = measure_row_costs(staged, PROFILED_ROWS)
-    finally:
-        ragged.PACKING = packing
-    return costs, weight_first, frozenset()
-
-
-def with_products(run, weight_first: frozenset[int], packed: frozenset[int]):
-    """run(key, ids) with these products installed while it decodes (the decoder reads them at every forward)."""
-    def go(key, ids):
-        installed = ragged.FEW_ROWS, ragged.PACKED_ROWS
-        ragged.FEW_ROWS, ragged.PACKED_ROWS = weight_first, packed
-        try:
-            return run(key, ids)
-        finally:
-            ragged.FEW_ROWS, ragged.PACKED_ROWS = installed
-    return go
-
-
 def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
     """The single-process field at every temperature — the suite's AR, transformers `generate` (and its prompt
     lookup), the priced context statistics, the lookup chain, SPD in one process (--local-spd), EAGLE-3 (--eagle3) —
@@ -131,7 +106,6 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
     retrieval = [(spec, Retrieval(open_datastore(spec, loaded.tokenizer, loaded.model.config.vocab_size)))
                  for spec in args.datastore.split(",") if spec]
     eagle3 = eagle3_decoders(args) if args.eagle3 else {}
-    unpacked = products_without_packing(staged) if args.unpacked else None
     stack = contextlib.ExitStack()
     spd = local_spd_decoders(args, stack) if args.local_spd else {}
 
@@ -168,20 +142,17 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
             add({"method": "hf_prompt_lookup", "temperature": temperature, "draft_length": args.hf_lookup_tokens},
                 lambda key, ids, hf=hf: hf(key, ids, lookup=args.hf_lookup_tokens))
         stores = ([] if args.skip_suffix_alone and retrieval else [(None, None)]) + retrieval
-        products = [None] + ([unpacked] if args.unpacked else [])
-        for width, (spec, store), plain in [(w, s, p) for w in args.suffix_widths for s in stores for p in products]:
+        for width, (spec, store) in [(w, s) for w in args.suffix_widths for s in stores]:
             # context statistics, priced with this machine's row costs; and with the datastore's candidates too
             budget = args.tree_nodes if width > 1 else args.suffix_length
-            costs = cached_row_costs(staged, budget + 1) if plain is None else \
-                RowCosts(plain[0].seconds[:budget + 1])
+            costs = cached_row_costs(staged, budget + 1)
             drafter = SuffixDrafter(1, hi, costs, retrieval=store)   # what method=suffix builds (spd.drafters.suffix)
             decoder = build_decoder(CHAIN, staged, eos, drafter, draft_length=args.suffix_length, width=width,
                                     tree_nodes=args.tree_nodes)
-            run = chain_run(decoder, params) if plain is None else with_products(chain_run(decoder, params), *plain[1:])
             add({"method": "suffix", "temperature": temperature, "draft_length": args.suffix_length, "W": width,
                  "tree_nodes": args.tree_nodes if width > 1 else None, "ngrams": [lo, hi],
-                 "datastore": spec, "products": "machine's" if plain is None else "without prepacked weights",
-                 "row_costs_s": list(costs.seconds)}, run, drafter)
+                 "datastore": spec,
+                 "row_costs_s": list(costs.seconds)}, chain_run(decoder, params), drafter)
         for m in args.draft_length:
             decoder = build_decoder(CHAIN, staged, eos, LookupDrafter(lo, hi), draft_length=m)
             add({"method": "lookup", "temperature": temperature, "draft_length": m, "ngrams": [lo, hi]},
@@ -298,8 +269,6 @@ def main() -> int:
                     "with each of these datastores")
     ap.add_argument("--skip-suffix-alone", action="store_true", help="with --datastore: no method=suffix row "
                     "without one")
-    ap.add_argument("--unpacked", action="store_true", help="each method=suffix row also without oneDNN's prepacked "
-                    "weights, priced with the curve measured without them (an A/B in one run)")
     ap.add_argument("--sets", default="eval", help="eval (the first --limit of each eval set) and/or everyday (the "
                     "30 held-out ShareGPT first turns, answers to EOS or --max-new-tokens)")
     ap.add_argument("--everyday-limit", type=int, default=30)

@@ -15,8 +15,7 @@ def label(row: dict) -> str:
                 f"{row['max_batch']}")
     if row["method"] == "suffix":
         return f"suffix m={row['draft_length']}" + (f", W={row['W']}, {row['tree_nodes']} nodes" if row["W"] > 1 else "") \
-            + (f", datastore={row['datastore']}" if row.get("datastore") else "") \
-            + (f", {row['products']}" if row.get("products", "machine's") != "machine's" else "")
+            + (f", datastore={row['datastore']}" if row.get("datastore") else "")
     if row["method"] == "lookup":
         return f"lookup m={row['draft_length']}, n-grams {row['ngrams'][0]}..{row['ngrams'][1]}"
     if row["method"] == "hf_prompt_lookup":

@@ -147,22 +147,19 @@ def test_the_memory_changes_speed_not_output(untied_target_dir):
 
 
 def test_the_row_cost_profile_is_measured_once_per_machine(tmp_path, monkeypatch):
-    from spd.targets import ragged, row_costs
+    from spd.targets import row_costs
     from spd.targets.tiny import tiny_model
 
     monkeypatch.setenv("SPD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(ragged, "FEW_ROWS", ragged.FEW_ROWS)         # the products it installs are put back after
-    monkeypatch.setattr(ragged, "PACKED_ROWS", ragged.PACKED_ROWS)
     staged = StagedTarget(tiny_model("llama"), 1)
     first = row_costs.cached_row_costs(staged, 6)
     assert len(first.seconds) == 6 and all(s > 0 for s in first.seconds)
     measured = []
     monkeypatch.setattr(row_costs, "measure_row_costs",
-                        lambda *a, **k: measured.append(a) or (RowCosts.flat(18), frozenset({3}), frozenset()))
+                        lambda *a, **k: measured.append(a) or (RowCosts.flat(9), frozenset({3})))
     assert row_costs.cached_row_costs(staged, 4).seconds == first.seconds[:4]    # read back, not re-measured
-    assert row_costs.cached_row_costs(staged, row_costs.PROFILED_ROWS).seconds[:6] == first.seconds
     assert not measured
-    assert row_costs.cached_row_costs(staged, 18) == RowCosts.flat(18) and measured    # longer: measured again
+    assert row_costs.cached_row_costs(staged, 9) == RowCosts.flat(9) and measured      # longer: measured again
 
 
 @pytest.mark.parametrize("max_batch", [1, 3])

@@ -43,8 +43,8 @@ class ChainDecoder(Decoder):
     def forward_tree(self, tree: DraftTree, cache, fed: int):
         """The target over every node of the tree (the root at position `fed`): (logits [T, V], captured)."""
         ids = torch.tensor([tree.tokens()], device=self.target.device)
-        # swapping F.linear costs a Python call per product: only for a row count the machine multiplies otherwise
-        with few_rows_products() if ragged.chosen(len(ids[0])) else nullcontext():
+        # swapping F.linear costs a Python call per product: only for a row count the machine multiplies weight-first
+        with few_rows_products() if len(ids[0]) in ragged.FEW_ROWS else nullcontext():
             if tree.is_chain():     # contiguous positions, causal: the plain path, bit for bit
                 out, captured = self.target.forward_all(ids, cache, fed, self.capture)
             else:

@@ -112,57 +112,15 @@ CANDIDATES = range(2, 9)     # at 16 rows the AMD A/B was mixed, at 32 weight-fi
 # chosen per machine"). Every single-process decoder of several rows installs its machine's measured choice
 # (spd.targets.row_costs.use_machine_products); a process that installs none (a distributed stage) keeps this.
 FEW_ROWS: frozenset[int] = frozenset(CANDIDATES)
-# The row counts this process multiplies with oneDNN's prepacked weights (`packed_weight`), chosen the same way. On
-# the Intel Xeon with AMX, MKL's `F.linear` over 4..15 rows re-packs the weight at every call (SmolLM2's head: 4.8 ms
-# for 4 rows, 8.7 for 8, against 2.4 for one) where the prepacked product takes 2.9 and 3.9 ("Tenth look").
-PACKED_ROWS: frozenset[int] = frozenset()
-PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-# id(weight) -> (a reference to it, its version when packed, the packed copy); an entry goes with its weight (a
-# WeakKeyDictionary would compare tensors with ==)
-_PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
-
-
-def chosen(rows: int) -> bool:
-    """Whether a product of this many rows runs other than `F.linear` here (`few_rows_products` is then needed)."""
-    return rows in FEW_ROWS or rows in PACKED_ROWS
-
-
-def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's prepacked copy of a float32 CPU weight [out, in] (made on first use, made again after the weight
-    changes in place), or None where the product cannot use one (autograd, another dtype, no oneDNN)."""
-    if not PACKING or weight.dtype != torch.float32 or weight.dim() != 2 or \
-            (weight.requires_grad and torch.is_grad_enabled()):
-        return None
-    key = id(weight)
-    entry = _PACKED.get(key)
-    if entry is None or entry[0]() is not weight or entry[1] != weight._version:
-        if entry is None or entry[0]() is not weight:
-            weakref.finalize(weight, _PACKED.pop, key, None)
-        entry = (weakref.ref(weight), weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
-        _PACKED[key] = entry
-    return entry[2]
-
-
-def pack_linears(model: torch.nn.Module) -> None:
-    """Pack every Linear weight of `model` now (SmolLM2: 0.7 s), so that no request pays for it in its first forward."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            packed_weight(module.weight)
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b for x [..., d_in] of a row count in PACKED_ROWS (oneDNN's product with the weight prepacked once)
-    or FEW_ROWS (computed as (W x^T)^T). The same product; some CPUs' torch (MKL) runs `F.linear` over 2 or 3 rows as
-    2 or 3 one-row products (AMD EPYC: 2 rows of SmolLM2's MLP 94 µs against 48 for one, the head 16 ms against 7),
-    where the weight as the left operand takes 60 µs and 2.6 ms. Any other row count keeps `F.linear` (one row: the
-    solo path)."""
+    """x W^T + b for x [..., d_in] of a row count in FEW_ROWS, computed as (W x^T)^T. The same product; some CPUs'
+    torch (MKL) runs `F.linear` over 2 or 3 rows as 2 or 3 one-row products (AMD EPYC: 2 rows of SmolLM2's MLP
+    94 µs against 48 for one, the head 16 ms against 7), where the weight as the left operand takes 60 µs and
+    2.6 ms. One row keeps `F.linear` (the solo path)."""
     rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu":
-        return _LINEAR(x, weight, bias)
-    if rows in PACKED_ROWS and (packed := packed_weight(weight)) is not None:
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), packed, bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], weight.shape[0])
-    if rows not in FEW_ROWS:
+    if rows not in FEW_ROWS or x.device.type != "cpu":
         return _LINEAR(x, weight, bias)
     out = (weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
