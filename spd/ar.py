@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from spd.decoding import Decoder, Request, context_length, is_final, prefill
-from spd.sampling import next_token
+from spd.sampling import KeyedDraws, next_token
 from spd.targets.stages import StagedTarget
 
 
@@ -22,12 +22,14 @@ class ARDecoder(Decoder):
         generator = request.generator(target.device)
         length = context_length(len(prompt_ids), request.max_new_tokens, 0)
         cache, hidden, captured = prefill(target, prompt_ids, self.capture, length)
-        produced = 0
+        produced, draws = 0, None
         while True:
             logits = target.logits(hidden[0, -1])
             if self.observe:
                 self.observe(logits, captured)
-            token = next_token(logits, params, generator)
+            if draws is None and not params.greedy:      # keyed as a draft-then-verify decode keys them (spd.sampling)
+                draws = KeyedDraws.of(generator, logits.shape[-1])
+            token = next_token(logits, params, generator, draws, len(prompt_ids) + produced)
             produced += 1
             yield token
             if is_final(token, produced, request.max_new_tokens, self.eos_ids):

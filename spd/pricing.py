@@ -10,6 +10,7 @@ from what the rows cost here and how likely each drafted node is to be kept.
   calibration (kept over expected, pooled over each source's buckets, per bin of the target's top-2 margin at the
   newest verified token). Verdicts are whatever verification decided — greedy or sampled — so at T = 1 it learns the
   sampled acceptance; the drafter judges every candidate, drafted or not, so a bucket priced out can win back.
+- `given_noise`: at T = 1 with keyed draws, a candidate's chance given the noise that will choose its position.
 - `choose`: the prefix of the candidates (best first, parents before children) that maximises expected tokens per
   second, 1 + sum of the kept nodes' reach probabilities over the forward's cost, where a draft must beat the plain
   step by an edge.
@@ -81,6 +82,15 @@ class AcceptancePredictor:
         pooled = self.pooled.setdefault(self._pool(e), [0.0, 0.0])
         pooled[0] += kept
         pooled[1] += self.prior(e)
+
+
+def given_noise(chance: float, u: float) -> float:
+    """A deterministic candidate's chance of being the keyed draw (spd.sampling.KeyedDraws) once its own uniform u
+    at its position is known: with p its probability under the target, the draw is x iff log p + g(x) beats the
+    rest of the vocabulary, whose best score is a Gumbel at log(1 - p), so P = exp(-(1 - p) / p * e^(-g(x))) =
+    u ** ((1 - p) / p). `chance` (the predictor's, unconditional) stands in for p; over u it averages back to it."""
+    p = min(max(chance, 1e-6), 1.0 - 1e-9)
+    return u ** ((1.0 - p) / p)
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,64 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """The target's own choice: argmax when greedy, else a sample from warp(logits)."""
-    return greedy_token(logits) if params.greedy else sample(warp(logits, params), generator)
+class KeyedDraws:
+    """One request's sampled draws by the Gumbel-max rule: the token at position t is argmax over warp's support of
+    log p(x) + g_t(x), with g_t = -log(-log u_t) and u_t [V] uniforms drawn from a generator seeded by (the request's
+    key, t) alone. Every x then comes out with exactly its p, and the noise of a position is known before the target
+    has read it: a drafter may look at it (a deterministic candidate whose noise is high is likelier to be the
+    draw), and it changes nothing, since the token at t is a function of the prefix and u_t only. So a seeded
+    request samples the same text whether it is decoded one token a forward (AR) or by draft-then-verify at any
+    width and any drafts (spd.runtime.sequence); the pipelines, whose drafts carry a q, keep rejection sampling."""
+
+    KEEP = 64                  # positions whose uniforms stay cached (a draft looks at most a tree's depth ahead)
+
+    def __init__(self, key: int, vocab: int):
+        self.key, self.vocab = key, vocab
+        self.generator = torch.Generator()
+        self.cache: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, generator: torch.Generator, vocab: int) -> "KeyedDraws":
+        """The request's key: the first draw of its own generator (so a seed fixes it, and no seed leaves it free)."""
+        return cls(int(torch.randint(0, 2 ** 62, (), generator=generator)), vocab)
+
+    def uniforms(self, position: int) -> torch.Tensor:
+        """u_position [V] (float64, on the CPU)."""
+        u = self.cache.get(position)
+        if u is None:
+            if len(self.cache) >= self.KEEP:
+                del self.cache[min(self.cache)]
+            self.generator.manual_seed(_splitmix64(self.key ^ _splitmix64(position)))
+            u = self.cache[position] = torch.rand(self.vocab, dtype=torch.float64, generator=self.generator)
+        return u
+
+    def uniform(self, position: int, token: int) -> float:
+        return float(self.uniforms(position)[token])
+
+    def sample(self, probs: torch.Tensor, position: int) -> int:
+        """The draw at `position` from probs [V] (warp's output)."""
+        support = probs.nonzero().squeeze(1)                              # [S]
+        u = self.uniforms(position)[support.cpu()].to(probs.device)
+        score = torch.log(probs[support].double()) - torch.log(-torch.log(u))   # log p + Gumbel noise
+        return int(support[torch.argmax(score)])
+
+
+def _splitmix64(x: int) -> int:
+    """A 64-bit mix (SplitMix64's finaliser): keys and positions that differ a little give unrelated seeds."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+               draws: KeyedDraws | None = None, position: int = 0) -> int:
+    """The target's own choice at `position`: argmax when greedy, else a sample from warp(logits) — the keyed
+    draw there when the request has `draws`, else one from the generator."""
+    if params.greedy:
+        return greedy_token(logits)
+    probs = warp(logits, params)
+    return draws.sample(probs, position) if draws is not None else sample(probs, generator)
 
 
 def verify_greedy(draft: int, target_logits: torch.Tensor | int) -> tuple[bool, int]:
@@ -132,7 +187,7 @@ def settle(target_logits: torch.Tensor | int, draft: int, q: torch.Tensor | None
 
 
 def settle_children(target_logits: torch.Tensor | int, children: list[Proposal], params: SamplingParams,
-                    generator) -> tuple[int | None, int]:
+                    generator, draws: KeyedDraws | None = None, position: int = 0) -> tuple[int | None, int]:
     """Verify a draft-tree node's children against the target's logits [V] at the node (design §8): return (the
     index of the child to descend into, or None, and the token the next position settles to).
 
@@ -140,7 +195,13 @@ def settle_children(target_logits: torch.Tensor | int, children: list[Proposal],
     candidates): one draw x from the warped p; descend into x if it is a child, else x is emitted — each child is
     kept with exactly its p. Children drawn from q (each independently from its own): recursive rejection
     sampling — accept x_i with min(1, r_i(x_i)/q_i(x_i)), else r_{i+1} = norm(max(r_i - q_i, 0)) — with a
-    deterministic child as the point mass it is. Either way the token that comes out is distributed as p."""
+    deterministic child as the point mass it is. Either way the token that comes out is distributed as p. With
+    `draws` (a keyed request) deterministic children are settled by the keyed draw at `position`: x is the token AR
+    samples there, and the node descends into x if it is a child."""
+    if draws is not None and not params.greedy and all(c.q is None for c in children):
+        x = draws.sample(warp(target_logits, params), position)
+        tokens = [c.token for c in children]
+        return (tokens.index(x) if x in tokens else None), x
     if len(children) == 1:
         ok, token = settle(target_logits, children[0].token, children[0].q, params, generator)
         return (0 if ok else None), token

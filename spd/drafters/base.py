@@ -126,6 +126,11 @@ class ChainDrafter(ABC):
         """The target's top-2 logit margin where it chose the newest verified token (its confidence there), given
         before each `draft_tree`; a drafter that prices its candidates may use it."""
 
+    def sampling_draws(self, draws) -> None:
+        """The request's keyed draws (spd.sampling.KeyedDraws; None when greedy), given after `start`: the noise
+        that will choose the token at each position, so a drafter that prices its candidates may weigh each by its
+        own noise. Reading it changes no output."""
+
     @abstractmethod
     def verified(self, hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:
         """The cycle settled: `tokens` is the whole verified sequence; hidden {layer: [1, S, d]} holds the target's

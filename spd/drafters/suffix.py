@@ -14,7 +14,10 @@ judged against the tokens the cycle verified, drafted or not; the forward carrie
 first, that maximises expected tokens per second under this machine's row-cost profile, if that beats a plain step
 by the edge. A cycle worth nothing drafts nothing (a plain AR step). Every candidate is deterministic
 (q = None), so verification keeps each child with exactly its p (`spd.sampling.settle_children`): greedy follows
-the argmax, sampling one draw of p — at T = 1 the predictor learns the sampled acceptance.
+the argmax, sampling one draw of p — at T = 1 the predictor learns the sampled acceptance. That draw is keyed
+(spd.sampling.KeyedDraws): the noise that will choose each position is known before the forward, so at T = 1 a
+candidate is priced by its chance given its own noise (spd.pricing.given_noise) — a likely token whose noise is low
+is left out, an unlikely one whose noise is high drafted.
 
 A datastore (`Retrieval`, spd.datastore: `datastore=sharegpt` in the default on a CPU) adds a second trie: the
 continuations of the context's longest match in a corpus, as candidates of their own source ("datastore"), priced and
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from spd.datastore import Datastore
 from spd.drafters.base import ChainDrafter
 from spd.drafters.lookup import NgramIndex
-from spd.pricing import AcceptancePredictor, Evidence, RowCosts, choose
+from spd.pricing import AcceptancePredictor, Evidence, RowCosts, choose, given_noise
 from spd.sampling import Proposal
 from spd.tree import DraftTree
 
@@ -92,6 +95,7 @@ class SuffixDrafter(ChainDrafter):
         self.index: NgramIndex | None = None
         self.last: tuple[list[_Node], list[Evidence]] | None = None   # the cycle's candidates, drafted or not
         self.margin = float("inf")                    # the target's confidence at the newest verified token
+        self.draws = None                             # sampled: the request's keyed draws (spd.sampling)
         self.cycles = self.priced_out = 0             # cycles drafted, and those the pricing made plain AR steps
 
     def layers_needed(self, bounds=None) -> list[int]:
@@ -108,6 +112,9 @@ class SuffixDrafter(ChainDrafter):
 
     def target_margin(self, margin: float) -> None:
         self.margin = margin
+
+    def sampling_draws(self, draws) -> None:
+        self.draws = draws
 
     def verified(self, hidden, tokens) -> None:
         new = tokens[len(self.index):]
@@ -174,7 +181,11 @@ class SuffixDrafter(ChainDrafter):
 
     def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
         nodes, evidence = self.candidates(m, width, budget)
-        reach = _along_paths(nodes, [self.predictor.predict(e) for e in evidence])
+        chance = [self.predictor.predict(e) for e in evidence]
+        if self.draws is not None:      # sampled: the noise that will choose each node's position is known already
+            at = len(self.index.tokens) - 1             # the root's position
+            chance = [given_noise(c, self.draws.uniform(at + node.depth, node.token)) for c, node in zip(chance, nodes)]
+        reach = _along_paths(nodes, chance)
         # the candidates by predicted reach, parents first (a child's reach never exceeds its parent's)
         order = sorted(range(len(nodes)), key=lambda i: (-reach[i], nodes[i].depth, i))
         take = min(len(order), budget) if self.costs is None else \

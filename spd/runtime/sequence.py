@@ -15,7 +15,7 @@ import torch
 from spd.decoding import Request, context_length, is_final, prefill
 from spd.drafters.base import ChainDrafter
 from spd.metrics import ChainStats
-from spd.sampling import next_token, propose, settle_children, top2_margin
+from spd.sampling import KeyedDraws, next_token, propose, settle_children, top2_margin
 from spd.targets.stages import StagedTarget
 from spd.tree import DraftTree
 
@@ -34,6 +34,7 @@ class ChainSequence:
         self.drafter_layers = frozenset(drafter.layers_needed()) if drafter else frozenset()
         self.capture = self.drafter_layers | frozenset(capture)     # what every forward of this sequence keeps
         self.generator = request.generator(target.device)
+        self.draws: KeyedDraws | None = None        # sampled: the request's keyed draws (spd.sampling), from start
         self.stats = ChainStats(m=m)
         self.done = False
         self.cache = None
@@ -52,11 +53,14 @@ class ChainSequence:
     def start(self, logits: torch.Tensor, captured: dict[int, torch.Tensor]) -> list[int]:
         if self.observe:
             self.observe(logits, captured)
-        token = next_token(logits, self.request.params, self.generator)
+        if not self.request.params.greedy:
+            self.draws = KeyedDraws.of(self.generator, logits.shape[-1])
+        token = next_token(logits, self.request.params, self.generator, self.draws, len(self.prompt_ids))
         self.tokens = self.prompt_ids + [token]
         self.stats.N = 1
         if self.drafter:
             self.drafter.start({layer: captured[layer] for layer in self.drafter_layers}, self.tokens)
+            self.drafter.sampling_draws(self.draws)
             if self.drafter.uses_margin:       # a top-k and a read-back each cycle: only for a drafter that uses it
                 self.drafter.target_margin(top2_margin(logits))
         self.done = is_final(token, 1, self.request.max_new_tokens, self.eos_ids)
@@ -86,12 +90,12 @@ class ChainSequence:
             children = tree.children(path[-1])
             if children:
                 index, token = settle_children(logits[path[-1]], [tree.proposals[c - 1] for c in children],
-                                               params, generator)
+                                               params, generator, self.draws, len(self.tokens))
                 stats.verified(tree.proposals[children[index or 0] - 1].source, index is not None)
             else:                             # the path's last node held: the target's next token comes free
                 if self.observe:
                     self.observe(logits[path[-1]], {layer: h[:, path[-1:]] for layer, h in captured.items()})
-                index, token = None, next_token(logits[path[-1]], params, generator)
+                index, token = None, next_token(logits[path[-1]], params, generator, self.draws, len(self.tokens))
             self.tokens.append(token)
             verified.append(token)
             stats.N += 1

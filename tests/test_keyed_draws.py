@@ -1,0 +1,181 @@
+"""Keyed draws (spd.sampling.KeyedDraws): at T = 1 the token at each position is the Gumbel-max draw of the
+target's warped p with noise keyed by (the request's key, the position). So a seeded request samples the same text
+token for token whether AR decodes it or a draft-then-verify decoder does — at any width, with any drafts, with a
+drafter that reads the noise, alone or in a batch — and AR's keyed draws follow the target's distribution (the
+chi-square and power of tests/test_lossless_sampling.py). The priced statistics weigh each candidate by its own
+noise (spd.pricing.given_noise)."""
+
+import pytest
+import torch
+
+from helpers import ar_run, prompt
+from spd.decoding import Request
+from spd.drafters.base import ChainDrafter
+from spd.drafters.lookup import LookupDrafter
+from spd.drafters.suffix import SuffixDrafter
+from spd.pricing import RowCosts, given_noise
+from spd.runtime.batch import BatchDecoder
+from spd.runtime.chain import ChainDecoder
+from spd.sampling import KeyedDraws, Proposal, SamplingParams, warp
+from spd.targets.stages import StagedTarget
+from spd.tree import DraftTree
+from test_lossless_sampling import ALPHA, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
+from test_suffix import CPU_LIKE
+
+SAMPLED = [SamplingParams(1.0, top_k=3), SamplingParams(0.8, top_k=0, top_p=0.9)]
+
+
+class Clairvoyant(ChainDrafter):
+    """Drafts, m deep, what the keyed draws will choose — it runs the target itself and reads the noise — except a
+    wrong token wherever the position is a multiple of 3: every draft is chosen by the noise, and cycles end on
+    kept runs and on misses alike."""
+
+    def __init__(self, model, params: SamplingParams):
+        self.model, self.params, self.draws = model, params, None
+
+    def layers_needed(self, bounds=None):
+        return []
+
+    def start(self, prompt_hidden, tokens):
+        self.tokens = list(tokens)
+
+    def sampling_draws(self, draws):
+        self.draws = draws
+
+    def verified(self, hidden, tokens):
+        self.tokens = list(tokens)
+
+    def draft_tree(self, root, m, width, budget, propose=None):
+        seq, drafts = list(self.tokens), []
+        for _ in range(m):
+            with torch.no_grad():
+                logits = self.model(torch.tensor([seq])).logits[0, -1]
+            token = self.draws.sample(warp(logits, self.params), len(seq))
+            if len(seq) % 3 == 0:
+                token = (token + 1) % self.model.config.vocab_size
+            drafts.append(Proposal(token, source="clairvoyant"))
+            seq.append(token)
+        return DraftTree.chain(root, drafts)
+
+
+def test_the_noise_is_a_function_of_key_and_position():
+    a, b = KeyedDraws(7, 1000), KeyedDraws(7, 1000)
+    assert torch.equal(a.uniforms(5), b.uniforms(5)) and a.uniform(5, 17) == float(b.uniforms(5)[17])
+    assert not torch.equal(a.uniforms(5), a.uniforms(6))            # positions differ
+    assert not torch.equal(a.uniforms(5), KeyedDraws(8, 1000).uniforms(5))    # keys differ
+    u = torch.cat([a.uniforms(t) for t in range(50)])
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0 and abs(float(u.mean()) - 0.5) < 0.01
+    # a key and a position a little apart are not the same stream shifted
+    assert not torch.equal(KeyedDraws(7, 1000).uniforms(6), KeyedDraws(8, 1000).uniforms(5))
+    # the request's key is its seed's: the first draw of its own generator
+    assert KeyedDraws.of(Request(4, seed=3).generator("cpu"), 10).key == \
+        KeyedDraws.of(Request(4, seed=3).generator("cpu"), 10).key != \
+        KeyedDraws.of(Request(4, seed=4).generator("cpu"), 10).key
+
+
+def test_the_cache_forgets_the_oldest_positions():
+    draws = KeyedDraws(1, 10)
+    first = draws.uniforms(0).clone()
+    for t in range(1, KeyedDraws.KEEP + 5):
+        draws.uniforms(t)
+    assert len(draws.cache) == KeyedDraws.KEEP and 0 not in draws.cache
+    assert torch.equal(draws.uniforms(0), first)                     # drawn again, the same
+
+
+def test_a_draw_keeps_to_the_support_and_follows_the_noise():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5])
+    draws = KeyedDraws(3, 4)
+    picks = {draws.sample(probs, t) for t in range(200)}
+    assert picks == {1, 3}
+    for t in range(50):         # between equal probabilities the noisier token wins
+        u = draws.uniforms(t)
+        assert draws.sample(probs, t) == (1 if u[1] > u[3] else 3)
+
+
+@pytest.mark.slow
+def test_keyed_ar_samples_the_target_distribution():
+    from spd.targets.tiny import tiny_model
+
+    model = tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
+    dist = exact_distribution(model, PARAMS)
+    counts = {}
+    for i in range(SHORT):
+        key = tuple(ar_run(model, PROMPT, 3, PARAMS, seed=12 * 1_000_003 + i).token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+def test_given_noise_averages_back_to_the_chance():
+    grid = torch.linspace(0.0005, 0.9995, 1000).tolist()
+    for chance in (0.05, 0.3, 0.5, 0.9):
+        assert sum(given_noise(chance, u) for u in grid) / len(grid) == pytest.approx(chance, abs=2e-3)
+        assert given_noise(chance, 0.2) < given_noise(chance, 0.8)          # more noise, likelier the draw
+    assert given_noise(0.5, 0.7) == pytest.approx(0.7)                      # p = 1/2: the chance is u itself
+
+
+def test_the_priced_statistics_draft_by_the_noise():
+    """The same candidates, the same predictor: a candidate whose noise is low is priced out, a high one drafted."""
+    class Fixed:
+        def __init__(self, u):
+            self.u = u
+
+        def uniform(self, position, token):
+            return self.u
+
+    tokens = [5, 1, 2, 3, 9, 1, 2, 3, 8, 1, 2]
+    rows = {}
+    for u in (0.01, 0.99):
+        drafter = SuffixDrafter(1, 4, RowCosts((1.0, 1.3, 1.6)))
+        drafter.start(None, tokens)
+        drafter.sampling_draws(Fixed(u))
+        rows[u] = len(drafter.draft_tree(tokens[-1], 2, 1, 2))
+    assert rows == {0.01: 1, 0.99: 3}
+
+
+def sampled_decoders(model, params):
+    staged = StagedTarget(model, 1)
+    return {"lookup chain": ChainDecoder(staged, LookupDrafter(1, 3), frozenset(), 4),
+            "suffix W=1": ChainDecoder(staged, SuffixDrafter(1, 4, CPU_LIKE), frozenset(), 8),
+            "suffix W=4": ChainDecoder(staged, SuffixDrafter(1, 4, CPU_LIKE), frozenset(), 8, 4, 12),
+            "suffix W=4 flat": ChainDecoder(staged, SuffixDrafter(1, 4, RowCosts.flat(16)), frozenset(), 8, 4, 15),
+            "clairvoyant": ChainDecoder(staged, Clairvoyant(model, params), frozenset(), 4)}
+
+
+@pytest.mark.parametrize("params", SAMPLED, ids=["top_k", "top_p"])
+def test_sampled_chains_and_trees_decode_what_keyed_ar_samples(family_model, untied_target_dir, params):
+    """Token for token, per seed, on each family's tiny target and the untied Llama; drafts kept and missed."""
+    from spd.targets.loading import load_target
+
+    family, model = family_model
+    targets = [(family, model)] + ([("untied", load_target(untied_target_dir).model)] if family == "llama" else [])
+    for name, target in targets:
+        kept = missed = 0
+        for kind, decoder in sampled_decoders(target, params).items():
+            for seed in range(3):
+                p = prompt(seed + 30, vocab=target.config.vocab_size)
+                out = decoder.generate(p, Request(30, params, seed))
+                assert out.token_ids == ar_run(target, p, 30, params, seed=seed).token_ids, (name, kind, seed)
+                kept += out.stats.accepted
+                missed += sum(not ok for _, _, ok in out.stats.verdicts)
+        assert kept > 20 and missed > 20, (name, kept, missed)
+
+
+def test_a_batch_samples_what_each_request_samples_alone(family_model):
+    _, model = family_model
+    staged = StagedTarget(model, 1)
+    params = SAMPLED[0]
+    prompts = [prompt(60 + i, 4 + 3 * i, model.config.vocab_size) for i in range(4)]
+    batch = BatchDecoder(staged, frozenset(), lambda: SuffixDrafter(1, 4, CPU_LIKE), 8, 4, 12, max_batch=3)
+    tickets = [batch.submit(p, Request(25, params, 100 + i)) for i, p in enumerate(prompts)]
+    while batch.busy:
+        batch.step()
+    for i, (ticket, p) in enumerate(zip(tickets, prompts)):
+        assert ticket.tokens == ar_run(model, p, 25, params, seed=100 + i).token_ids, i
+
+
+def test_an_unseeded_request_is_free():
+    from spd.targets.tiny import tiny_model
+
+    model = tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
+    outs = {tuple(ar_run(model, PROMPT, 6, PARAMS).token_ids) for _ in range(8)}
+    assert len(outs) > 1
