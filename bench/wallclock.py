@@ -114,8 +114,12 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
         runs.append(run)
         drafters.append(drafter)
 
-    def chain_run(decoder, params):
-        return lambda key, ids: decoder.generate(ids, Request(args.max_new_tokens, params, seed_of(key)))
+    def chain_run(decoder, params, keyed=True):
+        return lambda key, ids: decoder.generate(ids, Request(args.max_new_tokens, params, seed_of(key), keyed))
+
+    def twins(temperature) -> list[bool]:
+        """keyed (True) and, with --unkeyed at T > 0, the same row drawing from the generator (False)"""
+        return [True, False] if args.unkeyed and temperature else [True]
 
     for temperature in args.temperatures:
         params = params_for(temperature)
@@ -133,7 +137,9 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
                                         pad_token_id=loaded.tokenizer.pad_token_id or 0, **sample)
             return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
 
-        add({"method": "ar", "temperature": temperature}, chain_run(build_decoder(AR, staged, eos), params))
+        for keyed in twins(temperature):
+            add({"method": "ar", "temperature": temperature, **({} if keyed else {"keyed": False})},
+                chain_run(build_decoder(AR, staged, eos), params, keyed))
         if not args.skip_hf:
             add({"method": "hf_generate", "temperature": temperature}, hf)
         if not args.lookup:
@@ -142,7 +148,8 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
             add({"method": "hf_prompt_lookup", "temperature": temperature, "draft_length": args.hf_lookup_tokens},
                 lambda key, ids, hf=hf: hf(key, ids, lookup=args.hf_lookup_tokens))
         stores = ([] if args.skip_suffix_alone and retrieval else [(None, None)]) + retrieval
-        for width, (spec, store) in [(w, s) for w in args.suffix_widths for s in stores]:
+        for width, (spec, store), keyed in [(w, s, k) for w in args.suffix_widths for s in stores
+                                            for k in twins(temperature)]:
             # context statistics, priced with this machine's row costs; and with the datastore's candidates too
             budget = args.tree_nodes if width > 1 else args.suffix_length
             costs = cached_row_costs(staged, budget + 1)
@@ -151,8 +158,8 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
                                     tree_nodes=args.tree_nodes)
             add({"method": "suffix", "temperature": temperature, "draft_length": args.suffix_length, "W": width,
                  "tree_nodes": args.tree_nodes if width > 1 else None, "ngrams": [lo, hi],
-                 "datastore": spec,
-                 "row_costs_s": list(costs.seconds)}, chain_run(decoder, params), drafter)
+                 "datastore": spec, **({} if keyed else {"keyed": False}),
+                 "row_costs_s": list(costs.seconds)}, chain_run(decoder, params, keyed), drafter)
         for m in args.draft_length:
             decoder = build_decoder(CHAIN, staged, eos, LookupDrafter(lo, hi), draft_length=m)
             add({"method": "lookup", "temperature": temperature, "draft_length": m, "ngrams": [lo, hi]},
@@ -269,6 +276,8 @@ def main() -> int:
                     "with each of these datastores")
     ap.add_argument("--skip-suffix-alone", action="store_true", help="with --datastore: no method=suffix row "
                     "without one")
+    ap.add_argument("--unkeyed", action="store_true", help="at T > 0 also each suite AR and method=suffix row with "
+                    "draws from the request's generator instead of keyed draws (an A/B in one run)")
     ap.add_argument("--sets", default="eval", help="eval (the first --limit of each eval set) and/or everyday (the "
                     "30 held-out ShareGPT first turns, answers to EOS or --max-new-tokens)")
     ap.add_argument("--everyday-limit", type=int, default=30)

@@ -9,6 +9,10 @@ def per_source(row: dict) -> str:
 
 
 def label(row: dict) -> str:
+    return _label(row) + (", unkeyed draws" if row.get("keyed") is False else "")
+
+
+def _label(row: dict) -> str:
     if row.get("runtime", "").endswith("batched"):
         where = f", {row['processes']} processes" if row["processes"] > 1 else ""
         return (f"{row['method']}{', ' + row['draft_source'] if row.get('draft_source') else ''}{where}, batched "

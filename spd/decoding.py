@@ -23,6 +23,8 @@ class Request:
     max_new_tokens: int
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None            # None: a fresh seed from the OS (greedy ignores it)
+    keyed: bool = True                 # sampled: keyed draws (spd.sampling.KeyedDraws); False: draws from the
+    #                                    generator as before them (bench/wallclock.py --unkeyed's A/B)
 
     def generator(self, device) -> torch.Generator:
         generator = torch.Generator(device=device)

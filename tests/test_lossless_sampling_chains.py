@@ -17,7 +17,7 @@ def small_vocab_model():
     return tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
 
 
-def sample_lookup(model, samples, seed, width=1, verdicts=None):
+def sample_lookup(model, samples, seed, width=1, verdicts=None, keyed=True):
     """The lookup chain (drafts copied from the context: deterministic, q = None) over PROMPT, whose one-token
     n-grams recur in the short samples; returns the counts of each sampled continuation. width > 1: its trees
     (PROMPT's "1" was followed by 4 and by 5: the root branches). verdicts: a list that receives every node's."""
@@ -26,7 +26,7 @@ def sample_lookup(model, samples, seed, width=1, verdicts=None):
 
     decoder = ChainDecoder(StagedTarget(model, 1), LookupDrafter(min_n=1, max_n=2), frozenset(), 2, width,
                            8 if width > 1 else None)
-    return sample_chain(decoder, samples, seed, verdicts)
+    return sample_chain(decoder, samples, seed, verdicts, keyed)
 
 
 @pytest.mark.slow
@@ -38,6 +38,27 @@ def test_lookup_chain_samples_the_target_distribution(small_vocab_model):
     counts = sample_lookup(small_vocab_model, SHORT, seed=4, verdicts=verdicts)
     kept = sum(ok for _, _, ok in verdicts)
     assert kept > SHORT * 0.1 and len(verdicts) - kept > SHORT * 0.1       # both outcomes, often
+    assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+@pytest.mark.slow
+def test_unkeyed_lookup_chain_samples_the_target_distribution(small_vocab_model, monkeypatch):
+    """A request that draws from its generator (Request.keyed = False): point-mass drafts accepted with probability
+    p(x), else the residual p without x."""
+    import spd.sampling
+
+    verdicts = []
+    rule = spd.sampling.verify_point_mass
+
+    def counted(draft, p, g):
+        verdicts.append(rule(draft, p, g))
+        return verdicts[-1]
+
+    monkeypatch.setattr(spd.sampling, "verify_point_mass", counted)
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    counts = sample_lookup(small_vocab_model, SHORT, seed=4, keyed=False)
+    rejected = sum(not ok for ok, _ in verdicts)
+    assert rejected > SHORT * 0.1 and len(verdicts) - rejected > SHORT * 0.1    # both outcomes, often
     assert chi2_pvalue(counts, dist, SHORT) > ALPHA
 
 
