@@ -118,8 +118,9 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
         return lambda key, ids: decoder.generate(ids, Request(args.max_new_tokens, params, seed_of(key), keyed))
 
     def twins(temperature) -> list[bool]:
-        """keyed (True) and, with --unkeyed at T > 0, the same row drawing from the generator (False)"""
-        return [True, False] if args.unkeyed and temperature else [True]
+        """[True] and, with --keyed-ab at T > 0, False: AR drawing from the generator instead of keyed draws, a
+        method=suffix row blind to the noise (the same keyed draws, so the same text as its twin)"""
+        return [True, False] if args.keyed_ab and temperature else [True]
 
     for temperature in args.temperatures:
         params = params_for(temperature)
@@ -148,18 +149,19 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
             add({"method": "hf_prompt_lookup", "temperature": temperature, "draft_length": args.hf_lookup_tokens},
                 lambda key, ids, hf=hf: hf(key, ids, lookup=args.hf_lookup_tokens))
         stores = ([] if args.skip_suffix_alone and retrieval else [(None, None)]) + retrieval
-        for width, (spec, store), keyed in [(w, s, k) for w in args.suffix_widths for s in stores
-                                            for k in twins(temperature)]:
+        for width, (spec, store), by_noise in [(w, s, k) for w in args.suffix_widths for s in stores
+                                               for k in twins(temperature)]:
             # context statistics, priced with this machine's row costs; and with the datastore's candidates too
             budget = args.tree_nodes if width > 1 else args.suffix_length
             costs = cached_row_costs(staged, budget + 1)
-            drafter = SuffixDrafter(1, hi, costs, retrieval=store)   # what method=suffix builds (spd.drafters.suffix)
+            # what method=suffix builds (spd.drafters.suffix)
+            drafter = SuffixDrafter(1, hi, costs, retrieval=store, by_noise=by_noise)
             decoder = build_decoder(CHAIN, staged, eos, drafter, draft_length=args.suffix_length, width=width,
                                     tree_nodes=args.tree_nodes)
             add({"method": "suffix", "temperature": temperature, "draft_length": args.suffix_length, "W": width,
                  "tree_nodes": args.tree_nodes if width > 1 else None, "ngrams": [lo, hi],
-                 "datastore": spec, **({} if keyed else {"keyed": False}),
-                 "row_costs_s": list(costs.seconds)}, chain_run(decoder, params, keyed), drafter)
+                 "datastore": spec, **({} if by_noise else {"by_noise": False}),
+                 "row_costs_s": list(costs.seconds)}, chain_run(decoder, params), drafter)
         for m in args.draft_length:
             decoder = build_decoder(CHAIN, staged, eos, LookupDrafter(lo, hi), draft_length=m)
             add({"method": "lookup", "temperature": temperature, "draft_length": m, "ngrams": [lo, hi]},
@@ -276,8 +278,8 @@ def main() -> int:
                     "with each of these datastores")
     ap.add_argument("--skip-suffix-alone", action="store_true", help="with --datastore: no method=suffix row "
                     "without one")
-    ap.add_argument("--unkeyed", action="store_true", help="at T > 0 also each suite AR and method=suffix row with "
-                    "draws from the request's generator instead of keyed draws (an A/B in one run)")
+    ap.add_argument("--keyed-ab", action="store_true", help="at T > 0 also the suite's AR drawing from the request's "
+                    "generator instead of keyed draws, and each method=suffix row blind to the noise (A/Bs in one run)")
     ap.add_argument("--sets", default="eval", help="eval (the first --limit of each eval set) and/or everyday (the "
                     "30 held-out ShareGPT first turns, answers to EOS or --max-new-tokens)")
     ap.add_argument("--everyday-limit", type=int, default=30)

@@ -9,7 +9,8 @@ def per_source(row: dict) -> str:
 
 
 def label(row: dict) -> str:
-    return _label(row) + (", unkeyed draws" if row.get("keyed") is False else "")
+    return _label(row) + (", unkeyed draws" if row.get("keyed") is False else "") + \
+        (", blind to the noise" if row.get("by_noise") is False else "")
 
 
 def _label(row: dict) -> str:
@@ -30,9 +31,17 @@ def _label(row: dict) -> str:
     return row["method"] + (f", {row['draft_source']}" if row.get("draft_source") else "") + tree
 
 
+def equals_ar(row: dict, report: dict) -> str:
+    """Greedy rows: prompts decoded to AR's tokens; keyed sampled rows: prompts sampled to AR's (marked "T")."""
+    for key, mark in (("greedy_equals_ar", ""), ("sampled_equals_ar", " T")):
+        if key in row:
+            return f"{row[key]}/{row.get('prompts', report['prompts'])}{mark}"
+    return "—"
+
+
 def markdown(report: dict) -> str:
     lines = ["| set | n | bounds | module | T | method | processes × threads | tokens/s | vs fastest plain | L′acc or τ | "
-             "accepted per source | s/step | module s/step | messages µs/step | calibrated tokens/s | rows per cycle | priced out | worst prompt vs AR | greedy = AR |",
+             "accepted per source | s/step | module s/step | messages µs/step | calibrated tokens/s | rows per cycle | priced out | worst prompt vs AR | = AR (greedy; T: keyed samples) |",
              "|---|---:|---|---|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         def f(key, spec=".3f", scale=1.0):
@@ -46,5 +55,5 @@ def markdown(report: dict) -> str:
                      f"{f('module_s_per_step', '.4f')} | {f('message_us_per_step_median', '.0f')} | "
                      f"{f('calibrated_tokens_per_s', '.1f')} | {f('rows_per_cycle', '.2f')} | "
                      f"{f('priced_out_share', '.2f')} | {f('worst_prompt_vs_ar', '.2f')} | "
-                     f"{str(r['greedy_equals_ar']) + '/' + str(r.get('prompts', report['prompts'])) if 'greedy_equals_ar' in r else '—'} |")
+                     f"{equals_ar(r, report)} |")
     return "\n".join(lines)

@@ -83,14 +83,16 @@ class SuffixDrafter(ChainDrafter):
 
     def __init__(self, min_n: int = 1, max_n: int = 8, costs: RowCosts | None = None,
                  memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64, edge: float = 0.1,
-                 retrieval: Retrieval | None = None):
+                 retrieval: Retrieval | None = None, by_noise: bool = True):
         """costs: this machine's row costs (None: every row count costs the same, so every candidate is drafted up
         to the budget); enough: occurrences of the longest match after which shorter matches are not consulted;
         edge: how much a draft's predicted rate must beat a plain step's (spd.pricing.choose); retrieval: a datastore
-        whose continuations of the context's suffix are candidates too (source "datastore")."""
+        whose continuations of the context's suffix are candidates too (source "datastore"); by_noise: at T = 1
+        price each candidate given its own noise (False: as if the draws were unknown, bench/wallclock.py's A/B)."""
         self.min_n, self.max_n, self.retrieval = min_n, max_n, retrieval
         self.costs, self.memory, self.edge = costs, memory, edge
         self.enough, self.max_occurrences = enough, max_occurrences
+        self.by_noise = by_noise
         self.predictor = AcceptancePredictor()
         self.index: NgramIndex | None = None
         self.last: tuple[list[_Node], list[Evidence]] | None = None   # the cycle's candidates, drafted or not
@@ -114,7 +116,7 @@ class SuffixDrafter(ChainDrafter):
         self.margin = margin
 
     def sampling_draws(self, draws) -> None:
-        self.draws = draws
+        self.draws = draws if self.by_noise else None
 
     def verified(self, hidden, tokens) -> None:
         new = tokens[len(self.index):]
