@@ -10,7 +10,8 @@ sampling distribution p. Two measures over them:
   the one draw at each node, which is how verification settles deterministic children; the machine's row costs,
   spd.targets.row_costs): the lookup chain, the default's priced context statistics (method=suffix W = 4), and
   those statistics with recycled children added (a drafter that lives only here, told the top ids of every row
-  the target verified — prompt and accepted path — as the runtime could tell it).
+  the target verified — prompt and accepted path — as the runtime could tell it); the default also priced by the
+  noise of the keyed draws (spd.sampling.KeyedDraws), drawn from their posterior given the answer's tokens.
 
     python bench/t1_sources.py --out docs/results/t1_sources.json
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 
@@ -87,6 +89,33 @@ class RecyclingSuffix(SuffixDrafter):
         return nodes, evidence
 
 
+class PosteriorNoise:
+    """Keyed draws as they would have been for a sampled answer: at each answer position, uniforms drawn from the
+    Gumbel-max posterior given that the answer's token won (the winning score M ~ Gumbel(0) — p is normalised — and
+    every other token's score a Gumbel at log p truncated below M), so the replay's drafter sees noise distributed
+    exactly as the runtime's, consistent with the tokens the answer holds. Tokens outside the record's top 16 are
+    taken to have p = 0 (their uniforms free), a token that won from there p = the rest's mass / 34."""
+
+    def __init__(self, record: dict, seed: int):
+        self.rng = random.Random(seed)
+        self.at: dict[int, dict[int, float]] = {}
+        prompt_len = len(record["prompt"])
+        for a, won in enumerate(record["answer"]):
+            ids, ps = record["ids"][prompt_len + a - 1], record["p"][prompt_len + a - 1]
+            top = self.rng.random()     # e^(-e^(-M)) for M ~ Gumbel(0): uniform
+            # u of a token of probability q is e^(-q e^(-M)) = top ** q if it won, uniform below that if not
+            rest = max(1.0 - sum(ps), 1e-9)
+            noise = {token: self.rng.random() * top ** q for token, q in zip(ids, ps) if token != won}
+            noise[won] = top ** dict(zip(ids, ps)).get(won, rest / (50 - TOP))
+            self.at[prompt_len + a] = noise
+
+    def uniform(self, position: int, token: int) -> float:
+        noise = self.at.setdefault(position, {})
+        if token not in noise:
+            noise[token] = self.rng.random()
+        return noise[token]
+
+
 def sample(loaded, prompts, max_new: int) -> list[dict]:
     """Each prompt's sampled answer (seed = its index) and every row's top ids, sampling probabilities and margin."""
     staged = StagedTarget(loaded.model, 1)
@@ -134,6 +163,10 @@ def priced_replays(records: list[dict], costs, eagle3=None, retrieval=None) -> l
                 "recycled only": (lambda r: RecyclingSuffix(r, costs, only=True), 15, 4, 16)}
     if retrieval is not None:
         drafters["suffix W = 4 + datastore"] = (lambda r: SuffixDrafter(1, 8, costs, retrieval=retrieval), 15, 4, 16)
+    # the same drafters told the keyed draws (each position's noise, PosteriorNoise): priced by the noise
+    keyed = {f"{name}, priced by the noise": drafters[name] for name in
+             ("suffix W = 4 (the default)", "suffix W = 4 + datastore") if name in drafters}
+    drafters.update(keyed)
     states = {}
     if eagle3 is not None:
         staged, module = eagle3
@@ -148,12 +181,13 @@ def priced_replays(records: list[dict], costs, eagle3=None, retrieval=None) -> l
     rows = []
     for name, (make, m, width, budget) in drafters.items():
         tokens = seconds = cycles = fed = spent = 0
-        for r in records:
+        for i, r in enumerate(records):
             prompt_len = len(r["prompt"])
             margins = r["margin"][prompt_len - 1: prompt_len - 1 + len(r["answer"])]
+            draws = PosteriorNoise(r, seed=i) if name in keyed else None
             drafter, began = make(r), time.perf_counter()
             got = replay(drafter, r["prompt"], r["answer"], m, width, budget, hidden=states.get(id(r)),
-                         margins=margins)["rows_per_cycle"]
+                         margins=margins, draws=draws)["rows_per_cycle"]
             spent += time.perf_counter() - began
             tokens, cycles, fed = tokens + len(r["answer"]), cycles + len(got), fed + sum(got)
             seconds += sum(costs.seconds[min(x, costs.max_rows) - 1] for x in got)

@@ -179,3 +179,48 @@ def test_an_unseeded_request_is_free():
     model = tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
     outs = {tuple(ar_run(model, PROMPT, 6, PARAMS).token_ids) for _ in range(8)}
     assert len(outs) > 1
+
+
+def test_the_default_samples_what_method_ar_samples(capsys, tiny_target_dir):
+    """`spd-infer generate` at T = 1 with a seed: the default (the priced statistics on a CPU), the lookup chain and
+    a draft tree print method=ar's tokens; another seed, other tokens."""
+    import json
+
+    from test_cli import run
+
+    common = [f"target={tiny_target_dir}", "prompt=Tell me a story about 12 cats.", "max_new_tokens=30",
+              "temperature=1", "top_k=8", "json=true"]
+    ar = json.loads(run(capsys, *common, "seed=7", "method=ar")[1])
+    for extra in ([], ["method=lookup"], ["method=suffix", "W=4"]):
+        code, out, err = run(capsys, *common, "seed=7", *extra)
+        assert code == 0, err
+        assert json.loads(out)["token_ids"] == ar["token_ids"], extra
+    other = json.loads(run(capsys, *common, "seed=8", "method=ar")[1])
+    assert other["token_ids"] != ar["token_ids"]
+
+
+@pytest.mark.parametrize("width,budget", [(1, None), (3, 12)])
+def test_the_replay_settles_what_the_sampled_runtime_settles(family_model, width, budget):
+    """With keyed draws a sampled answer is a trace like a greedy one: the one replay (spd.fast_eval_chain.replay),
+    told the same draws, drafts and settles exactly the runtime's cycles — the noise-priced drafter included."""
+    from spd.fast_eval_chain import replay
+    from spd.sampling import top2_margin
+
+    _, model = family_model
+    staged, params = StagedTarget(model, 1), SAMPLED[0]
+    drafted = 0
+    for seed in range(3):
+        p = prompt(seed + 150, vocab=model.config.vocab_size)
+        request = Request(40, params, seed)
+        out = ChainDecoder(staged, SuffixDrafter(1, 4, CPU_LIKE), frozenset(), 8, width, budget).generate(p, request)
+        with torch.no_grad():
+            logits = model(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:]
+        margins = [top2_margin(row) for row in logits]
+        draws = KeyedDraws.of(request.generator("cpu"), model.config.vocab_size)
+        got = replay(SuffixDrafter(1, 4, CPU_LIKE), p, out.token_ids, 8, width, budget or 8, margins=margins,
+                     draws=draws)["stats"]
+        want = out.stats
+        assert (got.N, got.cycles, got.accepted_per_cycle, got.verdicts) == \
+            (want.N, want.cycles, want.accepted_per_cycle, want.verdicts), seed
+        drafted += want.drafted
+    assert drafted > 0
