@@ -18,11 +18,13 @@ from spd.targets.source import DEFAULT_TARGET
 # (issue 36's eighth look, the rows taking turns): 2.28x / 1.11x / 1.69x / 1.13x against 2.19x / 1.09x / 1.59x /
 # 1.09x without (everyday T = 0, T = 1, eval T = 0, T = 1) — measured on the default target only (fastest_default).
 # The target's own answers first (issue 36's ninth look, same run): greedy 2.33x / 1.72x against ShareGPT alone's
-# 2.23x / 1.69x; sampled 1.09x / 1.12x against 1.10x / 1.14x — so sampled keeps ShareGPT alone.
+# 2.23x / 1.69x; sampled 1.09x / 1.12x against 1.10x / 1.14x — so sampled kept ShareGPT alone. Since keyed draws
+# (issue 36's eleventh look: candidates priced by their own noise) the answers lead sampled too, by a hair (1.13x /
+# 1.09x against 1.12x / 1.09x, everyday / eval T = 1, one run): one configuration for both regimes.
 # On CUDA the H200 visit's bfloat16 table (docs/results.md, "The first prepared visit"), where AR through CUDA graphs
 # ran 242 tokens/s and SPD with graphs 47 (the chains were not measured there).
 FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"},
-                   "sampled": {"method": "suffix", "W": 4, "datastore": "sharegpt"}},
+                   "sampled": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"}},
            "cuda": {"greedy": {"method": "ar", "cuda_graphs": True}, "sampled": {"method": "ar", "cuda_graphs": True}}}
 
 # keys that ask for SPD's pipeline or a module: a user who sets one of them gets what they asked for
