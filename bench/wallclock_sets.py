@@ -29,7 +29,8 @@ KEYED = ("ar", "suffix", "lookup")        # single-process rows whose sampled dr
 
 def summarise_set(rows: list[dict], prompts, args) -> dict:
     """Speedups against the fastest plain decoding of this set at each temperature, greedy rows checked against
-    the suite's AR (and sampled chains against its keyed samples), each row's worst prompt against AR, and how much of AR's greedy output repeats itself."""
+    the suite's AR (and sampled chains against its keyed samples), each row's worst prompt against AR, and how much
+    of AR's greedy output repeats itself."""
     fastest_ar = {t: max(r["tokens_per_s"] for r in rows if r["method"] in ("ar", "hf_generate")
                          and r["runtime"] == "single process" and r["temperature"] == t) for t in args.temperatures}
     ar = {t: next(r for r in rows if r["method"] == "ar" and r["runtime"] == "single process"
@@ -47,7 +48,8 @@ def summarise_set(rows: list[dict], prompts, args) -> dict:
         outputs = row.pop("outputs")
         if row["temperature"] == 0 and reference is not None:  # lossless: every greedy row decodes AR's tokens
             row["greedy_equals_ar"] = sum(outputs[key] == ids for key, ids in reference.items())
-        elif row["temperature"] and row["method"] in KEYED and row.get("keyed", True) and row is not ar[row["temperature"]]:
+        elif row["temperature"] and row["method"] in KEYED and row.get("keyed", True) \
+                and row is not ar[row["temperature"]]:
             # keyed draws: a seeded request samples AR's own tokens (spd.sampling.KeyedDraws)
             row["sampled_equals_ar"] = sum(outputs[key] == ids for key, ids in sampled[row["temperature"]].items())
     inside = positions = 0

@@ -27,7 +27,7 @@ class ARDecoder(Decoder):
             logits = target.logits(hidden[0, -1])
             if self.observe:
                 self.observe(logits, captured)
-            if draws is None and request.keyed and not params.greedy:      # keyed as a draft-then-verify decode keys them (spd.sampling)
+            if draws is None and request.keyed and not params.greedy:   # as a draft-then-verify decode keys them
                 draws = KeyedDraws.of(generator, logits.shape[-1])
             token = next_token(logits, params, generator, draws, len(prompt_ids) + produced)
             produced += 1

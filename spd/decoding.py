@@ -24,7 +24,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None            # None: a fresh seed from the OS (greedy ignores it)
     keyed: bool = True                 # sampled: keyed draws (spd.sampling.KeyedDraws); False: draws from the
-    #                                    generator as before them (bench/wallclock.py --unkeyed's A/B)
+    #                                    generator as before them (bench/wallclock.py --keyed-ab's A/B)
 
     def generator(self, device) -> torch.Generator:
         generator = torch.Generator(device=device)

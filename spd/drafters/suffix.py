@@ -186,7 +186,8 @@ class SuffixDrafter(ChainDrafter):
         chance = [self.predictor.predict(e) for e in evidence]
         if self.draws is not None:      # sampled: the noise that will choose each node's position is known already
             at = len(self.index.tokens) - 1             # the root's position
-            chance = [given_noise(c, self.draws.uniform(at + node.depth, node.token)) for c, node in zip(chance, nodes)]
+            chance = [given_noise(c, self.draws.uniform(at + node.depth, node.token))
+                      for c, node in zip(chance, nodes)]
         reach = _along_paths(nodes, chance)
         # the candidates by predicted reach, parents first (a child's reach never exceeds its parent's)
         order = sorted(range(len(nodes)), key=lambda i: (-reach[i], nodes[i].depth, i))
