@@ -19,8 +19,8 @@ from spd.targets.source import DEFAULT_TARGET
 # 1.09x without (everyday T = 0, T = 1, eval T = 0, T = 1) — measured on the default target only (fastest_default).
 # The target's own answers first (issue 36's ninth look, same run): greedy 2.33x / 1.72x against ShareGPT alone's
 # 2.23x / 1.69x; sampled 1.09x / 1.12x against 1.10x / 1.14x — so sampled kept ShareGPT alone. Since keyed draws
-# (issue 36's eleventh look: candidates priced by their own noise) the answers lead sampled too, by a hair (1.13x /
-# 1.09x against 1.12x / 1.09x, everyday / eval T = 1, one run): one configuration for both regimes.
+# (issue 36's eleventh look: candidates priced by their own noise) the answers tie ShareGPT alone sampled (everyday
+# 1.13x / 1.11x against 1.12x / 1.11x over two runs, eval 1.09x against 1.09x): one configuration for both regimes.
 # On CUDA the H200 visit's bfloat16 table (docs/results.md, "The first prepared visit"), where AR through CUDA graphs
 # ran 242 tokens/s and SPD with graphs 47 (the chains were not measured there).
 FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"},
