@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from spd.decoding import Decoder, Request, context_length, is_final, prefill
-from spd.sampling import KeyedDraws, next_token
+from spd.sampling import next_token
 from spd.targets.stages import StagedTarget
 
 
@@ -27,8 +27,8 @@ class ARDecoder(Decoder):
             logits = target.logits(hidden[0, -1])
             if self.observe:
                 self.observe(logits, captured)
-            if draws is None and request.keyed and not params.greedy:   # as a draft-then-verify decode keys them
-                draws = KeyedDraws.of(generator, logits.shape[-1])
+            if produced == 0:                   # keyed as a draft-then-verify decode keys them
+                draws = request.draws(generator, logits.shape[-1])
             token = next_token(logits, params, generator, draws, len(prompt_ids) + produced)
             produced += 1
             yield token

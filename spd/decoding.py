@@ -11,7 +11,7 @@ from typing import Iterator
 import torch
 
 from spd.metrics import ChainStats, DecodeStats
-from spd.sampling import SamplingParams
+from spd.sampling import KeyedDraws, SamplingParams
 from spd.targets.kv_cache import LayerKVCache
 from spd.targets.stages import StagedTarget
 
@@ -25,6 +25,10 @@ class Request:
     seed: int | None = None            # None: a fresh seed from the OS (greedy ignores it)
     keyed: bool = True                 # sampled: keyed draws (spd.sampling.KeyedDraws); False: draws from the
     #                                    generator as before them (bench/wallclock.py --keyed-ab's A/B)
+
+    def draws(self, generator: torch.Generator, vocab: int) -> KeyedDraws | None:
+        """This request's keyed draws (its generator's first draw is their key), or None: greedy, or unkeyed."""
+        return KeyedDraws.of(generator, vocab) if self.keyed and not self.params.greedy else None
 
     def generator(self, device) -> torch.Generator:
         generator = torch.Generator(device=device)

@@ -53,8 +53,7 @@ class ChainSequence:
     def start(self, logits: torch.Tensor, captured: dict[int, torch.Tensor]) -> list[int]:
         if self.observe:
             self.observe(logits, captured)
-        if self.request.keyed and not self.request.params.greedy:
-            self.draws = KeyedDraws.of(self.generator, logits.shape[-1])
+        self.draws = self.request.draws(self.generator, logits.shape[-1])
         token = next_token(logits, self.request.params, self.generator, self.draws, len(self.prompt_ids))
         self.tokens = self.prompt_ids + [token]
         self.stats.N = 1
