@@ -37,8 +37,9 @@ class LayerKVCache:
                              "decode fewer tokens or allocate a longer cache")
         old_k, old_v = self._keys[layer], self._values[layer]
         cap = max(needed, 2 * old_k.shape[2])
-        new_k = old_k.new_empty(*old_k.shape[:2], cap, old_k.shape[3])
-        new_v = old_v.new_empty(*old_v.shape[:2], cap, old_v.shape[3])
+        # zeroed like a static cache's: rows past the length may be read with weight 0 (spd.targets.invariant_attention)
+        new_k = old_k.new_zeros(*old_k.shape[:2], cap, old_k.shape[3])
+        new_v = old_v.new_zeros(*old_v.shape[:2], cap, old_v.shape[3])
         length = self.lengths[layer]
         new_k[:, :, :length] = old_k[:, :, :length]
         new_v[:, :, :length] = old_v[:, :, :length]

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from spd.targets import invariant_attention
+from spd.targets.invariant_attention import row_invariant_attention
 from spd.targets.kv_cache import LayerKVCache
 from spd.targets.stages import StagedTarget
 
@@ -88,15 +90,15 @@ def ragged_attention(module, query, key, value, attention_mask, dropout: float =
                      **kwargs):
     """query [1, H, R, hd]. With `ragged`, each segment's queries attend to its own cache; otherwise plain SDPA.
     Returns [1, R, H, hd] and no weights, as every transformers kernel does."""
+    attend = row_invariant_attention if invariant_attention.wanted(query.device, query.dtype) else \
+        sdpa_attention_forward
     if ragged is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     masks = ragged.masks[ragged.layer_types[module.layer_idx]]
     outs = []
     for i, (lo, hi) in enumerate(zip(ragged.bounds, ragged.bounds[1:])):
         keys, values = ragged.views[i]
-        out, _ = sdpa_attention_forward(module, query[:, :, lo:hi], keys, values, masks[i], dropout=dropout,
-                                        scaling=scaling)
+        out, _ = attend(module, query[:, :, lo:hi], keys, values, masks[i], dropout=dropout, scaling=scaling)
         outs.append(out)
     return torch.cat(outs, dim=1), None
 
@@ -118,10 +120,11 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """x W^T + b for x [..., d_in] of a row count in FEW_ROWS, computed as (W x^T)^T. The same product; some CPUs'
     torch (MKL) runs `F.linear` over 2 or 3 rows as 2 or 3 one-row products (AMD EPYC: 2 rows of SmolLM2's MLP
     94 µs against 48 for one, the head 16 ms against 7), where the weight as the left operand takes 60 µs and
-    2.6 ms. One row keeps `F.linear` (the solo path)."""
+    2.6 ms. One row keeps `F.linear` (the solo path), and so does a row-invariant target (CPU bfloat16), whose
+    every row must come out as the solo path's (spd.targets.invariant_attention)."""
     rows = x.numel() // x.shape[-1]
-    if rows not in FEW_ROWS or x.device.type != "cpu":
-        return _LINEAR(x, weight, bias)
+    if rows not in FEW_ROWS or x.device.type != "cpu" or invariant_attention.wanted(x.device, x.dtype):
+        return _LINEAR(x, weight, bias)     # bfloat16's F.linear gives a row the same bits at every row count
     out = (weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 

@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from spd.pricing import RowCosts
-from spd.targets import ragged
+from spd.targets import invariant_attention, ragged
 from spd.targets.stages import StagedTarget
 from spd.timing import sync
 from spd.targets.weight_cache import cache_root, write_json_atomic
@@ -68,7 +68,8 @@ def measure_row_costs(staged: StagedTarget, max_rows: int, context: int = 256,
             staged.logits(out[0])
         cache.crop(context)
 
-    both = device.type == "cpu"          # few_rows_linear multiplies CPU tensors only
+    # few_rows_linear multiplies CPU tensors only, and not a row-invariant target's (spd.targets.invariant_attention)
+    both = device.type == "cpu" and not invariant_attention.wanted(device, staged.dtype)
     shapes = [(rows, False) for rows in range(1, max_rows + 1)]
     shapes += [(rows, True) for rows in ragged.CANDIDATES if both and rows <= max_rows]
     times: dict[tuple[int, bool], list[float]] = {shape: [] for shape in shapes}

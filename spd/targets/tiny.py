@@ -9,9 +9,9 @@ FAMILIES = ("llama", "qwen3", "gemma3")
 
 
 def tiny_config(family: str, num_layers: int = 10, vocab_size: int = 128, hidden_size: int = 32,
-                max_position_embeddings: int = 512, tied: bool = True):
+                max_position_embeddings: int = 512, tied: bool = True, head_dim: int = 8):
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                   max_position_embeddings=max_position_embeddings, eos_token_id=vocab_size - 1, bos_token_id=0, pad_token_id=0,
                   tie_word_embeddings=tied)
     if family == "llama":
@@ -20,7 +20,7 @@ def tiny_config(family: str, num_layers: int = 10, vocab_size: int = 128, hidden
         return Qwen3Config(**common)
     if family == "gemma3":
         # Mixed sliding-window / full attention, with a window short enough that tests cross it.
-        return Gemma3TextConfig(**common, sliding_window=8, query_pre_attn_scalar=8,
+        return Gemma3TextConfig(**common, sliding_window=8, query_pre_attn_scalar=head_dim,
                                 layer_types=["sliding_attention" if (i + 1) % 3 else "full_attention"
                                              for i in range(num_layers)])
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
