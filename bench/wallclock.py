@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import os
 import platform
@@ -93,14 +94,13 @@ def eagle3_decoders(args) -> dict[float, list[tuple[dict, object, object]]]:
     return built
 
 
-def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
+def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[dict]:
     """The single-process field at every temperature — the suite's AR, transformers `generate` (and its prompt
     lookup), the priced context statistics, the lookup chain, SPD in one process (--local-spd), EAGLE-3 (--eagle3) —
-    timed taking turns on each prompt (decode_interleaved), so every row of a cell meets the same machine."""
+    timed taking turns on each prompt (decode_interleaved), so every row of a cell meets the same machine. `others`:
+    (dtype name, the target loaded in it) whose AR, transformers and priced rows take their turns too (--dtypes)."""
     torch.set_num_threads(cores)
     eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
-    staged = StagedTarget(loaded.model, 1)
-    base = {"runtime": "single process", "threads_per_process": cores, "processes": 1}
     lo, hi = args.lookup_ngrams
     rows, runs, drafters = [], [], []
     retrieval = [(spec, Retrieval(open_datastore(spec, loaded.tokenizer, loaded.model.config.vocab_size)))
@@ -109,8 +109,9 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
     stack = contextlib.ExitStack()
     spd = local_spd_decoders(args, stack) if args.local_spd else {}
 
-    def add(row: dict, run, drafter=None) -> None:
-        rows.append({**base, **row})   # SPD says runtime=local
+    def add(row: dict, run, drafter=None, dtype: str = "float32") -> None:
+        rows.append({"runtime": "single process", "threads_per_process": cores, "processes": 1, "dtype": dtype,
+                     **row})   # SPD says runtime=local
         runs.append(run)
         drafters.append(drafter)
 
@@ -122,50 +123,60 @@ def single_process_rows(args, prompts, cores: int, loaded) -> list[dict]:
         method=suffix row blind to the noise (the same keyed draws, so the same text as its twin)"""
         return [True, False] if args.keyed_ab and temperature else [True]
 
-    for temperature in args.temperatures:
-        params = params_for(temperature)
+    for dtype, target in [("float32", loaded), *others]:
+        staged = StagedTarget(target.model, 1)
+        put = functools.partial(add, dtype=dtype)
+        for temperature in args.temperatures:
+            params = params_for(temperature)
 
-        def hf(key, ids, lookup=None, temperature=temperature):
-            from spd.decoding import GenerationResult
+            def hf(key, ids, lookup=None, temperature=temperature, model=target.model):
+                from spd.decoding import GenerationResult
 
-            torch.manual_seed(seed_of(key))
-            sample = dict(do_sample=True, temperature=temperature, top_k=50, top_p=1.0) if temperature else \
-                dict(do_sample=False)
-            if lookup:   # transformers' prompt-lookup decoding: what a user has with one argument
-                sample["prompt_lookup_num_tokens"] = lookup
-            start = time.perf_counter()
-            out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
-                                        pad_token_id=loaded.tokenizer.pad_token_id or 0, **sample)
-            return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
+                torch.manual_seed(seed_of(key))
+                sample = dict(do_sample=True, temperature=temperature, top_k=50, top_p=1.0) if temperature else \
+                    dict(do_sample=False)
+                if lookup:   # transformers' prompt-lookup decoding: what a user has with one argument
+                    sample["prompt_lookup_num_tokens"] = lookup
+                kernel = model.config._attn_implementation
+                model.config._attn_implementation = "sdpa"    # transformers as a user has it, whatever the suite set
+                try:
+                    start = time.perf_counter()
+                    out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
+                                         pad_token_id=loaded.tokenizer.pad_token_id or 0, **sample)
+                    return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
+                finally:
+                    model.config._attn_implementation = kernel
 
-        for keyed in twins(temperature):
-            add({"method": "ar", "temperature": temperature, **({} if keyed else {"keyed": False})},
-                chain_run(build_decoder(AR, staged, eos), params, keyed))
-        if not args.skip_hf:
-            add({"method": "hf_generate", "temperature": temperature}, hf)
-        if not args.lookup:
-            continue
-        if not args.skip_hf:
-            add({"method": "hf_prompt_lookup", "temperature": temperature, "draft_length": args.hf_lookup_tokens},
-                lambda key, ids, hf=hf: hf(key, ids, lookup=args.hf_lookup_tokens))
-        stores = ([] if args.skip_suffix_alone and retrieval else [(None, None)]) + retrieval
-        for width, (spec, store), by_noise in [(w, s, k) for w in args.suffix_widths for s in stores
-                                               for k in twins(temperature)]:
-            # context statistics, priced with this machine's row costs; and with the datastore's candidates too
-            budget = args.tree_nodes if width > 1 else args.suffix_length
-            costs = cached_row_costs(staged, budget + 1)
-            # what method=suffix builds (spd.drafters.suffix)
-            drafter = SuffixDrafter(1, hi, costs, retrieval=store, by_noise=by_noise)
-            decoder = build_decoder(CHAIN, staged, eos, drafter, draft_length=args.suffix_length, width=width,
-                                    tree_nodes=args.tree_nodes)
-            add({"method": "suffix", "temperature": temperature, "draft_length": args.suffix_length, "W": width,
-                 "tree_nodes": args.tree_nodes if width > 1 else None, "ngrams": [lo, hi],
-                 "datastore": spec, **({} if by_noise else {"by_noise": False}),
-                 "row_costs_s": list(costs.seconds)}, chain_run(decoder, params), drafter)
-        for m in args.draft_length:
-            decoder = build_decoder(CHAIN, staged, eos, LookupDrafter(lo, hi), draft_length=m)
-            add({"method": "lookup", "temperature": temperature, "draft_length": m, "ngrams": [lo, hi]},
-                chain_run(decoder, params))
+            for keyed in twins(temperature):
+                put({"method": "ar", "temperature": temperature, **({} if keyed else {"keyed": False})},
+                    chain_run(build_decoder(AR, staged, eos), params, keyed))
+            if not args.skip_hf:
+                put({"method": "hf_generate", "temperature": temperature}, hf)
+            if not args.lookup:
+                continue
+            if not args.skip_hf:
+                put({"method": "hf_prompt_lookup", "temperature": temperature, "draft_length": args.hf_lookup_tokens},
+                    lambda key, ids, hf=hf: hf(key, ids, lookup=args.hf_lookup_tokens))
+            stores = ([] if args.skip_suffix_alone and retrieval else [(None, None)]) + retrieval
+            for width, (spec, store), by_noise in [(w, s, k) for w in args.suffix_widths for s in stores
+                                                   for k in twins(temperature)]:
+                # context statistics, priced with this machine's row costs; and with the datastore's candidates too
+                budget = args.tree_nodes if width > 1 else args.suffix_length
+                costs = cached_row_costs(staged, budget + 1)
+                # what method=suffix builds (spd.drafters.suffix)
+                drafter = SuffixDrafter(1, hi, costs, retrieval=store, by_noise=by_noise)
+                decoder = build_decoder(CHAIN, staged, eos, drafter, draft_length=args.suffix_length, width=width,
+                                        tree_nodes=args.tree_nodes)
+                put({"method": "suffix", "temperature": temperature, "draft_length": args.suffix_length, "W": width,
+                     "tree_nodes": args.tree_nodes if width > 1 else None, "ngrams": [lo, hi],
+                     "datastore": spec, **({} if by_noise else {"by_noise": False}),
+                     "row_costs_s": list(costs.seconds)}, chain_run(decoder, params), drafter)
+            if dtype != "float32":
+                continue               # the lookup chain, SPD and EAGLE-3: float32 only
+            for m in args.draft_length:
+                decoder = build_decoder(CHAIN, staged, eos, LookupDrafter(lo, hi), draft_length=m)
+                put({"method": "lookup", "temperature": temperature, "draft_length": m, "ngrams": [lo, hi]},
+                    chain_run(decoder, params))
     for temperature in args.temperatures:      # SPD and EAGLE-3 take their turns too (own sessions, built once)
         for fields, decoder in spd.get(temperature, []):
             add({**fields, "temperature": temperature}, chain_run(decoder, params_for(temperature)))
@@ -283,6 +294,8 @@ def main() -> int:
     ap.add_argument("--sets", default="eval", help="eval (the first --limit of each eval set) and/or everyday (the "
                     "30 held-out ShareGPT first turns, answers to EOS or --max-new-tokens)")
     ap.add_argument("--everyday-limit", type=int, default=30)
+    ap.add_argument("--dtypes", default="float32", help="e.g. float32,bfloat16: the AR, transformers and method=suffix "
+                    "rows in each (the target loaded once per dtype; the lookup chain, SPD and EAGLE-3 in float32)")
     ap.add_argument("--out", default="docs/results/wallclock.json")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -294,6 +307,8 @@ def main() -> int:
     args.batch = [int(b) for b in args.batch.split(",") if b]
     args.suffix_widths = [int(w) for w in args.suffix_widths.split(",") if w]
     loaded = load_target(args.target)
+    args.others = [(name, load_target(args.target, dtype=getattr(torch, name)))
+                   for name in args.dtypes.split(",") if name and name != "float32"]
     rows, sets = [], {}
     for name in args.sets.split(","):
         prompts = prompt_set(name, args, loaded.tokenizer)
@@ -316,7 +331,7 @@ def main() -> int:
 
 
 def set_rows(args, prompts, loaded) -> list[dict]:
-    rows = single_process_rows(args, prompts, args.cores, loaded)
+    rows = single_process_rows(args, prompts, args.cores, loaded, args.others)
     if args.batch:
         rows += batched_rows(args, prompts, args.cores, loaded)
     for n in [int(x) for x in args.ns.split(",") if x]:          # --ns "": single-process rows only

@@ -28,34 +28,44 @@ KEYED = ("ar", "suffix", "lookup")        # single-process rows whose sampled dr
 
 
 def summarise_set(rows: list[dict], prompts, args) -> dict:
-    """Speedups against the fastest plain decoding of this set at each temperature, greedy rows checked against
-    the suite's AR (and sampled chains against its keyed samples), each row's worst prompt against AR, and how much
-    of AR's greedy output repeats itself."""
-    fastest_ar = {t: max(r["tokens_per_s"] for r in rows if r["method"] in ("ar", "hf_generate")
-                         and r["runtime"] == "single process" and r["temperature"] == t) for t in args.temperatures}
-    ar = {t: next(r for r in rows if r["method"] == "ar" and r["runtime"] == "single process"
-                  and r["temperature"] == t) for t in args.temperatures}
-    reference = ar[0.0]["outputs"] if 0.0 in ar else None
-    sampled = {t: ar[t]["outputs"] for t in ar if t}
+    """Speedups against the fastest plain decoding of this set at each temperature (any dtype), greedy rows checked
+    against the suite's AR in their own dtype (and sampled chains against its keyed samples), each row's worst prompt
+    against that AR and against the fastest plain row, and how much of AR's greedy output repeats itself."""
+    def plain(r):
+        return r["method"] in ("ar", "hf_generate") and r["runtime"] == "single process" and r.get("keyed", True)
+
+    fastest = {t: max((r for r in rows if plain(r) and r["temperature"] == t), key=lambda r: r["tokens_per_s"])
+               for t in args.temperatures}
+    ar = {(r.get("dtype", "float32"), r["temperature"]): r for r in reversed(rows)
+          if r["method"] == "ar" and r["runtime"] == "single process" and r.get("keyed", True)}
+    reference = ar[("float32", 0.0)]["outputs"] if ("float32", 0.0) in ar else None
+    outputs = {id(r): r["outputs"] for r in rows}
     for row in rows:
-        row["speedup_vs_fastest_plain"] = row["tokens_per_s"] / fastest_ar[row["temperature"]]
-        base = ar[row["temperature"]]["per_prompt_tokens_per_s"]
-        ratios = {key: rate / base[key] for key, rate in row.get("per_prompt_tokens_per_s", {}).items()}
-        if ratios:      # batched rows time their prompts together
-            worst = min(ratios, key=ratios.get)
-            row["worst_prompt_vs_ar"], row["worst_prompt"] = ratios[worst], worst
+        dtype, t = row.get("dtype", "float32"), row["temperature"]
+        own = ar.get((dtype, t), ar.get(("float32", t)))
+        row["speedup_vs_fastest_plain"] = row["tokens_per_s"] / fastest[t]["tokens_per_s"]
+        for name, against in (("worst_prompt_vs_ar", own), ("worst_prompt_vs_fastest_plain", fastest[t])):
+            base = against["per_prompt_tokens_per_s"]
+            ratios = {key: rate / base[key] for key, rate in row.get("per_prompt_tokens_per_s", {}).items()}
+            if ratios:      # batched rows time their prompts together
+                worst = min(ratios, key=ratios.get)
+                row[name] = ratios[worst]
+                if name == "worst_prompt_vs_ar":
+                    row["worst_prompt"] = worst
         row["prompts"] = len(prompts)
-        outputs = row.pop("outputs")
-        if row["temperature"] == 0 and reference is not None:  # lossless: every greedy row decodes AR's tokens
-            row["greedy_equals_ar"] = sum(outputs[key] == ids for key, ids in reference.items())
-        elif row["temperature"] and row["method"] in KEYED and row.get("keyed", True) \
-                and row is not ar[row["temperature"]]:
+        mine, theirs = outputs[id(row)], outputs[id(own)]
+        if t == 0:  # lossless: every greedy row decodes AR's tokens (AR of its dtype)
+            row["greedy_equals_ar"] = sum(mine[key] == ids for key, ids in theirs.items())
+        elif row["method"] in KEYED and row.get("keyed", True) and row is not own:
             # keyed draws: a seeded request samples AR's own tokens (spd.sampling.KeyedDraws)
-            row["sampled_equals_ar"] = sum(outputs[key] == ids for key, ids in sampled[row["temperature"]].items())
+            row["sampled_equals_ar"] = sum(mine[key] == ids for key, ids in theirs.items())
+    for row in rows:
+        row.pop("outputs")
     inside = positions = 0
     if reference is not None:
         for key, ids in prompts:
             inside += len(repeating(ids + reference[key], len(ids), REPEAT_SPAN))
             positions += len(reference[key])
     return {"prompts": len(prompts), "repeat_share": inside / positions if positions else None,
-            "fastest_plain_tokens_per_s": fastest_ar}
+            "fastest_plain_tokens_per_s": {t: r["tokens_per_s"] for t, r in fastest.items()},
+            "fastest_plain": {t: f"{r['method']} {r.get('dtype', 'float32')}" for t, r in fastest.items()}}

@@ -10,7 +10,8 @@ def per_source(row: dict) -> str:
 
 def label(row: dict) -> str:
     return _label(row) + (", unkeyed draws" if row.get("keyed") is False else "") + \
-        (", blind to the noise" if row.get("by_noise") is False else "")
+        (", blind to the noise" if row.get("by_noise") is False else "") + \
+        (f", {row['dtype']}" if row.get("dtype", "float32") != "float32" else "")
 
 
 def _label(row: dict) -> str:
