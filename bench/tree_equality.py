@@ -10,7 +10,11 @@ differing token is below 1e-4 (float ties); every difference is listed with that
         checkpoint=outputs/grid/eagle3/checkpoint
 
 The traces are the 512-token greedy recordings of `spd-infer eval` (--trace-dir; any recording of >= 16 tokens
-serves: greedy decoding's first 16 tokens are a prefix of its first 512). Resumable: finished (label, prompt) rows
+serves: greedy decoding's first 16 tokens are a prefix of its first 512), which are float32's; with --live-reference
+the target's own greedy decode (AR, with each position's top-2 margin) runs here, in the configuration's dtype:
+
+    python bench/tree_equality.py --label default_bf16 --live-reference method=suffix W=4 \
+        datastore=answers+sharegpt dtype=bfloat16 Resumable: finished (label, prompt) rows
 are kept in <out>l and skipped. Writes one entry per label into --out (default docs/results/tree_equality.json).
 """
 
@@ -37,6 +41,18 @@ from fast_eval_check import MARGIN, eval_prompts, finished_rows   # this folder:
 def trace_file(trace_dir: str, dataset: str, qid) -> str:
     (path,) = glob.glob(os.path.join(trace_dir, f"{dataset}-{qid}.pt"))
     return path
+
+
+def live_trace(engine, ids: list[int], max_new_tokens: int) -> dict:
+    """The target's own greedy decode of `ids` in the engine's dtype, with the top-2 logit margin of every position."""
+    from spd.ar import ARDecoder
+    from spd.sampling import top2_margin
+
+    margins = []
+    ar = ARDecoder(engine.session.staged, engine.session.eos_ids, observe=lambda logits, _: margins.append(
+        top2_margin(logits)))
+    out = ar.generate(list(ids), Request(max_new_tokens, SamplingParams(), 0))
+    return {"prompt_ids": list(ids), "tokens": out.token_ids, "margins": margins}
 
 
 def row_for(label, ds, qid, tokens, stats, trace, max_new_tokens, seconds) -> dict:
@@ -72,6 +88,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--trace-dir", default=None, help="a greedy trace directory (default: the one under "
                                                       "outputs/cache/traces with the most recordings)")
+    ap.add_argument("--live-reference", action="store_true", help="decode the reference (AR) here, in the "
+                    "configuration's dtype, instead of reading the float32 traces")
     ap.add_argument("--out", default="docs/results/tree_equality.json")
     ap.add_argument("overrides", nargs="*", help="spd-infer generate keys: method=eagle3 W=4 ...")
     args = ap.parse_args()
@@ -85,7 +103,8 @@ def main() -> int:
         for ds, qid, ids in tqdm(prompts, desc=args.label, mininterval=30):
             if (args.label, ds, str(qid)) in done:
                 continue
-            trace = torch.load(trace_file(trace_dir, ds, qid))
+            trace = live_trace(engine, ids, args.max_new_tokens) if args.live_reference else \
+                torch.load(trace_file(trace_dir, ds, qid))
             assert trace["prompt_ids"] == list(ids), f"{ds}-{qid}: the trace was recorded for another prompt"
             start = time.perf_counter()
             out = engine.decoder.generate(list(ids), Request(args.max_new_tokens, SamplingParams(), 0))
@@ -99,7 +118,7 @@ def main() -> int:
         with open(args.out) as f:
             result = json.load(f)
     result[args.label] = summarise(list(done.values()), args.label, args.overrides)
-    result[args.label]["trace_dir"] = os.path.basename(trace_dir)
+    result[args.label]["trace_dir"] = "live AR" if args.live_reference else os.path.basename(trace_dir)
     with open(args.out + ".tmp", "w") as fh:
         json.dump(result, fh, indent=2)
     os.replace(args.out + ".tmp", args.out)

@@ -139,7 +139,8 @@ class Engine:
                 "tree_nodes": s.tree_nodes if s.width > 1 or method.decoder == SEGMENTS else None, "runtime": cfg.runtime,
                 "processes": getattr(self.stages, "world", 1), "n": s.staged.n, "stage_bounds": s.staged.bounds,
                 "balance": s.balance, "datastore": getattr(cfg, "datastore", None) if s.retrieval else None,
-                "checkpoint": s.checkpoint, **stats, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s,
+                "checkpoint": s.checkpoint, "dtype": cfg.dtype, **stats, "seconds": result.seconds,
+                "tokens_per_s": result.tokens_per_s,
                 "default": self.default}
 
 

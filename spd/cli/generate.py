@@ -45,6 +45,7 @@ def stats_line(out: dict) -> str:
     if "tau" in out:   # draft-then-verify: tokens per target forward, not pipeline steps
         tree = f" W={out['W']} tree_nodes={out['tree_nodes']}" if out.get("W", 1) > 1 else ""
         tree += f" datastore={out['datastore']}" if out.get("datastore") else ""
+        tree += f" dtype={out['dtype']}" if out.get("dtype", "float32") != "float32" else ""
         return (f"[{out['method']} m={out['m']}{tree}{chosen}] N={out['N']} cycles={out['cycles']} τ={_fmt(out['tau'])} "
                 f"accepted: {acceptance_by_source(out.get('sources', {})) or '-'} {speed}")
     runtime = out["runtime"] + (f" ({out['processes']} processes)" if out.get("processes", 1) > 1 else "")
