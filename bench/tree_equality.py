@@ -13,9 +13,10 @@ The traces are the 512-token greedy recordings of `spd-infer eval` (--trace-dir;
 serves: greedy decoding's first 16 tokens are a prefix of its first 512), which are float32's; with --live-reference
 the target's own greedy decode (AR, with each position's top-2 margin) runs here, in the configuration's dtype:
 
-    python bench/tree_equality.py --label default_bf16 --live-reference method=suffix W=4 \
-        datastore=answers+sharegpt dtype=bfloat16 Resumable: finished (label, prompt) rows
-are kept in <out>l and skipped. Writes one entry per label into --out (default docs/results/tree_equality.json).
+    python bench/tree_equality.py --label default_bf16 --live-reference --out docs/results/tree_equality_bf16.json \
+        method=suffix W=4 datastore=answers+sharegpt dtype=bfloat16
+
+Resumable: finished (label, prompt) rows are kept in <out>l and skipped. Writes one entry per label into --out (default docs/results/tree_equality.json).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def summarise_set(rows: list[dict], prompts, args) -> dict:
 
     fastest = {t: max((r for r in rows if plain(r) and r["temperature"] == t), key=lambda r: r["tokens_per_s"])
                for t in args.temperatures}
-    ar = {(r.get("dtype", "float32"), r["temperature"]): r for r in reversed(rows)
+    ar = {(r.get("dtype", "float32"), r["temperature"]): r for r in rows
           if r["method"] == "ar" and r["runtime"] == "single process" and r.get("keyed", True)}
     reference = ar[("float32", 0.0)]["outputs"] if ("float32", 0.0) in ar else None
     outputs = {id(r): r["outputs"] for r in rows}

@@ -61,6 +61,8 @@ class RaggedCache:
         for segment in segments:
             self.bounds.append(self.bounds[-1] + len(segment.positions))
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # each segment attends with the target's own kernel (spd.targets.invariant_attention where row-invariant)
+        self.attend = row_invariant_attention if target.row_invariant else sdpa_attention_forward
         self.layer_types = target.layer_types
         self.masks: dict[str, list[torch.Tensor | None]] = {
             layer_type: [segment_mask(target, s, first_layer, layer_type) for s in segments]
@@ -90,10 +92,10 @@ def ragged_attention(module, query, key, value, attention_mask, dropout: float =
                      **kwargs):
     """query [1, H, R, hd]. With `ragged`, each segment's queries attend to its own cache; otherwise plain SDPA.
     Returns [1, R, H, hd] and no weights, as every transformers kernel does."""
-    attend = row_invariant_attention if invariant_attention.wanted(query.device, query.dtype) else \
-        sdpa_attention_forward
     if ragged is None:
-        return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    attend = ragged.attend
     masks = ragged.masks[ragged.layer_types[module.layer_idx]]
     outs = []
     for i, (lo, hi) in enumerate(zip(ragged.bounds, ragged.bounds[1:])):

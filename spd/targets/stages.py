@@ -32,12 +32,12 @@ class StagedTarget:
         rope = self.decoder.rotary_emb
         self._rope_takes_type = "layer_type" in inspect.signature(rope.forward).parameters
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
-        self.row_invariant = invariant_attention.wanted(self.device, self.dtype) and \
-            invariant_attention.products_invariant(*invariant_attention.target_shapes(model))
+        wanted = invariant_attention.wanted(self.device, self.dtype)
+        self.row_invariant = wanted and invariant_attention.products_invariant(*invariant_attention.target_shapes(model))
         if self.row_invariant:
             # a row's bits must not depend on how many rows share its forward (spd.targets.invariant_attention)
             self.config._attn_implementation = invariant_attention.KERNEL
-        elif invariant_attention.wanted(self.device, self.dtype):
+        elif wanted:
             warnings.warn("this CPU's bfloat16 products give a row other bits at other row counts for this target's "
                           "shapes: drafted decoding may leave AR's tokens where two logits nearly tie; use "
                           "dtype=float32 for exact equality", stacklevel=2)
