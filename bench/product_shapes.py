@@ -2,9 +2,12 @@
 step at 4 rows (issue 36's twelfth look): the forward with `F.linear` against every product on oneDNN's prepacked
 weight (one copy: the plain weights are dropped), each shape timed right after a one-row forward as a decode loop
 meets it; and the target's products alone — as they are, with q/k/v and gate/up fused into one product each, and
-with the rows multiplied in chunks of at most 3 (the last row count before the step).
+with the rows multiplied in chunks of at most 3 (the last row count before the step). `--layouts` adds the forward
+with every weight stored column-major (one copy, so `F.linear` multiplies x by a contiguous W^T: MKL's other
+operand order) and the forward in bfloat16, plain and prepacked (issue 36's fourteenth look).
 
     python bench/product_shapes.py --out docs/results/product_shapes_intel.json
+    python bench/product_shapes.py --layouts --out docs/results/product_layouts_intel.json
 """
 
 from __future__ import annotations
@@ -64,6 +67,14 @@ def prepack(model) -> None:
                 module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
 
 
+def column_major(model) -> None:
+    """Every Linear's weight becomes the transpose of a contiguous W^T, in place of the row-major copy (a tied head
+    and embedding share it: an embedding row is then read strided)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data = module.weight.data.T.contiguous().T
+
+
 def weights(model, fused: bool) -> list[torch.Tensor]:
     out = []
     for layer in model.model.layers:
@@ -102,6 +113,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,2,3,4,6,8,12,16,17,24,32")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layouts", action="store_true", help="column-major float32 and bfloat16 forwards as well")
     ap.add_argument("--out", default="docs/results/product_shapes.json")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
@@ -118,8 +130,19 @@ def main() -> int:
         del plain, fused
         prepack(model)
         report["forward_prepacked_ms"] = forward_costs(staged, rows, args.rounds)
-    for key in ("forward_ms", "forward_prepacked_ms", "products_ms", "products_fused_ms", "products_chunks_of_3_ms"):
-        print(f"{key:26s}", " ".join(f"{r}:{ms:.1f}" for r, ms in report[key].items()))
+        del model, staged
+        if args.layouts:
+            for key, dtype, change in [("forward_column_major_ms", torch.float32, column_major),
+                                       ("forward_bfloat16_ms", torch.bfloat16, None),
+                                       ("forward_bfloat16_prepacked_ms", torch.bfloat16, prepack)]:
+                model = load_target(args.target, dtype=dtype).model
+                staged = StagedTarget(model, 1)      # bfloat16 on a CPU: row-invariant attention (as the suite runs it)
+                if change:
+                    change(model)
+                report[key] = forward_costs(staged, rows, args.rounds)
+                del model, staged
+    for key in [k for k in report if k.endswith("_ms")]:
+        print(f"{key:32s}", " ".join(f"{r}:{ms:.1f}" for r, ms in report[key].items()))
     write_json(args.out, report)
     return 0
 

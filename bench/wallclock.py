@@ -43,6 +43,7 @@ from spd.methods import AR, CHAIN, PIPELINE, SUFFIX_MODULE
 from spd.runtime.stages import open_stages
 from spd.session import open_session
 from spd.targets.loading import load_target
+from spd.targets.prepacked import plain_products
 from spd.targets.stages import StagedTarget
 from spd.drafters.suffix import Retrieval, SuffixDrafter
 from spd.retrieval import open_datastore
@@ -141,8 +142,9 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
                 model.config._attn_implementation = "sdpa"    # transformers as a user has it, whatever the suite set
                 try:
                     start = time.perf_counter()
-                    out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
-                                         pad_token_id=loaded.tokenizer.pad_token_id or 0, **sample)
+                    with plain_products(model):                 # and its own products (spd.targets.prepacked)
+                        out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
+                                             pad_token_id=loaded.tokenizer.pad_token_id or 0, **sample)
                     return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
                 finally:
                     model.config._attn_implementation = kernel

@@ -40,12 +40,14 @@ def _cpu_name() -> str:
 
 def machine_key(staged: StagedTarget) -> str:
     """The cache key of a row-cost profile: this machine's processor and core count, the device, the thread count,
-    and the target's shape and dtype."""
+    and the target's shape, dtype and products (prepacked or not)."""
     config = staged.config
     device = staged.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     payload = [name, os.cpu_count(), str(device), torch.get_num_threads(), str(staged.dtype),
                config.model_type, config.hidden_size, config.num_hidden_layers, config.vocab_size]
+    if staged.prepacked:            # another curve (spd.targets.prepacked); float32 keys stay as they were
+        payload.append("prepacked")
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 

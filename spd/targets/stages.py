@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from spd.layout import stage_bounds
-from spd.targets import invariant_attention
+from spd.targets import invariant_attention, prepacked
 from spd.targets.kv_cache import LayerKVCache
 
 
@@ -33,10 +33,15 @@ class StagedTarget:
         self._rope_takes_type = "layer_type" in inspect.signature(rope.forward).parameters
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         wanted = invariant_attention.wanted(self.device, self.dtype)
-        self.row_invariant = wanted and invariant_attention.products_invariant(*invariant_attention.target_shapes(model))
+        shapes, head = invariant_attention.target_shapes(model)
+        self.row_invariant = wanted and invariant_attention.products_invariant(shapes, head)
+        self.prepacked = False      # products from packed weights (spd.targets.prepacked), where as row-invariant
         if self.row_invariant:
             # a row's bits must not depend on how many rows share its forward (spd.targets.invariant_attention)
             self.config._attn_implementation = invariant_attention.KERNEL
+            if prepacked.packed_invariant(shapes):
+                prepacked.prepack(model)
+                self.prepacked = True
         elif wanted:
             warnings.warn("this CPU's bfloat16 products give a row other bits at other row counts for this target's "
                           "shapes: drafted decoding may leave AR's tokens where two logits nearly tie; use "
