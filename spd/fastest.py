@@ -23,14 +23,8 @@ from spd.targets.source import DEFAULT_TARGET
 # 1.13x / 1.11x against 1.12x / 1.11x over two runs, eval 1.09x against 1.09x): one configuration for both regimes.
 # On CUDA the H200 visit's bfloat16 table (docs/results.md, "The first prepared visit"), where AR through CUDA graphs
 # ran 242 tokens/s and SPD with graphs 47 (the chains were not measured there).
-_CPU_SAMPLED = {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"}
-# A CPU with AMX (Intel Xeon 4th gen and later) multiplies bfloat16 with packed weights and row-invariant attention
-# (spd.targets.prepacked, spd.targets.invariant_attention): there the greedy default decodes the target in bfloat16,
-# exact against AR in bfloat16 (issue 36's fourteenth look: FOURTEENTH). Sampled stays float32, whose one-row
-# step (a priced-out cycle, 40% of them at T = 1) is the cheaper one.
-FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"}, "sampled": _CPU_SAMPLED},
-           "cpu_amx": {"greedy": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt", "dtype": "bfloat16"},
-                       "sampled": _CPU_SAMPLED},
+FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"},
+                   "sampled": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"}},
            "cuda": {"greedy": {"method": "ar", "cuda_graphs": True}, "sampled": {"method": "ar", "cuda_graphs": True}}}
 
 # keys that ask for SPD's pipeline or a module: a user who sets one of them gets what they asked for
@@ -39,31 +33,20 @@ CHOOSING_KEYS = ("method", "checkpoint", "n", "stage_bounds", "runtime", "draft_
 
 
 def device_type(device: str) -> str:
-    """FASTEST's row for a device: "cuda", "cpu", or "cpu_amx" for a CPU with AMX's bfloat16 tiles."""
-    kind = device.split(":")[0]
-    return "cpu_amx" if kind == "cpu" and cpu_has_amx() else kind
-
-
-def cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
-    except OSError:
-        return False
+    return device.split(":")[0]
 
 
 def fastest_default(cfg, defaults, given: set[str]) -> dict:
     """The keys to set on `cfg`: nothing where a choosing key was given on the command line (`given`, whatever its
     value) or differs from its default in `defaults` (set by a YAML file); of the fastest row's other keys, those the
-    user set (W=1, datastore=null, dtype=float32) are kept. The datastore and the dtype were measured on the default
-    target only: another target gets them by asking (a datastore is built once for that target's tokenizer)."""
+    user set (W=1, datastore=null) are kept. The datastore was measured on the default target only: another target
+    gets it by asking (it is built once for that target's tokenizer)."""
     if any(key in given or cfg[key] != defaults[key] for key in CHOOSING_KEYS):
         return {}
     regime = "greedy" if cfg.temperature == 0 else "sampled"
     chosen = dict(FASTEST.get(device_type(cfg.device), {}).get(regime, {}))
     if cfg.target != DEFAULT_TARGET:
         chosen.pop("datastore", None)
-        chosen.pop("dtype", None)
     return {key: value for key, value in chosen.items() if key not in given and cfg[key] == defaults[key]}
 
 

@@ -199,19 +199,16 @@ def test_the_default_keeps_the_keys_a_user_set_and_the_datastore_is_the_default_
     from omegaconf import OmegaConf
 
     from spd.config import GenerateConfig
-    from spd.fastest import FASTEST, device_type, fastest_default
+    from spd.fastest import FASTEST, fastest_default
 
     defaults = OmegaConf.structured(GenerateConfig)
     cfg = OmegaConf.structured(GenerateConfig)
-    assert fastest_default(cfg, defaults, set()) == FASTEST[device_type("cpu")]["greedy"]
+    assert fastest_default(cfg, defaults, set()) == FASTEST["cpu"]["greedy"]
     assert FASTEST["cpu"]["greedy"]["datastore"] == "answers+sharegpt"
-    assert FASTEST["cpu_amx"]["greedy"]["dtype"] == "bfloat16" and "dtype" not in FASTEST["cpu_amx"]["sampled"]
-    assert "dtype" not in fastest_default(cfg, defaults, {"dtype"})                            # dtype=float32 kept
     assert "W" not in fastest_default(OmegaConf.merge(cfg, {"W": 1}), defaults, {"W"})       # W=1: a priced chain
     assert "datastore" not in fastest_default(cfg, defaults, {"datastore"})                   # datastore=null: off
     other = OmegaConf.merge(cfg, {"target": "path/to/another/model"})
-    assert not {"datastore", "dtype"} & set(fastest_default(other, defaults, {"target"}))    # measured on the
-    # default target only
+    assert "datastore" not in fastest_default(other, defaults, {"target"})   # measured on the default target only
     assert fastest_default(OmegaConf.merge(cfg, {"n": 3}), defaults, {"n"}) == {}              # a choosing key
 
 
@@ -269,19 +266,3 @@ def test_help_lists_every_key_with_its_default_and_meaning(capsys, command):
         at = next(i for i, line in enumerate(lines) if line.split()[:1] == [key])
         shown = " ".join(lines[at: at + 2])        # a long default puts the meaning on the next line
         assert default in lines[at] and meaning.split()[0] in shown, shown
-
-
-def test_a_cpu_with_amx_decodes_greedy_defaults_in_bfloat16(monkeypatch):
-    from omegaconf import OmegaConf
-
-    import spd.fastest as fastest
-    from spd.config import GenerateConfig
-
-    defaults = OmegaConf.structured(GenerateConfig)
-    greedy, sampled = defaults, OmegaConf.merge(defaults, {"temperature": 1.0})
-    monkeypatch.setattr(fastest, "cpu_has_amx", lambda: True)
-    assert fastest.device_type("cpu") == "cpu_amx" and fastest.device_type("cuda:0") == "cuda"
-    assert fastest.fastest_default(greedy, defaults, set())["dtype"] == "bfloat16"
-    assert "dtype" not in fastest.fastest_default(sampled, defaults, {"temperature"})
-    monkeypatch.setattr(fastest, "cpu_has_amx", lambda: False)
-    assert fastest.device_type("cpu") == "cpu" and "dtype" not in fastest.fastest_default(greedy, defaults, set())
