@@ -94,8 +94,11 @@ def main() -> int:
     ap.add_argument("--out", default="docs/results/tree_equality.json")
     ap.add_argument("overrides", nargs="*", help="spd-infer generate keys: method=eagle3 W=4 ...")
     args = ap.parse_args()
-    trace_dir = args.trace_dir or max(glob.glob("outputs/cache/traces/greedy-*"),
-                                      key=lambda d: len(os.listdir(d)))
+    recorded = glob.glob("outputs/cache/traces/greedy-*")
+    if not (args.live_reference or args.trace_dir or recorded):
+        raise SystemExit("no greedy traces under outputs/cache/traces: record them with spd-infer eval --trace-dir, "
+                         "give --trace-dir, or decode the reference here with --live-reference")
+    trace_dir = None if args.live_reference else args.trace_dir or max(recorded, key=lambda d: len(os.listdir(d)))
     cfg = load_config(GenerateConfig, None, [*args.overrides, f"max_new_tokens={args.max_new_tokens}"])
     rows_path = args.out + "l"
     done = finished_rows(rows_path, "label")
