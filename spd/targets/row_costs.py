@@ -46,7 +46,7 @@ def machine_key(staged: StagedTarget) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     payload = [name, os.cpu_count(), str(device), torch.get_num_threads(), str(staged.dtype),
                config.model_type, config.hidden_size, config.num_hidden_layers, config.vocab_size]
-    if staged.prepacked:            # another curve (spd.targets.prepacked); float32 keys stay as they were
+    if getattr(staged, "prepacked", False):     # another curve (spd.targets.prepacked); float32 keys stay as they were
         payload.append("prepacked")
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
