@@ -72,15 +72,13 @@ class PrepackedLinear(torch.nn.Linear):
         return packed_product(x, packed, self.bias)
 
 
-def prepack(model: torch.nn.Module) -> int:
+def prepack(model: torch.nn.Module) -> None:
     """Every Linear of `model` multiplies from a packed copy of its weight (packed now where the weight is held here:
-    a pipeline stage's process holds only its own layers). Returns how many Linears were packed."""
-    count = 0
+    a pipeline stage's process holds only its own layers)."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             module.__class__ = PrepackedLinear
-            count += packed_weight(module) is not None
-    return count
+            packed_weight(module)
 
 
 @contextmanager
