@@ -1,7 +1,8 @@
 """The target's own answers as a datastore (issue 36, `datastore=answers`): the default target's greedy answers to
 ShareGPT first turns that no benchmark set holds (spd.retrieval.answer_prompts: the everyday set's conversations and
 any that quote an eval prompt are held out), decoded many at a time (spd.runtime.batch, plain AR, float32), kept in
-chunks under --cache-dir as they finish (an interrupted or time-limited run resumes at the first missing chunk), and
+chunks under --cache-dir as they finish (an interrupted or time-limited run resumes at the first missing chunk; on a
+machine without the chunks, those the packed file already holds are taken from it), and
 packed into spd/assets/datastore/answers-<tokenizer key>.safetensors (ids and lengths only; the suffix array is built
 when a run opens it).
 
@@ -21,7 +22,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from spd.datastore import save_documents, tokenizer_key
+from spd.datastore import load_documents, save_documents, tokenizer_key
 from spd.decoding import Request, eos_ids_of
 from spd.engine import build_batch_decoder
 from spd.methods import AR
@@ -52,6 +53,29 @@ def saved_chunks(directory: str, prompts: list[tuple[str, str]], size: int) -> d
     return saved
 
 
+def seed_chunks(directory: str, prompts: list[tuple[str, str]], size: int, path: str, target: str,
+                max_new_tokens: int) -> int:
+    """Write the chunks a packed file already holds (this target's answers, of this length, to the same prompts in
+    the same order) where the cache has none, so a fresh machine resumes where the package left off instead of
+    decoding its answers again; returns the chunks written."""
+    if not os.path.isfile(path) or os.path.isfile(chunk_path(directory, 0)):
+        return 0
+    documents, meta = load_documents(path)
+    ids = meta.get("record_ids", [])
+    if (meta.get("target") != target or meta.get("max_new_tokens") != max_new_tokens
+            or ids != [record_id for record_id, _ in prompts[: len(ids)]] or len(ids) != len(documents)):
+        return 0
+    written = 0
+    while written * size < len(documents):
+        tokens = [doc.tolist() for doc in documents[written * size: (written + 1) * size]]
+        texts = chunk_prompts(prompts, written, size)
+        if len(tokens) < len(texts):          # a part of a chunk: its other answers are decoded with it
+            break
+        torch.save({"prompts": texts, "tokens": tokens}, chunk_path(directory, written))
+        written += 1
+    return written
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=8192, help="answers in the corpus (the first of the fixed order)")
@@ -68,6 +92,10 @@ def main() -> int:
     os.makedirs(directory, exist_ok=True)
     prompts = answer_prompts(log=lambda message: None)[: args.count]
     chunks = -(-len(prompts) // args.chunk)
+    out = args.out or answers_path(key)
+    seeded = seed_chunks(directory, prompts, args.chunk, out, loaded.fingerprint, args.max_new_tokens)
+    if seeded:
+        print(f"{seeded} chunks of answers taken from {out}")
     saved = saved_chunks(directory, prompts, args.chunk)
     done = len(saved)
     decoder = build_batch_decoder(AR, StagedTarget(loaded.model, 1), eos_ids_of(loaded.model.config, tokenizer),
@@ -94,7 +122,6 @@ def main() -> int:
             "max_new_tokens": args.max_new_tokens, "answers": len(documents),
             "tokens": sum(map(len, documents)), "record_ids": [rid for rid, _ in prompts[: len(documents)]],
             "packed_by": " ".join(["python", *sys.argv])}
-    out = args.out or answers_path(key)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     save_documents(out, documents, meta)
     print(f"{len(documents)} answers, {meta['tokens']} tokens -> {out}"

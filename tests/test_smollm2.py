@@ -239,3 +239,33 @@ def test_the_answers_corpus_holds_the_targets_greedy_answers_and_resumes(smollm2
     assert len(chunks) == 2
     assert run() == (documents, meta)
     assert {path: os.path.getmtime(path) for path in chunks} == chunks      # nothing decoded again
+
+    # a machine without the chunks takes them from the packed file (both chunks written back, nothing decoded),
+    # and one asked for a fourth answer decodes the chunk that holds it alone
+    import shutil
+
+    import spd.engine
+
+    shutil.rmtree(cache)
+    build = spd.engine.build_batch_decoder
+
+    def counting(*args, **kwargs):
+        decoder = build(*args, **kwargs)
+        submit = decoder.submit
+
+        def counted(prompt_ids, request):
+            submitted.append(prompt_ids)
+            return submit(prompt_ids, request)
+        decoder.submit = counted
+        return decoder
+    submitted: list = []
+    monkeypatch.setattr(spd.engine, "build_batch_decoder", counting)
+    assert run() == (documents, meta)
+    assert len(list(cache.rglob("chunk*.pt"))) == 2 and submitted == []
+    shutil.rmtree(cache)
+    monkeypatch.setattr(sys, "argv", [script, "--count", "4", "--chunk", "2", "--batch", "2",
+                                      "--max-new-tokens", "12", "--cache-dir", str(cache), "--out", str(out)])
+    with pytest.raises(SystemExit):
+        runpy.run_path(script, run_name="__main__")
+    more, _ = load_documents(str(out))
+    assert [doc.tolist() for doc in more[:3]] == documents and len(more) == 4 and len(submitted) == 2
