@@ -6,6 +6,9 @@
 - `answers` — the target's own greedy answers to other ShareGPT first turns (bench/target_answers.py writes them;
   the package ships the default target's), sorted when a run opens them;
 - the path of a datastore file that `Datastore.save` wrote for the same tokenizer;
+- your own text: a `.txt` file (one document) or a `.jsonl` file (one `{"text": ...}` object a line, one document
+  each), tokenised for the run's target and kept under $SPD_CACHE_DIR/datastore/ keyed by the file's bytes and the
+  tokenizer the first time (a changed file is built again);
 - several of these joined by `+` (`answers+sharegpt`): read in that order (spd.datastore.Stores).
 
 Held out of both corpora explicitly, as they are held out of training: the everyday benchmark set's conversations
@@ -15,6 +18,8 @@ this was written; the count is kept in the sharegpt file's metadata).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import re
@@ -99,6 +104,59 @@ def open_datastore(spec: str, tokenizer, vocab_size: int, log=_say) -> Datastore
     return _open_one(spec, tokenizer, vocab_size, log)
 
 
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+def text_documents(path: str) -> list[str]:
+    """The documents of a user's text file: a .txt file whole, or each line's "text" of a .jsonl file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines() if path.endswith(".jsonl") else [f.read()]
+    except UnicodeDecodeError:
+        raise UserError(f"datastore={path!r} is not UTF-8 text; save it as UTF-8") from None
+    if not path.endswith(".jsonl"):
+        texts = [text for text in lines if text.strip()]
+    else:
+        texts = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise UserError(f"datastore={path!r}: line {number} is not a JSON object with a \"text\" string; "
+                                'write one {"text": ...} object a line')
+            if record["text"].strip():
+                texts.append(record["text"])
+    if not texts:
+        raise UserError(f"datastore={path!r} holds no text; give a file with the documents to draft from")
+    return texts
+
+
+def _text_datastore(path: str, tokenizer, key: str, separator: int, log) -> Datastore:
+    """A user's text file as a datastore, built once per (file content, tokenizer) and cached."""
+    from spd.targets.weight_cache import cache_root
+
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    cached = os.path.join(cache_root(), "datastore", f"text-{digest}-{key}.safetensors")
+    if os.path.isfile(cached):
+        try:
+            return Datastore.load(cached)
+        except Exception as exc:        # damaged: built again below
+            log(f"the cached datastore {cached} cannot be read ({exc}); building it again")
+    texts = text_documents(path)
+    log(f"building the datastore of {path} for this tokenizer once ({len(texts)} documents): {cached}")
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    store = Datastore.build(ids, separator, {"source": os.path.abspath(path), "sha256": digest, "tokenizer": key,
+                                             "documents": len(texts)})
+    os.makedirs(os.path.dirname(cached), exist_ok=True)
+    store.save(cached)
+    return store
+
+
 def _open_one(spec: str, tokenizer, vocab_size: int, log) -> Datastore:
     key = tokenizer_key(tokenizer)
     separator = max(vocab_size, len(tokenizer))
@@ -127,8 +185,11 @@ def _open_one(spec: str, tokenizer, vocab_size: int, log) -> Datastore:
         store.save(path)
         return store
     if not os.path.isfile(spec):
-        raise UserError(f"datastore={spec!r} is neither {SHAREGPT!r}, {ANSWERS!r} nor a datastore file; give one of "
-                        "those, or several joined by '+' (or leave it unset: no datastore)")
+        raise UserError(f"datastore={spec!r} is neither {SHAREGPT!r}, {ANSWERS!r}, a datastore file nor a .txt or "
+                        ".jsonl file of text; give one of those, or several joined by '+' (or leave it unset: no "
+                        "datastore)")
+    if spec.endswith(TEXT_SUFFIXES):
+        return _text_datastore(spec, tokenizer, key, separator, log)
     try:
         store = Datastore.load(spec)
     except Exception as exc:      # safetensors raises its own error types for a file that is not one of its own

@@ -59,6 +59,8 @@ def work(tmp_path, monkeypatch):
     (tmp_path / "binary.yaml").write_bytes(bytes(range(256)) * 4)
     (tmp_path / "list.yaml").write_text("- n\n- 5\n")
     (tmp_path / "a_file").write_text("not a directory")
+    (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "lines.jsonl").write_text('{"text": "one"}\n["two"]\n')
     return tmp_path
 
 
@@ -89,7 +91,9 @@ VALUES = {
                  ("runtime=streams", "runtime=streams runs each stage on a CUDA stream"),
                  ("cuda_graphs=true", "cuda_graphs=true replays CUDA graphs"),
                  ("method=lookup datastore=sharegpt", "datastore= is read by method=suffix"),
-                 ("method=suffix datastore=nowhere.safetensors", "neither 'sharegpt', 'answers' nor a datastore file"),
+                 ("method=suffix datastore=nowhere.safetensors", "neither 'sharegpt', 'answers', a datastore file nor"),
+                 ("method=suffix datastore=empty.txt", "holds no text"),
+                 ("method=suffix datastore=lines.jsonl", "line 2 is not a JSON object"),
                  ("method=suffix datastore=a_file", "is not a datastore file"),
                  ("method=suffix datastore=answers", "no answers of a target with this tokenizer"),
                  ("method=suffix datastore=sharegpt+sharegpt", "join distinct datastores")],

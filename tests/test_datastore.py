@@ -78,11 +78,63 @@ def test_the_file_round_trips_and_a_wrong_one_is_refused(tmp_path):
     assert again.continuations([1, 2], 8, 1, 8, 4) == store.continuations([1, 2], 8, 1, 8, 4) == (2, [[0, 1]])
     with pytest.raises(UserError, match="another tokenizer"):
         open_datastore(path, theirs, 3)
-    with pytest.raises(UserError, match="neither 'sharegpt', 'answers' nor a datastore file"):
+    with pytest.raises(UserError, match="neither 'sharegpt', 'answers', a datastore file nor"):
         open_datastore(str(tmp_path / "missing.safetensors"), ours, 3)
     (tmp_path / "junk.safetensors").write_text("not a datastore")
     with pytest.raises(UserError, match="not a datastore file"):
         open_datastore(str(tmp_path / "junk.safetensors"), ours, 3)
+
+
+class CharTokenizer:
+    """A tokenizer of the letters a..e (what open_datastore reads of one: its vocabulary, its length, and a call)."""
+
+    def get_vocab(self):
+        return {c: i for i, c in enumerate("abcde")}
+
+    def __len__(self):
+        return 5
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [["abcde".index(c) for c in text if c in "abcde"] for text in texts]}
+
+
+def test_a_text_file_is_a_datastore_built_once_per_content(tmp_path, monkeypatch):
+    """datastore=<file>.jsonl / .txt: the user's documents, tokenised for the target and cached by the file's bytes
+    and the tokenizer; the same file is read from the cache, a changed one built again; bad files are refused."""
+    from spd.retrieval import open_datastore
+
+    monkeypatch.setenv("SPD_CACHE_DIR", str(tmp_path / "cache"))
+    said: list[str] = []
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "abcab"}\n\n{"text": "cabd", "id": 7}\n')
+    store = open_datastore(str(corpus), CharTokenizer(), 5, log=said.append)
+    # "ab" is followed by "cab" (then the first document ends) and by "d" (the second's); "ca" by "b" and "bd"
+    n, following = store.continuations([0, 1], 8, 1, 8, 4)
+    assert n == 2 and sorted(following) == [[2, 0, 1], [3]]
+    n, following = store.continuations([2, 0], 8, 1, 8, 4)
+    assert n == 2 and sorted(following) == [[1], [1, 3]]
+    assert len(said) == 1 and "building" in said[0]
+    cached = os.listdir(tmp_path / "cache" / "datastore")
+    assert len(cached) == 1 and cached[0].endswith(".safetensors")        # nothing half-written beside it
+    again = open_datastore(str(corpus), CharTokenizer(), 5, log=said.append)
+    assert len(said) == 1 and sorted(again.continuations([0, 1], 8, 1, 8, 4)[1]) == [[2, 0, 1], [3]]
+    corpus.write_text('{"text": "abe"}\n')
+    assert open_datastore(str(corpus), CharTokenizer(), 5, log=said.append).continuations([0, 1], 8, 1, 8, 4) == \
+        (2, [[4]])
+    text = tmp_path / "notes.txt"
+    text.write_text("abd\n\nabd")                       # a .txt file is one document (the newlines: no tokens here)
+    n, following = open_datastore(f"{text}+{corpus}", CharTokenizer(), 5, log=said.append).continuations(
+        [0, 1], 8, 1, 8, 4)
+    assert n == 2 and sorted(following[:2]) == [[3], [3, 0, 1, 3]] and following[2:] == [[4]]   # the .txt's first
+    for body, needle in [("", "holds no text"), ('{"text": "ab"}\n{"text": 3}\n', "line 2 is not a JSON object"),
+                         ("not json\n", "line 1 is not a JSON object"), ('{"text": " "}\n', "holds no text")]:
+        corpus.write_text(body)
+        with pytest.raises(UserError, match=needle):
+            open_datastore(str(corpus), CharTokenizer(), 5, log=said.append)
+    text.write_bytes(b"\xff\xfe abd")
+    with pytest.raises(UserError, match="not UTF-8"):
+        open_datastore(str(text), CharTokenizer(), 5, log=said.append)
+    assert len(os.listdir(tmp_path / "cache" / "datastore")) == 3          # what was refused left nothing
 
 
 def test_several_stores_speak_in_turn_up_to_the_limit():
