@@ -77,8 +77,9 @@ class GenerateConfig:
                                          # requests) join the context searched — speed only, never the output
     datastore: Optional[str] = None      # suffix: a corpus's continuations of the context's suffix are candidates
                                          # too — sharegpt (built once per tokenizer, cached), answers (the target's
-                                         # own, shipped), a datastore file, or several joined by + (spd.retrieval);
-                                         # speed only, never the output
+                                         # own, shipped), a datastore file, your own text (a .txt file, or .jsonl
+                                         # of {"text": ...} lines; built once, cached), or several joined by +
+                                         # (spd.retrieval); speed only, never the output
     n: Optional[int] = None              # pipeline stages; None = the checkpoint's n, else 5
     stage_bounds: Any = None             # explicit inner boundaries b_1..b_{n-1}, or "balanced" (by measured cost)
     module_layers: int = 1               # L_s of a randomly initialised module

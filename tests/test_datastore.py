@@ -1,5 +1,6 @@
 """Drafting from a datastore (spd.datastore, datastore=): the suffix array finds what a scan of the corpus finds, the
-file round-trips and a wrong one is refused, its candidates are their own source for the pricing, and greedy decoding with
+file round-trips and a wrong one is refused, a user's .txt / .jsonl text is built once per content and tokenizer (and
+refused in one line when it holds none), its candidates are their own source for the pricing, and greedy decoding with
 them is the target's own while they are drafted and kept (sampling: tests/test_lossless_sampling_chains.py)."""
 
 import os
@@ -261,3 +262,26 @@ def test_the_replay_settles_what_the_runtime_settles_with_a_datastore():
         assert sum(got["rows_per_cycle"]) == want.drafted + want.cycles
         drafted += want.sources.get(DATASTORE, (0, 0))[0]
     assert drafted > 0
+
+
+def test_generate_drafts_from_a_text_file_and_prints_ar_s_tokens(capsys, tiny_target_dir, tmp_path, monkeypatch):
+    """`spd-infer generate ... datastore=corpus.jsonl` on a tiny target: the file is built into a datastore once and
+    read from the cache after, and the tokens are AR's, greedy and keyed at T = 1. (Which candidates a datastore
+    adds, and that they are kept, is the API tests' business above: the tiny target's answer repeats one token.)"""
+    import json
+
+    from test_cli import run
+
+    monkeypatch.setenv("SPD_CACHE_DIR", str(tmp_path / "cache"))
+    common = [f"target={tiny_target_dir}", "prompt=Tell me a story about 12 cats.", "max_new_tokens=40", "json=true"]
+    ar = json.loads(run(capsys, *common, "method=ar")[1])
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"text": "Once upon a time."}) + "\n" + json.dumps({"text": ar["text"]}) + "\n")
+    code, out, err = run(capsys, *common, "method=suffix", "W=4", f"datastore={corpus}")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["token_ids"] == ar["token_ids"] and "building the datastore" in err
+    code, out, err = run(capsys, *common, "method=suffix", f"datastore={corpus}", "temperature=1", "seed=5")
+    assert code == 0 and "building" not in err
+    assert json.loads(out)["token_ids"] == json.loads(run(capsys, *common, "method=ar", "temperature=1",
+                                                          "seed=5")[1])["token_ids"]
