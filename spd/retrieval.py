@@ -5,7 +5,8 @@
   target; every later start reads the file);
 - `answers` — the target's own greedy answers to other ShareGPT first turns (bench/target_answers.py writes them;
   the package ships the default target's), sorted when a run opens them;
-- the path of a datastore file that `Datastore.save` wrote for the same tokenizer;
+- the path of a datastore file that `Datastore.save` wrote, or of a documents file that `save_documents` wrote (an
+  answers file of another size), for the same tokenizer;
 - your own text: a `.txt` file (one document) or a `.jsonl` file (one `{"text": ...}` object a line, one document
   each), tokenised for the run's target and kept under $SPD_CACHE_DIR/datastore/ keyed by the file's bytes and the
   tokenizer the first time (a changed file is built again);
@@ -193,8 +194,12 @@ def _open_one(spec: str, tokenizer, vocab_size: int, log) -> Datastore:
     try:
         store = Datastore.load(spec)
     except Exception as exc:      # safetensors raises its own error types for a file that is not one of its own
-        raise UserError(f"datastore={spec!r} is not a datastore file ({exc}); build one with "
-                        "spd.datastore.Datastore.build(...).save(path)") from None
+        try:                      # a documents file (save_documents: an answers file of any size) sorts here
+            documents, meta = load_documents(spec)
+        except Exception:
+            raise UserError(f"datastore={spec!r} is not a datastore file ({exc}); give a .txt or .jsonl file of "
+                            "text, or build one with spd.datastore.Datastore.build(...).save(path)") from None
+        store = Datastore.build(documents, separator, meta)
     if store.meta.get("tokenizer") != key:
         raise UserError(f"datastore={spec!r} holds ids of another tokenizer than this target's; build it for this "
                         "target's tokenizer")

@@ -84,6 +84,11 @@ def test_the_file_round_trips_and_a_wrong_one_is_refused(tmp_path):
     (tmp_path / "junk.safetensors").write_text("not a datastore")
     with pytest.raises(UserError, match="not a datastore file"):
         open_datastore(str(tmp_path / "junk.safetensors"), ours, 3)
+    # a documents file (what bench/target_answers.py packs) opens as the datastore of its documents
+    save_documents(str(tmp_path / "docs.safetensors"), [[0, 1, 2, 0, 1]], {"tokenizer": tokenizer_key(ours)})
+    assert open_datastore(str(tmp_path / "docs.safetensors"), ours, 3).continuations([1, 2], 8, 1, 8, 4) == (2, [[0, 1]])
+    with pytest.raises(UserError, match="another tokenizer"):
+        open_datastore(str(tmp_path / "docs.safetensors"), theirs, 3)
 
 
 class CharTokenizer:
