@@ -308,6 +308,11 @@ def main() -> int:
     args.eagle3_sources = [s for s in args.eagle3_sources.split(",") if s]
     args.batch = [int(b) for b in args.batch.split(",") if b]
     args.suffix_widths = [int(w) for w in args.suffix_widths.split(",") if w]
+    if (args.suffix_widths or args.datastore) and not args.lookup:
+        # they take their turns among --lookup's rows: without it they would be dropped after an hour's run
+        print("wallclock.py: error: --suffix-widths and --datastore rows run with --lookup; add --lookup (and "
+              "--draft-length \"\" --skip-hf for no lookup chain or transformers rows)", file=sys.stderr)
+        return 2
     loaded = load_target(args.target)
     args.others = [(name, load_target(args.target, dtype=getattr(torch, name)))
                    for name in args.dtypes.split(",") if name and name != "float32"]
