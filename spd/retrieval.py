@@ -108,18 +108,18 @@ def open_datastore(spec: str, tokenizer, vocab_size: int, log=_say) -> Datastore
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
-def text_documents(path: str) -> list[str]:
-    """The documents of a user's text file: a .txt file whole, or each line's "text" of a .jsonl file."""
+def text_documents(path: str, data: bytes) -> list[str]:
+    """The documents of a user's text file (its bytes `data`): a .txt file whole, or each line's "text" of a .jsonl
+    file."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines() if path.endswith(".jsonl") else [f.read()]
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise UserError(f"datastore={path!r} is not UTF-8 text; save it as UTF-8") from None
     if not path.endswith(".jsonl"):
-        texts = [text for text in lines if text.strip()]
+        texts = [text] if text.strip() else []
     else:
         texts = []
-        for number, line in enumerate(lines, 1):
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -141,14 +141,15 @@ def _text_datastore(path: str, tokenizer, key: str, separator: int, log) -> Data
     from spd.targets.weight_cache import cache_root
 
     with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        data = f.read()
+    digest = hashlib.sha256(data).hexdigest()[:16]
     cached = os.path.join(cache_root(), "datastore", f"text-{digest}-{key}.safetensors")
     if os.path.isfile(cached):
         try:
             return Datastore.load(cached)
         except Exception as exc:        # damaged: built again below
             log(f"the cached datastore {cached} cannot be read ({exc}); building it again")
-    texts = text_documents(path)
+    texts = text_documents(path, data)
     log(f"building the datastore of {path} for this tokenizer once ({len(texts)} documents): {cached}")
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     store = Datastore.build(ids, separator, {"source": os.path.abspath(path), "sha256": digest, "tokenizer": key,
