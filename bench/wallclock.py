@@ -43,7 +43,7 @@ from spd.methods import AR, CHAIN, PIPELINE, SUFFIX_MODULE
 from spd.runtime.stages import open_stages
 from spd.session import open_session
 from spd.targets.loading import load_target
-from spd.targets.prepacked import plain_products
+from spd.targets import panel, prepacked
 from spd.targets.stages import StagedTarget
 from spd.drafters.suffix import Retrieval, SuffixDrafter
 from spd.retrieval import open_datastore
@@ -52,6 +52,8 @@ from wallclock_sets import REPEAT_SPAN, prompt_set, summarise_set
 from wallclock_table import markdown
 from wallclock_distributed import distributed_rows
 from wallclock_turns import decode_interleaved, params_for, seed_of
+
+PLAIN = "float32-plain"      # --dtypes: the float32 target multiplying with F.linear (spd.targets.panel off)
 
 
 def local_spd_decoders(args, stack: contextlib.ExitStack) -> dict[float, list[tuple[dict, object]]]:
@@ -125,7 +127,7 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
         return [True, False] if args.keyed_ab and temperature else [True]
 
     for dtype, target in [("float32", loaded), *others]:
-        staged = StagedTarget(target.model, 1)
+        staged = StagedTarget(target.model, 1, plain_products=dtype == PLAIN)
         put = functools.partial(add, dtype=dtype)
         for temperature in args.temperatures:
             params = params_for(temperature)
@@ -142,7 +144,7 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
                 model.config._attn_implementation = "sdpa"    # transformers as a user has it, whatever the suite set
                 try:
                     start = time.perf_counter()
-                    with plain_products(model):                 # and its own products (spd.targets.prepacked)
+                    with prepacked.plain_products(model), panel.plain_products(model):   # and its own products
                         out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
                                              pad_token_id=loaded.tokenizer.pad_token_id or 0, **sample)
                     return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
@@ -297,7 +299,8 @@ def main() -> int:
                     "30 held-out ShareGPT first turns, answers to EOS or --max-new-tokens)")
     ap.add_argument("--everyday-limit", type=int, default=30)
     ap.add_argument("--dtypes", default="float32", help="e.g. float32,bfloat16: the AR, transformers and method=suffix "
-                    "rows in each (the target loaded once per dtype; the lookup chain, SPD and EAGLE-3 in float32)")
+                    "rows in each (the target loaded once per dtype; the lookup chain, SPD and EAGLE-3 in float32); "
+                    f"{PLAIN}: float32 with F.linear's products instead of spd.targets.panel's")
     ap.add_argument("--out", default="docs/results/wallclock.json")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -314,7 +317,7 @@ def main() -> int:
               "--draft-length \"\" --skip-hf for no lookup chain or transformers rows)", file=sys.stderr)
         return 2
     loaded = load_target(args.target)
-    args.others = [(name, load_target(args.target, dtype=getattr(torch, name)))
+    args.others = [(name, load_target(args.target, dtype=torch.float32 if name == PLAIN else getattr(torch, name)))
                    for name in args.dtypes.split(",") if name and name != "float32"]
     rows, sets = [], {}
     for name in args.sets.split(","):

@@ -12,7 +12,7 @@ from spd.decoding import Request
 from spd.drafters.suffix import SuffixDrafter
 from spd.pricing import RowCosts
 from spd.runtime.chain import ChainDecoder
-from spd.targets import ragged, row_costs
+from spd.targets import panel, ragged, row_costs
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
 
@@ -21,6 +21,7 @@ from spd.targets.tiny import tiny_model
 def products(monkeypatch, tmp_path):
     """A fresh cache directory, and the process's choice put back afterwards."""
     monkeypatch.setenv("SPD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(panel.PLAIN_ENV, "1")         # F.linear's products (spd.targets.panel's never call it)
     monkeypatch.setattr(ragged, "FEW_ROWS", ragged.FEW_ROWS)
     return tmp_path
 

@@ -40,7 +40,7 @@ def _cpu_name() -> str:
 
 def machine_key(staged: StagedTarget) -> str:
     """The cache key of a row-cost profile: this machine's processor and core count, the device, the thread count,
-    and the target's shape, dtype and products (prepacked or not)."""
+    and the target's shape, dtype and products (plain, prepacked or panels)."""
     config = staged.config
     device = staged.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
@@ -48,6 +48,8 @@ def machine_key(staged: StagedTarget) -> str:
                config.model_type, config.hidden_size, config.num_hidden_layers, config.vocab_size]
     if getattr(staged, "prepacked", False):     # another curve (spd.targets.prepacked); float32 keys stay as they were
         payload.append("prepacked")
+    if getattr(staged, "panels", False):        # another curve (spd.targets.panel)
+        payload.append("panels")
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 
@@ -71,7 +73,9 @@ def measure_row_costs(staged: StagedTarget, max_rows: int, context: int = 256,
         cache.crop(context)
 
     # few_rows_linear multiplies CPU tensors only, and not a row-invariant target's (spd.targets.invariant_attention)
-    both = device.type == "cpu" and not invariant_attention.wanted(device, staged.dtype)
+    # nor one whose Linears multiply from panels (spd.targets.panel: F.linear is not called)
+    both = device.type == "cpu" and not invariant_attention.wanted(device, staged.dtype) and \
+        not getattr(staged, "panels", False)
     shapes = [(rows, False) for rows in range(1, max_rows + 1)]
     shapes += [(rows, True) for rows in ragged.CANDIDATES if both and rows <= max_rows]
     times: dict[tuple[int, bool], list[float]] = {shape: [] for shape in shapes}

@@ -14,12 +14,13 @@ import torch
 from transformers import PreTrainedModel
 
 from spd.layout import stage_bounds
-from spd.targets import invariant_attention, prepacked
+from spd.targets import invariant_attention, panel, prepacked
 from spd.targets.kv_cache import LayerKVCache
 
 
 class StagedTarget:
-    def __init__(self, model: PreTrainedModel, n: int, explicit_bounds: list[int] | None = None):
+    def __init__(self, model: PreTrainedModel, n: int, explicit_bounds: list[int] | None = None,
+                 plain_products: bool = False):
         self.model = model
         self.config = model.config
         self.decoder = model.model
@@ -46,6 +47,11 @@ class StagedTarget:
             warnings.warn("this CPU's bfloat16 products give a row other bits at other row counts for this target's "
                           "shapes: drafted decoding may leave AR's tokens where two logits nearly tie; use "
                           "dtype=float32 for exact equality", stacklevel=2)
+        # float32 on a CPU: products from panels (spd.targets.panel), flat in cost to ~12 rows and row-invariant
+        # (plain_products: F.linear, for a comparison in one process)
+        self.panels = not plain_products and panel.wanted(self.device, self.dtype) and panel.panels_invariant(shapes)
+        if self.panels:
+            panel.use_panels(model)
 
     @staticmethod
     def even_bounds(num_layers: int, n: int) -> list[int]:
