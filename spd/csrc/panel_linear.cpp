@@ -23,6 +23,7 @@ constexpr int MT = 6;       // 2 x 6 + 2 + 1 of 16
 #endif
 constexpr int NP = 2;       // panels per tile
 constexpr int64_t KB = 64;  // inputs per block
+constexpr int64_t PREFETCH = 32;  // panel lines ahead (2 KiB)
 
 typedef float vec __attribute__((vector_size(LANES * 4)));
 
@@ -39,6 +40,8 @@ static inline void tile(const float* __restrict x, int64_t K, const float* __res
     for (int64_t k = k0; k < k1; ++k) {
       vec w[P];
       for (int i = 0; i < P; ++i) __builtin_memcpy(&w[i], panel + (i * K + k) * LANES, sizeof(vec));
+      // the hardware prefetcher alone leaves several rows' products waiting on memory (-10..20% at 4..16 rows)
+      for (int i = 0; i < P; ++i) __builtin_prefetch(panel + (i * K + k + PREFETCH) * LANES);
       for (int j = 0; j < R; ++j) {
         const float xs = x[j * K + k];
         for (int i = 0; i < P; ++i) acc[i][j] += w[i] * xs;
