@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from spd.pricing import RowCosts
-from spd.targets import invariant_attention, ragged
+from spd.targets import invariant_attention, panel, ragged
 from spd.targets.stages import StagedTarget
 from spd.timing import sync
 from spd.targets.weight_cache import cache_root, write_json_atomic
@@ -48,8 +48,8 @@ def machine_key(staged: StagedTarget) -> str:
                config.model_type, config.hidden_size, config.num_hidden_layers, config.vocab_size]
     if getattr(staged, "prepacked", False):     # another curve (spd.targets.prepacked); float32 keys stay as they were
         payload.append("prepacked")
-    if getattr(staged, "panels", False):        # another curve (spd.targets.panel)
-        payload.append("panels")
+    if getattr(staged, "panels", False):        # another curve (spd.targets.panel), each version of the kernel its own
+        payload.append(f"panels {panel.source_key()}")
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 
