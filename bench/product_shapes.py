@@ -2,7 +2,8 @@
 step at 4 rows (issue 36's twelfth look): the forward with `F.linear` against every product on oneDNN's prepacked
 weight (one copy: the plain weights are dropped), each shape timed right after a one-row forward as a decode loop
 meets it; and the target's products alone — as they are, with q/k/v and gate/up fused into one product each, and
-with the rows multiplied in chunks of at most 3 (the last row count before the step). `--layouts` adds the forward
+with the rows multiplied in chunks of at most 3 (the last row count before the step); and the products and the
+forward from the suite's float32 panels (spd.targets.panel, issue 36's sixteenth look). `--layouts` adds the forward
 with every weight stored column-major (one copy, so `F.linear` multiplies x by a contiguous W^T: MKL's other
 operand order) and the forward in bfloat16, plain and prepacked (issue 36's fourteenth look).
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from spd.eval.output import write_json
 from spd.targets.loading import load_target
+from spd.targets import panel
 from spd.targets.stages import StagedTarget
 
 
@@ -88,16 +90,20 @@ def weights(model, fused: bool) -> list[torch.Tensor]:
     return [w.detach().contiguous() for w in out + [model.lm_head.weight]]
 
 
-def product_costs(ws: list[torch.Tensor], rows: list[int], rounds: int, chunk: int = 0) -> dict[int, float]:
-    """Median ms of every product of the target over r rows [r, d_in] (in chunks of `chunk` rows when given)."""
+def product_costs(ws: list[torch.Tensor], rows: list[int], rounds: int, chunk: int = 0,
+                  product=None) -> dict[int, float]:
+    """Median ms of every product of the target over r rows [r, d_in] (in chunks of `chunk` rows when given; with
+    `product(x, i)` instead of `F.linear(x, ws[i])` when given)."""
     out = {}
     for r in rows:
         x = {w.shape[1]: torch.randn(r, w.shape[1]) for w in ws}
         times = []
         for round_ in range(rounds + 1):
             start = time.perf_counter()
-            for w in ws:
-                if chunk and r > chunk:
+            for i, w in enumerate(ws):
+                if product is not None:
+                    product(x[w.shape[1]], i)
+                elif chunk and r > chunk:
                     torch.cat([F.linear(x[w.shape[1]][i: i + chunk], w) for i in range(0, r, chunk)])
                 else:
                     F.linear(x[w.shape[1]], w)
@@ -121,10 +127,20 @@ def main() -> int:
     report = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__, "threads": args.threads}
     with torch.no_grad():
         model = load_target(args.target).model
-        staged = StagedTarget(model, 1)
+        staged = StagedTarget(model, 1, plain_products=True)
         report["forward_ms"] = forward_costs(staged, rows, args.rounds)
         plain, fused = weights(model, False), weights(model, True)
         report["products_ms"] = product_costs(plain, rows, args.rounds)
+        if panel.extension() is not None:       # the suite's float32 CPU products (spd.targets.panel)
+            panels = [(w.shape[0], panel.pack(w)) for w in plain]
+            report["products_panels_ms"] = product_costs(plain, rows, args.rounds, product=lambda x, i: panel.product(
+                x, panels[i][1], panels[i][0], None))
+            del panels
+            panel.use_panels(model)
+            report["forward_panels_ms"] = forward_costs(staged, rows, args.rounds)
+            for module in model.modules():       # the Linears plain again for the rows below
+                if type(module) is panel.PanelLinear:
+                    module.__class__ = torch.nn.Linear
         report["products_fused_ms"] = product_costs(fused, rows, args.rounds)
         report["products_chunks_of_3_ms"] = product_costs(plain, [r for r in rows if r > 3], args.rounds, chunk=3)
         del plain, fused
@@ -136,7 +152,8 @@ def main() -> int:
                                        ("forward_bfloat16_ms", torch.bfloat16, None),
                                        ("forward_bfloat16_prepacked_ms", torch.bfloat16, prepack)]:
                 model = load_target(args.target, dtype=dtype).model
-                staged = StagedTarget(model, 1)      # bfloat16 on a CPU: row-invariant attention (as the suite runs it)
+                # bfloat16 on a CPU: row-invariant attention (as the suite runs it); float32: F.linear
+                staged = StagedTarget(model, 1, plain_products=True)
                 if change:
                     change(model)
                 report[key] = forward_costs(staged, rows, args.rounds)

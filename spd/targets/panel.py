@@ -25,7 +25,6 @@ import os
 import platform
 import sys
 import warnings
-import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -89,17 +88,19 @@ def wanted(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and os.environ.get(PLAIN_ENV, "") in ("", "0")
 
 
+_EXT = None       # the kernel module once a weight has been packed with it
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> panels [ceil(N / lanes), K, lanes]."""
-    return extension().pack(weight.detach().contiguous())
+    global _EXT
+    _EXT = extension()
+    return _EXT.pack(weight.detach().contiguous())
 
 
 def product(x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] times the packed weight [n_out, K]^T (+ bias) -> [..., n_out]."""
     return extension().linear(x, panels, n_out, bias)
-
-
-_PANELS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
 def _usable(weight: torch.Tensor) -> bool:
@@ -111,23 +112,25 @@ def panels_of(module: torch.nn.Linear) -> torch.Tensor | None:
     weight = module.weight
     if not _usable(weight):
         return None
-    key = weight.data_ptr(), weight._version, tuple(weight.shape)
-    held = _PANELS.get(module)
-    if held is None or held[0] != key:
-        held = key, pack(weight)
-        _PANELS[module] = held
-    return held[1]
+    held = module.__dict__.get("_panels")
+    if held is None or held[0] is not weight or held[1] != weight._version:
+        held = weight, weight._version, pack(weight)
+        module.__dict__["_panels"] = held      # beside the parameters: no state dict entry
+    return held[2]
 
 
 class PanelLinear(torch.nn.Linear):
     """An nn.Linear (its class swapped in place) that multiplies float32 rows from its weight's panels."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        panels = panels_of(self)
+        # a decode step calls this ~200 times: the held panels are checked inline, the rest only when they are stale
+        weight, held = self.weight, self.__dict__.get("_panels")
+        if held is None or held[0] is not weight or held[1] != weight._version:
+            held = (None, None, panels_of(self))
+        panels = held[2]
         if panels is None or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
-            return F.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.detach()
-        return product(x, panels, self.weight.shape[0], bias)
+            return F.linear(x, weight, self.bias)
+        return _EXT.linear(x, panels, weight.shape[0], self.bias)
 
 
 def use_panels(model: torch.nn.Module) -> None:
