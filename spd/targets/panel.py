@@ -4,14 +4,13 @@ On these CPUs MKL's `F.linear` steps at 4 rows: SmolLM2's products cost 1.8x the
 above it to 15 (docs/results.md, issue 36's twelfth look), so a draft tree of 4..15 rows paid most of a second
 forward and the pricing kept drafts small. The kernel in spd/csrc/panel_linear.cpp streams each weight once per call
 and multiplies every row against it while it is in registers: the products cost their weight's memory time up to
-~12 rows. Every output element is the same sequence of operations whatever the row count, so a row's bits do not
-depend on the rows beside it — drafted decoding computes exactly what the one-row step computes (checked for the
-target's shapes when it loads, as spd.targets.invariant_attention checks bfloat16's products).
+~12 rows. Every output element is the same sequence of operations whatever the row count, so a row's products do
+not depend on the rows beside it (checked for the target's shapes when it loads, as spd.targets.invariant_attention
+checks bfloat16's products; float32 attention stays SDPA's, as before).
 
 The kernel is compiled for this CPU the first time a process needs it (torch.utils.cpp_extension, about half a minute;
-kept where torch keeps the extensions it builds, by its source, this CPU and torch's version) and loaded from there
-afterwards. Where it cannot be
-built (no compiler), targets keep `F.linear` and say so once. Like spd.targets.prepacked, a Linear keeps its weight
+kept where torch keeps the extensions it builds, by its source, this CPU and torch's version) and imported from there
+afterwards. Where it cannot be built (no compiler), targets keep `F.linear` and say so once. Like spd.targets.prepacked, a Linear keeps its weight
 (the state dict, an embedding tied to the head and the weight cache read it) and its panels are packed again after an
 in-place change of the weight; autograd, other dtypes and devices take `F.linear`.
 """
@@ -23,6 +22,7 @@ import hashlib
 import importlib.util
 import os
 import platform
+import shutil
 import sys
 import warnings
 from contextlib import contextmanager
@@ -56,6 +56,17 @@ def _import(path: Path):
     return module
 
 
+def _ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the pip package's (a dependency) sits beside the venv's python, which a
+    process started as .venv/bin/python does not have on PATH."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.lru_cache(maxsize=None)
 def source_key() -> str:
     """The kernel's source digest: a row-cost profile measured with another version is measured again."""
@@ -74,6 +85,7 @@ def extension():
     try:
         from torch.utils.cpp_extension import load
 
+        _ninja_on_path()
         build.mkdir(parents=True, exist_ok=True)
         print(f"building the float32 product kernel for this CPU (once, ~30 s) in {build}", file=sys.stderr)
         return load(name=NAME, sources=[str(SOURCE)], build_directory=str(build),
