@@ -43,7 +43,7 @@ from spd.methods import AR, CHAIN, PIPELINE, SUFFIX_MODULE
 from spd.runtime.stages import open_stages
 from spd.session import open_session
 from spd.targets.loading import load_target
-from spd.targets import panel, prepacked
+from spd.targets.linears import plain_products
 from spd.targets.stages import StagedTarget
 from spd.drafters.suffix import Retrieval, SuffixDrafter
 from spd.retrieval import open_datastore
@@ -144,7 +144,7 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
                 model.config._attn_implementation = "sdpa"    # transformers as a user has it, whatever the suite set
                 try:
                     start = time.perf_counter()
-                    with prepacked.plain_products(model), panel.plain_products(model):   # and its own products
+                    with plain_products(model):                 # and its own products (spd.targets.linears)
                         out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
                                              pad_token_id=loaded.tokenizer.pad_token_id or 0, **sample)
                     return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)

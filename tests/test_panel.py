@@ -14,6 +14,7 @@ from spd.drafters.suffix import SuffixDrafter
 from spd.pricing import RowCosts
 from spd.runtime.chain import ChainDecoder
 from spd.targets import panel, row_costs
+from spd.targets.linears import plain_products
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
 
@@ -80,7 +81,7 @@ def test_a_changed_weight_is_packed_again_and_autograd_takes_f_linear():
     x.requires_grad_(True)
     layer(x).sum().backward()
     assert x.grad is not None and layer.weight.grad is not None
-    with panel.plain_products(layer):
+    with plain_products(layer):
         assert type(layer) is torch.nn.Linear
     assert type(layer) is panel.PanelLinear
 

@@ -12,7 +12,8 @@ from spd.decoding import Request
 from spd.drafters.suffix import SuffixDrafter
 from spd.runtime.chain import ChainDecoder
 from spd.targets import prepacked, row_costs
-from spd.targets.prepacked import PrepackedLinear, packed_product, plain_products
+from spd.targets.linears import plain_products
+from spd.targets.prepacked import PrepackedLinear, packed_product
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
 from test_invariant_attention import bf16_model

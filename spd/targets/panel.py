@@ -25,11 +25,12 @@ import platform
 import shutil
 import sys
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from spd.targets.linears import SwappedLinear
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "panel_linear.cpp"
 PLAIN_ENV = "SPD_PLAIN_PRODUCTS"     # set to 1: float32 targets keep F.linear (for comparisons)
@@ -131,7 +132,7 @@ def panels_of(module: torch.nn.Linear) -> torch.Tensor | None:
     return held[2]
 
 
-class PanelLinear(torch.nn.Linear):
+class PanelLinear(SwappedLinear):
     """An nn.Linear (its class swapped in place) that multiplies float32 rows from its weight's panels."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,19 +153,6 @@ def use_panels(model: torch.nn.Module) -> None:
         if isinstance(module, torch.nn.Linear) and type(module) in (torch.nn.Linear, PanelLinear):
             module.__class__ = PanelLinear
             panels_of(module)
-
-
-@contextmanager
-def plain_products(model: torch.nn.Module):
-    """`F.linear` inside (transformers' own `generate`, timed as a user has it), the panels again after."""
-    swapped = [m for m in model.modules() if type(m) is PanelLinear]
-    for module in swapped:
-        module.__class__ = torch.nn.Linear
-    try:
-        yield
-    finally:
-        for module in swapped:
-            module.__class__ = PanelLinear
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import functools
 import weakref
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+
+from spd.targets.linears import SwappedLinear
 
 
 def available() -> bool:
@@ -62,7 +63,7 @@ def packed_weight(module: torch.nn.Linear) -> torch.Tensor | None:
     return held[1]
 
 
-class PrepackedLinear(torch.nn.Linear):
+class PrepackedLinear(SwappedLinear):
     """An nn.Linear (its class swapped in place) that multiplies with its weight's packed copy."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,19 +80,6 @@ def prepack(model: torch.nn.Module) -> None:
         if isinstance(module, torch.nn.Linear):
             module.__class__ = PrepackedLinear
             packed_weight(module)
-
-
-@contextmanager
-def plain_products(model: torch.nn.Module):
-    """`F.linear` inside (transformers' own `generate`, timed as a user has it), the packed products again after."""
-    swapped = [m for m in model.modules() if type(m) is PrepackedLinear]
-    for module in swapped:
-        module.__class__ = torch.nn.Linear
-    try:
-        yield
-    finally:
-        for module in swapped:
-            module.__class__ = PrepackedLinear
 
 
 @functools.lru_cache(maxsize=None)
