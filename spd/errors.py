@@ -1,7 +1,9 @@
 """User-facing errors: one line naming the problem and the fix; entry points turn them into exit code 2."""
 
 import errno
+import signal
 import sys
+import threading
 
 
 class UserError(Exception):
@@ -22,8 +24,27 @@ FILE_ERRNOS = {errno.ENOSPC: "no space left on the disk", errno.EROFS: "the file
 def run_command(command: str, body) -> int:
     """The error boundary of an entry point: `<command>: error: ...` and exit 2 for bad input, 1 for a failed
     pipeline process, 130 for Ctrl-C; never a traceback for those."""
+    interrupted = []
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGINT)
+
+        def on_sigint(signum, frame):
+            interrupted.append(signum)
+            signal.default_int_handler(signum, frame)
+        signal.signal(signal.SIGINT, on_sigint)
     try:
-        return body()
+        try:
+            return body()
+        except Exception:
+            # Ctrl-C while the pipeline starts: a stage process it stopped first can fail the wait before the
+            # KeyboardInterrupt reaches this thread — the interruption is what happened
+            if interrupted:
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
     except UserError as exc:
         print(f"{command}: error: {exc}", file=sys.stderr)
         return 2
