@@ -54,6 +54,7 @@ from wallclock_distributed import distributed_rows
 from wallclock_turns import decode_interleaved, params_for, seed_of
 
 PLAIN = "float32-plain"      # --dtypes: the float32 target multiplying with F.linear (spd.targets.panel off)
+REPEAT_KV = "float32-repeat-kv"   # --dtypes: the float32 target attending with transformers' SDPA as it is
 
 
 def local_spd_decoders(args, stack: contextlib.ExitStack) -> dict[float, list[tuple[dict, object]]]:
@@ -127,7 +128,7 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
         return [True, False] if args.keyed_ab and temperature else [True]
 
     for dtype, target in [("float32", loaded), *others]:
-        staged = StagedTarget(target.model, 1, plain_products=dtype == PLAIN)
+        staged = StagedTarget(target.model, 1, plain_products=dtype == PLAIN, plain_attention=dtype == REPEAT_KV)
         put = functools.partial(add, dtype=dtype)
         for temperature in args.temperatures:
             params = params_for(temperature)
@@ -300,7 +301,8 @@ def main() -> int:
     ap.add_argument("--everyday-limit", type=int, default=30)
     ap.add_argument("--dtypes", default="float32", help="e.g. float32,bfloat16: the AR, transformers and method=suffix "
                     "rows in each (the target loaded once per dtype; the lookup chain, SPD and EAGLE-3 in float32); "
-                    f"{PLAIN}: float32 with F.linear's products instead of spd.targets.panel's")
+                    f"{PLAIN}: float32 with F.linear's products instead of spd.targets.panel's; {REPEAT_KV}: float32 "
+                    "attending with transformers' SDPA (K/V repeated per query head) instead of spd.targets.gqa_attention")
     ap.add_argument("--out", default="docs/results/wallclock.json")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -317,8 +319,8 @@ def main() -> int:
               "--draft-length \"\" --skip-hf for no lookup chain or transformers rows)", file=sys.stderr)
         return 2
     loaded = load_target(args.target)
-    args.others = [(name, load_target(args.target, dtype=torch.float32 if name == PLAIN else getattr(torch, name)))
-                   for name in args.dtypes.split(",") if name and name != "float32"]
+    args.others = [(name, load_target(args.target, dtype=torch.float32 if name in (PLAIN, REPEAT_KV) else
+                                      getattr(torch, name))) for name in args.dtypes.split(",") if name and name != "float32"]
     rows, sets = [], {}
     for name in args.sets.split(","):
         prompts = prompt_set(name, args, loaded.tokenizer)

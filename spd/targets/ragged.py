@@ -25,6 +25,7 @@ from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from spd.targets import invariant_attention
+from spd.targets.gqa_attention import packed_gqa_attention
 from spd.targets.invariant_attention import row_invariant_attention
 from spd.targets.kv_cache import LayerKVCache
 from spd.targets.stages import StagedTarget
@@ -62,7 +63,8 @@ class RaggedCache:
             self.bounds.append(self.bounds[-1] + len(segment.positions))
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []
         # each segment attends with the target's own kernel (spd.targets.invariant_attention where row-invariant)
-        self.attend = row_invariant_attention if target.row_invariant else sdpa_attention_forward
+        self.attend = row_invariant_attention if target.row_invariant else \
+            packed_gqa_attention if target.packed_gqa else sdpa_attention_forward
         self.layer_types = target.layer_types
         self.masks: dict[str, list[torch.Tensor | None]] = {
             layer_type: [segment_mask(target, s, first_layer, layer_type) for s in segments]
@@ -83,9 +85,10 @@ def segment_mask(target: StagedTarget, s: Segment, layer: int, layer_type: str) 
         length = s.cache.get_seq_length(layer)
         if s.positions[0] != length:
             raise ValueError(f"rows start at position {s.positions[0]} but the cache holds {length}")
-        return target._mask(positions, length + len(s.positions), layer_type)
+        return target.attention_mask(target._mask(positions, length + len(s.positions), layer_type), len(positions))
     visible, keys = s.visible
-    return target.explicit_mask(visible.to(device), positions, keys.to(device), layer_type)
+    return target.attention_mask(target.explicit_mask(visible.to(device), positions, keys.to(device), layer_type),
+                                 len(positions))
 
 
 def ragged_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, ragged=None,

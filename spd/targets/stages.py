@@ -14,13 +14,13 @@ import torch
 from transformers import PreTrainedModel
 
 from spd.layout import stage_bounds
-from spd.targets import invariant_attention, panel, prepacked
+from spd.targets import gqa_attention, invariant_attention, panel, prepacked
 from spd.targets.kv_cache import LayerKVCache
 
 
 class StagedTarget:
     def __init__(self, model: PreTrainedModel, n: int, explicit_bounds: list[int] | None = None,
-                 plain_products: bool = False):
+                 plain_products: bool = False, plain_attention: bool = False):
         self.model = model
         self.config = model.config
         self.decoder = model.model
@@ -47,6 +47,12 @@ class StagedTarget:
             warnings.warn("this CPU's bfloat16 products give a row other bits at other row counts for this target's "
                           "shapes: drafted decoding may leave AR's tokens where two logits nearly tie; use "
                           "dtype=float32 for exact equality", stacklevel=2)
+        # several query rows of a GQA target attend without repeating the cache (spd.targets.gqa_attention;
+        # plain_attention: transformers' SDPA as it is, for a comparison in one process)
+        self.groups = gqa_attention.groups_of(self.config)
+        self.packed_gqa = not (self.row_invariant or plain_attention) and gqa_attention.wanted(self.device, self.config)
+        if self.packed_gqa:
+            self.config._attn_implementation = gqa_attention.KERNEL
         # float32 on a CPU: products from panels (spd.targets.panel), flat in cost to ~12 rows and row-invariant
         # (plain_products: F.linear, for a comparison in one process)
         self.panels = not plain_products and panel.wanted(self.device, self.dtype) and panel.panels_invariant(shapes)
@@ -124,6 +130,13 @@ class StagedTarget:
             visible = visible & (key_positions.view(1, -1) > positions.view(-1, 1) - self.sliding_window)
         return visible.view(1, 1, *visible.shape)
 
+    def attention_mask(self, mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+        """A forward's mask [1, 1, T, S] as its attention kernel reads it: packed once for every layer where query
+        heads are stacked as rows (spd.targets.gqa_attention)."""
+        if mask is None or rows == 1 or not self.packed_gqa:
+            return mask
+        return gqa_attention.pack_mask(mask, self.groups)
+
     def run_layers(
         self,
         hidden: torch.Tensor,             # [1, T, d] residual stream entering layer `start`
@@ -157,6 +170,7 @@ class StagedTarget:
                     masks[layer_type] = self._mask(positions, key_len, layer_type)
                 else:
                     masks[layer_type] = self.fixed_mask(positions, mask_keys, layer_type)
+                masks[layer_type] = self.attention_mask(masks[layer_type], positions.numel())
             hidden = self.layers[index](
                 hidden,
                 attention_mask=masks[layer_type],
