@@ -152,14 +152,15 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
                 finally:
                     model.config._attn_implementation = kernel
 
-            for keyed in twins(temperature):
+            twin = dtype == REPEAT_KV     # one row changes with the attention kernel: the drafted (AR is one row)
+            for keyed in [] if twin else twins(temperature):
                 put({"method": "ar", "temperature": temperature, **({} if keyed else {"keyed": False})},
                     chain_run(build_decoder(AR, staged, eos), params, keyed))
-            if not args.skip_hf:
+            if not (args.skip_hf or twin):
                 put({"method": "hf_generate", "temperature": temperature}, hf)
             if not args.lookup:
                 continue
-            if not args.skip_hf:
+            if not (args.skip_hf or twin):
                 put({"method": "hf_prompt_lookup", "temperature": temperature, "draft_length": args.hf_lookup_tokens},
                     lambda key, ids, hf=hf: hf(key, ids, lookup=args.hf_lookup_tokens))
             stores = ([] if args.skip_suffix_alone and retrieval else [(None, None)]) + retrieval
@@ -302,7 +303,8 @@ def main() -> int:
     ap.add_argument("--dtypes", default="float32", help="e.g. float32,bfloat16: the AR, transformers and method=suffix "
                     "rows in each (the target loaded once per dtype; the lookup chain, SPD and EAGLE-3 in float32); "
                     f"{PLAIN}: float32 with F.linear's products instead of spd.targets.panel's; {REPEAT_KV}: float32 "
-                    "attending with transformers' SDPA (K/V repeated per query head) instead of spd.targets.gqa_attention")
+                    "attending with transformers' SDPA (K/V repeated per query head) instead of spd.targets.gqa_attention, "
+                    "its method=suffix rows only")
     ap.add_argument("--out", default="docs/results/wallclock.json")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
