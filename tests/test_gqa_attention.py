@@ -74,6 +74,10 @@ def test_a_cpu_gqa_target_attends_with_it_unless_asked_not_to(family):
     plain = StagedTarget(tiny_model(family), 1, plain_attention=True)
     assert not plain.packed_gqa and plain.config._attn_implementation == "sdpa"
     assert row_costs.machine_key(staged) != row_costs.machine_key(plain)      # its own cost curve
+    again = StagedTarget(staged.model, 1)            # a second StagedTarget over the same model: the same choice
+    assert again.packed_gqa and row_costs.machine_key(again) == row_costs.machine_key(staged)
+    assert not StagedTarget(staged.model, 1, plain_attention=True).packed_gqa
+    assert staged.config._attn_implementation == "sdpa"
     config = tiny_config(family)
     config.num_key_value_heads = config.num_attention_heads                    # no grouped heads: nothing to pack
     torch.manual_seed(0)

@@ -33,8 +33,8 @@ def groups_of(config) -> int:
 
 def wanted(device: torch.device, config) -> bool:
     """Whether a target on this device should attend with this kernel: a CPU target with grouped heads that attends
-    with transformers' SDPA."""
-    return device.type == "cpu" and groups_of(config) > 1 and config._attn_implementation == "sdpa"
+    with transformers' SDPA (or already with this kernel: a second StagedTarget over the same model)."""
+    return device.type == "cpu" and groups_of(config) > 1 and config._attn_implementation in ("sdpa", KERNEL)
 
 
 def pack_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:

@@ -53,6 +53,8 @@ class StagedTarget:
         self.packed_gqa = not (self.row_invariant or plain_attention) and gqa_attention.wanted(self.device, self.config)
         if self.packed_gqa:
             self.config._attn_implementation = gqa_attention.KERNEL
+        elif self.config._attn_implementation == gqa_attention.KERNEL:     # an earlier StagedTarget's choice
+            self.config._attn_implementation = "sdpa"
         # float32 on a CPU: products from panels (spd.targets.panel), flat in cost to ~12 rows and row-invariant
         # (plain_products: F.linear, for a comparison in one process)
         self.panels = not plain_products and panel.wanted(self.device, self.dtype) and panel.panels_invariant(shapes)
