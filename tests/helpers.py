@@ -59,6 +59,27 @@ def ar_run(model, prompt_ids, max_new, params=GREEDY, eos=frozenset(), seed=None
     return ARDecoder(StagedTarget(model, 1), eos).generate(prompt_ids, Request(max_new, params, seed))
 
 
+def priced_drafts_equal_ar(target, staged, params, first_prompt: int) -> tuple[int, int]:
+    """Chains and priced W = 4 trees of up to 13 rows (context statistics) on `staged` decode AR's tokens (greedy) or
+    AR's keyed draws (sampled, seeded) on 4 prompts; returns (drafts kept, drafts verified)."""
+    from spd.drafters.suffix import SuffixDrafter
+    from spd.pricing import RowCosts
+    from spd.runtime.chain import ChainDecoder
+
+    kept = verified = 0
+    for seed in range(4):
+        p = prompt(seed + first_prompt, vocab=target.config.vocab_size)
+        ar = ar_run(target, p, 40, params, seed=seed).token_ids
+        for width in (1, 4):
+            decoder = ChainDecoder(staged, SuffixDrafter(1, 4, RowCosts.flat(13)), frozenset(), 6, width=width,
+                                   budget=12)
+            out = decoder.generate(p, Request(40, params, seed))
+            assert out.token_ids == ar, (seed, width)
+            kept += out.stats.accepted
+            verified += sum(counts[0] for counts in out.stats.sources.values())
+    return kept, verified
+
+
 class ScriptedDrafter(WrappedDrafter):
     """Runs a real drafter every step (its cost and state stay real) but drafts with the *target's own* logits
     for the sequence in flight, except at every `wrong_every`-th position, where it drafts with them reversed.

@@ -7,11 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from helpers import GREEDY, ar_run, prompt
-from spd.decoding import Request, SamplingParams
-from spd.drafters.suffix import SuffixDrafter
-from spd.pricing import RowCosts
-from spd.runtime.chain import ChainDecoder
+from helpers import GREEDY, priced_drafts_equal_ar, prompt
+from spd.decoding import SamplingParams
 from spd.targets import gqa_attention, row_costs
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_config, tiny_model
@@ -109,15 +106,5 @@ def test_drafted_decoding_through_it_is_the_targets_own_decoding(family, params)
     target = tiny_model(family, seed=2, tied=not params.greedy)
     staged = StagedTarget(target, 1)
     assert staged.packed_gqa
-    kept = verified = 0
-    for seed in range(4):
-        p = prompt(seed + 70, vocab=target.config.vocab_size)
-        ar = ar_run(target, p, 40, params, seed=seed).token_ids
-        for width in (1, 4):
-            decoder = ChainDecoder(staged, SuffixDrafter(1, 4, RowCosts.flat(13)), frozenset(), 6, width=width,
-                                   budget=12)
-            out = decoder.generate(p, Request(40, params, seed))
-            assert out.token_ids == ar, (seed, width)
-            kept += out.stats.accepted
-            verified += sum(counts[0] for counts in out.stats.sources.values())
+    kept, verified = priced_drafts_equal_ar(target, staged, params, 70)
     assert 0 < kept < verified

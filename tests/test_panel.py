@@ -8,11 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import GREEDY, ar_run, prompt
-from spd.decoding import Request, SamplingParams
-from spd.drafters.suffix import SuffixDrafter
-from spd.pricing import RowCosts
-from spd.runtime.chain import ChainDecoder
+from helpers import GREEDY, priced_drafts_equal_ar
+from spd.decoding import SamplingParams
 from spd.targets import panel, row_costs
 from spd.targets.linears import plain_products
 from spd.targets.stages import StagedTarget
@@ -112,15 +109,5 @@ def test_drafted_decoding_through_panels_is_the_targets_own_decoding(family, par
     target = tiny_model(family, seed=1, tied=not params.greedy)     # untied: answers depend on the whole context
     staged = StagedTarget(target, 1)
     assert staged.panels
-    kept = verified = 0
-    for seed in range(4):
-        p = prompt(seed + 90, vocab=target.config.vocab_size)
-        ar = ar_run(target, p, 40, params, seed=seed).token_ids
-        for width in (1, 4):
-            decoder = ChainDecoder(staged, SuffixDrafter(1, 4, RowCosts.flat(13)), frozenset(), 6, width=width,
-                                   budget=12)
-            out = decoder.generate(p, Request(40, params, seed))
-            assert out.token_ids == ar, (seed, width)
-            kept += out.stats.accepted
-            verified += sum(counts[0] for counts in out.stats.sources.values())
+    kept, verified = priced_drafts_equal_ar(target, staged, params, 90)
     assert 0 < kept < verified            # drafts kept and missed
