@@ -18,6 +18,7 @@ from what the rows cost here and how likely each drafted node is to be kept.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 
@@ -36,7 +37,8 @@ MARGIN_EDGES = (1.0, 3.0, 6.0)     # logits: a near tie, unsure, sure, very sure
 
 
 def _bin(value: float, edges: tuple[float, ...]) -> int:
-    return sum(value >= edge for edge in edges)
+    """How many of the (ascending) edges lie at or below value (none for NaN)."""
+    return bisect_right(edges, value) if value == value else 0
 
 
 @dataclass

@@ -20,15 +20,37 @@ class SamplingParams:
         return self.temperature == 0
 
 
+BLOCK = 64     # a CPU's argmax and top-k over a vocabulary run ~5x slower than its max: read block maxima first
+
+
+def _blocks(logits: torch.Tensor) -> torch.Tensor | None:
+    """logits [V] as [V / BLOCK, BLOCK] where that view exists and pays (a large CPU vocabulary), else None."""
+    if logits.dim() != 1 or logits.device.type != "cpu" or logits.numel() < 64 * BLOCK or logits.numel() % BLOCK \
+            or not logits.is_contiguous():
+        return None
+    return logits.view(-1, BLOCK)
+
+
 def top2_margin(logits: torch.Tensor) -> float:
     """The gap between the two largest logits [V]: how sure the target was where it chose a token."""
-    top = torch.topk(logits.float(), 2).values
-    return float(top[0] - top[1])
+    x = logits.float()
+    blocks = _blocks(x)
+    if blocks is None:
+        top = torch.topk(x, 2).values
+        return float(top[0] - top[1])
+    # the runner-up is the best block's second value or the second block's best: the same two values topk finds
+    best = torch.topk(blocks.amax(1), 2)
+    inside = torch.topk(blocks[best.indices[0]], 2).values
+    return float(inside[0] - torch.maximum(inside[1], best.values[1]))
 
 
 def greedy_token(logits: torch.Tensor) -> int:
     """Argmax over [V]; ties go to the lowest id, identically for AR and SPD."""
-    return int(torch.argmax(logits))
+    blocks = _blocks(logits)
+    if blocks is None:
+        return int(torch.argmax(logits))
+    block = int(torch.argmax(blocks.amax(1)))     # the first block holding the maximum, then its first place
+    return block * BLOCK + int(torch.argmax(blocks[block]))
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -31,7 +31,7 @@ never use the memory) cannot change each other's figures, and the fast evaluator
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from spd.datastore import Datastore
 from spd.drafters.base import ChainDrafter
@@ -239,8 +239,8 @@ def _best_first(paths: list[tuple[list[int], float]], width: int, budget: int, l
         kept.append(i)
     out = [_Node(nodes[i].token, position[nodes[i].parent] if nodes[i].parent >= 0 else -1, nodes[i].depth,
                  nodes[i].weight) for i in kept]
-    evidence = [replace(like, share=share[i], depth=nodes[i].depth,
-                        support=nodes[nodes[i].parent].weight if nodes[i].parent >= 0 else total) for i in kept]
+    evidence = [Evidence(like.source, like.match, share[i], nodes[nodes[i].parent].weight if nodes[i].parent >= 0
+                         else total, nodes[i].depth, like.margin) for i in kept]
     return out, evidence
 
 
