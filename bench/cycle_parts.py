@@ -1,0 +1,148 @@
+"""Where a cycle of the default goes outside the target's forward (issue 36's eighteenth look): the default on a CPU
+(`method=suffix W=4 datastore=answers+sharegpt`, priced with this machine's row costs, as bench/wallclock.py builds
+it) decodes the first prompts of a set, each right after the suite's AR on the same prompt, with `perf_counter`
+around the parts of its cycle — drafting, the verification forward, settling — and inside them around the drafter's
+and the sampler's steps; beforehand, what the vector operations of choosing a token cost over one logits vector.
+Milliseconds a cycle for the default, a token for AR. The timers cost ~1 µs a call; the
+parts measured inside one another overlap (drafting contains the best-first tries, the datastore, the predictions
+and the keyed uniforms; settling contains the margin, the draws and the drafter's update).
+
+    python bench/cycle_parts.py --set eval --prompts 4 --temperature 1 --out docs/results/cycle_parts_intel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+import types
+
+import torch
+
+from spd.decoding import Request, eos_ids_of
+from spd.drafters import suffix
+from spd.drafters.suffix import Retrieval, SuffixDrafter
+from spd.engine import build_decoder
+from spd.eval.output import write_json
+from spd.methods import AR, CHAIN
+from spd.pricing import AcceptancePredictor
+from spd.retrieval import open_datastore
+from spd.runtime import chain, sequence
+from spd.sampling import KeyedDraws, greedy_token, top2_margin
+from spd.targets.loading import load_target
+from spd.targets.row_costs import cached_row_costs
+from spd.targets.stages import StagedTarget
+from wallclock_sets import prompt_set
+from wallclock_turns import params_for, seed_of
+
+SECONDS: dict[str, float] = collections.defaultdict(float)
+
+
+def vector_ops_us(vocab: int, calls: int = 2000) -> dict[str, float]:
+    """Microseconds a call, warm, over one logits vector [vocab]: torch's argmax, top-2 and max beside the suite's
+    block-maxima greedy token and top-2 margin (spd.sampling)."""
+    x = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+    ops = {"torch.argmax": lambda: torch.argmax(x), "torch.topk(2)": lambda: torch.topk(x, 2), "torch.max": x.max,
+           "spd.sampling.greedy_token": lambda: greedy_token(x), "spd.sampling.top2_margin": lambda: top2_margin(x)}
+    out = {}
+    for name, op in ops.items():
+        for _ in range(50):
+            op()
+        start = time.perf_counter()
+        for _ in range(calls):
+            op()
+        out[name] = 1e6 * (time.perf_counter() - start) / calls
+    return out
+
+
+def timed(owner, name: str, label: str) -> None:
+    """Replace owner.name by the same callable adding its seconds to SECONDS[label]."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            SECONDS[label] += time.perf_counter() - start
+    setattr(owner, name, wrapper)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--set", default="eval", choices=["eval", "everyday"])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--datastore", default="answers+sharegpt")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="docs/results/cycle_parts.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_target(args.target)
+    limits = types.SimpleNamespace(limit=args.prompts, everyday_limit=args.prompts)
+    prompts = prompt_set(args.set, limits, loaded.tokenizer)[: args.prompts]
+    staged = StagedTarget(loaded.model, 1)
+    eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
+    store = Retrieval(open_datastore(args.datastore, loaded.tokenizer, loaded.model.config.vocab_size))
+    drafter = SuffixDrafter(1, 8, cached_row_costs(staged, 17), retrieval=store)
+    default = build_decoder(CHAIN, staged, eos, drafter, draft_length=15, width=4, tree_nodes=16)
+    ar = build_decoder(AR, staged, eos)
+    params = params_for(args.temperature)
+    vector_ops = vector_ops_us(loaded.model.config.vocab_size)     # before the timers go in
+
+    timed(sequence.ChainSequence, "draft", "draft")
+    timed(chain.ChainDecoder, "forward_tree", "forward")
+    timed(sequence.ChainSequence, "settle", "settle")
+    timed(suffix, "_best_first", "draft: best-first tries")
+    timed(store.store, "continuations", "draft: datastore continuations")
+    timed(AcceptancePredictor, "predict", "draft: predictions")
+    timed(KeyedDraws, "uniform", "draft: keyed uniforms (drawing a position's uniforms included)")
+    timed(sequence, "top2_margin", "settle: top-2 margin")
+    timed(sequence, "settle_children", "settle: verdicts of drafted children")
+    timed(sequence, "next_token", "settle: the target's own next token")
+    timed(SuffixDrafter, "verified", "settle: the drafter's update")
+
+    def run(decoder, key, ids):
+        result = decoder.generate(ids, Request(args.max_new_tokens, params, seed_of(key), True))
+        return len(result.token_ids), result.seconds
+
+    run(ar, *prompts[0])                       # warm-up: the row-cost profile, the datastore, the kernels
+    totals = {"ar": [0, 0.0], "default": [0, 0.0]}
+    cycles = 0
+    for key, ids in prompts:
+        tokens, seconds = run(ar, key, ids)
+        totals["ar"][0] += tokens
+        totals["ar"][1] += seconds
+        SECONDS.clear()
+        before = drafter.cycles
+        tokens, seconds = run(default, key, ids)
+        totals["default"][0] += tokens
+        totals["default"][1] += seconds
+        cycles += drafter.cycles - before
+        for label, value in SECONDS.items():
+            totals.setdefault(label, [0, 0.0])[1] += value
+    out = {
+        "command": " ".join(["python"] + sys.argv), "set": args.set, "prompts": len(prompts),
+        "temperature": args.temperature, "cycles": cycles, "tokens": totals["default"][0],
+        "ar_ms_per_token": 1000 * totals["ar"][1] / totals["ar"][0],
+        "default_ms_per_cycle": 1000 * totals["default"][1] / cycles,
+        "speedup": (totals["ar"][1] / totals["ar"][0]) / (totals["default"][1] / totals["default"][0]),
+        "ms_per_cycle": {label: 1000 * value / cycles for (label, (_, value)) in totals.items()
+                         if label not in ("ar", "default")},
+        "vector_ops_us": vector_ops,
+    }
+    for label, value in vector_ops.items():
+        print(f"{label:70s} {value:7.1f} µs a call")
+    for label, value in out["ms_per_cycle"].items():
+        print(f"{label:70s} {value:7.3f} ms a cycle")
+    print(f"AR {out['ar_ms_per_token']:.1f} ms a token; the default {out['default_ms_per_cycle']:.1f} ms a cycle, "
+          f"{out['cycles']} cycles, {out['speedup']:.3f}x")
+    write_json(args.out, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
