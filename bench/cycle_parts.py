@@ -110,28 +110,26 @@ def main() -> int:
         return len(result.token_ids), result.seconds
 
     run(ar, *prompts[0])                       # warm-up: the row-cost profile, the datastore, the kernels
-    totals = {"ar": [0, 0.0], "default": [0, 0.0]}
+    decoded = {"ar": [0, 0.0], "default": [0, 0.0]}          # tokens, seconds
+    parts: collections.Counter = collections.Counter()       # the default's seconds in each timed part
     cycles = 0
     for key, ids in prompts:
-        tokens, seconds = run(ar, key, ids)
-        totals["ar"][0] += tokens
-        totals["ar"][1] += seconds
-        SECONDS.clear()
-        before = drafter.cycles
-        tokens, seconds = run(default, key, ids)
-        totals["default"][0] += tokens
-        totals["default"][1] += seconds
+        for name, decoder in (("ar", ar), ("default", default)):
+            SECONDS.clear()
+            before = drafter.cycles
+            tokens, seconds = run(decoder, key, ids)
+            decoded[name][0] += tokens
+            decoded[name][1] += seconds
+        parts.update(SECONDS)                                # the default's run, the last of the pair
         cycles += drafter.cycles - before
-        for label, value in SECONDS.items():
-            totals.setdefault(label, [0, 0.0])[1] += value
+    ar_per_token, default_per_token = (seconds / tokens for tokens, seconds in decoded.values())
     out = {
         "command": " ".join(["python"] + sys.argv), "set": args.set, "prompts": len(prompts),
-        "temperature": args.temperature, "cycles": cycles, "tokens": totals["default"][0],
-        "ar_ms_per_token": 1000 * totals["ar"][1] / totals["ar"][0],
-        "default_ms_per_cycle": 1000 * totals["default"][1] / cycles,
-        "speedup": (totals["ar"][1] / totals["ar"][0]) / (totals["default"][1] / totals["default"][0]),
-        "ms_per_cycle": {label: 1000 * value / cycles for (label, (_, value)) in totals.items()
-                         if label not in ("ar", "default")},
+        "temperature": args.temperature, "cycles": cycles, "tokens": decoded["default"][0],
+        "ar_ms_per_token": 1000 * ar_per_token,
+        "default_ms_per_cycle": 1000 * decoded["default"][1] / cycles,
+        "speedup": ar_per_token / default_per_token,
+        "ms_per_cycle": {label: 1000 * value / cycles for label, value in parts.items()},
         "vector_ops_us": vector_ops,
     }
     for label, value in vector_ops.items():

@@ -21,11 +21,12 @@ class SamplingParams:
 
 
 BLOCK = 64     # a CPU's argmax and top-k over a vocabulary run ~5x slower than its max: read block maxima first
+FEWEST = 64 * BLOCK     # under this many logits torch's own argmax and top-k cost little
 
 
 def _blocks(logits: torch.Tensor) -> torch.Tensor | None:
     """logits [V] as [V / BLOCK, BLOCK] where that view exists and pays (a large CPU vocabulary), else None."""
-    if logits.dim() != 1 or logits.device.type != "cpu" or logits.numel() < 64 * BLOCK or logits.numel() % BLOCK \
+    if logits.dim() != 1 or logits.device.type != "cpu" or logits.numel() < FEWEST or logits.numel() % BLOCK \
             or not logits.is_contiguous():
         return None
     return logits.view(-1, BLOCK)
