@@ -52,6 +52,44 @@ def test_the_kernel_is_transformers_sdpa_up_to_rounding(heads, kv_heads, t):
     assert not torch.allclose(got[:, -1], want[:, -1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mask_packed_additive_once_gives_the_boolean_masks_bits(dtype):
+    """SDPA turns a boolean mask into 0 / -inf in every layer; packed once a forward in the queries' dtype, the
+    kernel's output keeps every bit (a row's whole output, sibling branches and the cache included)."""
+    g = torch.Generator().manual_seed(7)
+    t, s, d = 6, 33, 16
+    q = torch.randn(1, 9, t, d, generator=g).to(dtype)
+    k, v = torch.randn(1, 3, s, d, generator=g).to(dtype), torch.randn(1, 3, s, d, generator=g).to(dtype)
+    mask = tree_mask(t, s)
+    additive = gqa_attention.pack_mask(mask, 3, dtype)
+    assert additive.dtype == dtype and additive.shape == (1, 1, 3 * t, s)
+    assert torch.equal(additive == 0, gqa_attention.pack_mask(mask, 3)) and additive.min() == float("-inf")
+    want, _ = gqa_attention.packed_gqa_attention(Module(3), q, k, v, gqa_attention.pack_mask(mask, 3), scaling=0.25)
+    got, _ = gqa_attention.packed_gqa_attention(Module(3), q, k, v, additive, scaling=0.25)
+    assert torch.equal(got, want)
+    assert torch.equal(gqa_attention.pack_mask(additive, 3, dtype), additive.repeat(1, 1, 3, 1))   # additive stays
+
+
+def test_a_forward_with_the_packed_additive_mask_is_the_boolean_ones_bit_for_bit(monkeypatch):
+    staged = StagedTarget(tiny_model("llama"), 1)
+    ids = torch.tensor([prompt(4, length=24)])
+    cache = staged.new_cache()
+    staged.forward_all(ids[:, :16], cache, 0)
+    visible = tree_mask(8, 8)[0, 0]
+
+    def rows():
+        chain, _ = staged.forward_all(ids[:, 16:24], cache, 16)
+        cache.crop(16)
+        tree, _ = staged.forward_all(ids[:, 16:24], cache, 16, offsets=visible.sum(1) - 1, visible=visible)
+        cache.crop(16)
+        return staged.logits(chain[0]), staged.logits(tree[0])
+
+    additive = rows()
+    monkeypatch.setattr(gqa_attention, "pack_mask", lambda mask, groups, dtype=None: mask.repeat(1, 1, groups, 1))
+    boolean = rows()
+    assert all(torch.equal(a, b) for a, b in zip(additive, boolean))
+
+
 def test_one_row_and_a_fresh_causal_pass_are_transformers_own_path():
     g = torch.Generator().manual_seed(0)
     module = Module(3)

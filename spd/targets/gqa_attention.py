@@ -37,9 +37,14 @@ def wanted(device: torch.device, config) -> bool:
     return device.type == "cpu" and groups_of(config) > 1 and config._attn_implementation in ("sdpa", KERNEL)
 
 
-def pack_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, 1, T, S] -> [B, 1, groups * T, S]: row j * T + t is row t, as the packed query's rows are ordered."""
-    return mask.repeat(1, 1, groups, 1)
+def pack_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, 1, T, S] -> [B, 1, groups * T, S]: row j * T + t is row t, as the packed query's rows are ordered. With
+    `dtype` (the queries'), a boolean mask comes back additive (0 where visible, -inf elsewhere): what SDPA would
+    build from it in every layer (~12 µs a call here), built once a forward — the same bits."""
+    packed = mask.repeat(1, 1, groups, 1)
+    if dtype is None or packed.dtype != torch.bool:
+        return packed
+    return torch.zeros(packed.shape, dtype=dtype, device=packed.device).masked_fill_(~packed, float("-inf"))
 
 
 def packed_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

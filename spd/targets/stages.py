@@ -134,10 +134,10 @@ class StagedTarget:
 
     def attention_mask(self, mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
         """A forward's mask [1, 1, T, S] as its attention kernel reads it: packed once for every layer where query
-        heads are stacked as rows (spd.targets.gqa_attention)."""
+        heads are stacked as rows (spd.targets.gqa_attention), additive in the target's dtype."""
         if mask is None or rows == 1 or not self.packed_gqa:
             return mask
-        return gqa_attention.pack_mask(mask, self.groups)
+        return gqa_attention.pack_mask(mask, self.groups, self.dtype)
 
     def run_layers(
         self,
