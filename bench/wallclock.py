@@ -40,6 +40,7 @@ from spd.engine import build_decoder, open_engine, pick_decoder
 from spd.eval.output import write_json
 from spd.drafters.lookup import LookupDrafter
 from spd.methods import AR, CHAIN, PIPELINE, SUFFIX_MODULE
+from spd.pricing import NOISE_SHARE
 from spd.runtime.stages import open_stages
 from spd.session import open_session
 from spd.targets.loading import load_target
@@ -164,18 +165,20 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
                 put({"method": "hf_prompt_lookup", "temperature": temperature, "draft_length": args.hf_lookup_tokens},
                     lambda key, ids, hf=hf: hf(key, ids, lookup=args.hf_lookup_tokens))
             stores = ([] if args.skip_suffix_alone and retrieval else [(None, None)]) + retrieval
-            for width, (spec, store), by_noise in [(w, s, k) for w in args.suffix_widths for s in stores
-                                                   for k in twins(temperature)]:
+            shares = args.noise_shares if temperature else [NOISE_SHARE]
+            for width, (spec, store), by_noise, share in [(w, s, k, n) for w in args.suffix_widths for s in stores
+                                                          for k in twins(temperature) for n in shares]:
                 # context statistics, priced with this machine's row costs; and with the datastore's candidates too
                 budget = args.tree_nodes if width > 1 else args.suffix_length
                 costs = cached_row_costs(staged, budget + 1)
                 # what method=suffix builds (spd.drafters.suffix)
-                drafter = SuffixDrafter(1, hi, costs, retrieval=store, by_noise=by_noise)
+                drafter = SuffixDrafter(1, hi, costs, retrieval=store, by_noise=by_noise, noise_share=share)
                 decoder = build_decoder(CHAIN, staged, eos, drafter, draft_length=args.suffix_length, width=width,
                                         tree_nodes=args.tree_nodes)
                 put({"method": "suffix", "temperature": temperature, "draft_length": args.suffix_length, "W": width,
                      "tree_nodes": args.tree_nodes if width > 1 else None, "ngrams": [lo, hi],
                      "datastore": spec, **({} if by_noise else {"by_noise": False}),
+                     **({} if share == NOISE_SHARE else {"noise_share": share}),
                      "row_costs_s": list(costs.seconds)}, chain_run(decoder, params), drafter)
             if dtype != "float32":
                 continue               # the lookup chain, SPD and EAGLE-3: float32 only
@@ -297,6 +300,9 @@ def main() -> int:
                     "without one")
     ap.add_argument("--keyed-ab", action="store_true", help="at T > 0 also the suite's AR drawing from the request's "
                     "generator instead of keyed draws, and each method=suffix row blind to the noise (A/Bs in one run)")
+    ap.add_argument("--noise-shares", default=None, help="at T > 0 a method=suffix row per share of a candidate's "
+                    "chance its noise decides (spd.pricing.given_noise; e.g. 0.35,1 for the A/B of the nineteenth "
+                    "look; default: the shipped share)")
     ap.add_argument("--sets", default="eval", help="eval (the first --limit of each eval set) and/or everyday (the "
                     "30 held-out ShareGPT first turns, answers to EOS or --max-new-tokens)")
     ap.add_argument("--everyday-limit", type=int, default=30)
@@ -315,6 +321,7 @@ def main() -> int:
     args.eagle3_sources = [s for s in args.eagle3_sources.split(",") if s]
     args.batch = [int(b) for b in args.batch.split(",") if b]
     args.suffix_widths = [int(w) for w in args.suffix_widths.split(",") if w]
+    args.noise_shares = [float(s) for s in args.noise_shares.split(",") if s] if args.noise_shares else [NOISE_SHARE]
     if (args.suffix_widths or args.datastore) and not args.lookup:
         # they take their turns among --lookup's rows: without it they would be dropped after an hour's run
         print("wallclock.py: error: --suffix-widths and --datastore rows run with --lookup; add --lookup (and "

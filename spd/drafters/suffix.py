@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from spd.datastore import Datastore
 from spd.drafters.base import ChainDrafter
 from spd.drafters.lookup import NgramIndex
-from spd.pricing import AcceptancePredictor, Evidence, RowCosts, choose, given_noise
+from spd.pricing import NOISE_SHARE, AcceptancePredictor, Evidence, RowCosts, choose, given_noise
 from spd.sampling import Proposal
 from spd.tree import DraftTree
 
@@ -83,16 +83,18 @@ class SuffixDrafter(ChainDrafter):
 
     def __init__(self, min_n: int = 1, max_n: int = 8, costs: RowCosts | None = None,
                  memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64, edge: float = 0.1,
-                 retrieval: Retrieval | None = None, by_noise: bool = True):
+                 retrieval: Retrieval | None = None, by_noise: bool = True, noise_share: float = NOISE_SHARE):
         """costs: this machine's row costs (None: every row count costs the same, so every candidate is drafted up
         to the budget); enough: occurrences of the longest match after which shorter matches are not consulted;
         edge: how much a draft's predicted rate must beat a plain step's (spd.pricing.choose); retrieval: a datastore
         whose continuations of the context's suffix are candidates too (source "datastore"); by_noise: at T = 1
-        price each candidate given its own noise (False: as if the draws were unknown, bench/wallclock.py's A/B)."""
+        price each candidate given its own noise (False: as if the draws were unknown, bench/wallclock.py's A/B);
+        noise_share: how much of a candidate's chance its noise decides (spd.pricing.given_noise; 1: the formula
+        alone, as before the nineteenth look, for bench/wallclock.py's A/B)."""
         self.min_n, self.max_n, self.retrieval = min_n, max_n, retrieval
         self.costs, self.memory, self.edge = costs, memory, edge
         self.enough, self.max_occurrences = enough, max_occurrences
-        self.by_noise = by_noise
+        self.by_noise, self.noise_share = by_noise, noise_share
         self.predictor = AcceptancePredictor()
         self.index: NgramIndex | None = None
         self.last: tuple[list[_Node], list[Evidence]] | None = None   # the cycle's candidates, drafted or not
@@ -186,7 +188,7 @@ class SuffixDrafter(ChainDrafter):
         chance = [self.predictor.predict(e) for e in evidence]
         if self.draws is not None:      # sampled: the noise that will choose each node's position is known already
             at = len(self.index.tokens) - 1             # the root's position
-            chance = [given_noise(c, self.draws.uniform(at + node.depth, node.token))
+            chance = [given_noise(c, self.draws.uniform(at + node.depth, node.token), self.noise_share)
                       for c, node in zip(chance, nodes)]
         reach = _along_paths(nodes, chance)
         # the candidates by predicted reach, parents first (a child's reach never exceeds its parent's)

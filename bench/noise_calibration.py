@@ -1,0 +1,128 @@
+"""How far a candidate's own noise should move its price at T = 1 (issue 36's nineteenth look): the default on a CPU
+(`method=suffix W=4 datastore=answers+sharegpt`, as bench/wallclock.py builds it) samples prompts of a set with keyed
+draws, and every candidate a cycle judges (drafted or not: its parent was reached) is recorded with the predictor's
+unconditional chance π, its uniform u at its position and whether it was kept. Which candidates are judged and what
+the predictor says depend only on the sampled text, not on the share being tested, so one decode prices every share.
+
+For each share s of spd.pricing.given_noise — (1 - s) π + s u^((1 - π)/π); s = 1 is the Gumbel formula alone, s = 0
+ignores the noise — the mean log-likelihood and Brier score of the verdicts, and, per bin of the formula's chance, how
+many were kept against how many the formula and the shipped share predicted.
+
+    python bench/noise_calibration.py --set everyday --prompts 10 --out docs/results/noise_calibration_everyday.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import types
+
+import torch
+from tqdm import tqdm
+
+from spd.decoding import Request, eos_ids_of
+from spd.drafters.suffix import Retrieval, SuffixDrafter
+from spd.engine import build_decoder
+from spd.eval.output import write_json
+from spd.methods import CHAIN
+from spd.pricing import NOISE_SHARE, given_noise
+from spd.retrieval import open_datastore
+from spd.targets.loading import load_target
+from spd.targets.row_costs import cached_row_costs
+from spd.targets.stages import StagedTarget
+from wallclock_sets import prompt_set
+from wallclock_turns import params_for, seed_of
+
+BINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class Recording(SuffixDrafter):
+    """The default's drafter, unchanged, noting each cycle's candidates and, once the cycle settles, their verdicts."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.verdicts: list[tuple[str, int, float, float, bool]] = []    # (source, depth, π, u, kept)
+        self.priced: list[tuple[float, float]] = []
+
+    def draft_tree(self, root, m, width, budget, propose=None):
+        tree = super().draft_tree(root, m, width, budget, propose)
+        nodes, evidence = self.last
+        at = len(self.index.tokens) - 1          # the root's position, as the drafter priced it
+        self.priced = [(self.predictor.predict(e), self.draws.uniform(at + node.depth, node.token))
+                       for e, node in zip(evidence, nodes)]
+        return tree
+
+    def _learn(self, nodes, evidence, new):
+        parent = -1
+        for token in new:                          # the candidates judged, as SuffixDrafter._learn walks them
+            kept = None
+            for i, node in enumerate(nodes):
+                if node.parent == parent:
+                    self.verdicts.append((evidence[i].source, node.depth, *self.priced[i], node.token == token))
+                    kept = i if node.token == token else kept
+            if kept is None:
+                break
+            parent = kept
+        super()._learn(nodes, evidence, new)
+
+
+def scores(verdicts, share: float | None) -> dict[str, float]:
+    """Mean log-likelihood and Brier score of the verdicts under a share (None: π alone)."""
+    ll = brier = 0.0
+    for _, _, chance, u, kept in verdicts:
+        q = chance if share is None else given_noise(chance, u, share)
+        q = min(max(q, 1e-6), 1 - 1e-6)
+        ll += math.log(q if kept else 1 - q)
+        brier += (q - kept) ** 2
+    return {"log_likelihood": ll / len(verdicts), "brier": brier / len(verdicts)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--set", default="everyday", choices=["eval", "everyday"])
+    ap.add_argument("--prompts", type=int, default=10, help="the set's first prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--datastore", default="answers+sharegpt")
+    ap.add_argument("--shares", default="0,0.2,0.3,0.35,0.4,0.5,0.7,1")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="docs/results/noise_calibration.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_target(args.target)
+    limits = types.SimpleNamespace(limit=args.prompts, everyday_limit=args.prompts)
+    prompts = prompt_set(args.set, limits, loaded.tokenizer)[: args.prompts]
+    staged = StagedTarget(loaded.model, 1)
+    store = Retrieval(open_datastore(args.datastore, loaded.tokenizer, loaded.model.config.vocab_size))
+    drafter = Recording(1, 8, cached_row_costs(staged, 17), retrieval=store)
+    default = build_decoder(CHAIN, staged, eos_ids_of(loaded.model.config, loaded.tokenizer), drafter,
+                            draft_length=15, width=4, tree_nodes=16)
+    tokens = 0
+    for key, ids in tqdm(prompts, desc="prompts"):
+        tokens += len(default.generate(ids, Request(args.max_new_tokens, params_for(1.0), seed_of(key), True)).token_ids)
+    verdicts = drafter.verdicts
+    by_share = {"none (π alone)": scores(verdicts, None)}
+    by_share.update({f"{float(s):g}": scores(verdicts, float(s)) for s in args.shares.split(",")})
+    bins = []
+    for lo, hi in zip(BINS, BINS[1:]):
+        inside = [v for v in verdicts if lo <= given_noise(v[2], v[3], 1.0) < hi or (hi == 1.0 and v[3] >= 1.0)]
+        if inside:
+            bins.append({"formula_chance": [lo, hi], "candidates": len(inside), "kept": sum(v[4] for v in inside),
+                         "predicted_by_formula": sum(given_noise(c, u, 1.0) for _, _, c, u, _ in inside),
+                         "predicted_by_shipped_share": sum(given_noise(c, u) for _, _, c, u, _ in inside)})
+    out = {"command": " ".join(["python"] + sys.argv), "set": args.set, "prompts": len(prompts), "tokens": tokens,
+           "verdicts": len(verdicts), "kept": sum(v[4] for v in verdicts), "shipped_share": NOISE_SHARE,
+           "scores": by_share, "bins": bins}
+    for name, s in by_share.items():
+        print(f"share {name:>16s}: log-likelihood {s['log_likelihood']:.4f}, Brier {s['brier']:.4f}")
+    for b in bins:
+        print(f"formula chance [{b['formula_chance'][0]:.2f}, {b['formula_chance'][1]:.2f}): {b['candidates']:5d} "
+              f"candidates, kept {b['kept']:4d}, the formula {b['predicted_by_formula']:7.1f}, "
+              f"the shipped share {b['predicted_by_shipped_share']:7.1f}")
+    write_json(args.out, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
