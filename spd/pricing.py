@@ -94,12 +94,12 @@ def given_noise(chance: float, u: float, share: float = NOISE_SHARE) -> float:
     at its position is known. For a token of probability p under the target the draw is x iff log p + g(x) beats
     the rest of the vocabulary, whose best score is a Gumbel at log(1 - p): P = u ** ((1 - p) / p). But `chance` is
     the predictor's — a bucket's average over candidates whose p runs from ~0 to ~1 — and the formula at the average
-    is far sharper than the average of the formula: over the default's sampled eval answers the candidates it put
-    under 2% were kept 36x more often than that, those it put over 40% half as often as predicted — a worse fit
-    (log-likelihood -0.59 a verdict) than ignoring the noise (-0.37). So only `share` of the chance follows the
-    noise: (1 - share) * chance + share * u ** ((1 - p) / p). The share was fitted on sampled everyday answers
-    (0.3-0.4 best, -0.37 against -0.59 and -0.39) and holds on the eval ones (-0.35; docs/results.md, the
-    nineteenth look). Over u it averages back to `chance` at any share; share = 1 is the formula alone."""
+    is far sharper than the average of the formula: over the default's sampled everyday answers the candidates it
+    put under 2% were kept ~35x more often than that, those it put over 40% ~0.6x as often — a worse fit
+    (log-likelihood -0.584 a verdict) than ignoring the noise (-0.383). So only `share` of the chance follows the
+    noise: (1 - share) * chance + share * u ** ((1 - p) / p), best at 0.3-0.4 (-0.365; bench/noise_calibration.py,
+    docs/results.md's nineteenth look; a probe over eval answers agreed). Over u it averages back to `chance` at
+    any share; share = 1 is the formula alone."""
     p = min(max(chance, 1e-6), 1.0 - 1e-9)
     return (1.0 - share) * chance + share * u ** ((1.0 - p) / p)
 
