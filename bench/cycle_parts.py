@@ -16,24 +16,21 @@ import argparse
 import collections
 import sys
 import time
-import types
 
 import torch
 
+from default_build import default_decoder, first_prompts
 from spd.decoding import Request, eos_ids_of
 from spd.drafters import suffix
-from spd.drafters.suffix import Retrieval, SuffixDrafter
+from spd.drafters.suffix import SuffixDrafter
 from spd.engine import build_decoder
 from spd.eval.output import write_json
-from spd.methods import AR, CHAIN
+from spd.methods import AR
 from spd.pricing import AcceptancePredictor
-from spd.retrieval import open_datastore
 from spd.runtime import chain, sequence
 from spd.sampling import KeyedDraws, greedy_token, top2_margin
 from spd.targets.loading import load_target
-from spd.targets.row_costs import cached_row_costs
 from spd.targets.stages import StagedTarget
-from wallclock_sets import prompt_set
 from wallclock_turns import params_for, seed_of
 
 SECONDS: dict[str, float] = collections.defaultdict(float)
@@ -82,14 +79,11 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_target(args.target)
-    limits = types.SimpleNamespace(limit=args.prompts, everyday_limit=args.prompts)
-    prompts = prompt_set(args.set, limits, loaded.tokenizer)[: args.prompts]
+    prompts = first_prompts(args.set, args.prompts, loaded.tokenizer)
     staged = StagedTarget(loaded.model, 1)
-    eos = eos_ids_of(loaded.model.config, loaded.tokenizer)
-    store = Retrieval(open_datastore(args.datastore, loaded.tokenizer, loaded.model.config.vocab_size))
-    drafter = SuffixDrafter(1, 8, cached_row_costs(staged, 17), retrieval=store)
-    default = build_decoder(CHAIN, staged, eos, drafter, draft_length=15, width=4, tree_nodes=16)
-    ar = build_decoder(AR, staged, eos)
+    drafter, default = default_decoder(loaded, staged, args.datastore)
+    store = drafter.retrieval
+    ar = build_decoder(AR, staged, eos_ids_of(loaded.model.config, loaded.tokenizer))
     params = params_for(args.temperature)
     vector_ops = vector_ops_us(loaded.model.config.vocab_size)     # before the timers go in
 

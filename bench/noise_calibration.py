@@ -16,22 +16,17 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import types
 
 import torch
 from tqdm import tqdm
 
-from spd.decoding import Request, eos_ids_of
-from spd.drafters.suffix import Retrieval, SuffixDrafter
-from spd.engine import build_decoder
+from default_build import default_decoder, first_prompts
+from spd.decoding import Request
+from spd.drafters.suffix import SuffixDrafter
 from spd.eval.output import write_json
-from spd.methods import CHAIN
 from spd.pricing import NOISE_SHARE, given_noise
-from spd.retrieval import open_datastore
 from spd.targets.loading import load_target
-from spd.targets.row_costs import cached_row_costs
 from spd.targets.stages import StagedTarget
-from wallclock_sets import prompt_set
 from wallclock_turns import params_for, seed_of
 
 BINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -91,13 +86,8 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_target(args.target)
-    limits = types.SimpleNamespace(limit=args.prompts, everyday_limit=args.prompts)
-    prompts = prompt_set(args.set, limits, loaded.tokenizer)[: args.prompts]
-    staged = StagedTarget(loaded.model, 1)
-    store = Retrieval(open_datastore(args.datastore, loaded.tokenizer, loaded.model.config.vocab_size))
-    drafter = Recording(1, 8, cached_row_costs(staged, 17), retrieval=store)
-    default = build_decoder(CHAIN, staged, eos_ids_of(loaded.model.config, loaded.tokenizer), drafter,
-                            draft_length=15, width=4, tree_nodes=16)
+    prompts = first_prompts(args.set, args.prompts, loaded.tokenizer)
+    drafter, default = default_decoder(loaded, StagedTarget(loaded.model, 1), args.datastore, Recording)
     tokens = 0
     for key, ids in tqdm(prompts, desc="prompts"):
         tokens += len(default.generate(ids, Request(args.max_new_tokens, params_for(1.0), seed_of(key), True)).token_ids)
