@@ -6,7 +6,8 @@ the predictor says depend only on the sampled text, not on the share being teste
 
 For each share s of spd.pricing.given_noise — (1 - s) π + s u^((1 - π)/π); s = 1 is the Gumbel formula alone, s = 0
 ignores the noise — the mean log-likelihood and Brier score of the verdicts, and, per bin of the formula's chance, how
-many were kept against how many the formula and the shipped share predicted.
+many were kept against how many the formula and the shipped share predicted; and the predictor's own calibration
+before any noise (kept against the sum of π per bin of π, and per source and depth).
 
     python bench/noise_calibration.py --set everyday --prompts 10 --out docs/results/noise_calibration_everyday.json
 """
@@ -101,15 +102,32 @@ def main() -> int:
             bins.append({"formula_chance": [lo, hi], "candidates": len(inside), "kept": sum(v[4] for v in inside),
                          "predicted_by_formula": sum(given_noise(c, u, 1.0) for _, _, c, u, _ in inside),
                          "predicted_by_shipped_share": sum(given_noise(c, u) for _, _, c, u, _ in inside)})
+    by_chance = []                 # the predictor's own calibration, before any noise: kept against the sum of π
+    for lo, hi in zip(BINS, BINS[1:]):
+        inside = [v for v in verdicts if lo <= v[2] < hi or (hi == 1.0 and v[2] >= 1.0)]
+        if inside:
+            by_chance.append({"chance": [lo, hi], "candidates": len(inside), "kept": sum(v[4] for v in inside),
+                              "predicted": sum(v[2] for v in inside)})
+    by_source = []
+    for source, depth in sorted({(v[0], min(v[1], 3)) for v in verdicts}):
+        inside = [v for v in verdicts if (v[0], min(v[1], 3)) == (source, depth)]
+        by_source.append({"source": source, "depth": depth if depth < 3 else "3+", "candidates": len(inside),
+                          "kept": sum(v[4] for v in inside), "predicted": sum(v[2] for v in inside)})
     out = {"command": " ".join(["python"] + sys.argv), "set": args.set, "prompts": len(prompts), "tokens": tokens,
            "verdicts": len(verdicts), "kept": sum(v[4] for v in verdicts), "shipped_share": NOISE_SHARE,
-           "scores": by_share, "bins": bins}
+           "scores": by_share, "bins": bins, "by_chance": by_chance, "by_source": by_source}
     for name, s in by_share.items():
         print(f"share {name:>16s}: log-likelihood {s['log_likelihood']:.4f}, Brier {s['brier']:.4f}")
     for b in bins:
         print(f"formula chance [{b['formula_chance'][0]:.2f}, {b['formula_chance'][1]:.2f}): {b['candidates']:5d} "
               f"candidates, kept {b['kept']:4d}, the formula {b['predicted_by_formula']:7.1f}, "
               f"the shipped share {b['predicted_by_shipped_share']:7.1f}")
+    for b in by_chance:
+        print(f"the predictor's chance [{b['chance'][0]:.2f}, {b['chance'][1]:.2f}): {b['candidates']:5d} candidates, "
+              f"kept {b['kept']:4d}, predicted {b['predicted']:7.1f}")
+    for b in by_source:
+        print(f"{b['source']:>9s} at depth {b['depth']}: {b['candidates']:5d} candidates, kept {b['kept']:4d}, "
+              f"predicted {b['predicted']:7.1f}")
     write_json(args.out, out)
     return 0
 

@@ -166,19 +166,23 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
                     lambda key, ids, hf=hf: hf(key, ids, lookup=args.hf_lookup_tokens))
             stores = ([] if args.skip_suffix_alone and retrieval else [(None, None)]) + retrieval
             shares = args.noise_shares if temperature else [NOISE_SHARE]
-            for width, (spec, store), by_noise, share in [(w, s, k, n) for w in args.suffix_widths for s in stores
-                                                          for k in twins(temperature) for n in shares]:
+            priors = [True, False] if temperature and args.prior_ab else [True]
+            for width, (spec, store), by_noise, share, sampled_prior in [
+                    (w, s, k, n, p) for w in args.suffix_widths for s in stores for k in twins(temperature)
+                    for n in shares for p in priors]:
                 # context statistics, priced with this machine's row costs; and with the datastore's candidates too
                 budget = args.tree_nodes if width > 1 else args.suffix_length
                 costs = cached_row_costs(staged, budget + 1)
                 # what method=suffix builds (spd.drafters.suffix)
-                drafter = SuffixDrafter(1, hi, costs, retrieval=store, by_noise=by_noise, noise_share=share)
+                drafter = SuffixDrafter(1, hi, costs, retrieval=store, by_noise=by_noise, noise_share=share,
+                                        sampled_prior=sampled_prior)
                 decoder = build_decoder(CHAIN, staged, eos, drafter, draft_length=args.suffix_length, width=width,
                                         tree_nodes=args.tree_nodes)
                 put({"method": "suffix", "temperature": temperature, "draft_length": args.suffix_length, "W": width,
                      "tree_nodes": args.tree_nodes if width > 1 else None, "ngrams": [lo, hi],
                      "datastore": spec, **({} if by_noise else {"by_noise": False}),
                      **({} if share == NOISE_SHARE else {"noise_share": share}),
+                     **({} if sampled_prior else {"sampled_prior": False}),
                      "row_costs_s": list(costs.seconds)}, chain_run(decoder, params), drafter)
             if dtype != "float32":
                 continue               # the lookup chain, SPD and EAGLE-3: float32 only
@@ -303,6 +307,8 @@ def main() -> int:
     ap.add_argument("--noise-shares", default=None, help="at T > 0 a method=suffix row per share of a candidate's "
                     "chance its noise decides (spd.pricing.given_noise; e.g. 0.35,1 for the A/B of the nineteenth "
                     "look; default: the shipped share)")
+    ap.add_argument("--prior-ab", action="store_true", help="at T > 0 also each method=suffix row with the greedy "
+                    "predictor's prior instead of spd.pricing.AcceptancePredictor.for_sampling (the twentieth look's A/B)")
     ap.add_argument("--sets", default="eval", help="eval (the first --limit of each eval set) and/or everyday (the "
                     "30 held-out ShareGPT first turns, answers to EOS or --max-new-tokens)")
     ap.add_argument("--everyday-limit", type=int, default=30)

@@ -13,7 +13,7 @@ from spd.decoding import Request
 from spd.drafters.base import ChainDrafter
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.suffix import SuffixDrafter
-from spd.pricing import NOISE_SHARE, RowCosts, given_noise
+from spd.pricing import NOISE_SHARE, AcceptancePredictor, Evidence, RowCosts, given_noise
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
 from spd.sampling import KeyedDraws, Proposal, SamplingParams, warp
@@ -137,6 +137,33 @@ def test_the_priced_statistics_draft_by_the_noise():
         drafter.sampling_draws(Fixed(u))
         rows[u] = len(drafter.draft_tree(tokens[-1], 2, 1, 2))
     assert rows[0.01] == 1 and rows[0.99] > 1         # low noise: a plain step; high noise: drafted
+
+
+def test_a_sampled_request_prices_from_the_sampled_prior():
+    """At T > 0 a candidate is kept with the target's p of it, not when it is the argmax: a sampled request's
+    predictor starts from a lower prior that a bucket's few verdicts move less; a greedy request's (or, for the A/B,
+    sampled_prior=False) from the greedy one; a predictor that has judged candidates already keeps its counts."""
+    sampled, greedy = AcceptancePredictor.for_sampling(), AcceptancePredictor()
+    e = Evidence("suffix", match=4, share=0.9, support=6.0, depth=1)
+    assert sampled.prior(e) < greedy.prior(e) and sampled.prior_weight > greedy.prior_weight
+    assert sampled.predict(e) < greedy.predict(e)
+    for _ in range(3):                       # the same three misses move the sampled estimate less
+        sampled.observe(e, False)
+        greedy.observe(e, False)
+    assert sampled.predict(e) / sampled.prior(e) > greedy.predict(e) / greedy.prior(e)
+
+    tokens = [5, 1, 2, 3, 9, 1, 2, 3, 8, 1, 2]
+    for draws, sampled_prior, expected in ((KeyedDraws(7, 16), True, 16.0), (KeyedDraws(7, 16), False, 2.0),
+                                           (None, True, 2.0)):
+        drafter = SuffixDrafter(1, 4, RowCosts((1.0, 1.3, 1.6)), sampled_prior=sampled_prior)
+        drafter.start(None, tokens)
+        drafter.sampling_draws(draws)
+        assert drafter.predictor.prior_weight == expected, (draws, sampled_prior)
+    drafter = SuffixDrafter(1, 4, RowCosts((1.0, 1.3, 1.6)))
+    drafter.start(None, tokens)
+    drafter.predictor.observe(e, True)       # as a memory's predictor carries its earlier requests' verdicts
+    drafter.sampling_draws(KeyedDraws(7, 16))
+    assert drafter.predictor.prior_weight == 2.0 and drafter.predictor.counts
 
 
 def sampled_decoders(model, params):

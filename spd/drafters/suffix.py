@@ -83,18 +83,21 @@ class SuffixDrafter(ChainDrafter):
 
     def __init__(self, min_n: int = 1, max_n: int = 8, costs: RowCosts | None = None,
                  memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64, edge: float = 0.1,
-                 retrieval: Retrieval | None = None, by_noise: bool = True, noise_share: float = NOISE_SHARE):
+                 retrieval: Retrieval | None = None, by_noise: bool = True, noise_share: float = NOISE_SHARE,
+                 sampled_prior: bool = True):
         """costs: this machine's row costs (None: every row count costs the same, so every candidate is drafted up
         to the budget); enough: occurrences of the longest match after which shorter matches are not consulted;
         edge: how much a draft's predicted rate must beat a plain step's (spd.pricing.choose); retrieval: a datastore
         whose continuations of the context's suffix are candidates too (source "datastore"); by_noise: at T = 1
         price each candidate given its own noise (False: as if the draws were unknown, bench/wallclock.py's A/B);
         noise_share: how much of a candidate's chance its noise decides (spd.pricing.given_noise; 1: the formula
-        alone, as before the nineteenth look, for bench/wallclock.py's A/B)."""
+        alone, as before the nineteenth look, for bench/wallclock.py's A/B); sampled_prior: a sampled request's
+        predictor starts from spd.pricing.AcceptancePredictor.for_sampling (False: the greedy one, as before the
+        twentieth look, for bench/wallclock.py's A/B)."""
         self.min_n, self.max_n, self.retrieval = min_n, max_n, retrieval
         self.costs, self.memory, self.edge = costs, memory, edge
         self.enough, self.max_occurrences = enough, max_occurrences
-        self.by_noise, self.noise_share = by_noise, noise_share
+        self.by_noise, self.noise_share, self.sampled_prior = by_noise, noise_share, sampled_prior
         self.predictor = AcceptancePredictor()
         self.index: NgramIndex | None = None
         self.last: tuple[list[_Node], list[Evidence]] | None = None   # the cycle's candidates, drafted or not
@@ -119,6 +122,10 @@ class SuffixDrafter(ChainDrafter):
 
     def sampling_draws(self, draws) -> None:
         self.draws = draws if self.by_noise else None
+        if draws is not None and self.sampled_prior and not self.predictor.counts:
+            # a sampled request, and a predictor that has judged nothing yet (with a memory, the first request's
+            # regime stays): the sampled verdicts' prior
+            self.predictor = AcceptancePredictor.for_sampling()
 
     def verified(self, hidden, tokens) -> None:
         new = tokens[len(self.index):]
