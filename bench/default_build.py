@@ -15,15 +15,17 @@ from wallclock_sets import prompt_set
 
 
 def first_prompts(name: str, count: int, tokenizer) -> list[tuple[str, list[int]]]:
-    """The first `count` prompts of a set (eval: the first of each benchmark, as bench/wallclock.py's --limit)."""
+    """The first `count` prompts of a set in its order (eval: MT-Bench's first, then GSM8K's, then HumanEval's — so up
+    to 80, MT-Bench questions only)."""
     limits = types.SimpleNamespace(limit=count, everyday_limit=count)
     return prompt_set(name, limits, tokenizer)[:count]
 
 
-def default_decoder(loaded, staged, datastore: str, drafter_class=SuffixDrafter):
-    """(the drafter, the decoder): a drafter_class (SuffixDrafter or a subclass that watches it) over `datastore`."""
+def default_decoder(loaded, staged, datastore: str, drafter_class=SuffixDrafter, **drafter_options):
+    """(the drafter, the decoder): a drafter_class (SuffixDrafter or a subclass that watches it) over `datastore`,
+    with any other SuffixDrafter options (e.g. sampled_prior=False)."""
     store = Retrieval(open_datastore(datastore, loaded.tokenizer, loaded.model.config.vocab_size))
-    drafter = drafter_class(1, 8, cached_row_costs(staged, 17), retrieval=store)
+    drafter = drafter_class(1, 8, cached_row_costs(staged, 17), retrieval=store, **drafter_options)
     decoder = build_decoder(CHAIN, staged, eos_ids_of(loaded.model.config, loaded.tokenizer), drafter,
                             draft_length=15, width=4, tree_nodes=16)
     return drafter, decoder

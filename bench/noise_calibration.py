@@ -1,8 +1,9 @@
 """How far a candidate's own noise should move its price at T = 1 (issue 36's nineteenth look): the default on a CPU
 (`method=suffix W=4 datastore=answers+sharegpt`, as bench/wallclock.py builds it) samples prompts of a set with keyed
 draws, and every candidate a cycle judges (drafted or not: its parent was reached) is recorded with the predictor's
-unconditional chance π, its uniform u at its position and whether it was kept. Which candidates are judged and what
-the predictor says depend only on the sampled text, not on the share being tested, so one decode prices every share.
+unconditional chance π, its uniform u at its position and whether it was kept. One decode prices every share on the
+same candidates (a different share would have drafted differently and started some cycles elsewhere, so this compares
+the shares' predictions on the same questions, not their decodes).
 
 For each share s of spd.pricing.given_noise — (1 - s) π + s u^((1 - π)/π); s = 1 is the Gumbel formula alone, s = 0
 ignores the noise — the mean log-likelihood and Brier score of the verdicts, and, per bin of the formula's chance, how
@@ -82,13 +83,16 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--datastore", default="answers+sharegpt")
     ap.add_argument("--shares", default="0,0.2,0.3,0.35,0.4,0.5,0.7,1")
+    ap.add_argument("--sampled-prior", action="store_true", help="a sampled request's predictor from "
+                    "spd.pricing.AcceptancePredictor.for_sampling (spd.drafters.suffix's sampled_prior, not the default)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="docs/results/noise_calibration.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_target(args.target)
     prompts = first_prompts(args.set, args.prompts, loaded.tokenizer)
-    drafter, default = default_decoder(loaded, StagedTarget(loaded.model, 1), args.datastore, Recording)
+    drafter, default = default_decoder(loaded, StagedTarget(loaded.model, 1), args.datastore, Recording,
+                                       sampled_prior=args.sampled_prior)
     tokens = 0
     for key, ids in tqdm(prompts, desc="prompts"):
         tokens += len(default.generate(ids, Request(args.max_new_tokens, params_for(1.0), seed_of(key), True)).token_ids)
@@ -114,7 +118,7 @@ def main() -> int:
         by_source.append({"source": source, "depth": depth if depth < 3 else "3+", "candidates": len(inside),
                           "kept": sum(v[4] for v in inside), "predicted": sum(v[2] for v in inside)})
     out = {"command": " ".join(["python"] + sys.argv), "set": args.set, "prompts": len(prompts), "tokens": tokens,
-           "verdicts": len(verdicts), "kept": sum(v[4] for v in verdicts), "shipped_share": NOISE_SHARE,
+           "verdicts": len(verdicts), "kept": sum(v[4] for v in verdicts), "shipped_share": NOISE_SHARE, "predictor": "for_sampling" if args.sampled_prior else "greedy prior",
            "scores": by_share, "bins": bins, "by_chance": by_chance, "by_source": by_source}
     for name, s in by_share.items():
         print(f"share {name:>16s}: log-likelihood {s['log_likelihood']:.4f}, Brier {s['brier']:.4f}")

@@ -166,7 +166,7 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
                     lambda key, ids, hf=hf: hf(key, ids, lookup=args.hf_lookup_tokens))
             stores = ([] if args.skip_suffix_alone and retrieval else [(None, None)]) + retrieval
             shares = args.noise_shares if temperature else [NOISE_SHARE]
-            priors = [True, False] if temperature and args.prior_ab else [True]
+            priors = [False, True] if temperature and args.prior_ab else [False]
             for width, (spec, store), by_noise, share, sampled_prior in [
                     (w, s, k, n, p) for w in args.suffix_widths for s in stores for k in twins(temperature)
                     for n in shares for p in priors]:
@@ -182,7 +182,7 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
                      "tree_nodes": args.tree_nodes if width > 1 else None, "ngrams": [lo, hi],
                      "datastore": spec, **({} if by_noise else {"by_noise": False}),
                      **({} if share == NOISE_SHARE else {"noise_share": share}),
-                     **({} if sampled_prior else {"sampled_prior": False}),
+                     **({"sampled_prior": True} if sampled_prior else {}),
                      "row_costs_s": list(costs.seconds)}, chain_run(decoder, params), drafter)
             if dtype != "float32":
                 continue               # the lookup chain, SPD and EAGLE-3: float32 only
@@ -307,8 +307,9 @@ def main() -> int:
     ap.add_argument("--noise-shares", default=None, help="at T > 0 a method=suffix row per share of a candidate's "
                     "chance its noise decides (spd.pricing.given_noise; e.g. 0.35,1 for the A/B of the nineteenth "
                     "look; default: the shipped share)")
-    ap.add_argument("--prior-ab", action="store_true", help="at T > 0 also each method=suffix row with the greedy "
-                    "predictor's prior instead of spd.pricing.AcceptancePredictor.for_sampling (the twentieth look's A/B)")
+    ap.add_argument("--prior-ab", action="store_true", help="at T > 0 also each method=suffix row with "
+                    "spd.pricing.AcceptancePredictor.for_sampling's prior instead of the greedy one (the twentieth "
+                    "look's A/B)")
     ap.add_argument("--sets", default="eval", help="eval (the first --limit of each eval set) and/or everyday (the "
                     "30 held-out ShareGPT first turns, answers to EOS or --max-new-tokens)")
     ap.add_argument("--everyday-limit", type=int, default=30)

@@ -12,6 +12,7 @@ def label(row: dict) -> str:
     return _label(row) + (", unkeyed draws" if row.get("keyed") is False else "") + \
         (", blind to the noise" if row.get("by_noise") is False else "") + \
         (f", noise share {row['noise_share']:g}" if "noise_share" in row else "") + \
+        (", sampled prior" if row.get("sampled_prior") is True else "") + \
         (", greedy's prior" if row.get("sampled_prior") is False else "") + \
         (f", {row['dtype']}" if row.get("dtype", "float32") != "float32" else "")
 

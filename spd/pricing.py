@@ -63,7 +63,9 @@ class AcceptancePredictor:
         under-predicted those they priced low 2-4x (bench/noise_calibration.py); replaying one recording of every
         judged candidate through each setting (the sampled text does not depend on it), prior_weight 16 and
         prior_scale 0.6 fit 10 everyday answers' verdicts best (log-likelihood -0.340 against -0.365) and the 30
-        held-out eval answers' too (-0.295 against -0.317; docs/results.md's twentieth look)."""
+        held-out MT-Bench answers' too (-0.295 against -0.317). Not the default (spd.drafters.suffix's
+        sampled_prior): +0.7% by the clock at T = 1 on the eval set, while where drafts are kept often its heavy prior
+        learns so slowly that short requests draft little (docs/results.md's twentieth look)."""
         return cls(prior_weight=16.0, prior_scale=0.6)
 
     @staticmethod

@@ -139,10 +139,11 @@ def test_the_priced_statistics_draft_by_the_noise():
     assert rows[0.01] == 1 and rows[0.99] > 1         # low noise: a plain step; high noise: drafted
 
 
-def test_a_sampled_request_prices_from_the_sampled_prior():
-    """At T > 0 a candidate is kept with the target's p of it, not when it is the argmax: a sampled request's
-    predictor starts from a lower prior that a bucket's few verdicts move less; a greedy request's (or, for the A/B,
-    sampled_prior=False) from the greedy one; a predictor that has judged candidates already keeps its counts."""
+def test_a_sampled_request_can_price_from_the_sampled_prior():
+    """At T > 0 a candidate is kept with the target's p of it, not when it is the argmax: with sampled_prior (the
+    twentieth look's A/B, not the default) a sampled request's predictor starts from a lower prior that a bucket's
+    few verdicts move less; a greedy request's, and by default every request's, from the greedy one; a predictor
+    that has judged candidates already keeps its counts."""
     sampled, greedy = AcceptancePredictor.for_sampling(), AcceptancePredictor()
     e = Evidence("suffix", match=4, share=0.9, support=6.0, depth=1)
     assert sampled.prior(e) < greedy.prior(e) and sampled.prior_weight > greedy.prior_weight
@@ -154,12 +155,13 @@ def test_a_sampled_request_prices_from_the_sampled_prior():
 
     tokens = [5, 1, 2, 3, 9, 1, 2, 3, 8, 1, 2]
     for draws, sampled_prior, expected in ((KeyedDraws(7, 16), True, 16.0), (KeyedDraws(7, 16), False, 2.0),
-                                           (None, True, 2.0)):
-        drafter = SuffixDrafter(1, 4, RowCosts((1.0, 1.3, 1.6)), sampled_prior=sampled_prior)
+                                           (None, True, 2.0), (KeyedDraws(7, 16), None, 2.0)):
+        options = {} if sampled_prior is None else {"sampled_prior": sampled_prior}
+        drafter = SuffixDrafter(1, 4, RowCosts((1.0, 1.3, 1.6)), **options)
         drafter.start(None, tokens)
         drafter.sampling_draws(draws)
         assert drafter.predictor.prior_weight == expected, (draws, sampled_prior)
-    drafter = SuffixDrafter(1, 4, RowCosts((1.0, 1.3, 1.6)))
+    drafter = SuffixDrafter(1, 4, RowCosts((1.0, 1.3, 1.6)), sampled_prior=True)
     drafter.start(None, tokens)
     drafter.predictor.observe(e, True)       # as a memory's predictor carries its earlier requests' verdicts
     drafter.sampling_draws(KeyedDraws(7, 16))

@@ -84,7 +84,7 @@ class SuffixDrafter(ChainDrafter):
     def __init__(self, min_n: int = 1, max_n: int = 8, costs: RowCosts | None = None,
                  memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64, edge: float = 0.1,
                  retrieval: Retrieval | None = None, by_noise: bool = True, noise_share: float = NOISE_SHARE,
-                 sampled_prior: bool = True):
+                 sampled_prior: bool = False):
         """costs: this machine's row costs (None: every row count costs the same, so every candidate is drafted up
         to the budget); enough: occurrences of the longest match after which shorter matches are not consulted;
         edge: how much a draft's predicted rate must beat a plain step's (spd.pricing.choose); retrieval: a datastore
@@ -92,8 +92,9 @@ class SuffixDrafter(ChainDrafter):
         price each candidate given its own noise (False: as if the draws were unknown, bench/wallclock.py's A/B);
         noise_share: how much of a candidate's chance its noise decides (spd.pricing.given_noise; 1: the formula
         alone, as before the nineteenth look, for bench/wallclock.py's A/B); sampled_prior: a sampled request's
-        predictor starts from spd.pricing.AcceptancePredictor.for_sampling (False: the greedy one, as before the
-        twentieth look, for bench/wallclock.py's A/B)."""
+        predictor starts from spd.pricing.AcceptancePredictor.for_sampling instead of the greedy one (the twentieth
+        look's A/B, bench/wallclock.py --prior-ab: +0.7% at T = 1 on the eval set, but a slow learner where drafts are
+        kept often — not the default)."""
         self.min_n, self.max_n, self.retrieval = min_n, max_n, retrieval
         self.costs, self.memory, self.edge = costs, memory, edge
         self.enough, self.max_occurrences = enough, max_occurrences

@@ -1,0 +1,140 @@
+"""Which prior should a sampled request's acceptance predictor start from (issue 36's twentieth look)? The default on
+a CPU (`method=suffix W=4 datastore=answers+sharegpt`, as bench/wallclock.py builds it) samples prompts of a set with
+keyed draws and the greedy predictor's prior, recording, cycle by cycle, every candidate a cycle judges (its parent
+was reached; drafted or not) with its evidence, its uniform and its verdict. Then each predictor setting is replayed
+over that recording — a fresh predictor per request, each cycle's candidates predicted before its verdicts are
+observed, as spd.drafters.suffix does — and scored by the verdicts' mean log-likelihood under the T = 1 pricing's
+chance (spd.pricing.given_noise). The candidates and verdicts are the recording's: a setting that drafted
+differently would have started some cycles elsewhere, so this compares predictors on the same questions, not
+decodes. The recorded setting replays to the recording's own predictions (checked).
+
+    python bench/prior_replay.py --set everyday --prompts 10 --out docs/results/prior_replay_everyday.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+from tqdm import tqdm
+
+from default_build import default_decoder, first_prompts
+from spd.decoding import Request
+from spd.drafters.suffix import SuffixDrafter
+from spd.eval.output import write_json
+from spd.pricing import AcceptancePredictor, given_noise
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
+from wallclock_turns import params_for, seed_of
+
+
+class Recording(SuffixDrafter):
+    """The default's drafter, unchanged, noting per request and cycle each judged candidate: (evidence, u, kept),
+    and the chance it priced the candidate at (to check the replay)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.requests: list[list[list[tuple]]] = []
+        self.priced: list[tuple[float, float]] = []
+
+    def start(self, prompt_hidden, tokens) -> None:
+        super().start(prompt_hidden, tokens)
+        self.requests.append([])
+
+    def draft_tree(self, root, m, width, budget, propose=None):
+        tree = super().draft_tree(root, m, width, budget, propose)
+        nodes, evidence = self.last
+        at = len(self.index.tokens) - 1          # the root's position, as the drafter priced it
+        self.priced = [(self.predictor.predict(e), self.draws.uniform(at + node.depth, node.token))
+                       for e, node in zip(evidence, nodes)]
+        return tree
+
+    def _learn(self, nodes, evidence, new):
+        cycle, parent = [], -1
+        for token in new:                          # the candidates judged, as SuffixDrafter._learn walks them
+            kept = None
+            for i, node in enumerate(nodes):
+                if node.parent == parent:
+                    cycle.append((evidence[i], self.priced[i][1], node.token == token, self.priced[i][0]))
+                    kept = i if node.token == token else kept
+            if kept is None:
+                break
+            parent = kept
+        self.requests[-1].append(cycle)
+        super()._learn(nodes, evidence, new)
+
+
+def replay(requests, make) -> dict[str, float]:
+    """Mean log-likelihood of the verdicts, and kept against predicted, for predictors made by `make`."""
+    ll = predicted = 0.0
+    count = kept = 0
+    for request in requests:
+        predictor = make()
+        for cycle in request:
+            chances = [given_noise(predictor.predict(e), u) for e, u, _, _ in cycle]
+            for (e, u, verdict, _), q in zip(cycle, chances):
+                q = min(max(q, 1e-6), 1 - 1e-6)
+                ll += math.log(q if verdict else 1 - q)
+                predicted += q
+                count += 1
+                kept += verdict
+            for e, _, verdict, _ in cycle:
+                predictor.observe(e, verdict)
+    return {"log_likelihood": ll / count, "kept": kept, "predicted": predicted, "verdicts": count}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--set", default="everyday", choices=["eval", "everyday"])
+    ap.add_argument("--prompts", type=int, default=10, help="the set's first prompts (eval: MT-Bench's first)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--datastore", default="answers+sharegpt")
+    ap.add_argument("--weights", default="2,4,8,16,32", help="prior_weight values")
+    ap.add_argument("--scales", default="0.8,0.7,0.6,0.5", help="prior_scale values")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="docs/results/prior_replay.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_target(args.target)
+    prompts = first_prompts(args.set, args.prompts, loaded.tokenizer)
+    drafter, default = default_decoder(loaded, StagedTarget(loaded.model, 1), args.datastore, Recording,
+                                       sampled_prior=False)
+    for key, ids in tqdm(prompts, desc="prompts"):
+        default.generate(ids, Request(args.max_new_tokens, params_for(1.0), seed_of(key), True))
+    # the recorded setting must replay to the recording's own predictions, or the replay is not the drafter's
+    check, recorded = [], []
+    for request in drafter.requests:
+        predictor = AcceptancePredictor()
+        for cycle in request:
+            check += [predictor.predict(e) for e, _, _, _ in cycle]
+            recorded += [chance for _, _, _, chance in cycle]
+            for e, _, verdict, _ in cycle:
+                predictor.observe(e, verdict)
+    if any(abs(a - b) > 1e-12 for a, b in zip(check, recorded)):
+        raise SystemExit("the replay of the recorded predictor does not reproduce its predictions")
+    settings = [{"prior_weight": float(w), "prior_scale": float(s)}
+                for w in args.weights.split(",") for s in args.scales.split(",")]
+    rows = []
+    for setting in tqdm(settings, desc="settings"):
+        rows.append({**setting, **replay(drafter.requests, lambda: AcceptancePredictor(**setting))})
+    shipped = AcceptancePredictor.for_sampling()
+    out = {"command": " ".join(["python"] + sys.argv), "set": args.set, "prompts": [k for k, _ in prompts],
+           "verdicts": len(recorded), "greedy_prior": replay(drafter.requests, AcceptancePredictor),
+           "for_sampling": {"prior_weight": shipped.prior_weight, "prior_scale": shipped.prior_scale,
+                            **replay(drafter.requests, AcceptancePredictor.for_sampling)},
+           "settings": rows}
+    for name in ("greedy_prior", "for_sampling"):
+        r = out[name]
+        print(f"{name:>13s}: log-likelihood {r['log_likelihood']:.4f}, kept {r['kept']}, predicted {r['predicted']:.1f}")
+    for r in rows:
+        print(f"prior_weight {r['prior_weight']:4g}, prior_scale {r['prior_scale']:.2f}: log-likelihood "
+              f"{r['log_likelihood']:.4f}, predicted {r['predicted']:.1f}")
+    write_json(args.out, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
