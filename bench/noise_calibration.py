@@ -35,12 +35,13 @@ BINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class Recording(SuffixDrafter):
-    """The default's drafter, unchanged, noting each cycle's candidates and, once the cycle settles, their verdicts."""
+    """The default's drafter, unchanged, noting each cycle's candidates and, once the cycle settles, their verdicts
+    (`note`, called per cycle with [(candidate index, kept)]; bench/prior_replay.py notes more)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.verdicts: list[tuple[str, int, float, float, bool]] = []    # (source, depth, π, u, kept)
-        self.priced: list[tuple[float, float]] = []
+        self.priced: list[tuple[float, float]] = []                     # per candidate: (π, u)
 
     def draft_tree(self, root, m, width, budget, propose=None):
         tree = super().draft_tree(root, m, width, budget, propose)
@@ -51,17 +52,21 @@ class Recording(SuffixDrafter):
         return tree
 
     def _learn(self, nodes, evidence, new):
-        parent = -1
+        judged, parent = [], -1
         for token in new:                          # the candidates judged, as SuffixDrafter._learn walks them
             kept = None
             for i, node in enumerate(nodes):
                 if node.parent == parent:
-                    self.verdicts.append((evidence[i].source, node.depth, *self.priced[i], node.token == token))
+                    judged.append((i, node.token == token))
                     kept = i if node.token == token else kept
             if kept is None:
                 break
             parent = kept
+        self.note(nodes, evidence, judged)
         super()._learn(nodes, evidence, new)
+
+    def note(self, nodes, evidence, judged) -> None:
+        self.verdicts += [(evidence[i].source, nodes[i].depth, *self.priced[i], kept) for i, kept in judged]
 
 
 def scores(verdicts, share: float | None) -> dict[str, float]:

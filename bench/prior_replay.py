@@ -21,8 +21,8 @@ import torch
 from tqdm import tqdm
 
 from default_build import default_decoder, first_prompts
+from noise_calibration import Recording as NoiseRecording
 from spd.decoding import Request
-from spd.drafters.suffix import SuffixDrafter
 from spd.eval.output import write_json
 from spd.pricing import AcceptancePredictor, given_noise
 from spd.targets.loading import load_target
@@ -30,40 +30,20 @@ from spd.targets.stages import StagedTarget
 from wallclock_turns import params_for, seed_of
 
 
-class Recording(SuffixDrafter):
-    """The default's drafter, unchanged, noting per request and cycle each judged candidate: (evidence, u, kept),
-    and the chance it priced the candidate at (to check the replay)."""
+class Recording(NoiseRecording):
+    """The default's drafter, unchanged, noting per request and cycle each judged candidate: (evidence, u, kept,
+    the chance it was priced at — to check the replay)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.requests: list[list[list[tuple]]] = []
-        self.priced: list[tuple[float, float]] = []
 
     def start(self, prompt_hidden, tokens) -> None:
         super().start(prompt_hidden, tokens)
         self.requests.append([])
 
-    def draft_tree(self, root, m, width, budget, propose=None):
-        tree = super().draft_tree(root, m, width, budget, propose)
-        nodes, evidence = self.last
-        at = len(self.index.tokens) - 1          # the root's position, as the drafter priced it
-        self.priced = [(self.predictor.predict(e), self.draws.uniform(at + node.depth, node.token))
-                       for e, node in zip(evidence, nodes)]
-        return tree
-
-    def _learn(self, nodes, evidence, new):
-        cycle, parent = [], -1
-        for token in new:                          # the candidates judged, as SuffixDrafter._learn walks them
-            kept = None
-            for i, node in enumerate(nodes):
-                if node.parent == parent:
-                    cycle.append((evidence[i], self.priced[i][1], node.token == token, self.priced[i][0]))
-                    kept = i if node.token == token else kept
-            if kept is None:
-                break
-            parent = kept
-        self.requests[-1].append(cycle)
-        super()._learn(nodes, evidence, new)
+    def note(self, nodes, evidence, judged) -> None:
+        self.requests[-1].append([(evidence[i], self.priced[i][1], kept, self.priced[i][0]) for i, kept in judged])
 
 
 def replay(requests, make) -> dict[str, float]:
