@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from default_build import default_decoder, first_prompts
 from spd.decoding import Request
-from spd.drafters.suffix import SuffixDrafter
+from spd.drafters.suffix import SuffixDrafter, judged
 from spd.eval.output import write_json
 from spd.pricing import NOISE_SHARE, given_noise
 from spd.targets.loading import load_target
@@ -52,21 +52,21 @@ class Recording(SuffixDrafter):
         return tree
 
     def _learn(self, nodes, evidence, new):
-        judged, parent = [], -1
-        for token in new:                          # the candidates judged, as SuffixDrafter._learn walks them
-            kept = None
-            for i, node in enumerate(nodes):
-                if node.parent == parent:
-                    judged.append((i, node.token == token))
-                    kept = i if node.token == token else kept
-            if kept is None:
-                break
-            parent = kept
-        self.note(nodes, evidence, judged)
+        self.note(nodes, evidence, judged(nodes, new))
         super()._learn(nodes, evidence, new)
 
     def note(self, nodes, evidence, judged) -> None:
         self.verdicts += [(evidence[i].source, nodes[i].depth, *self.priced[i], kept) for i, kept in judged]
+
+
+def binned(verdicts, value):
+    """[([lo, hi], the verdicts whose value falls in it)] over BINS, empty bins left out (1.0 in the last bin)."""
+    out = []
+    for lo, hi in zip(BINS, BINS[1:]):
+        inside = [v for v in verdicts if lo <= value(v) < hi or (hi == 1.0 and value(v) >= 1.0)]
+        if inside:
+            out.append(([lo, hi], inside))
+    return out
 
 
 def scores(verdicts, share: float | None) -> dict[str, float]:
@@ -104,26 +104,21 @@ def main() -> int:
     verdicts = drafter.verdicts
     by_share = {"none (π alone)": scores(verdicts, None)}
     by_share.update({f"{float(s):g}": scores(verdicts, float(s)) for s in args.shares.split(",")})
-    bins = []
-    for lo, hi in zip(BINS, BINS[1:]):
-        inside = [v for v in verdicts if lo <= given_noise(v[2], v[3], 1.0) < hi or (hi == 1.0 and v[3] >= 1.0)]
-        if inside:
-            bins.append({"formula_chance": [lo, hi], "candidates": len(inside), "kept": sum(v[4] for v in inside),
-                         "predicted_by_formula": sum(given_noise(c, u, 1.0) for _, _, c, u, _ in inside),
-                         "predicted_by_shipped_share": sum(given_noise(c, u) for _, _, c, u, _ in inside)})
-    by_chance = []                 # the predictor's own calibration, before any noise: kept against the sum of π
-    for lo, hi in zip(BINS, BINS[1:]):
-        inside = [v for v in verdicts if lo <= v[2] < hi or (hi == 1.0 and v[2] >= 1.0)]
-        if inside:
-            by_chance.append({"chance": [lo, hi], "candidates": len(inside), "kept": sum(v[4] for v in inside),
-                              "predicted": sum(v[2] for v in inside)})
+    bins = [{"formula_chance": edges, "candidates": len(inside), "kept": sum(v[4] for v in inside),
+             "predicted_by_formula": sum(given_noise(c, u, 1.0) for _, _, c, u, _ in inside),
+             "predicted_by_shipped_share": sum(given_noise(c, u) for _, _, c, u, _ in inside)}
+            for edges, inside in binned(verdicts, lambda v: given_noise(v[2], v[3], 1.0))]
+    # the predictor's own calibration, before any noise: kept against the sum of π
+    by_chance = [{"chance": edges, "candidates": len(inside), "kept": sum(v[4] for v in inside),
+                  "predicted": sum(v[2] for v in inside)} for edges, inside in binned(verdicts, lambda v: v[2])]
     by_source = []
     for source, depth in sorted({(v[0], min(v[1], 3)) for v in verdicts}):
         inside = [v for v in verdicts if (v[0], min(v[1], 3)) == (source, depth)]
         by_source.append({"source": source, "depth": depth if depth < 3 else "3+", "candidates": len(inside),
                           "kept": sum(v[4] for v in inside), "predicted": sum(v[2] for v in inside)})
     out = {"command": " ".join(["python"] + sys.argv), "set": args.set, "prompts": len(prompts), "tokens": tokens,
-           "verdicts": len(verdicts), "kept": sum(v[4] for v in verdicts), "shipped_share": NOISE_SHARE, "predictor": "for_sampling" if args.sampled_prior else "greedy prior",
+           "verdicts": len(verdicts), "kept": sum(v[4] for v in verdicts), "shipped_share": NOISE_SHARE,
+           "predictor": "for_sampling" if args.sampled_prior else "greedy prior",
            "scores": by_share, "bins": bins, "by_chance": by_chance, "by_source": by_source}
     for name, s in by_share.items():
         print(f"share {name:>16s}: log-likelihood {s['log_likelihood']:.4f}, Brier {s['brier']:.4f}")

@@ -46,14 +46,18 @@ class Recording(NoiseRecording):
         self.requests[-1].append([(evidence[i], self.priced[i][1], kept, self.priced[i][0]) for i, kept in judged])
 
 
-def replay(requests, make) -> dict[str, float]:
-    """Mean log-likelihood of the verdicts, and kept against predicted, for predictors made by `make`."""
+def replay(requests, make, raw: list[float] | None = None) -> dict[str, float]:
+    """Mean log-likelihood of the verdicts, and kept against predicted, for predictors made by `make` (their
+    predictions before the noise appended to `raw` if given)."""
     ll = predicted = 0.0
     count = kept = 0
     for request in requests:
         predictor = make()
         for cycle in request:
-            chances = [given_noise(predictor.predict(e), u) for e, u, _, _ in cycle]
+            plain = [predictor.predict(e) for e, _, _, _ in cycle]
+            if raw is not None:
+                raw += plain
+            chances = [given_noise(c, u) for c, (_, u, _, _) in zip(plain, cycle)]
             for (e, u, verdict, _), q in zip(cycle, chances):
                 q = min(max(q, 1e-6), 1 - 1e-6)
                 ll += math.log(q if verdict else 1 - q)
@@ -85,15 +89,9 @@ def main() -> int:
     for key, ids in tqdm(prompts, desc="prompts"):
         default.generate(ids, Request(args.max_new_tokens, params_for(1.0), seed_of(key), True))
     # the recorded setting must replay to the recording's own predictions, or the replay is not the drafter's
-    check, recorded = [], []
-    for request in drafter.requests:
-        predictor = AcceptancePredictor()
-        for cycle in request:
-            check += [predictor.predict(e) for e, _, _, _ in cycle]
-            recorded += [chance for _, _, _, chance in cycle]
-            for e, _, verdict, _ in cycle:
-                predictor.observe(e, verdict)
-    if any(abs(a - b) > 1e-12 for a, b in zip(check, recorded)):
+    check, recorded = [], [chance for request in drafter.requests for cycle in request for *_, chance in cycle]
+    greedy = replay(drafter.requests, AcceptancePredictor, check)
+    if len(check) != len(recorded) or any(abs(a - b) > 1e-12 for a, b in zip(check, recorded)):
         raise SystemExit("the replay of the recorded predictor does not reproduce its predictions")
     settings = [{"prior_weight": float(w), "prior_scale": float(s)}
                 for w in args.weights.split(",") for s in args.scales.split(",")]
@@ -102,7 +100,7 @@ def main() -> int:
         rows.append({**setting, **replay(drafter.requests, lambda: AcceptancePredictor(**setting))})
     shipped = AcceptancePredictor.for_sampling()
     out = {"command": " ".join(["python"] + sys.argv), "set": args.set, "prompts": [k for k, _ in prompts],
-           "verdicts": len(recorded), "greedy_prior": replay(drafter.requests, AcceptancePredictor),
+           "verdicts": len(recorded), "greedy_prior": greedy,
            "for_sampling": {"prior_weight": shipped.prior_weight, "prior_scale": shipped.prior_scale,
                             **replay(drafter.requests, AcceptancePredictor.for_sampling)},
            "settings": rows}

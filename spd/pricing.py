@@ -61,7 +61,7 @@ class AcceptancePredictor:
         the argmax: a lower prior that the buckets' few verdicts move less. The greedy settings over-predicted the
         sampled verdicts of the buckets they priced high by 20-40% (the datastore's children 25-60%) and
         under-predicted those they priced low 2-4x (bench/noise_calibration.py); replaying one recording of every
-        judged candidate through each setting (the sampled text does not depend on it), prior_weight 16 and
+        judged candidate through each setting (bench/prior_replay.py; the same candidates, not new decodes), prior_weight 16 and
         prior_scale 0.6 fit 10 everyday answers' verdicts best (log-likelihood -0.340 against -0.365) and the 30
         held-out MT-Bench answers' too (-0.295 against -0.317). Not the default (spd.drafters.suffix's
         sampled_prior): +0.7% by the clock at T = 1 on the eval set, while where drafts are kept often its heavy prior

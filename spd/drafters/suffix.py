@@ -77,6 +77,25 @@ class _Node:
     children: dict = field(default_factory=dict)     # token -> candidate index
 
 
+def judged(nodes: list[_Node], new: list[int]) -> list[tuple[int, bool]]:
+    """[(candidate index, kept)] for every candidate whose parent the verified tokens `new` reached — kept iff the
+    verified token is its token — whether or not it was drafted: a deterministic child is kept exactly when the
+    target's own choice (the argmax, or the one draw of p) equals it, so a priced-out candidate is judged as a drafted
+    one would have been, and a bucket priced out once can still win its way back."""
+    verdicts, parent = [], -1
+    for token in new:
+        kept = None
+        for i, node in enumerate(nodes):
+            if node.parent == parent:
+                verdicts.append((i, node.token == token))
+                if node.token == token:
+                    kept = i
+        if kept is None:
+            break
+        parent = kept
+    return verdicts
+
+
 class SuffixDrafter(ChainDrafter):
     branches = True
     uses_margin = True
@@ -136,21 +155,8 @@ class SuffixDrafter(ChainDrafter):
         self.last = None
 
     def _learn(self, nodes: list[_Node], evidence: list[Evidence], new: list[int]) -> None:
-        """Every candidate whose parent the verified tokens reached is a verdict — kept iff the verified token is its
-        token — whether or not it was drafted: a deterministic child is kept exactly when the target's own choice
-        (the argmax, or the one draw of p) equals it, so a priced-out candidate is judged as a drafted one would
-        have been, and a bucket priced out once can still win its way back."""
-        parent = -1
-        for token in new:
-            kept = None
-            for i, node in enumerate(nodes):
-                if node.parent == parent:
-                    self.predictor.observe(evidence[i], node.token == token)
-                    if node.token == token:
-                        kept = i
-            if kept is None:
-                return
-            parent = kept
+        for i, kept in judged(nodes, new):
+            self.predictor.observe(evidence[i], kept)
 
     def _occurrences(self) -> tuple[int, list[tuple[NgramIndex, int, float]]]:
         """(the longest match length, [(index, continuation start, weight)]) over the context and the memory."""
