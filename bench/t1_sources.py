@@ -99,6 +99,7 @@ class PosteriorNoise:
     def __init__(self, record: dict, seed: int):
         self.rng = random.Random(seed)
         self.at: dict[int, dict[int, float]] = {}
+        self.drawn: dict[int, float] = {}     # the target's p of the answer's token, as KeyedDraws records it
         prompt_len = len(record["prompt"])
         for a, won in enumerate(record["answer"]):
             ids, ps = record["ids"][prompt_len + a - 1], record["p"][prompt_len + a - 1]
@@ -106,8 +107,13 @@ class PosteriorNoise:
             # u of a token of probability q is e^(-q e^(-M)) = top ** q if it won, uniform below that if not
             rest = max(1.0 - sum(ps), 1e-9)
             noise = {token: self.rng.random() * top ** q for token, q in zip(ids, ps) if token != won}
-            noise[won] = top ** dict(zip(ids, ps)).get(won, rest / (50 - TOP))
+            chance = dict(zip(ids, ps)).get(won, rest / (50 - TOP))
+            noise[won] = top ** chance
             self.at[prompt_len + a] = noise
+            self.drawn[prompt_len + a] = chance
+
+    def chance(self, position: int) -> float:
+        return self.drawn.get(position, float("nan"))
 
     def uniform(self, position: int, token: int) -> float:
         noise = self.at.setdefault(position, {})

@@ -167,15 +167,16 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
             stores = ([] if args.skip_suffix_alone and retrieval else [(None, None)]) + retrieval
             shares = args.noise_shares if temperature else [NOISE_SHARE]
             priors = [False, True] if temperature and args.prior_ab else [False]
-            for width, (spec, store), by_noise, share, sampled_prior in [
-                    (w, s, k, n, p) for w in args.suffix_widths for s in stores for k in twins(temperature)
-                    for n in shares for p in priors]:
+            recalls = [True, False] if temperature and args.recall_ab else [True]
+            for width, (spec, store), by_noise, share, sampled_prior, recall in [
+                    (w, s, k, n, p, r) for w in args.suffix_widths for s in stores for k in twins(temperature)
+                    for n in shares for p in priors for r in recalls]:
                 # context statistics, priced with this machine's row costs; and with the datastore's candidates too
                 budget = args.tree_nodes if width > 1 else args.suffix_length
                 costs = cached_row_costs(staged, budget + 1)
                 # what method=suffix builds (spd.drafters.suffix)
                 drafter = SuffixDrafter(1, hi, costs, retrieval=store, by_noise=by_noise, noise_share=share,
-                                        sampled_prior=sampled_prior)
+                                        sampled_prior=sampled_prior, recall=recall)
                 decoder = build_decoder(CHAIN, staged, eos, drafter, draft_length=args.suffix_length, width=width,
                                         tree_nodes=args.tree_nodes)
                 put({"method": "suffix", "temperature": temperature, "draft_length": args.suffix_length, "W": width,
@@ -183,6 +184,7 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
                      "datastore": spec, **({} if by_noise else {"by_noise": False}),
                      **({} if share == NOISE_SHARE else {"noise_share": share}),
                      **({"sampled_prior": True} if sampled_prior else {}),
+                     **({} if recall else {"recall": False}),
                      "row_costs_s": list(costs.seconds)}, chain_run(decoder, params), drafter)
             if dtype != "float32":
                 continue               # the lookup chain, SPD and EAGLE-3: float32 only
@@ -310,6 +312,8 @@ def main() -> int:
     ap.add_argument("--prior-ab", action="store_true", help="at T > 0 also each method=suffix row with "
                     "spd.pricing.AcceptancePredictor.for_sampling's prior instead of the greedy one (the twentieth "
                     "look's A/B)")
+    ap.add_argument("--recall-ab", action="store_true", help="at T > 0 also each method=suffix row without the "
+                    "recall of the target's p at the context's occurrences (the twenty-first look's A/B)")
     ap.add_argument("--sets", default="eval", help="eval (the first --limit of each eval set) and/or everyday (the "
                     "30 held-out ShareGPT first turns, answers to EOS or --max-new-tokens)")
     ap.add_argument("--everyday-limit", type=int, default=30)

@@ -103,7 +103,7 @@ def walk_trace(tree, stats: ChainStats, tokens: list[int], on_settle=None) -> in
 @torch.no_grad()
 def replay(drafter: ChainDrafter, prompt_ids: list[int], tokens: list[int], m: int, width: int = 1,
            budget: int | None = None, hidden: dict[int, torch.Tensor] | None = None, on_settle=None,
-           margins: list[float] | None = None, draws=None) -> dict:
+           margins: list[float] | None = None, draws=None, chances: list[float] | None = None) -> dict:
     """The one greedy replay of draft-then-verify decoding over the target's tokens: `drafter` (the runtime's own,
     fresh) drafts each cycle's tree, fed the verified tokens and — from hidden {layer: [1, P + N - 1, d]}, the
     trace's states — the verified path's states, as the verify pass captures them; `walk_trace` settles it. Only
@@ -112,12 +112,16 @@ def replay(drafter: ChainDrafter, prompt_ids: list[int], tokens: list[int], m: i
     included), which decide its cost on a CPU (bench/lookup_grid.py). on_settle(pos, accepted, source): called for
     every verified node (pos: its index in `tokens`). margins: the trace's top-2 logit margins (margins[i] where the
     target chose tokens[i]), told to the drafter as the runtime tells it. draws: a sampled answer's keyed draws
-    (anything with `uniform(position, token)`), given to the drafter after `start` as the runtime gives them."""
+    (anything with `uniform(position, token)` and `chance(position)`), given to the drafter after `start` as the
+    runtime gives them; chances: the target's p of each sampled token (chances[i] of tokens[i]), recorded in `draws`
+    as the runtime's draws record them (spd.sampling.KeyedDraws.chance)."""
     hidden = {layer: hidden[layer] for layer in drafter.layers_needed()} if hidden else {}
     prompt_len, total = len(prompt_ids), len(tokens)
     seq = list(prompt_ids) + tokens[:1]
     drafter.start({layer: h[:, :prompt_len] for layer, h in hidden.items()}, seq)
     if draws is not None:
+        if chances:
+            draws.drawn.update({prompt_len + i: chance for i, chance in enumerate(chances)})
         drafter.sampling_draws(draws)
     if margins:
         drafter.target_margin(margins[0])

@@ -31,9 +31,11 @@ class Evidence:
     support: float       # the weight (occurrences) that reached its parent
     depth: int           # 1 = a child of the root
     margin: float = float("inf")   # the target's top-2 logit margin at the newest verified token (inf: unknown)
+    recall: float = float("nan")   # sampled: the target's p of this token where the context proposing it had it (NaN: unknown)
 
 
 MARGIN_EDGES = (1.0, 3.0, 6.0)     # logits: a near tie, unsure, sure, very sure
+RECALL_EDGES = (0.05, 0.2, 0.5, 0.8)
 
 
 def _bin(value: float, edges: tuple[float, ...]) -> int:
@@ -52,6 +54,7 @@ class AcceptancePredictor:
     prior_scale: float = 0.8
     pool_weight: float = 4.0                           # pseudo-observations behind a calibration of 1
     per_source: bool = True                            # False: one calibration for every source (SourcePricer)
+    recall_weight: float = 0.3                         # of a long match's prior, the part its recall decides
     counts: dict = field(default_factory=dict)        # bucket -> [kept, proposed]
     pooled: dict = field(default_factory=dict)        # (source, margin bin) -> [kept, expected by the shares]
 
@@ -74,7 +77,8 @@ class AcceptancePredictor:
                 _bin(e.support, (2, 4, 8)), _bin(e.depth, (2, 4)))
 
     def _pool(self, e: Evidence) -> tuple:
-        return (e.source if self.per_source else None, _bin(e.margin, MARGIN_EDGES))
+        recall = -1 if e.recall != e.recall else _bin(e.recall, RECALL_EDGES)
+        return (e.source if self.per_source else None, _bin(e.margin, MARGIN_EDGES), recall)
 
     def calibration(self, e: Evidence) -> float:
         kept, expected = self.pooled.get(self._pool(e), (0.0, 0.0))
@@ -82,8 +86,16 @@ class AcceptancePredictor:
 
     def prior(self, e: Evidence) -> float:
         """What the drafter's evidence alone says: its share, less for a short match (a one-token match's
-        continuations agree with the target about half as often as a long one's), shrunk by `prior_scale`."""
-        return self.prior_scale * e.share * (1.0 - 0.5 ** e.match)
+        continuations agree with the target about half as often as a long one's), shrunk by `prior_scale`. Where
+        the target's p of the token at the occurrences is known (a sampled request's own answer), `recall_weight`
+        of it — as much more as the match is long, where the earlier context is more nearly this one — stands in
+        for the share."""
+        fit = 1.0 - 0.5 ** e.match
+        prior = e.share * fit
+        if e.recall == e.recall:
+            lean = self.recall_weight * fit
+            prior = (1.0 - lean) * prior + lean * e.recall
+        return self.prior_scale * prior
 
     def predict(self, e: Evidence) -> float:
         kept, proposed = self.counts.get(self.bucket(e), (0.0, 0.0))

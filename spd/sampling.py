@@ -88,6 +88,7 @@ class KeyedDraws:
         self.key, self.vocab = key, vocab
         self.generator = torch.Generator()
         self.cache: dict[int, torch.Tensor] = {}
+        self.drawn: dict[int, float] = {}   # position -> the target's p of the token drawn there (read by drafters)
 
     @classmethod
     def of(cls, generator: torch.Generator, vocab: int) -> "KeyedDraws":
@@ -111,8 +112,16 @@ class KeyedDraws:
         """The draw at `position` from probs [V] (warp's output)."""
         support = probs.nonzero().squeeze(1)                              # [S]
         u = self.uniforms(position)[support.cpu()].to(probs.device)
-        score = torch.log(probs[support].double()) - torch.log(-torch.log(u))   # log p + Gumbel noise
-        return int(support[torch.argmax(score)])
+        chosen = probs[support].double()
+        score = torch.log(chosen) - torch.log(-torch.log(u))   # log p + Gumbel noise
+        best = int(torch.argmax(score))
+        self.drawn[position] = float(chosen[best])
+        return int(support[best])
+
+    def chance(self, position: int) -> float:
+        """The target's (warped) p of the token drawn at `position`, NaN where nothing was drawn: how sure the target
+        was of what it sampled there, which a drafter proposing that token again after the same context may read."""
+        return self.drawn.get(position, float("nan"))
 
 
 def _splitmix64(x: int) -> int:

@@ -129,6 +129,9 @@ def test_the_priced_statistics_draft_by_the_noise():
         def uniform(self, position, token):
             return self.u
 
+        def chance(self, position):
+            return float("nan")         # nothing drawn: no recall
+
     tokens = [5, 1, 2, 3, 9, 1, 2, 3, 8, 1, 2]
     rows = {}
     for u in (0.01, 0.99):
@@ -240,7 +243,8 @@ def test_the_default_samples_what_method_ar_samples(capsys, tiny_target_dir):
 @pytest.mark.parametrize("width,budget", [(1, None), (3, 12)])
 def test_the_replay_settles_what_the_sampled_runtime_settles(family_model, width, budget):
     """With keyed draws a sampled answer is a trace like a greedy one: the one replay (spd.fast_eval_chain.replay),
-    told the same draws, drafts and settles exactly the runtime's cycles — the noise-priced drafter included."""
+    told the same draws and the target's p of each sampled token, drafts and settles exactly the runtime's cycles — the
+    noise-priced drafter, which recalls those p's, included."""
     from spd.fast_eval_chain import replay
     from spd.sampling import top2_margin
 
@@ -254,9 +258,10 @@ def test_the_replay_settles_what_the_sampled_runtime_settles(family_model, width
         with torch.no_grad():
             logits = model(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:]
         margins = [top2_margin(row) for row in logits]
+        chances = [float(warp(row, params)[token]) for row, token in zip(logits, out.token_ids)]
         draws = KeyedDraws.of(request.generator("cpu"), model.config.vocab_size)
         got = replay(SuffixDrafter(1, 4, CPU_LIKE), p, out.token_ids, 8, width, budget or 8, margins=margins,
-                     draws=draws)["stats"]
+                     draws=draws, chances=chances)["stats"]
         want = out.stats
         assert (got.N, got.cycles, got.accepted_per_cycle, got.verdicts) == \
             (want.N, want.cycles, want.accepted_per_cycle, want.verdicts), seed

@@ -41,6 +41,7 @@ from spd.sampling import Proposal
 from spd.tree import DraftTree
 
 DATASTORE = "datastore"   # the source of candidates a datastore proposed
+NAN = float("nan")
 SEPARATOR = -1      # between requests in a memory: no n-gram of real tokens contains it
 
 
@@ -75,6 +76,8 @@ class _Node:
     depth: int
     weight: float = 0.0
     children: dict = field(default_factory=dict)     # token -> candidate index
+    recalled: float = 0.0        # the weight of the occurrences that knew the target's p of the token, times that p
+    known: float = 0.0           # the weight of those occurrences
 
 
 def judged(nodes: list[_Node], new: list[int]) -> list[tuple[int, bool]]:
@@ -103,7 +106,7 @@ class SuffixDrafter(ChainDrafter):
     def __init__(self, min_n: int = 1, max_n: int = 8, costs: RowCosts | None = None,
                  memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64, edge: float = 0.1,
                  retrieval: Retrieval | None = None, by_noise: bool = True, noise_share: float = NOISE_SHARE,
-                 sampled_prior: bool = False):
+                 sampled_prior: bool = False, recall: bool = True):
         """costs: this machine's row costs (None: every row count costs the same, so every candidate is drafted up
         to the budget); enough: occurrences of the longest match after which shorter matches are not consulted;
         edge: how much a draft's predicted rate must beat a plain step's (spd.pricing.choose); retrieval: a datastore
@@ -113,13 +116,16 @@ class SuffixDrafter(ChainDrafter):
         alone, as before the nineteenth look, for bench/wallclock.py's A/B); sampled_prior: a sampled request's
         predictor starts from spd.pricing.AcceptancePredictor.for_sampling instead of the greedy one (the twentieth
         look's A/B, bench/wallclock.py --prior-ab: +0.7% at T = 1 on the eval set, but a slow learner where drafts are
-        kept often — not the default)."""
+        kept often — not the default); recall: a sampled request prices a context candidate by the target's p of its
+        token where the context had it too (spd.pricing.AcceptancePredictor.prior; False: as before the
+        twenty-first look, for bench/wallclock.py's A/B)."""
         self.min_n, self.max_n, self.retrieval = min_n, max_n, retrieval
         self.costs, self.memory, self.edge = costs, memory, edge
         self.enough, self.max_occurrences = enough, max_occurrences
-        self.by_noise, self.noise_share, self.sampled_prior = by_noise, noise_share, sampled_prior
+        self.by_noise, self.noise_share, self.sampled_prior, self.recall = by_noise, noise_share, sampled_prior, recall
         self.predictor = AcceptancePredictor()
         self.index: NgramIndex | None = None
+        self.recalled: list[float] = []               # per context position: the target's p of its token (NaN: unknown)
         self.last: tuple[list[_Node], list[Evidence]] | None = None   # the cycle's candidates, drafted or not
         self.margin = float("inf")                    # the target's confidence at the newest verified token
         self.draws = None                             # sampled: the request's keyed draws (spd.sampling)
@@ -135,6 +141,7 @@ class SuffixDrafter(ChainDrafter):
             self.memory.add(self.index.tokens)        # the previous request, as far as it was verified
         self.index = NgramIndex(self.min_n, self.max_n)
         self.index.extend(tokens)
+        self.recalled = [NAN] * len(tokens)
         self.last = None
 
     def target_margin(self, margin: float) -> None:
@@ -142,6 +149,8 @@ class SuffixDrafter(ChainDrafter):
 
     def sampling_draws(self, draws) -> None:
         self.draws = draws if self.by_noise else None
+        if self.draws is not None and self.recall and self.recalled:
+            self.recalled[-1] = self.draws.chance(len(self.recalled) - 1)     # the first token, drawn before
         if draws is not None and self.sampled_prior and not self.predictor.counts:
             # a sampled request, and a predictor that has judged nothing yet (with a memory, the first request's
             # regime stays): the sampled verdicts' prior
@@ -151,7 +160,10 @@ class SuffixDrafter(ChainDrafter):
         new = tokens[len(self.index):]
         if self.last is not None:
             self._learn(*self.last, new)
+        at = len(self.index)
         self.index.extend(new)
+        known = self.draws is not None and self.recall
+        self.recalled += [self.draws.chance(at + k) if known else NAN for k in range(len(new))]
         self.last = None
 
     def _learn(self, nodes: list[_Node], evidence: list[Evidence], new: list[int]) -> None:
@@ -183,13 +195,14 @@ class SuffixDrafter(ChainDrafter):
         nodes follow as another source, under first tokens the context did not propose and in the root's room left
         (a chain, W = 1, reads the corpus only where the context proposes nothing)."""
         longest, found = self._occurrences()
-        paths = [(_continuation(index, start, m, index is self.index), weight) for index, start, weight in found]
+        paths = [(_continuation(index, start, m, index is self.index), weight,
+                  self.recalled[start: start + m] if index is self.index else ()) for index, start, weight in found]
         nodes, evidence = _best_first(paths, width, budget, Evidence("suffix", longest, 0.0, 0.0, 0, self.margin))
         if self.retrieval is not None:
             r = self.retrieval
             n, following = r.store.continuations(self.index.tokens, r.max_n, r.min_n, r.limit, min(m, r.depth))
             first = {node.token for node in nodes if node.parent < 0}
-            more, more_evidence = _best_first([(path, 1.0) for path in following], width, budget,
+            more, more_evidence = _best_first([(path, 1.0, ()) for path in following], width, budget,
                                               Evidence(DATASTORE, n, 0.0, 0.0, 0, self.margin), skip=first)
             offset = len(nodes)
             nodes += [_Node(node.token, node.parent + offset if node.parent >= 0 else -1, node.depth, node.weight)
@@ -219,25 +232,30 @@ class SuffixDrafter(ChainDrafter):
         return tree
 
 
-def _best_first(paths: list[tuple[list[int], float]], width: int, budget: int, like: Evidence,
+def _best_first(paths: list[tuple[list[int], float, list[float]]], width: int, budget: int, like: Evidence,
                 skip: set[int] = frozenset()) -> tuple[list[_Node], list[Evidence]]:
-    """paths [(tokens, weight)] merged into a trie whose nodes carry the weight that reached them; its best `budget`
-    nodes by the product of shares along the path (parents before children, W children a node; the root's first
-    tokens in `skip` are another source's, left out and counted against its W), each with its evidence: `like`
-    with the node's share, support and depth."""
+    """paths [(tokens, weight, the target's p of each token where it occurred, as far as known)] merged into a trie
+    whose nodes carry the weight that reached them; its best `budget` nodes by the product of shares along the path
+    (parents before children, W children a node; the root's first tokens in `skip` are another source's, left out
+    and counted against its W), each with its evidence: `like` with the node's share, support, depth and recall
+    (the weighted mean of the known p's that reached it)."""
     nodes: list[_Node] = []
     root_children: dict[int, int] = {}
     total = 0.0
-    for path, weight in paths:
+    for path, weight, recalls in paths:
         total += weight
         children, parent = root_children, -1
-        for token in path:
+        for k, token in enumerate(path):
             child = children.get(token)
             if child is None:
                 child = children[token] = len(nodes)
                 nodes.append(_Node(token, parent, 1 if parent < 0 else nodes[parent].depth + 1))
-            nodes[child].weight += weight
-            children, parent = nodes[child].children, child
+            node = nodes[child]
+            node.weight += weight
+            if k < len(recalls) and recalls[k] == recalls[k]:
+                node.recalled += weight * recalls[k]
+                node.known += weight
+            children, parent = node.children, child
     share = [node.weight / (nodes[node.parent].weight if node.parent >= 0 else total) for node in nodes]
     reach = _along_paths(nodes, share)
     order = sorted(range(len(nodes)), key=lambda i: (-reach[i], nodes[i].depth, i))
@@ -256,7 +274,8 @@ def _best_first(paths: list[tuple[list[int], float]], width: int, budget: int, l
     out = [_Node(nodes[i].token, position[nodes[i].parent] if nodes[i].parent >= 0 else -1, nodes[i].depth,
                  nodes[i].weight) for i in kept]
     evidence = [Evidence(like.source, like.match, share[i], nodes[nodes[i].parent].weight if nodes[i].parent >= 0
-                         else total, nodes[i].depth, like.margin) for i in kept]
+                         else total, nodes[i].depth, like.margin,
+                         nodes[i].recalled / nodes[i].known if nodes[i].known else NAN) for i in kept]
     return out, evidence
 
 
