@@ -8,8 +8,11 @@ from what the rows cost here and how likely each drafted node is to be kept.
   the length of the context match behind it, the share of earlier continuations that agree, how many there were,
   its depth), counted online from the run's own verdicts over a prior from the evidence, scaled by the request's
   calibration (kept over expected, pooled over each source's buckets, per bin of the target's top-2 margin at the
-  newest verified token). Verdicts are whatever verification decided — greedy or sampled — so at T = 1 it learns the
-  sampled acceptance; the drafter judges every candidate, drafted or not, so a bucket priced out can win back.
+  newest verified token, and of the candidate's recall). Verdicts are whatever verification decided — greedy or
+  sampled — so at T = 1 it learns the sampled acceptance; the drafter judges every candidate, drafted or not, so a
+  bucket priced out can win back. A sampled request's context candidates carry their recall — the target's p of the
+  token where the context that proposes it occurred before (spd.sampling.KeyedDraws.chance) — which a bucket's
+  average cannot tell apart: a token the target was sure of there against one it drew by luck.
 - `given_noise`: at T = 1 with keyed draws, a candidate's chance given the noise that will choose its position.
 - `choose`: the prefix of the candidates (best first, parents before children) that maximises expected tokens per
   second, 1 + sum of the kept nodes' reach probabilities over the forward's cost, where a draft must beat the plain

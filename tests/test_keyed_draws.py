@@ -171,6 +171,53 @@ def test_a_sampled_request_can_price_from_the_sampled_prior():
     assert drafter.predictor.prior_weight == 2.0 and drafter.predictor.counts
 
 
+def test_the_draws_record_each_drawn_tokens_chance():
+    """KeyedDraws.chance: the target's (warped) p of the token drawn at a position, NaN where nothing was drawn."""
+    draws = KeyedDraws(7, 16)
+    probs = torch.softmax(torch.arange(16, dtype=torch.float32) / 4, dim=-1)
+    for position in (3, 9):
+        token = draws.sample(probs, position)
+        assert draws.chance(position) == pytest.approx(float(probs[token]), rel=1e-6)
+    assert draws.chance(4) != draws.chance(4)
+
+
+def test_a_sampled_request_prices_a_candidate_by_its_recalled_chance():
+    """At T > 0 a context candidate carries the target's p of its token where the context had it (its recall), and
+    the prior leans on it — a candidate the target had been sure of is priced above one it had drawn by luck, the
+    rest of the evidence the same; with recall=False, and whenever greedy (no draws), the recall is unknown and the
+    prices are the ones before."""
+    class Drawn:
+        def __init__(self, chance):
+            self.p = chance
+
+        def uniform(self, position, token):
+            return 0.5
+
+        def chance(self, position):
+            return self.p
+
+    tokens = [5, 1, 2, 3, 9, 1, 2, 3, 8, 1, 2]
+    prices = {}
+    for name, draws, recall in (("sure", Drawn(0.95), True), ("lucky", Drawn(0.05), True),
+                                ("off", Drawn(0.95), False), ("greedy", None, True)):
+        drafter = SuffixDrafter(1, 4, RowCosts((1.0, 1.3, 1.6)), recall=recall)
+        drafter.start(None, tokens[:3])
+        drafter.sampling_draws(draws)
+        drafter.verified(None, tokens)            # the answer: drawn with the draws' chance at each position
+        nodes, evidence = drafter.candidates(2, 1, 2)
+        assert nodes[0].token == 3 and evidence[0].match == 2     # "1 2" was followed by 3 twice
+        recalled = evidence[0].recall
+        assert (recalled == pytest.approx(draws.p)) if recall and draws else recalled != recalled, name
+        prices[name] = drafter.predictor.predict(evidence[0])
+    assert prices["sure"] > prices["off"] > prices["lucky"]
+    assert prices["off"] == prices["greedy"]
+    # the prompt's positions were not drawn: their tokens carry no recall
+    drafter = SuffixDrafter(1, 4, RowCosts((1.0, 1.3, 1.6)))
+    drafter.start(None, tokens)
+    drafter.sampling_draws(Drawn(0.95))
+    assert all(e.recall != e.recall for e in drafter.candidates(2, 1, 2)[1])
+
+
 def sampled_decoders(model, params):
     staged = StagedTarget(model, 1)
     return {"lookup chain": ChainDecoder(staged, LookupDrafter(1, 3), frozenset(), 4),

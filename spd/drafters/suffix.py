@@ -17,7 +17,9 @@ by the edge. A cycle worth nothing drafts nothing (a plain AR step). Every candi
 the argmax, sampling one draw of p — at T = 1 the predictor learns the sampled acceptance. That draw is keyed
 (spd.sampling.KeyedDraws): the noise that will choose each position is known before the forward, so at T = 1 a
 candidate is priced by its chance given its own noise (spd.pricing.given_noise) — a likely token whose noise is low
-is left out, an unlikely one whose noise is high drafted.
+is left out, an unlikely one whose noise is high drafted — and a context candidate by its recall too: the target's p
+of its token at the earlier occurrences that propose it, as the draws recorded it (the request's own answer; the
+prompt's tokens were not drawn and carry none).
 
 A datastore (`Retrieval`, spd.datastore: `datastore=sharegpt` in the default on a CPU) adds a second trie: the
 continuations of the context's longest match in a corpus, as candidates of their own source ("datastore"), priced and
