@@ -6,7 +6,9 @@ over that recording — a fresh predictor per request, each cycle's candidates p
 observed, as spd.drafters.suffix does — and scored by the verdicts' mean log-likelihood under the T = 1 pricing's
 chance (spd.pricing.given_noise). The candidates and verdicts are the recording's: a setting that drafted
 differently would have started some cycles elsewhere, so this compares predictors on the same questions, not
-decodes. The recorded setting replays to the recording's own predictions (checked).
+decodes. The recorded setting replays to the recording's own predictions (checked). The same replay weighs how much
+of a context candidate's prior its recall decides (the twenty-first look; `--recall-weights`; "none": the recall left
+out of the evidence, as before it), with the greedy prior and with for_sampling's.
 
     python bench/prior_replay.py --set everyday --prompts 10 --out docs/results/prior_replay_everyday.json
 """
@@ -14,6 +16,7 @@ decodes. The recorded setting replays to the recording's own predictions (checke
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
@@ -78,6 +81,7 @@ def main() -> int:
     ap.add_argument("--datastore", default="answers+sharegpt")
     ap.add_argument("--weights", default="2,4,8,16,32", help="prior_weight values")
     ap.add_argument("--scales", default="0.8,0.7,0.6,0.5", help="prior_scale values")
+    ap.add_argument("--recall-weights", default="0,0.15,0.3,0.45,0.6,1", help="recall_weight values")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="docs/results/prior_replay.json")
     args = ap.parse_args()
@@ -99,16 +103,31 @@ def main() -> int:
     for setting in tqdm(settings, desc="settings"):
         rows.append({**setting, **replay(drafter.requests, lambda: AcceptancePredictor(**setting))})
     shipped = AcceptancePredictor.for_sampling()
+    forgotten = [[[(dataclasses.replace(e, recall=math.nan), *rest) for e, *rest in cycle] for cycle in request]
+                 for request in drafter.requests]
+    recall = []
+    for prior, setting in (("greedy", {}), ("for_sampling", {"prior_weight": shipped.prior_weight,
+                                                              "prior_scale": shipped.prior_scale})):
+        recall.append({"prior": prior, "recall_weight": "none",
+                       **replay(forgotten, lambda: AcceptancePredictor(**setting))})
+        recall += [{"prior": prior, "recall_weight": float(w),
+                    **replay(drafter.requests, lambda: AcceptancePredictor(**setting, recall_weight=float(w)))}
+                   for w in args.recall_weights.split(",")]
     out = {"command": " ".join(["python"] + sys.argv), "set": args.set, "prompts": [k for k, _ in prompts],
            "verdicts": len(recorded), "greedy_prior": greedy,
            "for_sampling": {"prior_weight": shipped.prior_weight, "prior_scale": shipped.prior_scale,
                             **replay(drafter.requests, AcceptancePredictor.for_sampling)},
-           "settings": rows}
+           "settings": rows, "recall": recall,
+           "with_recall": sum(e.recall == e.recall for request in drafter.requests for cycle in request
+                              for e, *_ in cycle)}
     for name in ("greedy_prior", "for_sampling"):
         r = out[name]
         print(f"{name:>13s}: log-likelihood {r['log_likelihood']:.4f}, kept {r['kept']}, predicted {r['predicted']:.1f}")
     for r in rows:
         print(f"prior_weight {r['prior_weight']:4g}, prior_scale {r['prior_scale']:.2f}: log-likelihood "
+              f"{r['log_likelihood']:.4f}, predicted {r['predicted']:.1f}")
+    for r in recall:
+        print(f"{r['prior']:>12s} prior, recall_weight {r['recall_weight']!s:>5s}: log-likelihood "
               f"{r['log_likelihood']:.4f}, predicted {r['predicted']:.1f}")
     write_json(args.out, out)
     return 0

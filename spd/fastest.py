@@ -21,6 +21,8 @@ from spd.targets.source import DEFAULT_TARGET
 # 2.23x / 1.69x; sampled 1.09x / 1.12x against 1.10x / 1.14x — so sampled kept ShareGPT alone. Since keyed draws
 # (issue 36's eleventh look: candidates priced by their own noise) the answers tie ShareGPT alone sampled (everyday
 # 1.13x / 1.11x against 1.12x / 1.11x over two runs, eval 1.09x against 1.09x): one configuration for both regimes.
+# The whole field over both full sets after the twenty-first look (a sampled candidate's recall): 2.98x / 1.276x /
+# 2.20x / 1.279x of the suite's AR, the fastest plain decoding in every cell, 1.84-2.22x of transformers' prompt lookup.
 # On CUDA the H200 visit's bfloat16 table (docs/results.md, "The first prepared visit"), where AR through CUDA graphs
 # ran 242 tokens/s and SPD with graphs 47 (the chains were not measured there).
 FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"},

@@ -34,7 +34,7 @@ class Evidence:
     support: float       # the weight (occurrences) that reached its parent
     depth: int           # 1 = a child of the root
     margin: float = float("inf")   # the target's top-2 logit margin at the newest verified token (inf: unknown)
-    recall: float = float("nan")   # sampled: the target's p of this token where the context proposing it had it (NaN: unknown)
+    recall: float = float("nan")   # sampled: the target's p of it where the context proposing it had it (NaN: unknown)
 
 
 MARGIN_EDGES = (1.0, 3.0, 6.0)     # logits: a near tie, unsure, sure, very sure
@@ -59,7 +59,7 @@ class AcceptancePredictor:
     per_source: bool = True                            # False: one calibration for every source (SourcePricer)
     recall_weight: float = 0.3                         # of a long match's prior, the part its recall decides
     counts: dict = field(default_factory=dict)        # bucket -> [kept, proposed]
-    pooled: dict = field(default_factory=dict)        # (source, margin bin) -> [kept, expected by the shares]
+    pooled: dict = field(default_factory=dict)        # (source, margin, recall bins) -> [kept, expected by the priors]
 
     @classmethod
     def for_sampling(cls) -> "AcceptancePredictor":
