@@ -112,10 +112,9 @@ class KeyedDraws:
         """The draw at `position` from probs [V] (warp's output)."""
         support = probs.nonzero().squeeze(1)                              # [S]
         u = self.uniforms(position)[support.cpu()].to(probs.device)
-        chosen = probs[support].double()
-        score = torch.log(chosen) - torch.log(-torch.log(u))   # log p + Gumbel noise
-        best = int(torch.argmax(score))
-        self.drawn[position] = float(chosen[best])
+        p = probs[support].double()                                       # [S]
+        best = int(torch.argmax(torch.log(p) - torch.log(-torch.log(u))))   # log p + Gumbel noise
+        self.drawn[position] = float(p[best])
         return int(support[best])
 
     def chance(self, position: int) -> float:

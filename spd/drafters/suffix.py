@@ -151,8 +151,8 @@ class SuffixDrafter(ChainDrafter):
 
     def sampling_draws(self, draws) -> None:
         self.draws = draws if self.by_noise else None
-        if self.draws is not None and self.recall and self.recalled:
-            self.recalled[-1] = self.draws.chance(len(self.recalled) - 1)     # the first token, drawn before
+        if self.recalled:
+            self.recalled[-1] = self._chance(len(self.recalled) - 1)     # the first token, drawn before the draws came
         if draws is not None and self.sampled_prior and not self.predictor.counts:
             # a sampled request, and a predictor that has judged nothing yet (with a memory, the first request's
             # regime stays): the sampled verdicts' prior
@@ -164,9 +164,12 @@ class SuffixDrafter(ChainDrafter):
             self._learn(*self.last, new)
         at = len(self.index)
         self.index.extend(new)
-        known = self.draws is not None and self.recall
-        self.recalled += [self.draws.chance(at + k) if known else NAN for k in range(len(new))]
+        self.recalled += [self._chance(at + k) for k in range(len(new))]
         self.last = None
+
+    def _chance(self, position: int) -> float:
+        """The target's p of the token drawn at `position`, as the draws recorded it (NaN: greedy, or recall off)."""
+        return self.draws.chance(position) if self.draws is not None and self.recall else NAN
 
     def _learn(self, nodes: list[_Node], evidence: list[Evidence], new: list[int]) -> None:
         for i, kept in judged(nodes, new):
