@@ -1,12 +1,27 @@
-"""Results are data that a document cites: every file under docs/results/ is named by docs/results.md (itself, or a
-folder that holds it), so a section dropped from the document shows up as a failing test instead of a silent loss
-(issue 22: commit 2dfd494 dropped five sections whose JSON stayed behind)."""
+"""Results are data that a document cites: every file under docs/results/ is named by some docs/*.md page (itself, or
+a folder that holds it), so a section dropped from the pages shows up as a failing test instead of a silent loss; and
+each page stays short enough to read (at most 600 lines)."""
 
+import glob
 import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results")
+MAX_PAGE_LINES = 600
+
+
+def pages() -> list[str]:
+    """Every docs/*.md page."""
+    return sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+
+def pages_text() -> str:
+    texts = []
+    for path in pages():
+        with open(path, encoding="utf-8") as f:
+            texts.append(f.read())
+    return "\n".join(texts)
 
 
 def mentions(text: str) -> set[str]:
@@ -32,13 +47,23 @@ def results_files() -> list[str]:
     return sorted(found)
 
 
-def test_every_results_file_is_cited_by_docs_results_md():
-    with open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8") as f:
-        text = f.read()
+def test_every_results_file_is_cited_by_a_docs_page():
+    assert pages(), "no docs/*.md page"
+    text = pages_text()
     files = results_files()
     assert files, "docs/results/ is empty"
     missing = [path for path in files if not cited(path, text)]
-    assert not missing, f"{len(missing)} results file(s) no section of docs/results.md cites: {missing}"
+    assert not missing, f"{len(missing)} results file(s) no docs/*.md page cites: {missing}"
+
+
+def test_no_docs_page_is_longer_than_the_limit():
+    long = {}
+    for path in pages():
+        with open(path, encoding="utf-8") as f:
+            lines = sum(1 for _ in f)
+        if lines > MAX_PAGE_LINES:
+            long[os.path.relpath(path, ROOT)] = lines
+    assert not long, f"docs pages over {MAX_PAGE_LINES} lines: {long}"
 
 
 def test_a_folder_cites_what_it_holds_and_a_lookalike_does_not():
