@@ -11,6 +11,7 @@ from typing import Iterator
 from spd.ar import ARDecoder
 from spd.decoding import Decoder, GenerationResult, Request
 from spd.methods import AR, CHAIN, METHODS, PIPELINE, SEGMENTS
+from spd.runtime import eager_reference, runtime
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.executor import StageExecutor
@@ -64,7 +65,7 @@ def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder
     """The decoder for `method` over this session's stages (AR where the method drafts nothing)."""
     s = session
     kind = METHODS[method].decoder
-    if kind == AR and cfg.runtime == "local" and not getattr(cfg, "cuda_graphs", False):
+    if kind == AR and eager_reference(cfg):
         stages = None            # the plain loop; elsewhere AR relays through the same fixed-shape or remote steps
     return build_decoder(kind, s.staged, s.eos_ids, drafter, stages=stages, width=s.width,
                          draft_length=s.draft_length, tree_nodes=s.tree_nodes, children=s.children,
@@ -102,10 +103,10 @@ class Engine:
         new_drafter = None if kind == AR else (lambda: s.drafter(use_cache))
         if kind == SEGMENTS:
             return None             # FlowSpec's segments decode one request at a time
-        if self.cfg.runtime == "distributed" and kind == PIPELINE:
+        if runtime(self.cfg.runtime).processes and kind == PIPELINE:
             return SeedDecoder(self.stages, new_drafter, s.eos_ids, s.width, max_batch, s.children,
                                METHODS[method].spine)
-        if self.cfg.runtime != "local" or getattr(self.cfg, "cuda_graphs", False):
+        if not eager_reference(self.cfg):
             return None
         return build_batch_decoder(kind, s.staged, s.eos_ids, new_drafter, max_batch=max_batch, width=s.width,
                                    draft_length=s.draft_length, tree_nodes=s.tree_nodes, children=s.children,

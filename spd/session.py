@@ -20,7 +20,7 @@ from spd.pricing import RowCosts
 from spd.prompts import conversation_ids
 from spd.sampling import SamplingParams
 from spd.shipped import DEFAULT_N, checkpoint_for
-from spd.runtime.stages import check_runtime
+from spd.runtime import runtime as runtime_named
 from spd.targets.loaded import DTYPES
 from spd.targets.loading import LoadedTarget, load_target
 from spd.retrieval import open_datastore
@@ -114,11 +114,11 @@ def open_session(cfg) -> Session:
                             "n= and stage_bounds=, set the draft length with draft_length=")
         n = 1
     runtime = getattr(cfg, "runtime", "local")
-    check_runtime(runtime)
+    processes = runtime_named(runtime).processes
     cache_dir = None
-    if runtime == "distributed":
+    if processes:
         if cfg.device not in ("cpu", "cuda") and not cfg.device.startswith("cuda:"):
-            raise UserError(f"device={cfg.device!r}: runtime=distributed runs on cpu or cuda")
+            raise UserError(f"device={cfg.device!r}: runtime={runtime} runs on cpu or cuda")
         cache_dir = materialize(cfg.target, DTYPES[cfg.dtype])  # the stages load their own layers from it; never the whole model here
         # the controller holds no layer, but PipeDec's draft model (the first draft_layers) runs here
         drafted = range(cfg.draft_layers) if drafts_with_model else range(0)
@@ -206,15 +206,16 @@ def resolve_bounds(cfg, n: int, ckpt: dict | None, path: str | None, loaded: Loa
 
         def full_target() -> StagedTarget:
             num_layers = loaded.model.config.num_hidden_layers
-            if runtime == "distributed":  # the controller holds no layers: borrow all of them, once, to time them
+            if runtime_named(runtime).processes:  # the controller holds no layers: borrow all of them, once, to time them
                 whole = load_parts(cache_dir, range(num_layers), embed=True, head=True, dtype=DTYPES[cfg.dtype],
                                    device=cfg.device)
                 return StagedTarget(whole.model, 1)
             return StagedTarget(loaded.model, 1)
 
-        hosted = runtime == "distributed" and hosts_first_stage(getattr(cfg, "controller", "auto"), n, cfg.device,
+        processes = runtime_named(runtime).processes
+        hosted = processes and hosts_first_stage(getattr(cfg, "controller", "auto"), n, cfg.device,
                                                                  launched_world())
-        threads = threads_for(n, cfg.threads_per_stage, hosted) if runtime == "distributed" else torch.get_num_threads()
+        threads = threads_for(n, cfg.threads_per_stage, hosted) if processes else torch.get_num_threads()
         costs = cached_profile(cache_dir, full_target, threads, cfg.dtype, cfg.device)
         vocab = loaded.model.config.vocab_size
         draft_vocab = (ckpt.get("draft_vocab_size") or vocab) if ckpt else vocab

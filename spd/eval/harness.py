@@ -29,6 +29,7 @@ from spd.eval.summary import METHOD_NAMES, summarise
 from spd.eval.traces import TraceCache
 from spd.methods import DRAFTING_METHODS, LOOKUP_MODULE, METHODS, SEGMENTS, behaviour
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.runtime import eager_reference, runtime
 from spd.session import Session, open_session
 
 
@@ -45,8 +46,7 @@ def validate(cfg) -> None:
 def uses_fast_evaluator(cfg) -> bool:
     """Greedy, in-process, eager runs are scored from cached traces; the others run the step-by-step runtime."""
     evaluable = cfg.method is None or METHODS[cfg.method].fast_eval   # None: a checkpoint's module
-    return evaluable and cfg.temperature == 0 and not cfg.exact_trace and cfg.runtime == "local" and \
-        not cfg.cuda_graphs and (cfg.W == 1 or cfg.method is not None and METHODS[cfg.method].replays_trees)
+    return evaluable and cfg.temperature == 0 and not cfg.exact_trace and eager_reference(cfg) and (cfg.W == 1 or cfg.method is not None and METHODS[cfg.method].replays_trees)
 
 
 def prompt_seed(seed: int, dataset: str, question_id) -> int:
@@ -204,9 +204,9 @@ def run_eval(cfg, log=print) -> dict:
     # holds none (the clock is measured). EAGLE-3 needs no pipeline, so the clock also judges it directly.
     calibration = None
     chain = METHODS[session.method].chain
-    if cfg.calibrate and cfg.runtime == "local" and METHODS[session.method].rows_vary and samples:
+    if cfg.calibrate and runtime(cfg.runtime).reference and METHODS[session.method].rows_vary and samples:
         calibration = rows_calibration(session, summary["overall"]["step_rows"], context_of(tok, work, samples))
-    elif cfg.calibrate and cfg.runtime == "local" and session.module is not None:  # the lookup has no module to time
+    elif cfg.calibrate and runtime(cfg.runtime).reference and session.module is not None:  # the lookup has no module to time
         calibration = calibrate_chain(session.staged, session.drafter(), session.params, session.draft_length,
                                       width=session.width, budget=session.tree_nodes) if chain else \
             calibrate(session.staged, session.module, session.params, width=session.width)

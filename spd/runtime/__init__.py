@@ -1,6 +1,66 @@
 """Decoding runtimes: one tensor-free schedule (`schedule.py`), one decoding loop (`pipeline.py`), and the
-executors that run the stages (`local.py` in-process, `distributed/` one process per stage).
+executors that run the stages (`local.py` in-process, `streams.py` fixed-shape steps, `distributed/` one process per
+stage).
 
-Torch-free: the configs read the runtimes' names from here before anything heavy is imported."""
+Every runtime once, in `RUNTIMES`: its name, how its executor is opened, and what it can do. Config checks, the
+session, the engine, eval and the server ask a runtime's capabilities here instead of comparing names, so a runtime
+is added as one entry (and its executor). Torch-free: the configs read it before anything heavy is imported."""
 
-RUNTIMES = ("local", "distributed", "streams")
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from spd.errors import UserError
+
+
+@dataclass(frozen=True)
+class Runtime:
+    name: str
+    help: str                 # what it runs, after "runs" in `--help` and errors
+    # "module:function" of a context manager (staged, cfg, capture, cache_dir, width) -> StageExecutor; the
+    # in-process opener builds `steps` (spd.runtime.stages.EXECUTORS: eager, or as CUDA graphs)
+    opener: str = "spd.runtime.stages:open_in_process"
+    steps: tuple[str, str] | None = None   # in-process executor kinds without / with cuda_graphs=true
+    processes: bool = False   # one process per stage: the stages load their own layers, the controller holds none,
+                              # and a failed step leaves the pipeline gone (a server stops)
+    cuda: bool = False        # needs a CUDA device
+    chains: bool = False      # draft-then-verify methods (the whole target in this process) run on it
+    reference: bool = False   # the eager, stage-after-stage reference: the plain AR loop, exact fast evaluation,
+                              # cost calibration and many requests per forward in this process
+
+    @property
+    def graphs(self) -> bool:
+        """cuda_graphs=true can capture its stage steps."""
+        return self.steps is not None and self.steps[1] != self.steps[0]
+
+    def executor_kind(self, cuda_graphs: bool) -> str:
+        """The in-process executor (spd.runtime.stages.EXECUTORS) this runtime runs with `cuda_graphs`."""
+        assert self.steps is not None, f"runtime={self.name} runs no in-process executor"
+        return self.steps[1] if cuda_graphs else self.steps[0]
+
+    def opens(self):
+        """The function that opens this runtime's executor, imported on first use."""
+        module, _, attribute = self.opener.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
+    Runtime("local", "the stages one after another in this process (the reference; cuda_graphs=true: each stage "
+            "step a CUDA graph)", steps=("local", "graphs"), chains=True, reference=True),
+    Runtime("streams", "each stage on a CUDA stream in this process", steps=("streams", "streams_graphs"), cuda=True),
+    Runtime("distributed", "one process per stage, spawned here or started by torchrun",
+            opener="spd.runtime.distributed.launch:open_pipeline", processes=True),
+)}
+
+
+def runtime(name: str) -> Runtime:
+    if name not in RUNTIMES:
+        raise UserError(f"runtime={name!r} is not one of: {', '.join(RUNTIMES)}")
+    return RUNTIMES[name]
+
+
+def eager_reference(cfg) -> bool:
+    """The config decodes on the eager reference executor (no CUDA graphs): what the plain AR loop, the exact fast
+    evaluator, calibration and in-process batching need."""
+    return runtime(getattr(cfg, "runtime", "local")).reference and not getattr(cfg, "cuda_graphs", False)

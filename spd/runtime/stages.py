@@ -7,19 +7,11 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
-import torch
-
 from spd.errors import UserError
+from spd.runtime import runtime as runtime_named
 from spd.runtime.executor import StageExecutor
 from spd.runtime.local import LocalStages
 from spd.targets.stages import StagedTarget
-
-from spd.runtime import RUNTIMES
-
-
-def check_runtime(runtime: str) -> None:
-    if runtime not in RUNTIMES:
-        raise UserError(f"runtime={runtime!r} is not one of: {', '.join(RUNTIMES)}")
 
 
 def cores() -> int:
@@ -95,9 +87,7 @@ def reference_kind(kind: str) -> str | None:
 
 def executor_kind(runtime: str, cuda_graphs: bool) -> str:
     """What `runtime=` and `cuda_graphs=` of an in-process run ask for."""
-    if runtime == "streams":
-        return "streams_graphs" if cuda_graphs else "streams"
-    return "graphs" if cuda_graphs else "local"
+    return runtime_named(runtime).executor_kind(cuda_graphs)
 
 
 def sequences_together(cfg) -> int:
@@ -109,33 +99,15 @@ def sequences_together(cfg) -> int:
 @contextmanager
 def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | None = None,
                 width: int | None = None):
-    """Yield a StageExecutor for `staged` (in-process) or for stage processes loading `cache_dir`'s target. width:
-    the most nodes a stage runs in a step (W; FlowSpec: its segment), None: the config's W."""
-    check_runtime(cfg.runtime)
-    if cfg.runtime in ("local", "streams"):
-        yield stage_executor(executor_kind(cfg.runtime, getattr(cfg, "cuda_graphs", False)), staged)
-        return
-    import torch.distributed as dist
-
-    from spd.runtime.distributed.launch import close_pipeline, join_launched_pipeline, start_local_pipeline
-    from spd.runtime.distributed.protocol import Setup
-
-    hosted = hosts_first_stage(getattr(cfg, "controller", "auto"), staged.n, cfg.device, launched_world())
-    threads = threads_for(staged.n, cfg.threads_per_stage, hosted)
-    torch.set_num_threads(threads)
-    setup = Setup(cache_dir=cache_dir, n=staged.n, bounds=staged.bounds, capture=sorted(set(capture) - {0}),
-                  dtype=cfg.dtype, device=cfg.device, threads=threads, step_timeout_s=cfg.timeout_s, hosted=hosted,
-                  width=width or getattr(cfg, "W", 1), slots=sequences_together(cfg))
-    executor: StageExecutor | None = None
-    graceful = True
-    try:
-        if dist.is_initialized():  # torchrun started every rank (infer/run.py)
-            executor = join_launched_pipeline(staged, setup)
-        else:
-            executor = start_local_pipeline(staged, setup, cfg.master_addr, cfg.master_port)
+    """Yield a StageExecutor for `staged`: the config's runtime (spd.runtime.RUNTIMES) opens it, in this process or
+    as stage processes loading `cache_dir`'s target. width: the most nodes a stage runs in a step (W; FlowSpec: its
+    segment), None: the config's W."""
+    with runtime_named(cfg.runtime).opens()(staged, cfg, capture, cache_dir, width) as executor:
         yield executor
-    except BaseException:
-        graceful = False
-        raise
-    finally:
-        close_pipeline(executor, graceful)
+
+
+@contextmanager
+def open_in_process(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | None = None,
+                    width: int | None = None):
+    """An in-process runtime's executor: its steps as the config asks (eager or CUDA graphs)."""
+    yield stage_executor(executor_kind(cfg.runtime, getattr(cfg, "cuda_graphs", False)), staged)

@@ -11,6 +11,7 @@ import queue
 import time
 
 from spd.errors import PipelineFailure
+from spd.runtime import runtime
 from spd.serve.text import StopText
 from spd.serve.worker import DecodeWorker, Job
 
@@ -128,7 +129,7 @@ class BatchWorker(DecodeWorker):
         self.running.clear()
         for decoder in filter(None, (self.batch, self.plain)):
             decoder.abandon()
-        if isinstance(exc, PipelineFailure) or self.engine.cfg.runtime == "distributed":
+        if isinstance(exc, PipelineFailure) or runtime(self.engine.cfg.runtime).processes:
             self.failure = message
             if self.on_fatal:
                 self.on_fatal(message)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from spd.decoding import Request
 from spd.errors import PipelineFailure
+from spd.runtime import runtime
 from spd.serve.metrics import ServerMetrics
 from spd.serve.text import StopText
 
@@ -140,7 +141,7 @@ class DecodeWorker:
         except Exception as exc:     # noqa: BLE001 - every failure is answered, and a dead pipeline ends the server
             stream.close()
             message = f"the decode failed: {exc}".splitlines()[0]
-            fatal = isinstance(exc, PipelineFailure) or self.engine.cfg.runtime == "distributed"
+            fatal = isinstance(exc, PipelineFailure) or runtime(self.engine.cfg.runtime).processes
             job.post("error", {"status": 500, "message": message})
             if fatal:
                 self.failure = message

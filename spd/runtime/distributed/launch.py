@@ -12,13 +12,17 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
 
 from spd.errors import UserError
 from spd.runtime.distributed.comm import PipelineFailure
 from spd.runtime.distributed.controller import DistributedStages
 from spd.runtime.distributed.protocol import Setup, world_size
+from spd.runtime.executor import StageExecutor
+from spd.runtime.stages import hosts_first_stage, launched_world, sequences_together, threads_for
 from spd.targets.stages import StagedTarget
 
 
@@ -205,3 +209,29 @@ def watch_parent() -> None:
             time.sleep(0.5)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+@contextmanager
+def open_pipeline(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | None = None,
+                  width: int | None = None):
+    """runtime=distributed: stage processes loading `cache_dir`'s target, spawned here or joined under torchrun;
+    torn down on exit (gracefully unless the body raised)."""
+    hosted = hosts_first_stage(getattr(cfg, "controller", "auto"), staged.n, cfg.device, launched_world())
+    threads = threads_for(staged.n, cfg.threads_per_stage, hosted)
+    torch.set_num_threads(threads)
+    setup = Setup(cache_dir=cache_dir, n=staged.n, bounds=staged.bounds, capture=sorted(set(capture) - {0}),
+                  dtype=cfg.dtype, device=cfg.device, threads=threads, step_timeout_s=cfg.timeout_s, hosted=hosted,
+                  width=width or getattr(cfg, "W", 1), slots=sequences_together(cfg))
+    executor: StageExecutor | None = None
+    graceful = True
+    try:
+        if dist.is_initialized():  # torchrun started every rank (infer/run.py)
+            executor = join_launched_pipeline(staged, setup)
+        else:
+            executor = start_local_pipeline(staged, setup, cfg.master_addr, cfg.master_port)
+        yield executor
+    except BaseException:
+        graceful = False
+        raise
+    finally:
+        close_pipeline(executor, graceful)

@@ -1,0 +1,121 @@
+"""Runtimes are chosen through one registry (spd.runtime.RUNTIMES): the config, the session, the engine, eval and the
+server ask a runtime's capabilities, never its name, so a runtime is added as one entry and its executor."""
+
+import ast
+import os
+from contextlib import contextmanager
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+import spd.runtime as runtimes
+from omegaconf import OmegaConf
+
+from spd.config import GenerateConfig, check_decoding
+from spd.errors import UserError
+from spd.runtime import RUNTIMES, Runtime, eager_reference, runtime
+from spd.runtime.local import LocalStages
+from spd.runtime.stages import open_stages
+from spd.targets.stages import StagedTarget
+from spd.targets.tiny import tiny_model
+
+SPD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spd")
+
+
+def name_comparisons(tree: ast.AST) -> list[int]:
+    """Lines comparing something called `runtime` (a name or an attribute) with a string."""
+    def is_runtime(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "runtime") or \
+            (isinstance(node, ast.Attribute) and node.attr == "runtime")
+
+    def is_text(node) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) or \
+            isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(is_text(e) for e in node.elts)
+
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            and any(is_runtime(a) for a in [node.left, *node.comparators])
+            and any(is_text(a) for a in [node.left, *node.comparators])]
+
+
+def test_no_code_outside_the_registry_branches_on_a_runtime_name():
+    found = {}
+    for directory, _, names in os.walk(SPD):
+        for name in names:
+            path = os.path.join(directory, name)
+            if name.endswith(".py") and path != os.path.join(SPD, "runtime", "__init__.py"):
+                with open(path, encoding="utf-8") as f:
+                    lines = name_comparisons(ast.parse(f.read()))
+                if lines:
+                    found[os.path.relpath(path, SPD)] = lines
+    assert not found, f"runtime names compared outside spd/runtime/__init__.py: {found}"
+
+
+def test_the_scan_catches_a_comparison():
+    assert name_comparisons(ast.parse('if cfg.runtime == "local": pass')) == [1]
+    assert name_comparisons(ast.parse('ok = runtime in ("local", "streams")')) == [1]
+    assert name_comparisons(ast.parse('ok = runtime(cfg.runtime).processes')) == []
+
+
+def config(**overrides):
+    return OmegaConf.merge(OmegaConf.structured(GenerateConfig), overrides)
+
+
+def test_capabilities_answer_what_the_names_used_to():
+    assert eager_reference(SimpleNamespace(runtime="local", cuda_graphs=False))
+    assert not eager_reference(SimpleNamespace(runtime="local", cuda_graphs=True))
+    assert not eager_reference(SimpleNamespace(runtime="distributed"))
+    assert [r.name for r in RUNTIMES.values() if r.processes] == ["distributed"]
+    assert [r.name for r in RUNTIMES.values() if r.cuda] == ["streams"]
+    assert {r.name for r in RUNTIMES.values() if r.graphs} == {"local", "streams"}
+    assert runtime("streams").executor_kind(True) == "streams_graphs"
+    with pytest.raises(UserError, match="runtime='cloud' is not one of: local, streams, distributed"):
+        runtime("cloud")
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (dict(runtime="streams"), "runtime=streams runs each stage on a CUDA stream in this process; device=cpu has none"),
+    (dict(runtime="distributed", device="cuda", cuda_graphs=True), "cuda_graphs=true is for runtime=local or "
+                                                                    "runtime=streams; runtime=distributed runs"),
+    (dict(runtime="distributed", method="lookup"), "use runtime=local, not runtime=distributed"),
+])
+def test_the_config_checks_ask_capabilities(overrides, needle):
+    with pytest.raises(UserError) as err:
+        check_decoding(config(**overrides))
+    assert needle in str(err.value)
+
+
+def test_a_runtime_is_one_registry_entry(monkeypatch):
+    """A new runtime: an entry naming its executor's opener; the config accepts it, open_stages opens it, and its
+    capabilities (here: like `local` but not the reference) steer the rest."""
+    opened = []
+
+    @contextmanager
+    def open_mine(staged, cfg, capture, cache_dir=None, width=None):
+        opened.append(staged)
+        yield LocalStages(staged)
+
+    monkeypatch.setattr(runtimes, "open_mine", open_mine, raising=False)
+    mine = Runtime("mine", "the stages in a test's own executor", opener="spd.runtime:open_mine", chains=True)
+    monkeypatch.setitem(RUNTIMES, "mine", mine)
+    cfg = config(runtime="mine", method="lookup")
+    check_decoding(cfg)            # known, and it takes chains
+    assert not eager_reference(cfg)
+    with pytest.raises(UserError, match="runtime=mine runs the stages in a test's own executor, eagerly"):
+        check_decoding(config(runtime="mine", method="ar", cuda_graphs=True, device="cuda"))
+    monkeypatch.setitem(RUNTIMES, "mine", replace(mine, chains=False))
+    with pytest.raises(UserError, match="not runtime=mine"):
+        check_decoding(cfg)
+    staged = StagedTarget(tiny_model("llama", seed=0).eval(), 2)
+    with open_stages(staged, cfg, []) as stages:
+        assert isinstance(stages, LocalStages) and opened == [staged]
+
+
+def test_the_in_process_runtimes_open_their_executors():
+    from spd.runtime.streams import GraphStages
+
+    staged = StagedTarget(tiny_model("llama", seed=0).eval(), 2)
+    with open_stages(staged, SimpleNamespace(runtime="local", cuda_graphs=False), []) as stages:
+        assert isinstance(stages, LocalStages)
+    with open_stages(staged, SimpleNamespace(runtime="local", cuda_graphs=True), []) as stages:
+        assert isinstance(stages, GraphStages)     # on CPU its eager twin
