@@ -14,7 +14,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from spd.runtime import RUNTIMES        # torch-free packages: the names only
+from spd.runtime import RUNTIMES, runtime   # torch-free packages: the names and capabilities only
 from spd.targets import DTYPE_NAMES
 from spd.errors import UserError
 from spd.methods import AR, DECODING_METHODS, METHODS, PIPELINE
@@ -88,7 +88,8 @@ class GenerateConfig:
     temperature: float = 0.0             # 0 = greedy
     top_k: int = 0                       # sample among the k likeliest tokens (0 = off)
     top_p: float = 1.0                   # sample within the smallest set of probability >= top_p (1 = off)
-    seed: int = 0                        # sampling's seed (greedy ignores it)
+    seed: Optional[int] = None           # sampling's seed; None = a fresh one per run, printed in the stats line and
+                                         # the JSON record (seed=) so the run can be repeated; greedy ignores it
     dtype: str = "float32"               # float32 | bfloat16 | float16: the target's and the module's weights
     device: str = "cpu"                  # cpu | cuda | cuda:N | mps
     json: bool = False                   # print one JSON object instead of text + a stats line
@@ -145,6 +146,36 @@ def field_type(schema: type, dotted: str):
     return kind
 
 
+def schema_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every key of a dataclass schema, nested sections as section.key."""
+    keys = []
+    for name, kind in typing.get_type_hints(schema).items():
+        keys += schema_keys(kind, f"{prefix}{name}.") if dataclasses.is_dataclass(kind) else [prefix + name]
+    return keys
+
+
+def did_you_mean(schema: type, key: str) -> str | None:
+    """The schema's key nearest to a mistyped one (difflib), e.g. max_new_tokens for max_new_token; None if none is
+    near. A key's last part is matched alone too, so `steps` finds optim.steps and `model.layer` model.module_layers."""
+    import difflib
+
+    keys = schema_keys(schema)
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    if near:
+        return near[0]
+    last = {}
+    for k in keys:
+        last.setdefault(k.rsplit(".", 1)[-1], k)
+    near = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(last), n=1, cutoff=0.75)
+    return last[near[0]] if near else None
+
+
+def unknown_key(schema: type, key: str, where: str = "") -> str:
+    """"unknown config key 'max_new_token' (did you mean max_new_tokens?)" — the start of the refusal."""
+    near = did_you_mean(schema, key)
+    return f"unknown config key {key!r}{where}" + (f" (did you mean {near}?)" if near else "")
+
+
 def _is_text(kind) -> bool:
     return kind is str or (typing.get_origin(kind) is typing.Union and set(typing.get_args(kind)) == {str, type(None)})
 
@@ -199,7 +230,7 @@ def check_decoding(cfg) -> None:
     if cfg.method is not None:
         one_of(cfg, "method", DECODING_METHODS)
     one_of(cfg, "dtype", DTYPE_NAMES)
-    one_of(cfg, "runtime", RUNTIMES)
+    one_of(cfg, "runtime", tuple(RUNTIMES))
     one_of(cfg, "controller", CONTROLLERS)
     if not DEVICE.match(cfg.device):
         raise UserError(f"device={cfg.device!r} is not a device; use cpu, cuda, cuda:<index> or mps")
@@ -228,21 +259,24 @@ def check_decoding(cfg) -> None:
         raise UserError(f"lookup_max_ngram={cfg.lookup_max_ngram} is below lookup_min_ngram={cfg.lookup_min_ngram}; "
                         "raise it")
     on_cuda = cfg.device.startswith("cuda")
-    if cfg.runtime == "streams" and not on_cuda:
-        raise UserError(f"runtime=streams runs each stage on a CUDA stream; device={cfg.device} has none: use "
-                        "device=cuda, or runtime=local / runtime=distributed")
+    rt = runtime(cfg.runtime)
+    if rt.cuda and not on_cuda:
+        others = " / ".join(f"runtime={r.name}" for r in RUNTIMES.values() if not r.cuda)
+        raise UserError(f"runtime={rt.name} runs {rt.help}; device={cfg.device} has none: use device=cuda, or "
+                        f"{others}")
     if cfg.cuda_graphs and not on_cuda:
         raise UserError(f"cuda_graphs=true replays CUDA graphs; device={cfg.device} has none: use device=cuda or "
                         "drop cuda_graphs")
-    if cfg.cuda_graphs and cfg.runtime == "distributed":
-        raise UserError("cuda_graphs=true is for runtime=local or runtime=streams (one process); the stage processes "
-                        "of runtime=distributed run eagerly")
+    if cfg.cuda_graphs and not rt.graphs:
+        graphed = " or ".join(f"runtime={r.name}" for r in RUNTIMES.values() if r.graphs)
+        raise UserError(f"cuda_graphs=true is for {graphed}; runtime={rt.name} runs {rt.help}, eagerly")
     chain = cfg.method is not None and METHODS[cfg.method].chain
     if cfg.cuda_graphs and chain:
         raise UserError(f"cuda_graphs=true covers the pipeline's stage steps and AR; method={cfg.method}'s chain "
                         "verifies m + 1 tokens at once and runs eagerly: drop cuda_graphs")
-    if chain and cfg.runtime != "local":
-        raise UserError(f"method={cfg.method} drafts and verifies in one process (no pipeline); use runtime=local, "
+    if chain and not rt.chains:
+        chained = " or ".join(f"runtime={r.name}" for r in RUNTIMES.values() if r.chains)
+        raise UserError(f"method={cfg.method} drafts and verifies in one process (no pipeline); use {chained}, "
                         f"not runtime={cfg.runtime}")
     at_least(cfg, "max_new_tokens", 1, " (tokens to generate)")
     at_least(cfg, "module_layers", 1)
@@ -296,7 +330,7 @@ def load_config(schema: type, path: str | None, overrides: list[str], text: dict
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
         first = str(exc).splitlines()[0]
         if "not in struct" in first or "Key '" in first and "not" in first:
-            raise UserError(f"unknown config key {key!r}; valid keys: {', '.join(base.keys())}") from None
+            raise UserError(f"{unknown_key(schema, str(key))}; valid keys: {', '.join(base.keys())}") from None
         raise UserError(f"bad value for config key {key!r}: {first}") from None
     except ValueError as exc:  # overrides that cannot stack, e.g. a=[x] then a.b=: a key below a list's
         raise UserError(f"{_mistyped(base, overrides)}: no override can set a key inside a list value "
@@ -308,8 +342,19 @@ def load_config(schema: type, path: str | None, overrides: list[str], text: dict
         raise UserError(f"an override is not valid YAML ({_yaml_problem(exc)}); quote or fix it") from None
     check_numbers(cfg)
     run_checks(schema, cfg)
+    resolve_seed(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def resolve_seed(cfg) -> None:
+    """seed=null (generate, chat, serve): a fresh seed for this run when it samples, 0 when it is greedy (which
+    ignores it; an untrained module stays the same run to run), so everything downstream sees an int. eval and the
+    trainer keep a fixed default seed and never reach this."""
+    if "seed" in cfg and cfg.seed is None:
+        import secrets
+
+        cfg.seed = secrets.randbelow(2 ** 31) if cfg.get("temperature", 0) > 0 else 0
 
 
 def _mistyped(base, overrides: list[str]) -> str:

@@ -12,6 +12,19 @@ from spd.errors import UserError
 MIN_FREE_BYTES = 64 << 20  # outputs, checkpoints and caches of the default target all fit in far more than this
 
 
+def cache_root() -> str:
+    """Where the suite keeps what it computes once and reuses: $SPD_CACHE_DIR, default ~/.cache/spd — the verified
+    target weights (targets/, spd.targets.weight_cache, whose cache_root is this same rule), datastores, row costs,
+    and eval's greedy traces (traces/). Torch-free: configs read it for their defaults."""
+    return os.environ.get("SPD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "spd")
+
+
+def default_trace_cache_dir() -> str:
+    """eval's trace cache, beside the target weights cache: <cache_root>/traces (read when a config is made, so a
+    changed SPD_CACHE_DIR applies to the next run)."""
+    return os.path.join(cache_root(), "traces")
+
+
 def check_writable_dir(path: str, key: str, need_bytes: int = MIN_FREE_BYTES) -> None:
     """`path` names a directory this run may create or write into: not a file, below an existing directory we may
     write to, on a disk with room."""
@@ -47,3 +60,22 @@ def read_run_config(path: str, fix: str) -> dict:
     if not isinstance(config, dict):
         raise UserError(f"{path} is not a run's config; {fix}")
     return config
+
+
+def check_checkpoint_dir(checkpoint: str | None, method: str | None = None) -> None:
+    """A checkpoint= that names a directory names one that exists and holds a module's config.json: checked from
+    the config alone, before torch loads (spd.checkpoint reads and verifies the rest once the target is loaded).
+    None (the shipped module) and `random` (untrained) name none; a method that loads no module (the lookup, PipeDec)
+    is left to the session, which refuses checkpoint= itself (drop it)."""
+    from spd.methods import AR, METHODS
+    from spd.shipped import RANDOM
+
+    if checkpoint is None or checkpoint == RANDOM:
+        return
+    if method is not None and METHODS[method].decoder != AR and not METHODS[method].trained:
+        return
+    if not os.path.isdir(checkpoint):
+        raise UserError(f"checkpoint directory {checkpoint!r} does not exist; pass checkpoint=<dir> of a trained "
+                        "module")
+    if not os.path.isfile(os.path.join(checkpoint, "config.json")):   # spd.checkpoint.CONFIG_FILE
+        raise UserError(f"checkpoint {checkpoint!r} has no config.json; it is not a module checkpoint")

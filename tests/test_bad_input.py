@@ -173,7 +173,7 @@ def test_trainer_refuses_a_non_empty_output_dir(capsys, work):
     (work / "out").mkdir()
     (work / "out" / "notes.txt").write_text("someone's files")
     refused(capsys, "train/run.py", ["--config", DEBUG, "output_dir=out", f"data.path={DATA}"],
-            "not empty; pass resume=true", work)
+            "not empty and holds no training run", work)   # never offered to overwrite=true: they are not a run's
 
 
 def test_malformed_jsonl_names_the_line(work):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import warnings
 
 from spd.errors import UserError, run_command
@@ -22,12 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     from spd.cli.keys import KeysParser
     from spd.config import GenerateConfig, ServeConfig
     from spd.eval.config import EvalConfig
+    from spd.methods import DECODING_METHODS
 
     # every command's --help ends with its keys, defaults and meanings, generated from the structured configs
     parser = KeysParser(prog="spd-infer", description="Speculative Pipeline Decoding")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in [("generate", "decode one prompt (the fastest lossless method here, or method=spd|ar|...), "
-                                    "streaming the text"),
+    for name, text in [("generate", "decode one prompt (the fastest lossless method here, or method= one of "
+                                    f"{', '.join(DECODING_METHODS)}), streaming the text"),
                        ("chat", "a multi-turn conversation on standard input (/exit leaves, /reset starts over)")]:
         cmd = sub.add_parser(name, help=text, description=text, schema=GenerateConfig)
         cmd.add_argument("--config", default=None, help="YAML config (configs/infer/generate.yaml)")
@@ -40,7 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--config", default=None, help="YAML config (configs/infer/serve.yaml)")
     sv.add_argument("overrides", nargs="*", help="key=value overrides, e.g. port=8000 method=spd n=2")
     ev = sub.add_parser("eval", help="MT-Bench / GSM8K / HumanEval: L′acc, speedups, JSONL, table, plots, W&B",
-                        schema=EvalConfig)
+                        description=textwrap.fill(
+                            "MT-Bench / GSM8K / HumanEval: L′acc, speedups, JSONL, table, plots, W&B. Results go to "
+                            "output_dir= (default outputs/eval/run, under the current directory); the target's greedy "
+                            "traces are cached beside its weights, under $SPD_CACHE_DIR (default ~/.cache/spd)/traces "
+                            "(trace_cache_dir=)", 118), schema=EvalConfig)
     ev.add_argument("--config", default=None, help="YAML config (configs/eval/*.yaml)")
     ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. checkpoint=DIR limit=20 n=5")
     rep = sub.add_parser("report", help="rebuild the table and plots from one or more eval directories")
@@ -62,6 +68,7 @@ def decode_command(command: str, words: list[str], parser: argparse.ArgumentPars
     from spd.cli.args import prompt_text, read_prompts_file, resolve_prompt, split_command_line
     from spd.config import GenerateConfig, load_config
     from spd.fastest import apply_fastest_default
+    from spd.paths import check_checkpoint_dir
     from spd.targets.source import resolve_source
 
     line = split_command_line(words, GenerateConfig, command)
@@ -78,6 +85,7 @@ def decode_command(command: str, words: list[str], parser: argparse.ArgumentPars
     many = read_prompts_file(cfg.prompts_file) if cfg.prompts_file is not None else None
     prompt = resolve_prompt(cfg) if command == "generate" and many is None else None
     resolve_source(cfg.target)  # a bad target= is refused before torch is imported
+    check_checkpoint_dir(cfg.checkpoint, cfg.method)  # and so is a checkpoint= directory that is not there
     default = apply_fastest_default(cfg, GenerateConfig, line.overrides)
     quiet_libraries()
     if command == "chat":
@@ -92,10 +100,12 @@ def decode_command(command: str, words: list[str], parser: argparse.ArgumentPars
 def serve_command(args) -> int:
     from spd.config import ServeConfig, load_config
     from spd.fastest import apply_fastest_default
+    from spd.paths import check_checkpoint_dir
     from spd.targets.source import resolve_source
 
     cfg = load_config(ServeConfig, args.config, args.overrides)
     resolve_source(cfg.target)
+    check_checkpoint_dir(cfg.checkpoint, cfg.method)
     default = apply_fastest_default(cfg, ServeConfig, args.overrides)
     quiet_libraries()
     from spd.cli.serve import serve
@@ -114,12 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in DECODE_COMMANDS:
             return decode_command(argv[0], argv[1:], parser)
         args = parser.parse_args(argv)
-        quiet_libraries()
         from spd.cli.evaluate import cmd_eval, cmd_report
 
         if args.command == "serve":
             return serve_command(args)
-        return {"eval": cmd_eval, "report": cmd_report}[args.command](args)
+        return {"eval": cmd_eval, "report": cmd_report}[args.command](args)   # each quiets the libraries itself
 
     return run_command("spd-infer", body)
 

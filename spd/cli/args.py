@@ -13,7 +13,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from spd.config import OVERRIDE_KEY, field_type
+from spd.config import OVERRIDE_KEY, field_type, unknown_key
 from spd.errors import UserError
 
 STDIN = "-"
@@ -58,8 +58,8 @@ def split_command_line(words: list[str], schema: type, command: str) -> CommandL
         elif "=" in word and OVERRIDE_KEY.match(word.split("=", 1)[0]):
             key = word.split("=", 1)[0]
             if field_type(schema, key) is None:
-                raise UserError(f"unknown config key {key!r} (in {_short(word)!r}); if that is the prompt, give it as "
-                                f"prompt=... or after --: spd-infer {command} -- {_short(word)!r}")
+                raise UserError(f"{unknown_key(schema, key, f' in {_short(word)!r}')}; if that is the prompt, give "
+                                f"it as prompt=... or after --: spd-infer {command} -- {_short(word)!r}")
             line.overrides.append(word)
         else:
             line.prompts.append(word)

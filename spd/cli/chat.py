@@ -8,7 +8,7 @@ import json
 import sys
 
 from spd.cli.args import stdin_is_piped
-from spd.cli.generate import TextStream, stats_line
+from spd.cli.generate import TextStream, stats_line, with_seed
 from spd.engine import open_engine
 from spd.errors import UserError
 from spd.methods import METHODS
@@ -72,11 +72,11 @@ def chat(cfg, default: bool = False) -> int:
                 print(f"spd-infer: error: {exc}", file=sys.stderr)
                 continue
             if cfg.json:
-                out = engine.run(prompt_ids)
+                out = with_seed(engine, engine.run(prompt_ids))
                 print(json.dumps(out), flush=True)
             else:
                 stream = TextStream(engine.session.loaded.tokenizer, sys.stdout)
-                out = engine.run(prompt_ids, on_token=stream)
+                out = with_seed(engine, engine.run(prompt_ids, on_token=stream))
                 stream.end()
                 print(stats_line(out), file=sys.stderr, flush=True)
             messages.append({"role": "assistant", "content": out["text"]})

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
 def cmd_eval(args) -> int:
+    from spd.cli import quiet_libraries
     from spd.config import load_config
     from spd.eval.config import EvalConfig
+    from spd.paths import check_checkpoint_dir
 
     cfg = load_config(EvalConfig, args.config, args.overrides)
+    check_checkpoint_dir(cfg.checkpoint, cfg.method)
+    quiet_libraries()
     from spd.eval.harness import run_eval  # after the config is checked: bad input is refused before torch loads
 
     summary = run_eval(cfg, log=lambda msg: print(f"[eval] {msg}", file=sys.stderr))
     print(f"[eval] {summary['run']['label']} T={cfg.temperature:g}: {headline(summary['overall'])}, "
-          f"{summary['overall']['samples']} samples -> {cfg.output_dir}", file=sys.stderr)
+          f"{summary['overall']['samples']} samples -> {os.path.abspath(cfg.output_dir)}", file=sys.stderr)
     return 0
 
 
@@ -26,8 +31,10 @@ def headline(overall: dict) -> str:
 
 
 def cmd_report(args) -> int:
+    from spd.cli import quiet_libraries
     from spd.eval.report import load_run, report_command
 
+    quiet_libraries()
     for path in report_command(args.dirs, args.out):
         print(path)
     for directory in args.dirs:

@@ -39,8 +39,14 @@ def acceptance_by_source(sources: dict) -> str:
                      for source, (verified, accepted) in sorted(sources.items()))
 
 
+def with_seed(engine, out: dict) -> dict:
+    """The record with the seed a sampled run drew with (seed=null picks a fresh one per run: this repeats it), or
+    None where it decoded greedily (no seed is used)."""
+    return {**out, "seed": None if engine.session.params.greedy else engine.cfg.seed}
+
+
 def stats_line(out: dict) -> str:
-    speed = f"tokens/s={out['tokens_per_s']:.1f}"
+    speed = f"tokens/s={out['tokens_per_s']:.1f}" + (f" seed={out['seed']}" if out.get("seed") is not None else "")
     chosen = ", the default here" if out.get("default") else ""
     if "tau" in out:   # draft-then-verify: tokens per target forward, not pipeline steps
         tree = f" W={out['W']} tree_nodes={out['tree_nodes']}" if out.get("W", 1) > 1 else ""
@@ -64,10 +70,10 @@ def generate(cfg, prompt: str, default: bool = False) -> int:
     with open_engine(cfg, default) as engine:
         prompt_ids = encode_prompt(engine.session, prompt, cfg.chat_template, cfg.max_new_tokens)
         if cfg.json:
-            print(json.dumps(engine.run(prompt_ids)))
+            print(json.dumps(with_seed(engine, engine.run(prompt_ids))))
             return 0
         stream = TextStream(engine.session.loaded.tokenizer, sys.stdout)
-        out = engine.run(prompt_ids, on_token=stream)
+        out = with_seed(engine, engine.run(prompt_ids, on_token=stream))
         stream.end()
     print(stats_line(out), file=sys.stderr)
     return 0
@@ -87,7 +93,7 @@ def generate_many(cfg, prompts: list[str], default: bool = False) -> int:
         bar = tqdm(total=len(ids), desc="generate", unit="prompt", disable=None, file=sys.stderr)
         if batch is None:
             for prompt_ids in ids:
-                print(json.dumps(engine.run(prompt_ids)), flush=True)
+                print(json.dumps(with_seed(engine, engine.run(prompt_ids))), flush=True)
                 bar.update()
             bar.close()
             return 0
@@ -98,7 +104,7 @@ def generate_many(cfg, prompts: list[str], default: bool = False) -> int:
             while printed < len(tickets) and tickets[printed].done:
                 t = tickets[printed]
                 record = engine.record(t.prompt_ids, GenerationResult(t.tokens, t.seconds, t.stats))
-                print(json.dumps({**record, "max_batch": cfg.max_batch}), flush=True)
+                print(json.dumps({**with_seed(engine, record), "max_batch": cfg.max_batch}), flush=True)
                 printed += 1
             bar.n = sum(t.done for t in tickets)
             bar.refresh()

@@ -39,9 +39,26 @@ def _field_comments(schema: type) -> dict[str, str]:
     return notes
 
 
+_LIST = re.compile(r"^\s*\w+(?:\s*\|\s*\w+)+")
+
+
+def method_meaning(schema: type, meaning: str) -> str:
+    """A `method` key's help names the methods spd.methods registers (a schema's `method_choices`, else every decoding
+    method), never a list written by hand: a list of method names leading the comment is replaced by the registry's."""
+    from spd.methods import DECODING_METHODS, METHODS
+
+    listed = " | ".join(getattr(schema, "method_choices", DECODING_METHODS))
+    lead = _LIST.match(meaning)
+    if lead and all(word.strip() in METHODS for word in lead.group(0).split("|")):
+        return listed + meaning[lead.end():]
+    return f"{listed}; {meaning}" if meaning else listed
+
+
 def key_help(schema: type, prefix: str = "") -> list[tuple[str, str, str]]:
     """(key, default, meaning) for every key of a structured config, nested sections as section.key."""
     notes = _field_comments(schema)
+    if "method" in notes:
+        notes["method"] = method_meaning(schema, notes["method"])
     rows = []
     for f in dataclasses.fields(schema):
         default = f.default if f.default is not dataclasses.MISSING else \

@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from spd.config import WandbSection, at_least, check_decoding
+from spd.paths import default_trace_cache_dir
 
 
 @dataclass
 class EvalConfig:
     target: str = "smollm2"             # "smollm2", an HF model directory, a .gguf file, or tiny-<family>
     checkpoint: Optional[str] = None    # module directory; None = the shipped one for the run's n, random = untrained
-    method: Optional[str] = None        # spd | ppsd | spd_output_state | eagle3 | lookup | suffix | pipedec; None = the checkpoint's
-                                        # (spd without one)
+    method: Optional[str] = None        # None = the checkpoint's (spd without one)
     draft_length: Optional[int] = None  # method=eagle3 | lookup: at most m drafts per target forward; None = the
                                         # method's own (eagle3 5, lookup 7)
     W: int = 1                          # draft-tree width: children per node (1 = a chain); W > 1: method=eagle3 | lookup
@@ -45,9 +45,12 @@ class EvalConfig:
     calibrate: bool = True              # measure stage/module/head/verify times for the measured-cost speedup
     dtype: str = "float32"              # float32 | bfloat16 | float16
     device: str = "cpu"                 # cpu | cuda | cuda:N | mps
-    output_dir: str = "outputs/eval/run"  # samples.jsonl, summary.json, table.md, plots
+    output_dir: str = "outputs/eval/run"  # samples.jsonl, summary.json, table.md, plots; a relative path is under the
+                                        # directory spd-infer runs in: point output_dir= where the results belong
     resume: bool = True                 # skip samples already in output_dir/samples.jsonl (same config only)
-    trace_cache_dir: str = "outputs/cache/traces"  # the target's greedy decodes, reused across evals
+    # the target's greedy decodes, reused across evals: beside the target weights cache, under $SPD_CACHE_DIR
+    # (default ~/.cache/spd)/traces, whatever directory eval runs in
+    trace_cache_dir: str = field(default_factory=default_trace_cache_dir)
     batch_size: int = 1                 # prompts per target forward: the greedy traces' recording, and the
                                         # step-by-step samples with their AR references (runtime=local); 1: one at a
                                         # time, the only way each sample's tokens/s is measured

@@ -96,15 +96,16 @@ class DeepSpeedSection:
 
 @dataclass
 class TrainConfig:
-    method: str = "spd"                 # spd | spd_output_state (paper Table 2) | ppsd | eagle3: what is trained
-    output_dir: str = "outputs/train"
+    method_choices = TRAINED_METHODS     # not a key: the methods `method` takes (--help lists them from spd.methods)
+    method: str = "spd"                 # what is trained (spd_output_state: the paper's Table 2 ablation)
+    output_dir: str = "outputs/train"   # config.json, metrics.jsonl, checkpoint/, ds_state/ (the resumable state)
     seed: int = 0
-    resume: bool = False
+    resume: bool = False                # continue the run in output_dir from its ds_state/ (Ctrl-C, SIGTERM save one)
     log_every: int = 1
     eval_every: int = 0                 # 0 = only at the end
     eval_decodes: int = 4               # greedy decodes for the L'acc estimate
     eval_new_tokens: int = 48
-    save_every: int = 0                 # 0 = only at the end
+    save_every: int = 0                 # 0 = only at the end (and when stopped by Ctrl-C or SIGTERM)
     keep_checkpoints: bool = False      # also keep checkpoints/step-XXXXX at every save (for curves)
     p_full: float = 0.5                 # probability of a full pipeline in the simulated occupancy (paper: 0.5)
     occupancy_weights: Optional[List[float]] = None  # instead of the paper's policy: P(a=1..n), e.g. as measured
@@ -114,7 +115,7 @@ class TrainConfig:
     # H^l to store beside the run's own when the cache entry is written, so runs at other n or of other methods on
     # the same data reuse that one entry (e.g. the union of what n = 3, n = 8 and EAGLE-3 read)
     teacher_cache_layers: List[int] = field(default_factory=list)
-    overwrite: bool = False             # start afresh in a non-empty output_dir (its old run is deleted)
+    overwrite: bool = False             # start afresh in output_dir when it holds a run (that run is deleted)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)

@@ -23,7 +23,6 @@ from tqdm import tqdm
 
 from spd.checkpoint import save_checkpoint
 from spd.errors import UserError
-from spd.paths import check_writable_dir, is_empty_dir, read_run_config
 from spd.module import SpeculationModule
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
@@ -32,60 +31,48 @@ from spd.train.feature_cache import build_or_load
 from spd.train.regenerate import regenerate, regenerated_path
 from spd.train.methods import objective_for
 from spd.train.objective import build_draft_vocab, collate, teacher_pass, teacher_targets
+from spd.train.preflight import DS_STATE, check_paths, check_resumable
 
 PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 METRICS_FILE = "metrics.jsonl"
 
 
-class StopRequest:
-    """Ctrl-C while training: finish the step, save a resumable state, stop (a second Ctrl-C stops at once).
-    Every rank stops after the same step: the request is agreed on by all of them."""
+# The deepspeed launcher (deepspeed.launcher.launch) answers Ctrl-C, or a SIGTERM of its own, by sending each
+# trainer process SIGTERM and, 30 s later, SIGKILL: the trainer treats SIGTERM as Ctrl-C. A scheduler's SIGTERM
+# (Slurm, Kubernetes, a box's deadline) is answered the same way.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+
+class StopRequest:
+    """Ctrl-C or SIGTERM while training: stop after the micro-batch under way, save a resumable state, exit (a second
+    Ctrl-C stops at once; a second SIGTERM changes nothing). The save holds the last whole optimizer step: a step cut
+    short is dropped (no update was made from it) and trained again on resume, exactly (data order and occupancy are
+    functions of (seed, step)). Stopping at a micro-batch rather than at the step keeps the save inside the
+    launcher's 30 s. Every rank stops after the same micro-batch: the request is agreed on by all of them."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
         self.requested = False
+        self.device = device   # where the agreement's flag lives (nccl reduces only CUDA tensors)
 
     def __enter__(self):
-        self.previous = signal.signal(signal.SIGINT, self._request)
+        self.previous = {sig: signal.signal(sig, self._request) for sig in STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
-        signal.signal(signal.SIGINT, self.previous)
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _request(self, signum, frame) -> None:
         self.requested = True
-        signal.signal(signal.SIGINT, self.previous)
+        if signum == signal.SIGINT:   # a second Ctrl-C: the previous handler (KeyboardInterrupt at once)
+            signal.signal(signal.SIGINT, self.previous[signal.SIGINT])
 
     def agreed(self, world: int) -> bool:
         if world == 1:
             return self.requested
-        flag = torch.tensor([int(self.requested)])
+        flag = torch.tensor([int(self.requested)], device=self.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag)
-
-
-def check_paths(cfg) -> None:
-    """Before anything loads: every directory this run writes is writable, and output_dir is new, empty, this
-    run's own (resume=true) or given up (overwrite=true)."""
-    check_writable_dir(cfg.output_dir, "output_dir")
-    if cfg.teacher_cache:
-        check_writable_dir(cfg.teacher_cache_dir, "teacher_cache_dir")
-    if cfg.data.regenerate:
-        check_writable_dir(cfg.data.regenerated_dir, "data.regenerated_dir")
-    if not (cfg.resume or cfg.overwrite or is_empty_dir(cfg.output_dir)):
-        raise UserError(f"output_dir={cfg.output_dir!r} is not empty; pass resume=true to continue the run in it, "
-                        "overwrite=true to replace it, or choose a new output_dir")
-
-
-def check_resumable(cfg, resolved: dict) -> None:
-    cfg_path = os.path.join(cfg.output_dir, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise UserError(f"resume=true but {cfg.output_dir!r} holds no run (no config.json); drop resume or fix "
-                        "output_dir")
-    previous = read_run_config(cfg_path, "start afresh with overwrite=true")
-    ignore = ("resume", "overwrite")
-    if {k: v for k, v in previous.items() if k not in ignore} != {k: v for k, v in resolved.items() if k not in ignore}:
-        raise UserError(f"{cfg.output_dir!r} was written by a different config; resume with the same config or "
-                        "use a new output_dir")
 
 
 def cut_metrics(path: str, step: int) -> None:
@@ -293,11 +280,12 @@ def _train(cfg, rank: int, world: int) -> dict:
     engine, optimizer, _, scheduler = deepspeed.initialize(model=module, optimizer=optimizer,
                                                            lr_scheduler=scheduler, config=ds_config)
     start, tokens_seen = 0, 0
-    ds_dir = os.path.join(out_dir, "ds_state")
+    ds_dir = os.path.join(out_dir, DS_STATE)
     if cfg.resume:
         _, client = engine.load_checkpoint(ds_dir)
         if client is None:
-            raise UserError(f"resume=true but {ds_dir!r} holds no DeepSpeed state; drop resume")
+            raise UserError(f"resume=true but {ds_dir!r} holds no DeepSpeed state; pass overwrite=true instead of "
+                            "resume=true to start afresh there")
         start, tokens_seen = int(client["step"]), int(client.get("tokens_seen", 0))
         log(f"resumed at step {start}")
         if rank == 0:
@@ -338,15 +326,22 @@ def _train(cfg, rank: int, world: int) -> dict:
                 save_checkpoint(module, loaded, os.path.join(out_dir, "checkpoints", f"step-{done:05d}"), meta)
 
     summary = {}
-    stop = StopRequest()
+    stop = StopRequest(staged.device)
     bar = tqdm(range(start, cfg.optim.steps), initial=start, total=cfg.optim.steps, disable=rank != 0, desc="train")
     with stop:
         for step in bar:
             t0 = time.perf_counter()
             losses, agree, groups, tokens, excluded = [], [], {}, 0, 0
             occ_gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + rank)
-            for idx in micro_batches(len(train_set), cfg.seed, step, rank, world, cfg.deepspeed.micro_batch,
-                                     cfg.deepspeed.accumulation):
+            tokens_before = tokens_seen
+            for micro, idx in enumerate(micro_batches(len(train_set), cfg.seed, step, rank, world,
+                                                      cfg.deepspeed.micro_batch, cfg.deepspeed.accumulation)):
+                if micro and stop.agreed(world):   # stopped inside a step: save the last whole one, drop this one
+                    save(step, tokens_before)
+                    log(f"stopped inside step {step + 1}: saved step {step} in {ds_dir}; resume=true continues it")
+                    if run is not None:
+                        run.finish(exit_code=130)
+                    raise KeyboardInterrupt
                 batch = collate([train_set[i] for i in idx], pad)
                 if features is None:
                     teacher = teacher_pass(staged, batch, draft, layers)
@@ -386,6 +381,7 @@ def _train(cfg, rank: int, world: int) -> dict:
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last or stopping:
                 save(step + 1, tokens_seen)
             if stopping:
+                log(f"stopped: saved step {step + 1} in {ds_dir}; resume=true continues it")
                 if run is not None:
                     run.finish(exit_code=130)
                 raise KeyboardInterrupt  # the entry point prints one line and exits 130; resume=true continues
