@@ -1,4 +1,4 @@
-"""Where a cycle of the default goes outside the target's forward (issue 36's eighteenth look): the default on a CPU
+"""Where a cycle of the default goes outside the target's forward: the default on a CPU
 (`method=suffix W=4 datastore=answers+sharegpt`, priced with this machine's row costs, as bench/wallclock.py builds
 it) decodes the first prompts of a set, each right after the suite's AR on the same prompt, with `perf_counter`
 around the parts of its cycle — drafting, the verification forward, settling — and inside them around the drafter's

@@ -1,5 +1,5 @@
 """How often the target's own early exit (its first k layers, final norm and head: PipeDec's draft model here,
-`draft_layers=k`) picks the target's greedy token (issue 37): top-1, top-4 and top-8 agreement at each k over
+`draft_layers=k`) picks the target's greedy token: top-1, top-4 and top-8 agreement at each k over
 cached greedy traces (every 8th of the 240 eval prompts, 30 of them, first 256 tokens; one forward each).
 
     python bench/early_exit.py --traces outputs/cache/traces/greedy-e146e36482806c57 --out docs/results/early_exit.json

@@ -1,4 +1,4 @@
-"""The everyday benchmark set (issue 36): 30 first user turns of ShareGPT conversations, from the end of the
+"""The everyday benchmark set: 30 first user turns of ShareGPT conversations, from the end of the
 packaged file, English, 20..1,500 characters, one per conversation; written to spd/assets/eval/everyday/ with each
 record's id. Training never sees them: spd.train.data drops these ids from every ShareGPT load (held out
 explicitly — the GPU-trained module's extract reached the end of the file before this set existed, so SPD rows on

@@ -1,4 +1,4 @@
-"""FlowSpec's settings replayed over the target's greedy traces (issue 37): L′acc and tokens per step by n, draft
+"""FlowSpec's settings replayed over the target's greedy traces: L′acc and tokens per step by n, draft
 source, segment S, children per node W and tree nodes N (depth 5), with the exact replay of `spd.fast_eval_trace`
 (FlowSpec's own loop over the traces; no target forward). Every 8th of the 240 cached 512-token traces, cut to their
 first 256 tokens (30 prompts).

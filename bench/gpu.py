@@ -1,4 +1,4 @@
-"""Decoding speed against the hardware limit (issue 12): tokens/s of HF `generate` (dynamic cache; static cache +
+"""Decoding speed against the hardware limit: tokens/s of HF `generate` (dynamic cache; static cache +
 `torch.compile`), this suite's AR (eager; fixed-shape steps as CUDA graphs) and greedy SPD (runtime=local eager,
 local with graphs, runtime=streams with graphs off and on), every figure from one run, beside the bandwidth
 roofline: weight bytes read per token over the copy bandwidth measured here. Every SPD row is checked token for
@@ -84,10 +84,10 @@ def hf_rows(model, prompts, max_new, device, compile_static: bool, eos, deadline
             return out[0, len(ids):].tolist()
         try:
             # A static cache makes `generate` compile its own decode step (mode reduce-overhead) on CUDA; wrapping
-            # model.forward by hand as well (the visits before 2026-11-27 16:09) compiled twice and read CUDA-graph
+            # model.forward by hand as well (the H200 runs before 2026-11-27 16:09) compiled twice and read CUDA-graph
             # outputs a later replay had overwritten.
             # Every prompt is run once untimed: a static cache is as long as prompt + max_new, so each new prompt
-            # length compiles (and captures) again -- the visit of 2026-11-27 21:24 timed those compilations (4.4
+            # length compiles (and captures) again -- the H200 run of 2026-11-27 21:24 timed those compilations (4.4
             # tokens/s). The first calls' seconds are kept apart as what a user meets on a new length.
             tokens, seconds, first = 0, 0.0, 0.0
             for ids in prompts:
@@ -98,7 +98,7 @@ def hf_rows(model, prompts, max_new, device, compile_static: bool, eos, deadline
                           "first_call_seconds": first}
             if extra:   # transformers skips compilation silently where its criteria fail (e.g. CPU)
                 rows[name]["compiled"] = hasattr(model, "_compiled_call")
-        except Exception as e:   # a row that fails keeps the others (the visit of 2026-11-27: inductor's graphs)
+        except Exception as e:   # a row that fails keeps the others (the H200 run of 2026-11-27: inductor's graphs)
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
         saved()
     return rows

@@ -1,14 +1,14 @@
-"""Get a GPU visit's payload across the device tool's limits, and its results back (docs/gpu.md).
+"""Get a GPU run's payload across a remote runner's limits, and its results back (docs/gpu.md).
 
-The device tool copies the working tree (tracked files, untracked files git does not ignore, and up to 8 carried
-ignored paths) to the GPU machine, at most 64 MiB a call, and the machine reaches no package index. What the visit
+A remote runner copies the working tree (tracked files, untracked files git does not ignore, and up to 8 carried
+ignored paths) to the GPU machine, at most 64 MiB a call, and the machine reaches no package index. What the GPU run
 needs does not fit one call: the SmolLM2 GGUF (94 MiB), the wheels the machine's image lacks or has too old
 (transformers >= 5.24, DeepSpeed, omegaconf, datasets, gguf, ...: ~20 MiB), the shipped n = 5 module (35 MiB) and a
 ShareGPT extract to train on (~15 MiB). So the payload is one uncompressed tar, cut into parts that each fit a call
 beside the repository; every call runs the same command (bench/gpu_session.sh), which stashes the part it carried
-outside the work tree and starts the session once every part is there (a warm machine keeps the stash between
+outside the work tree and starts bench/gpu_session.py once every part is there (a warm machine keeps the stash between
 calls). The shipped modules (66 MiB) and docs/ would make the work tree itself travel over 64 MiB, so `travel` takes
-them out of git's index for the visit (they stay on disk, ignored) and `home` puts them back.
+them out of git's index for the GPU calls (they stay on disk, ignored) and `home` puts them back.
 
     .venv/bin/python bench/gpu_pack.py build     # -> .gpu/part1 .. .gpu/partK (K = 3), each with manifest.json
     .venv/bin/python bench/gpu_pack.py travel    # before the device calls: modules and docs out of the index
@@ -34,8 +34,8 @@ import tarfile
 import time
 
 MIB = 2**20
-CALL_LIMIT = 64 * MIB           # the device tool's limit on what one call carries
-MARGIN = 2 * MIB                # for files this session adds to the tree before the visit
+CALL_LIMIT = 64 * MIB           # the runner's limit on what one call carries
+MARGIN = 2 * MIB                # for files added to the tree between `build` and the device calls
 PACK_DIR = ".gpu"               # ignored (.gitignore); each part is carried as .gpu/partK
 AWAY = ("spd/assets/modules", "docs")   # tracked, needed on no GPU call, too large to travel
 EXCLUDE_BEGIN, EXCLUDE_END = "# bench/gpu_pack.py travel: begin\n", "# bench/gpu_pack.py travel: end\n"
@@ -272,7 +272,7 @@ def stash_and_assemble(pack_dir: str, stash: str, log=print) -> str | None:
     return payload
 
 
-# --- index in and out for the visit ------------------------------------------------------------------------
+# --- index in and out for the GPU calls --------------------------------------------------------------------
 
 def travel(args) -> int:
     exclude = os.path.join(git("rev-parse", "--git-dir").strip(), "info", "exclude")
@@ -320,7 +320,7 @@ def size(args) -> int:
 # --- results back (this machine) -----------------------------------------------------------------------------
 
 def unpack(args) -> int:
-    """The files a session returned -> docs/results/gpu/<stamp>/session.json (+ log) and each trained module as a
+    """The files a GPU run returned -> docs/results/gpu/<stamp>/session.json (+ log) and each trained module as a
     checkpoint directory outputs/gpu/<stamp>/<name>/ (config.json + model.safetensors, float16)."""
     with open(os.path.join(args.result_dir, "session.json")) as f:
         session = json.load(f)
@@ -353,10 +353,10 @@ def main(argv=None) -> int:
     b.add_argument("--parts", type=int, default=3, help="device calls the payload may take (default 3)")
     b.add_argument("--max-length", type=int, default=1024, help="tokens per training conversation")
     b.add_argument("--data-mib", type=float, default=30.0, help="most compressed MiB of training data")
-    sub.add_parser("travel", help="take spd/assets/modules and docs out of git's index for the visit")
+    sub.add_parser("travel", help="take spd/assets/modules and docs out of git's index for the GPU calls")
     sub.add_parser("home", help="put them back (before any commit)")
     sub.add_parser("size", help="what each device call would carry")
-    u = sub.add_parser("unpack", help="a session's returned files -> docs/results/gpu/, outputs/gpu/")
+    u = sub.add_parser("unpack", help="a GPU run's returned files -> docs/results/gpu/, outputs/gpu/")
     u.add_argument("result_dir")
     args = ap.parse_args(argv)
     return {"build": build, "travel": travel, "home": home, "size": size, "unpack": unpack}[args.command](args)

@@ -1,4 +1,4 @@
-"""One GPU visit, prepared: every CUDA check, the speed table and a module trained at GPU scale, in one command.
+"""One GPU run, prepared: every CUDA check, the speed table and a module trained at GPU scale, in one command.
 
     bash bench/gpu_session.sh                       # on the GPU machine, once per carried part (docs/gpu.md)
     python bench/gpu_session.py --device cpu --dry-run --out /tmp/out   # here: the same steps on a tiny random
@@ -23,7 +23,7 @@ killed and what it finished stays), so a slow one cannot starve the rest:
                       module and the GPU-trained one(s), on the same traces (EAGLE-3: tau)
     (a second module is trained only with time left, e.g. --train n5,n2: at 9 minutes there is none)
 
-Writes at most 8 files to --out (the device tool returns 8): session.json (every step's result, timings,
+Writes at most 8 files to --out (the runner returns 8): session.json (every step's result, timings,
 tracebacks), log.txt (the steps' output), and each trained module's float16 weights cut into <= 16 MiB parts
 (`bench/gpu_pack.py unpack` puts them back together). Stdlib only: it runs before the wheels are installed.
 """
@@ -46,8 +46,8 @@ sys.path.insert(0, HERE)
 from gpu_pack import MIB, PACK_DIR, stash_and_assemble  # noqa: E402
 from gpu_training import DRY_TRAIN_S, Training  # noqa: E402
 
-# seconds per step: (GPU visit, dry run). The train box is whatever is left of --minutes after the others.
-# The H200 visit of 2026-11-26 (docs/results.md) trained a whole epoch of the extract in 218 s but ran out of box in
+# seconds per step: (GPU run, dry run). The train box is whatever is left of --minutes after the others.
+# The H200 run of 2026-11-26 (docs/results.md) trained a whole epoch of the extract in 218 s but ran out of box in
 # correctness (14 of 24 rows ran) and speed (6 of 9): the boxes moved from training to them.
 BOXES = {"setup": (36, 150), "correctness": (140, 120), "speed": (100, 90), "eval": (45, 90)}
 RESERVE_S = (10, 10)           # packing the results at the end
@@ -208,7 +208,7 @@ class Visit(Training):
         return True
 
     def dry_payload(self) -> str:
-        """The dry run packs, splits, stashes and assembles a small payload the way a visit does its real one."""
+        """The dry run packs, splits, stashes and assembles a small payload the way a GPU run does its real one."""
         from gpu_pack import split_payload
 
         stage = os.path.join(self.work, "dry_payload_src")
@@ -221,7 +221,7 @@ class Visit(Training):
         manifest = split_payload(stage, pack, 50_000)
         stash = os.path.join(self.work, "dry_stash")
         shutil.rmtree(stash, ignore_errors=True)
-        for part in manifest["parts"]:          # one part per "call", as a visit carries them
+        for part in manifest["parts"]:          # one part per "call", as a GPU run carries them
             one = os.path.join(self.work, "dry_call")
             shutil.rmtree(one, ignore_errors=True)
             shutil.copytree(os.path.join(pack, part["name"]), os.path.join(one, part["name"]))
@@ -242,10 +242,10 @@ class Visit(Training):
                           "max_new_tokens": 8 if dry else 64, "compile": not dry, "copy_mib": 8 if dry else 512},
                 "eval": {"limit": 1 if dry else 2, "max_new_tokens": 16 if dry else 128}}
 
-    # --- the visit -----------------------------------------------------------------------------------------
+    # --- the run -------------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        self.log(f"{'dry run' if self.dry else 'GPU visit'} on {self.args.device}, {self.args.minutes} minutes")
+        self.log(f"{'dry run' if self.dry else 'GPU run'} on {self.args.device}, {self.args.minutes} minutes")
         if not self.setup():
             return 0 if self.session["steps"]["setup"]["status"] == "waiting for parts" else 1
         env = self.step("env", self.box("setup") - (time.time() - self.start) + 20)
@@ -311,8 +311,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench/gpu_session.py", description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where the returned files go (default: $OUT)")
-    ap.add_argument("--device", default="cuda", help="cuda (a visit) or cpu (the dry run, a rehearsal)")
-    ap.add_argument("--minutes", type=float, default=9.0, help="the whole visit (default 9)")
+    ap.add_argument("--device", default="cuda", help="cuda (a GPU run) or cpu (the dry run, a rehearsal)")
+    ap.add_argument("--minutes", type=float, default=9.0, help="the whole run (default 9)")
     ap.add_argument("--dry-run", action="store_true", help="a tiny random target, small boxes: checks the script")
     ap.add_argument("--train", default="n5",
                     help="modules to train in order: n5, n2, eagle3 (default n5; '' trains none)")
@@ -320,14 +320,14 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=None, help="scratch directory (default: beside --out)")
     ap.add_argument("--skip", default="", help="steps left out, e.g. correctness,speed (a second call that only trains)")
     ap.add_argument("--rows", default="",
-                    help="correctness and speed rows to run, e.g. lookup_chain,hf_dynamic (default: all; a later "
-                         "visit runs what earlier ones left unmeasured)")
+                    help="correctness and speed rows to run, e.g. lookup_chain,hf_dynamic (default: all; a run can "
+                         "measure only what earlier runs left unmeasured)")
     ap.add_argument("--box", action="append", default=[], metavar="STEP=SECONDS",
                     help="another box for a step, e.g. speed=300 (transformers' static cache + torch.compile did not "
-                         "compile within the default 100 s on the 2026-11-27 visits)")
+                         "compile within the default 100 s on the H200 runs of 2026-11-27)")
     ap.add_argument("--probe-steps", type=int, default=8, help="training steps that measure tokens/s (default 8)")
     ap.add_argument("--no-install", action="store_true",
-                    help="use this interpreter's packages, not the carried wheels (a CPU rehearsal of a visit)")
+                    help="use this interpreter's packages, not the carried wheels (a CPU rehearsal of a GPU run)")
     args = ap.parse_args(argv)
     if not args.out:
         ap.error("--out is needed where $OUT is not set")

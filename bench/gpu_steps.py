@@ -1,4 +1,4 @@
-"""The steps of a GPU visit (bench/gpu_session.py runs each in its own process, under its own time box).
+"""The steps of a GPU run (bench/gpu_session.py runs each in its own process, under its own time box).
 
     python bench/gpu_steps.py env|correctness|speed|eval --plan PLAN.json --deadline EPOCH --result OUT.json
     python bench/gpu_steps.py export --plan PLAN.json --checkpoint DIR --name n5 --result OUT.json
@@ -36,7 +36,7 @@ from spd.targets.stages import StagedTarget
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0, top_k=50)
 MIB = 2**20
-SHARD_BYTES = 16 * MIB - 4096   # the device tool returns files of at most 16 MiB
+SHARD_BYTES = 16 * MIB - 4096   # the runner returns files of at most 16 MiB
 
 
 class Result:
@@ -128,7 +128,7 @@ PIPELINE_EXECUTORS = {"local_eager": "local", "local_graphs": "graphs", "streams
 def correctness_rows(plan: dict) -> list[tuple[str, list[str], str | None, int]]:
     """(row name, config keys, pipeline executor or None for a chain, W), what has never run on a GPU first:
     eager rows cost ~30 ms a target forward there (Python-bound), so the last ones may not fit the box, and eager
-    greedy SPD = AR at W = 1 is the one row an earlier visit already checked (docs/results.md, "On a GPU")."""
+    greedy SPD = AR at W = 1 is the one row an earlier GPU run already checked (docs/results.md, "On a GPU")."""
     spd = ["method=spd", f"checkpoint={plan['spd_checkpoint']}"]
     order = [("streams_graphs", 1), ("local_graphs", 1), ("streams_eager", 1), ("streams_graphs", 4),
              ("local_graphs", 4), ("streams_eager", 4), ("local_eager", 4)]
@@ -143,7 +143,7 @@ def correctness_rows(plan: dict) -> list[tuple[str, list[str], str | None, int]]
 
 
 def asked(plan: dict) -> frozenset[str] | None:
-    """The rows a visit names (gpu_session.py --rows: what earlier visits left unmeasured); None: every row."""
+    """The rows a run names (gpu_session.py --rows: what earlier runs left unmeasured); None: every row."""
     return frozenset(plan["rows"]) if plan.get("rows") is not None else None
 
 
@@ -281,7 +281,7 @@ def method_of(checkpoint: str) -> str:
         return json.load(f).get("method", "spd")
 
 
-# --- export: a checkpoint in float16, cut into files the device tool returns --------------------------------
+# --- export: a checkpoint in float16, cut into files the runner returns --------------------------------
 
 def step_export(plan: dict, checkpoint: str, name: str, result: Result) -> None:
     from safetensors.torch import load_file, save_file

@@ -1,7 +1,7 @@
-"""The train step of a GPU visit (bench/gpu_session.py): a short probe measures tokens/s, the run's steps (and so its
+"""The train step of a GPU run (bench/gpu_session.py): a short probe measures tokens/s, the run's steps (and so its
 linear lr decay) are planned to fill the box, the trainer runs with a checkpoint about every minute, each exported at
 once as float16 parts for the trip home, and SIGINT 25 s before the box ends makes it finish its step and save.
-Stdlib only, like the session: it runs before the wheels are installed."""
+Stdlib only, like bench/gpu_session.py: it runs before the wheels are installed."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def read_metrics(path: str) -> list[dict]:
 
 
 class Training:
-    """Visit's training methods: they read its plan, work directory, log, session record and run_process."""
+    """The GPU run's training methods (for gpu_session.Visit): they read its plan, work directory, log, session record
+    and run_process."""
 
     def train_keys(self, name: str) -> list[str]:
         keys = [f"data.path={self.plan['data']}", f"model.target={self.plan['target']}", "wandb.mode=disabled",

@@ -1,9 +1,9 @@
 """What packing a GQA target's query heads as rows (spd.targets.gqa_attention) saves a verification forward on this
-CPU, against transformers' SDPA path that repeats the K/V cache for a masked call of several rows (issue 36's
-seventeenth look). One process, one target (float32, the suite's products), the two kernels taking turns on every
-shape, each forward right after a one-row forward as a decode loop meets it: chains (causal rows after the cache) and
-trees (two branches under an ancestor mask). Beside the clock, how far each kernel's logits sit from the one-row steps
-they verify (max |difference| over rows) and whether every row's argmax agrees with them.
+CPU, against transformers' SDPA path that repeats the K/V cache for a masked call of several rows. One process, one
+target (float32, the suite's products), the two kernels taking turns on every shape, each forward right after a
+one-row forward as a decode loop meets it: chains (causal rows after the cache) and trees (two branches under an
+ancestor mask). Beside the clock, how far each kernel's logits sit from the one-row steps they verify (max
+|difference| over rows) and whether every row's argmax agrees with them.
 
     python bench/gqa_attention.py --out docs/results/gqa_attention_intel.json
 """

@@ -1,4 +1,4 @@
-"""How far a candidate's own noise should move its price at T = 1 (issue 36's nineteenth look): the default on a CPU
+"""How far a candidate's own noise should move its price at T = 1: the default on a CPU
 (`method=suffix W=4 datastore=answers+sharegpt`, as bench/wallclock.py builds it) samples prompts of a set with keyed
 draws, and every candidate a cycle judges (drafted or not: its parent was reached) is recorded with the predictor's
 unconditional chance π, its uniform u at its position and whether it was kept. One decode prices every share on the

@@ -1,4 +1,4 @@
-"""SPD's nearest rivals by the clock (issue 37): FlowSpec's segments and PipeDec's draft-model stage beside SPD and
+"""SPD's nearest rivals by the clock: FlowSpec's segments and PipeDec's draft-model stage beside SPD and
 plain decoding, every figure from one run on this machine.
 
 Rows: the suite's AR in one process on every core (the fastest plain decoding here, docs/results.md) and, over the

@@ -1,4 +1,4 @@
-"""Which prior should a sampled request's acceptance predictor start from (issue 36's twentieth look)? The default on
+"""Which prior should a sampled request's acceptance predictor start from? The default on
 a CPU (`method=suffix W=4 datastore=answers+sharegpt`, as bench/wallclock.py builds it) samples prompts of a set with
 keyed draws and the greedy predictor's prior, recording, cycle by cycle, every candidate a cycle judges (its parent
 was reached; drafted or not) with its evidence, its uniform and its verdict. Then each predictor setting is replayed
@@ -7,7 +7,7 @@ observed, as spd.drafters.suffix does — and scored by the verdicts' mean log-l
 chance (spd.pricing.given_noise). The candidates and verdicts are the recording's: a setting that drafted
 differently would have started some cycles elsewhere, so this compares predictors on the same questions, not
 decodes. The recorded setting replays to the recording's own predictions (checked). The same replay weighs how much
-of a context candidate's prior its recall decides (the twenty-first look; `--recall-weights`; "none": the recall left
+of a context candidate's prior its recall decides (`--recall-weights`; "none": the recall left
 out of the evidence, as before it), with the greedy prior and with for_sampling's.
 
     python bench/prior_replay.py --set everyday --prompts 10 --out docs/results/prior_replay_everyday.json

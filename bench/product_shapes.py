@@ -1,11 +1,11 @@
 """What a target forward of r rows costs on this CPU, and whether another way of multiplying its weights changes the
-step at 4 rows (issue 36's twelfth look): the forward with `F.linear` against every product on oneDNN's prepacked
+step at 4 rows: the forward with `F.linear` against every product on oneDNN's prepacked
 weight (one copy: the plain weights are dropped), each shape timed right after a one-row forward as a decode loop
 meets it; and the target's products alone — as they are, with q/k/v and gate/up fused into one product each, and
 with the rows multiplied in chunks of at most 3 (the last row count before the step); and the products and the
-forward from the suite's float32 panels (spd.targets.panel, issue 36's sixteenth look). `--layouts` adds the forward
+forward from the suite's float32 panels (spd.targets.panel). `--layouts` adds the forward
 with every weight stored column-major (one copy, so `F.linear` multiplies x by a contiguous W^T: MKL's other
-operand order) and the forward in bfloat16, plain and prepacked (issue 36's fourteenth look).
+operand order) and the forward in bfloat16, plain and prepacked (spd.targets.prepacked).
 
     python bench/product_shapes.py --out docs/results/product_shapes_intel.json
     python bench/product_shapes.py --layouts --out docs/results/product_layouts_intel.json

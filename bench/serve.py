@@ -5,7 +5,7 @@ batch of 4 concurrent requests, then the same 4 in-process one after another) so
 
     python bench/serve.py --out docs/results/serve.json [key=value ...]   # keys as for spd-infer serve
 
-With --clients 1,2,4,8 it measures concurrency instead (issue 35): for each number C of clients, C threads each send
+With --clients 1,2,4,8 it measures concurrency instead: for each number C of clients, C threads each send
 --per-client streamed chat requests back to back (everyday prompts, each client starting at its own), --rounds
 times; the aggregate tokens/s of the round, every request's time to first token (its wait in the queue included)
 and to its end, and every answer checked token for token against the same prompt decoded alone in-process.

@@ -1,4 +1,4 @@
-"""The target's own answers as a datastore (issue 36, `datastore=answers`): the default target's greedy answers to
+"""The target's own answers as a datastore (`datastore=answers`): the default target's greedy answers to
 ShareGPT first turns that no benchmark set holds (spd.retrieval.answer_prompts: the everyday set's conversations and
 any that quote an eval prompt are held out), decoded many at a time (spd.runtime.batch, plain AR, float32), kept in
 chunks under --cache-dir as they finish (an interrupted or time-limited run resumes at the first missing chunk; on a

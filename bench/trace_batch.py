@@ -1,11 +1,11 @@
-"""Eval's greedy trace recording, one prompt at a time (as before issue 35) against `batch_size` prompts per forward,
+"""Eval's greedy trace recording, one prompt at a time against `batch_size` prompts per forward,
 in one run on one machine: the wall time of each, and whether the traces are the same (tokens; where they differ,
 the target's top-2 margin at the first difference, a near-tie when under 1e-4).
 
     OMP_NUM_THREADS=2 python bench/trace_batch.py --limit 10 --max-new-tokens 512 --batch-sizes 8 \
         --out docs/results/trace_batch.json
 
---limit prompts per data set (10: the issue's 30 prompts); the layers stored are the shipped n = 5 layout's.
+--limit prompts per data set (10: 30 prompts over the three sets); the layers stored are the shipped n = 5 layout's.
 """
 
 from __future__ import annotations

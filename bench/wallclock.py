@@ -9,7 +9,7 @@ prediction (spd/eval/calibrate.py's cost model at the stage processes' thread co
 single-process AR of this suite and HF `generate`, both on all cores, and with --lookup transformers' prompt lookup
 (`prompt_lookup_num_tokens`) and this suite's lookup chain (spd.drafters.lookup; τ = tokens per target forward),
 with --local-spd SPD with the shipped n = 5 module in one process (runtime=local), with --eagle3 EAGLE-3's chain, each
-also as draft trees for every --widths entry > 1 (issue 23). Each distributed SPD row is run
+also as draft trees for every --widths entry > 1. Each distributed SPD row is run
 once per --draft-sources entry (module, lookup+module), with the acceptance of each source's drafts; with
 --suffix-widths the priced context statistics (method=suffix) at each W, with rows per cycle and the share of cycles
 its pricing left plain. Prompts (--sets): the first --limit of each eval set and/or the everyday set (30 held-out
@@ -59,7 +59,7 @@ REPEAT_KV = "float32-repeat-kv"   # --dtypes: the float32 target attending with 
 
 
 def local_spd_decoders(args, stack: contextlib.ExitStack) -> dict[float, list[tuple[dict, object]]]:
-    """SPD with the shipped n = 5 module, stages one after another in this process (the default until issue 22),
+    """SPD with the shipped n = 5 module, stages one after another in this process (runtime=local),
     once per --widths entry (W > 1: draft trees): {temperature: [(row fields, decoder)]}, the stages held open by
     `stack` while the field takes its turns."""
     built: dict[float, list] = {t: [] for t in args.temperatures}
@@ -80,7 +80,7 @@ def local_spd_decoders(args, stack: contextlib.ExitStack) -> dict[float, list[tu
 def eagle3_decoders(args) -> dict[float, list[tuple[dict, object, object]]]:
     """EAGLE-3's chain (W = 1) and dynamic tree (W > 1, --tree-nodes nodes) with the module at --eagle3; per
     --eagle3-sources, also beside the priced context statistics (draft_source=suffix+module, --suffix-length deep).
-    {temperature: [(row fields, decoder, drafter)]}: one session each, a drafter of its own per temperature (its
+    {temperature: [(row fields, decoder, drafter)]}: one Session each, a drafter of its own per temperature (its
     tallies -- cycles, priced out, module consulted -- belong to one row)."""
     built: dict[float, list] = {t: [] for t in args.temperatures}
     for width, source in itertools.product(args.widths, args.eagle3_sources):
@@ -192,7 +192,7 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
                 decoder = build_decoder(CHAIN, staged, eos, LookupDrafter(lo, hi), draft_length=m)
                 put({"method": "lookup", "temperature": temperature, "draft_length": m, "ngrams": [lo, hi]},
                     chain_run(decoder, params))
-    for temperature in args.temperatures:      # SPD and EAGLE-3 take their turns too (own sessions, built once)
+    for temperature in args.temperatures:      # SPD and EAGLE-3 take their turns too (own Sessions, built once)
         for fields, decoder in spd.get(temperature, []):
             add({**fields, "temperature": temperature}, chain_run(decoder, params_for(temperature)))
         for fields, decoder, drafter in eagle3.get(temperature, []):
@@ -211,7 +211,7 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
 
 
 def batched_rows(args, prompts, cores: int, loaded) -> list[dict]:
-    """Every prompt submitted at once to a batched decoder of max_batch = b (issue 35): plain AR and the lookup chain
+    """Every prompt submitted at once to a batched decoder of max_batch = b: plain AR and the lookup chain
     on the whole target (spd.runtime.batch), with --local-spd SPD's shipped n = 5 module in one pipeline under SEED's
     schedule (spd.runtime.seed), once per --draft-sources entry. tokens/s is the aggregate: all tokens over the wall
     time of the whole batch run."""
@@ -295,7 +295,7 @@ def main() -> int:
                     help="--eagle3 rows per draft source: module, suffix+module (beside the context statistics)")
     ap.add_argument("--widths", default="1", help="draft-tree widths W for --local-spd and --eagle3 rows")
     ap.add_argument("--tree-nodes", type=int, default=16, help="EAGLE-3's drafted nodes per verification at W > 1")
-    ap.add_argument("--batch", default="", help="e.g. 1,2,4,8: batched rows at these max_batch (issue 35)")
+    ap.add_argument("--batch", default="", help="e.g. 1,2,4,8: batched rows at these max_batch")
     ap.add_argument("--distributed-spd", type=int, default=0,
                     help="with --batch: also SPD's pipeline of this n in stage processes under SEED's schedule")
     ap.add_argument("--suffix-widths", default="", help="e.g. 1,4: method=suffix rows (priced) at these W")
@@ -307,13 +307,13 @@ def main() -> int:
     ap.add_argument("--keyed-ab", action="store_true", help="at T > 0 also the suite's AR drawing from the request's "
                     "generator instead of keyed draws, and each method=suffix row blind to the noise (A/Bs in one run)")
     ap.add_argument("--noise-shares", default=None, help="at T > 0 a method=suffix row per share of a candidate's "
-                    "chance its noise decides (spd.pricing.given_noise; e.g. 0.35,1 for the A/B of the nineteenth "
-                    "look; default: the shipped share)")
+                    "chance its noise decides (spd.pricing.given_noise; e.g. 0.35,1 for the A/B of the shipped "
+                    "share against the formula alone; default: the shipped share)")
     ap.add_argument("--prior-ab", action="store_true", help="at T > 0 also each method=suffix row with "
-                    "spd.pricing.AcceptancePredictor.for_sampling's prior instead of the greedy one (the twentieth "
-                    "look's A/B)")
+                    "spd.pricing.AcceptancePredictor.for_sampling's prior instead of the greedy one (an A/B in "
+                    "one run)")
     ap.add_argument("--recall-ab", action="store_true", help="at T > 0 also each method=suffix row without the "
-                    "recall of the target's p at the context's occurrences (the twenty-first look's A/B)")
+                    "recall of the target's p at the context's occurrences (an A/B in one run)")
     ap.add_argument("--sets", default="eval", help="eval (the first --limit of each eval set) and/or everyday (the "
                     "30 held-out ShareGPT first turns, answers to EOS or --max-new-tokens)")
     ap.add_argument("--everyday-limit", type=int, default=30)

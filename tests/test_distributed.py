@@ -120,7 +120,7 @@ def test_a_killed_stage_stops_every_process(tiny, capfd, controller):
 def test_distributed_draws_what_the_chi_square_tested_local_runtime_draws(tmp_path):
     """test_lossless_sampling's chi-square run (its model, module, prompt and seeds) through stage processes: each
     seeded continuation is the local one token for token, so the local test's verdict covers this runtime without
-    drawing thousands of samples across processes (until issue 22 it drew 2,000 here, 80 s)."""
+    drawing thousands of samples across processes (2,000 here would take 80 s)."""
     from test_lossless_sampling import LENGTH, PARAMS, PROMPT, exact_distribution
 
     from spd.targets.tiny import tiny_model
@@ -176,7 +176,7 @@ def test_smollm2_n5_distributed_equals_local():
 
 @pytest.mark.slow
 def test_smollm2_reused_stage_processes_decode_like_ar():
-    """Issue 21's two-turn chat on the real target (here, not in test_reuse.py: that module keeps a pipeline open,
+    """A two-turn chat on the real target (here, not in test_reuse.py: that module keeps a pipeline open,
     and a second one cannot form beside it in one process): n = 2 stage processes, an untrained module (rejections nearly
     every step), a short prompt and then a much longer one, greedy and seeded T = 1, each generation as a fresh
     in-process decoder gives it (greedy: the target's own decode)."""

@@ -161,7 +161,7 @@ def test_eval_through_the_distributed_runtime(tmp_path, untied_target_dir):
 
 
 def test_chat_turns_through_the_distributed_runtime_equal_local(untied_target_dir):
-    """Issue 21's report: a chat's second turn (a longer prompt) after a first answer that ended on a correction."""
+    """A chat's second turn (a longer prompt) after a first answer that ended on a correction (tests/test_reuse.py)."""
     turns = "Hi.\nPlease write a long detailed paragraph about foxes, then list five of them.\nAnd dogs?\n"
     answers = {}
     for runtime in ("local", "distributed"):

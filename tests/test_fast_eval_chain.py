@@ -128,7 +128,7 @@ class TreeTableDrafter(Eagle3Drafter):
 
 @pytest.mark.parametrize("width", [4])
 def test_fast_tree_stats_equal_the_tree_runtime(family_model, width):
-    """EAGLE-3's trees (issue 23): the replay over a greedy trace settles the cycles the chain runtime does — with
+    """EAGLE-3's trees: the replay over a greedy trace settles the cycles the chain runtime does — with
     trees that accept at every depth and child (a table drafter), and with the real dynamic tree of a random
     module, whose verified states the replay feeds from the trace."""
     family, model = family_model

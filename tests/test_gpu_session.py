@@ -1,5 +1,5 @@
-"""bench/gpu_session.py, the prepared GPU visit, cannot rot: its dry run (a tiny random target on CPU) goes through
-every step the visit runs — parts stashed and assembled, correctness rows, speed rows, a probe-planned training run
+"""bench/gpu_session.py, the prepared GPU run, cannot rot: its dry run (a tiny random target on CPU) goes through
+every step the GPU run takes — parts stashed and assembled, correctness rows, speed rows, a probe-planned training run
 ended by SIGINT at its box with checkpoints exported as float16 parts, the fast evaluator, the returned files — and
 `gpu_pack.py unpack` rebuilds the trained module from what came back."""
 
@@ -98,7 +98,7 @@ def test_a_later_visit_runs_only_the_rows_it_names():
     named = correctness_rows({"spd_checkpoint": "c", "rows": ["lookup_chain", "spd_streams_graphs_w4", "hf_dynamic"]})
     assert [row[0] for row in named] == ["spd_streams_graphs_w4", "lookup_chain"]
 
-    class Refusing:                   # transformers' generate failing as the 2026-11-27 visit's did
+    class Refusing:                   # transformers' generate failing as it did on the H200 on 2026-11-27
         def generate(self, *args, **kwargs):
             raise RuntimeError("accessing tensor output of CUDAGraphs that has been overwritten")
 
@@ -189,7 +189,7 @@ def test_help_names_every_step_and_its_minutes():
 
 
 def test_a_visit_trains_eagle3_and_brings_it_home(tmp_path):
-    """`--train eagle3` (configs/train/gpu_eagle3.yaml): the baseline at the shipped modules' scale on a later visit;
+    """`--train eagle3` (configs/train/gpu_eagle3.yaml): the baseline at the shipped modules' scale on a GPU;
     its eval decodes it as EAGLE-3 (tau) and `unpack` rebuilds it as an EAGLE-3 checkpoint."""
     root = tmp_path / "visit"
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_session.py"), "--device", "cpu", "--dry-run",

@@ -143,10 +143,10 @@ def test_the_priced_statistics_draft_by_the_noise():
 
 
 def test_a_sampled_request_can_price_from_the_sampled_prior():
-    """At T > 0 a candidate is kept with the target's p of it, not when it is the argmax: with sampled_prior (the
-    twentieth look's A/B, not the default) a sampled request's predictor starts from a lower prior that a bucket's
-    few verdicts move less; a greedy request's, and by default every request's, from the greedy one; a predictor
-    that has judged candidates already keeps its counts."""
+    """At T > 0 a candidate is kept with the target's p of it, not when it is the argmax: with sampled_prior (an
+    A/B of bench/wallclock.py --prior-ab, not the default) a sampled request's predictor starts from a lower prior
+    that a bucket's few verdicts move less; a greedy request's, and by default every request's, from the greedy one;
+    a predictor that has judged candidates already keeps its counts."""
     sampled, greedy = AcceptancePredictor.for_sampling(), AcceptancePredictor()
     e = Evidence("suffix", match=4, share=0.9, support=6.0, depth=1)
     assert sampled.prior(e) < greedy.prior(e) and sampled.prior_weight > greedy.prior_weight

@@ -5,8 +5,8 @@ pipeline (lookup+module), EAGLE-3's chain and tree, PipeDec and FlowSpec follow 
 Power: with 2,500 samples a chi-square test at p < 1e-3 rejects a distribution shifted by 5% total variation in the
 direction hardest to see (proportional to p) at least 18 times out of 20 — checked below, so the tests can fail (the
 hardest such shift, all of the mass moved between the likeliest continuation and the three others, is rejected 95%
-of the time over 300 draws; 4,000 samples, drawn until this stop, rejected it every time). The broken verifiers below are caught with 1,000–1,500 samples.
-(Until issue 22 these tests drew 12,000–30,000 samples, for power against 2–3.5%: a third of the suite's time. The
+of the time over 300 draws; 4,000 samples, the earlier setting, rejected it every time). The broken verifiers below are caught with 1,000–1,500 samples.
+(At 12,000–30,000 samples, for power against 2–3.5%, these tests would take a third of the suite's time. The
 warped target has four continuations here, so a shift of every one in the same direction is no shift at all: the
 power check draws only real shifts.)
 """

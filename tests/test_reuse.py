@@ -1,4 +1,4 @@
-"""Reuse equals fresh (issue 21): several generations on one executor / one set of stage processes / one drafter
+"""Reuse equals fresh: several generations on one executor / one set of stage processes / one drafter
 give, each of them, what a fresh decoder gives on the same prompt — for every executor (in-process, the
 fixed-shape graph and stream executors in their eager CPU form, one process per stage), every method (SPD, PPSD,
 output states, pipeline AR, EAGLE-3's chain, the lookup chain, AR), greedy and seeded T = 1.
@@ -50,7 +50,7 @@ class Gen:
 # Greedy token j of a generation sits at position P + j and settles the draft made for it: rejected iff
 # (P + j) % WRONG_EVERY == 0. So the first generation (6 + 4 = 10) ends on a rejection and the next prompt is 50
 # tokens longer than the 10 positions that rejection keeps — the case that cut a reused distributed pipeline's fresh
-# caches back to the old length (issue 21); the sixth (33 + 17 = 50) ends on one before a 70-token prompt.
+# caches back to the old length; the sixth (33 + 17 = 50) ends on one before a 70-token prompt.
 PLAN = (Gen(1, 6, 5), Gen(2, 60, 20), Gen(3, 8, 1), Gen(4, 20, 30, "rejected"), Gen(5, 6, 30, "accepted"),
         Gen(6, 33, 18), Gen(7, 70, 26))
 
@@ -243,7 +243,7 @@ def cancelled_then_whole(decoder, plan, params) -> list:
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "T1"])
 @pytest.mark.parametrize("where", ["local", "distributed", "chain", "ar"])
 def test_a_stream_closed_part_way_leaves_the_decoder_clean(tiny, plan, distributed, where, params):
-    """Cancellation (issue 24) is closing the stream at a verified token: the next decode on the same executor /
+    """Cancellation is closing the stream at a verified token: the next decode on the same executor /
     stage processes / drafter equals a fresh decoder's."""
     stages, staged, mods = distributed
     if where in ("local", "distributed"):

@@ -115,12 +115,12 @@ class SuffixDrafter(ChainDrafter):
         whose continuations of the context's suffix are candidates too (source "datastore"); by_noise: at T = 1
         price each candidate given its own noise (False: as if the draws were unknown, bench/wallclock.py's A/B);
         noise_share: how much of a candidate's chance its noise decides (spd.pricing.given_noise; 1: the formula
-        alone, as before the nineteenth look, for bench/wallclock.py's A/B); sampled_prior: a sampled request's
-        predictor starts from spd.pricing.AcceptancePredictor.for_sampling instead of the greedy one (the twentieth
-        look's A/B, bench/wallclock.py --prior-ab: +0.7% at T = 1 on the eval set, but a slow learner where drafts are
+        alone, the pricing before the noise share, for bench/wallclock.py's A/B); sampled_prior: a sampled request's
+        predictor starts from spd.pricing.AcceptancePredictor.for_sampling instead of the greedy one (an A/B by
+        bench/wallclock.py --prior-ab: +0.7% at T = 1 on the eval set, but a slow learner where drafts are
         kept often — not the default); recall: a sampled request prices a context candidate by the target's p of its
-        token where the context had it too (spd.pricing.AcceptancePredictor.prior; False: as before the
-        twenty-first look, for bench/wallclock.py's A/B)."""
+        token where the context had it too (spd.pricing.AcceptancePredictor.prior; False: the pricing
+        without the recall, for bench/wallclock.py's A/B)."""
         self.min_n, self.max_n, self.retrieval = min_n, max_n, retrieval
         self.costs, self.memory, self.edge = costs, memory, edge
         self.enough, self.max_occurrences = enough, max_occurrences

@@ -2,12 +2,12 @@
 
 `F.linear` in bfloat16 on a CPU hands oneDNN a plain [out, in] weight, which it reorders into its own blocked layout
 on every call; over SmolLM2's 211 weights that reorder is most of a forward of a few rows (bench/product_shapes.py
---layouts: 8 rows 72 ms plain against 55 prepacked, 16 rows 67 against 62; issue 36's fourteenth look). Prepacked
+--layouts: 8 rows 72 ms plain against 55 prepacked, 16 rows 67 against 62). Prepacked
 (`torch.ops.mkldnn._reorder_linear_weight`, the op `torch.compile` uses for a frozen CPU Linear), the same product
 runs from the packed copy. It is used only where it keeps a row's bits independent of the rows beside it — the
 premise of spd.targets.invariant_attention, checked for this target's shapes when it loads — so AR and every drafted
 decoder still compute each row alike. float32 keeps `F.linear`: there a packed copy beside the plain weights read by
-the one-row step moved more bytes through a cache both do not fit (docs/results.md, the tenth look).
+the one-row step moved more bytes through a cache both do not fit (docs/results.md, on prepacked weights).
 
 The packed copies live beside the model (a Linear keeps its weight, which the state dict, an embedding tied to the
 head and the weight cache read), are made when the target is staged and again after an in-place change of a weight;

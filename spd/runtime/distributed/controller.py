@@ -274,7 +274,7 @@ class DistributedStages(StageExecutor):
 
     def _end(self, slot: Slot) -> None:
         # A crop still pending belongs to the generation that just ended: sent with the next generation's first
-        # step it would cut that generation's fresh caches back to the old length (issue 21).
+        # step it would cut that generation's fresh caches back to the old length (tests/test_reuse.py).
         slot.crop = -1
         if slot.active:
             self._command({slot.index: self._row(END)})   # at once: stages with no sequence left wait idle
