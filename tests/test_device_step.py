@@ -1,0 +1,161 @@
+"""The device step (spd.runtime.device_step): a draft-then-verify cycle as one function of device tensors. Lossless
+(greedy = AR, keyed sampling = AR's keyed draws, the target's distribution by chi-square), compiled whole with
+`fullgraph=True`, and no host read inside a step: the decoder reads one buffer a cycle."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import GREEDY, ar_run, prompt
+from spd.decoding import Request
+from spd.drafters.lookup import LookupDrafter
+from spd.runtime.device_step import DeviceChainDecoder, DeviceStep
+from spd.sampling import SamplingParams
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
+from spd.targets.tiny import tiny_model
+from test_lossless_sampling import ALPHA, LENGTH, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
+
+SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
+
+
+def decoder(target, k, compile=None):
+    """k = 0: plain AR through the step; else the lookup's chain of up to k drafts a cycle."""
+    drafter = LookupDrafter(min_n=1, max_n=4) if k else None
+    return DeviceChainDecoder(StagedTarget(target, 1), frozenset(), drafter, k, compile)
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 8])
+def test_greedy_equals_ar(family_model, untied_target_dir, k):
+    """Tied tiny targets loop (the lookup is right most of the time), the untied one does not: both paths."""
+    family, model = family_model
+    for target in (model, load_target(untied_target_dir).model):
+        device = decoder(target, k)
+        for seed in range(2):
+            p = prompt(seed + 50, vocab=target.config.vocab_size)
+            assert device.generate(p, Request(40, GREEDY)).token_ids == ar_run(target, p, 40).token_ids, \
+                (family, k, seed)
+    if k:
+        assert device.stats.accepted > 0 and device.stats.cycles < 39          # drafts were kept: several tokens a cycle
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_keyed_sampling_equals_ar(family_model, untied_target_dir, k):
+    """A seeded request samples AR's own text: the step chooses by the same keyed Gumbel-max draw."""
+    family, model = family_model
+    for target in (model, load_target(untied_target_dir).model):
+        device = decoder(target, k)
+        for seed in range(3):
+            p = prompt(seed + 70, vocab=target.config.vocab_size)
+            request = Request(30, SAMPLED, seed)
+            assert device.generate(p, request).token_ids == ar_run(target, p, 30, SAMPLED, seed=seed).token_ids, \
+                (family, k, seed)
+
+
+def sample_counts(model, samples: int, seed: int) -> dict:
+    device = decoder(model, 4)
+    counts = {}
+    for i in range(samples):
+        key = tuple(device.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i)).token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    return tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
+
+
+def test_the_chain_samples_the_target_distribution(small_vocab_model):
+    """T = 1 with top-k and top-p, the lookup's chain (PROMPT's tokens recur, so drafts are verified): a chi-square
+    against the enumerated distribution (tests/test_lossless_sampling.py shows it rejects a 5% TV shift)."""
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    assert chi2_pvalue(sample_counts(small_vocab_model, SHORT, 11), dist, SHORT) > ALPHA
+
+
+def test_an_acceptance_that_ignores_the_draw_is_caught(small_vocab_model, monkeypatch):
+    """The power check on this path: a step that keeps a draft whenever it is the target's argmax (not the keyed
+    draw) changes the distribution, and the same chi-square rejects it."""
+    choose = DeviceStep.choose
+
+    def argmax_for_drafts(self, logits):
+        chosen = choose(self, logits)
+        return torch.where(self.rows < self.drafts, logits.argmax(-1), chosen) if len(chosen) > 1 else chosen
+    monkeypatch.setattr(DeviceStep, "choose", argmax_for_drafts)
+    dist = exact_distribution(small_vocab_model, PARAMS)
+    assert chi2_pvalue(sample_counts(small_vocab_model, SHORT, 12), dist, SHORT) < ALPHA
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the operations that read a tensor's value back to the host (a sync on a device), and the copies into
+    one host buffer."""
+    READS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "item"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.copies_to = [], {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.READS:
+            self.reads.append(name)
+        if name == "copy_":
+            self.copies_to[args[0].data_ptr()] = self.copies_to.get(args[0].data_ptr(), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_step_reads_nothing_back(params):
+    staged = StagedTarget(tiny_model("llama", num_layers=2), 1)
+    cache = staged.new_cache(64)
+    step = DeviceStep(staged, cache, 4, params)
+    step.tokens.copy_(torch.tensor([5, 9, 3, 5, 9]))
+    step.drafts.fill_(4)
+    step.position.fill_(10)
+    step.run()                                  # the cache's buffers exist before counting
+    with HostReads() as mode:
+        out = step.run()
+    assert mode.reads == []
+    assert 1 <= int(out[0]) <= 5
+
+
+def test_a_decode_reads_one_buffer_a_cycle(monkeypatch):
+    """Greedy, the lookup's chain: after the prefill, no value is read back but the one buffer a cycle."""
+    target = tiny_model("llama", num_layers=2)
+    device = decoder(target, 4)
+    buffers = []
+    real_zeros = torch.zeros
+
+    def zeros(*args, **kwargs):          # the decoder's host buffer: the only tensor made with pin_memory=
+        out = real_zeros(*args, **kwargs)
+        if "pin_memory" in kwargs:
+            buffers.append(out)
+        return out
+    monkeypatch.setattr(torch, "zeros", zeros)
+    stream = device.stream(prompt(3, vocab=target.config.vocab_size), Request(48, GREEDY))
+    next(stream)                         # the prefill and its first token
+    with HostReads() as mode:
+        rest = list(stream)
+    assert len(rest) == 47 and device.stats.cycles < 47
+    assert mode.reads == []
+    assert mode.copies_to.get(buffers[0].data_ptr()) == device.stats.cycles
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("k", [0, 4])
+def test_the_step_compiles_whole(params, k):
+    """torch.compile(fullgraph=True) traces the whole step: a graph break (a host read, a data-dependent shape)
+    would raise. aot_eager traces without generating code, which the inductor test below does once."""
+    target = tiny_model("llama", num_layers=2)
+    p = prompt(5, vocab=target.config.vocab_size)
+    request = Request(24, params, 1)
+    assert decoder(target, k, compile="aot_eager").generate(p, request).token_ids == \
+        ar_run(target, p, 24, params, seed=1).token_ids
+
+
+@pytest.mark.slow
+def test_the_step_compiled_by_inductor_equals_ar():
+    target = tiny_model("llama", num_layers=2)
+    p = prompt(6, vocab=target.config.vocab_size)
+    assert decoder(target, 4, compile="inductor").generate(p, Request(24, GREEDY)).token_ids == \
+        ar_run(target, p, 24).token_ids
