@@ -1,5 +1,6 @@
 """Decoding speed against the hardware limit: tokens/s of HF `generate` (dynamic cache; static cache +
-`torch.compile`), this suite's AR (eager; fixed-shape steps as CUDA graphs) and greedy SPD (runtime=local eager,
+`torch.compile`), this suite's AR (eager; fixed-shape steps as CUDA graphs; the device step, eager and compiled), the
+lookup chain (today's loop; the device step compiled) and greedy SPD (runtime=local eager,
 local with graphs, runtime=streams with graphs off and on), every figure from one run, beside the bandwidth
 roofline: weight bytes read per token over the copy bandwidth measured here. Every SPD row is checked token for
 token against the suite's AR in the same dtype and the same step kind (eager or fixed-shape).
@@ -27,6 +28,9 @@ from spd.eval.harness import machine
 from spd.eval.output import write_json
 from spd.methods import AR, PIPELINE
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.drafters.lookup import LookupDrafter
+from spd.runtime.chain import ChainDecoder
+from spd.runtime.device_step import DeviceChainDecoder
 from spd.runtime.stages import reference_kind, stage_executor
 from spd.runtime.streams import StreamStages
 from spd.sampling import SamplingParams
@@ -39,6 +43,9 @@ GREEDY = SamplingParams()
 SPD_ROWS = {"spd_local_eager": "local", "spd_local_graphs": "graphs", "spd_streams_eager": "streams",
             "spd_streams_graphs": "streams_graphs"}
 AR_ROWS = {None: "suite_ar_eager", "fixed": "suite_ar_fixed_eager", "graphs": "suite_ar_graphs"}
+# whole-target rows checked against the eager AR: the device step (spd.runtime.device_step) and the lookup chain
+CHAIN_ROWS = ("suite_ar_device_eager", "suite_ar_device_compiled", "lookup_chain", "lookup_device_compiled")
+LOOKUP_K = 7     # method=lookup's draft length (spd.methods)
 
 
 def copy_bandwidth(device: torch.device, mib: int = 512, repeats: int = 10) -> float:
@@ -113,8 +120,16 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
     ar_fixed = build_decoder(AR, whole, eos, stages=stage_executor("fixed", whole))   # fixed-shape steps, no graphs
     ar_graphs = build_decoder(AR, whole, eos, stages=stage_executor("graphs", whole))
     request = Request(max_new, GREEDY)
+    min_n, max_n = session.lookup_ngrams
+    chains = {"suite_ar_device_eager": DeviceChainDecoder(whole, eos),
+              "suite_ar_device_compiled": DeviceChainDecoder(whole, eos, compile="inductor"),
+              "lookup_chain": ChainDecoder(whole, LookupDrafter(min_n, max_n), eos, LOOKUP_K),
+              "lookup_device_compiled": DeviceChainDecoder(whole, eos, LookupDrafter(min_n, max_n), LOOKUP_K,
+                                                           compile="inductor")}
     runs = {
         "suite_ar_eager": lambda ids: ar_eager.generate(ids, request).token_ids,
+        # the device-step rows first: they are what a short box must not miss
+        **{name: (lambda ids, d=decoder: d.generate(ids, request).token_ids) for name, decoder in chains.items()},
         "suite_ar_fixed_eager": lambda ids: ar_fixed.generate(ids, request).token_ids,
         "suite_ar_graphs": lambda ids: ar_graphs.generate(ids, request).token_ids,
     }
@@ -149,6 +164,12 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
             N = sum(s.N for s in stats[name])
             K = sum(s.K for s in stats[name])
             rows[name]["eal"] = N / K * staged.n if K else None
+    for name in CHAIN_ROWS:  # lossless: greedy = the eager AR, token for token
+        if name in outputs and "suite_ar_eager" in outputs:
+            rows[name]["ar_match"] = sum(a == b for a, b in zip(outputs[name], outputs["suite_ar_eager"]))
+            rows[name]["prompts"] = len(prompts)
+            stats = chains[name].stats
+            rows[name]["tau_last_prompt"] = getattr(stats, "tau", None)
     for name in executors:   # lossless: each SPD row against the suite's AR with the same kind of step
         reference = outputs.get(AR_ROWS[reference_kind(SPD_ROWS[name])])
         if name not in outputs or reference is None:

@@ -21,6 +21,9 @@ from spd.targets.linears import plain_products
 from spd.targets.stages import StagedTarget
 
 
+BUCKET = 512     # positions: a static cache's length is a multiple of this
+
+
 class DeviceStep:
     """One cycle over k + 1 rows, its state in device tensors: `tokens` [k+1] (the root, then its drafts),
     `drafts` [] (how many of tokens[1:] are real; the rest are padding that is never kept), `position` [] (the
@@ -109,7 +112,8 @@ class DeviceChainDecoder(Decoder):
     def stream(self, prompt_ids: list[int], request: Request):
         target, params, k = self.target, request.params, self.k
         generator = request.generator(target.device)
-        length = context_length(len(prompt_ids), request.max_new_tokens, k + 1)
+        # the cache's length in buckets: a step is built (and compiled) once per bucket, not once per prompt
+        length = -(-context_length(len(prompt_ids), request.max_new_tokens, k + 1) // BUCKET) * BUCKET
         cached = next(iter(self._steps.values())).cache if self._steps else None
         cache, hidden, _ = prefill(target, prompt_ids, frozenset(), length, cached)
         logits = target.logits(hidden[0, -1])
