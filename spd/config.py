@@ -96,6 +96,7 @@ class GenerateConfig:
     runtime: str = "local"               # local (stages one after another, the reference) | distributed |
                                          # streams (one CUDA stream per stage, launched together; CUDA only)
     cuda_graphs: bool = False            # each stage's one-token step replayed as a CUDA graph (CUDA only)
+    compile: bool = False                # runtime=device: the step through torch.compile (fullgraph, inductor)
     threads_per_stage: Optional[int] = None  # distributed: intra-op threads per process (None: cores // processes)
     controller: str = "auto"             # distributed: own_process (n + 1 processes) | first_stage (the controller
                                          # runs stage 1 too: n processes) | auto (first_stage where n + 1 processes
@@ -278,6 +279,13 @@ def check_decoding(cfg) -> None:
         chained = " or ".join(f"runtime={r.name}" for r in RUNTIMES.values() if r.chains)
         raise UserError(f"method={cfg.method} drafts and verifies in one process (no pipeline); use {chained}, "
                         f"not runtime={cfg.runtime}")
+    if rt.device_step and (cfg.method is None or not METHODS[cfg.method].device_step):
+        stepped = " or ".join(f"method={m.name}" for m in METHODS.values() if m.device_step)
+        raise UserError(f"runtime={rt.name} runs {stepped}; method={cfg.method or 'spd'} has no device step: add "
+                        f"{stepped.split(' or ')[-1]}, or use runtime=local")
+    if getattr(cfg, "compile", False) and not rt.device_step:
+        stepped = " or ".join(f"runtime={r.name}" for r in RUNTIMES.values() if r.device_step)
+        raise UserError(f"compile=true compiles the device step of {stepped}; add it, or drop compile")
     at_least(cfg, "max_new_tokens", 1, " (tokens to generate)")
     at_least(cfg, "module_layers", 1)
     at_least(cfg, "temperature", 0, " (0 = greedy)")

@@ -14,6 +14,7 @@ from spd.methods import AR, CHAIN, METHODS, PIPELINE, SEGMENTS
 from spd.runtime import eager_reference, runtime
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
+from spd.runtime.device_step import DeviceChainDecoder
 from spd.runtime.executor import StageExecutor
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.seed import SeedDecoder
@@ -65,6 +66,9 @@ def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder
     """The decoder for `method` over this session's stages (AR where the method drafts nothing)."""
     s = session
     kind = METHODS[method].decoder
+    if runtime(cfg.runtime).device_step:       # the config check let only methods with a device step through
+        return DeviceChainDecoder(s.staged, s.eos_ids, drafter if kind == CHAIN else None,
+                                  s.draft_length or 1, "inductor" if getattr(cfg, "compile", False) else None)
     if kind == AR and eager_reference(cfg):
         stages = None            # the plain loop; elsewhere AR relays through the same fixed-shape or remote steps
     return build_decoder(kind, s.staged, s.eos_ids, drafter, stages=stages, width=s.width,

@@ -47,6 +47,7 @@ class Method:
     spine: bool = True                # a pipelined tree keeps its spine's child (spd.runtime.pipeline.grow); False:
                                       # the W best by cumulative log q alone
     sources: tuple[str, ...] = ()     # the draft_source= values it takes, its default first (none: no choice)
+    device_step: bool = False         # runs through the device step (spd.runtime.device_step, runtime=device)
 
     def prices(self, source: str | None) -> bool:
         """Its drafter, drafting from `source`, prices each cycle with this machine's row costs (spd.pricing)."""
@@ -98,7 +99,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # 7: 8 target rows a cycle, which a CPU computes faster than 7 (bench/lookup_grid.py); m = 15 measured within
     # 4% of it on 256-token answers (docs/results.md) and costs more on a miss
     Method("lookup", "Context lookup", CHAIN, None, fast_evaluator="spd.fast_eval_chain:fast_lookup_eval",
-           draft_length=7, drafter="spd.drafters.lookup:chain_drafter", replays_trees=True),
+           draft_length=7, drafter="spd.drafters.lookup:chain_drafter", replays_trees=True, device_step=True),
     # 15: a chain's depth bound; the pricing (spd.pricing) decides each cycle how much of it to draft
     Method("suffix", "Context statistics, priced", CHAIN, None, fast_evaluator="spd.fast_eval_chain:fast_suffix_eval",
            draft_length=15, drafter="spd.drafters.suffix:chain_drafter", replays_trees=True, priced=True),
@@ -110,7 +111,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # paper's D_init and D_exp)
     Method("flowspec", "FlowSpec", SEGMENTS, None, draft_length=5, drafter="spd.drafters.hybrid:segment_drafter",
            sources=(SUFFIX, LOOKUP), fast_evaluator="spd.fast_eval_trace:fast_segment_eval", replays_trees=True),
-    Method("ar", "AR", AR, None),
+    Method("ar", "AR", AR, None, device_step=True),
 )}
 
 DECODING_METHODS = tuple(METHODS)

@@ -77,7 +77,7 @@ def test_capabilities_answer_what_the_names_used_to():
     (dict(runtime="streams"), "runtime=streams runs each stage on a CUDA stream in this process; device=cpu has none"),
     (dict(runtime="distributed", device="cuda", cuda_graphs=True), "cuda_graphs=true is for runtime=local or "
                                                                     "runtime=streams; runtime=distributed runs"),
-    (dict(runtime="distributed", method="lookup"), "use runtime=local, not runtime=distributed"),
+    (dict(runtime="distributed", method="lookup"), "use runtime=local or runtime=device, not runtime=distributed"),
 ])
 def test_the_config_checks_ask_capabilities(overrides, needle):
     with pytest.raises(UserError) as err:
@@ -119,3 +119,31 @@ def test_the_in_process_runtimes_open_their_executors():
         assert isinstance(stages, LocalStages)
     with open_stages(staged, SimpleNamespace(runtime="local", cuda_graphs=True), []) as stages:
         assert isinstance(stages, GraphStages)     # on CPU its eager twin
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (dict(runtime="device"), "runtime=device runs method=lookup or method=ar; method=spd has no device step"),
+    (dict(runtime="device", method="eagle3"), "method=eagle3 has no device step: add method=ar, or use runtime=local"),
+    (dict(compile=True), "compile=true compiles the device step of runtime=device; add it, or drop compile"),
+])
+def test_the_device_runtime_takes_the_methods_that_have_a_step(overrides, needle):
+    with pytest.raises(UserError) as err:
+        check_decoding(config(**overrides))
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("method", ["lookup", "ar"])
+def test_runtime_device_decodes_through_the_device_step(tiny_target_dir, method):
+    """The engine builds the device step's decoder for runtime=device; its greedy answer is plain AR's."""
+    from spd.config import load_config
+    from spd.engine import open_engine
+    from spd.runtime.device_step import DeviceChainDecoder
+
+    def answer(*keys):
+        cfg = load_config(GenerateConfig, None, [f"target={tiny_target_dir}", "max_new_tokens=24", *keys])
+        with open_engine(cfg) as engine:
+            out = engine.run([5, 9, 3, 5, 9, 3, 7, 5, 9])
+            return out["token_ids"], engine.decoder
+    device, decoder = answer(f"method={method}", "runtime=device")
+    assert isinstance(decoder, DeviceChainDecoder) and (decoder.drafter is None) == (method == "ar")
+    assert device == answer("method=ar")[0]

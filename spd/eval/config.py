@@ -60,6 +60,7 @@ class EvalConfig:
     runtime: str = "local"              # local | distributed (one process per stage; always the step-by-step runtime)
                                         # | streams (one CUDA stream per stage; CUDA only)
     cuda_graphs: bool = False           # stage steps (and the AR baseline) as CUDA graphs (CUDA only)
+    compile: bool = False               # runtime=device: the step through torch.compile (fullgraph, inductor)
     threads_per_stage: Optional[int] = None  # distributed: intra-op threads per process (None: cores // processes)
     controller: str = "auto"            # distributed: own_process | first_stage | auto (as for generate)
     master_addr: str = "127.0.0.1"      # distributed: where the controller hosts the rendezvous

@@ -28,6 +28,8 @@ class Runtime:
     chains: bool = False      # draft-then-verify methods (the whole target in this process) run on it
     reference: bool = False   # the eager, stage-after-stage reference: the plain AR loop, exact fast evaluation,
                               # cost calibration and many requests per forward in this process
+    device_step: bool = False  # each cycle one function of device tensors (spd.runtime.device_step), the whole
+                               # target in this process; the methods that have one (spd.methods) run on it
 
     @property
     def graphs(self) -> bool:
@@ -51,6 +53,9 @@ RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
     Runtime("streams", "each stage on a CUDA stream in this process", steps=("streams", "streams_graphs"), cuda=True),
     Runtime("distributed", "one process per stage, spawned here or started by torchrun",
             opener="spd.runtime.distributed.launch:open_pipeline", processes=True),
+    Runtime("device", "each cycle as one step of device tensors in this process (acceptance and rollback on the "
+            "device, one read a cycle; compile=true: through torch.compile)", steps=("local", "local"), chains=True,
+            device_step=True),
 )}
 
 
