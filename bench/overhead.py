@@ -9,7 +9,8 @@ part a GPU does not hide. One process, every row taking turns on the same prompt
   pipeline with n = 2), and the lookup's chain through the device step.
 
 Each method's rows share its drafter and target, so the today/device pair of a method compares at the same tau;
-the table reports tau and the host time per cycle (tau-free) beside the time per token.
+the table reports tau and the host time per cycle (tau-free) beside the time per token. The prefill is left out:
+a row's time per token is (t(N) - t(1)) / (N - 1), the same prompt decoded to N tokens and to 1.
 
     python bench/overhead.py --out docs/results/overhead.json [--compile]
 """
@@ -53,6 +54,8 @@ def rows(target, compile: bool) -> dict:
                           "the lookup's chain through the device step"),
         "suffix": (lambda: ChainDecoder(staged, SuffixDrafter(), frozenset(), 15),
                    "the priced context statistics' chain today"),
+        "suffix_device": (lambda: DeviceChainDecoder(staged, frozenset(), SuffixDrafter(), 15),
+                          "the priced context statistics' chain through the device step"),
         "eagle3": (lambda: ChainDecoder(staged, Eagle3Drafter(Eagle3Module.untrained(staged, "eagle3", 1, seed=0), staged.embed),
                                         frozenset(), 5), "EAGLE-3's chain today (an untrained module)"),
         "spd_n2": (lambda: PipelineDecoder(StagedTarget(target, 2),
@@ -66,6 +69,9 @@ def rows(target, compile: bool) -> dict:
         out["lookup_device_compiled"] = (lambda: DeviceChainDecoder(staged, frozenset(), LookupDrafter(), K,
                                                                     compile="inductor"),
                                          "the lookup's chain through the device step, torch.compile (inductor)")
+        out["suffix_device_compiled"] = (lambda: DeviceChainDecoder(staged, frozenset(), SuffixDrafter(), 15,
+                                                                    compile="inductor"),
+                                         "the priced context statistics' chain through the device step, compiled")
     return out
 
 
@@ -115,8 +121,9 @@ def main() -> None:
     for _ in range(args.repeats):
         for i, p in enumerate(prompts):
             for name, decoder in decoders.items():          # the rows take turns: drift hits all of them
+                first = decoder.generate(p, Request(1, params, i))
                 result = decoder.generate(p, Request(args.tokens, params, i))
-                times[name].append(result.seconds / len(result.token_ids))
+                times[name].append((result.seconds - first.seconds) / (len(result.token_ids) - 1))
                 stats = result.stats
                 tau = getattr(stats, "tau", None) or (stats.eal / stats.n if getattr(stats, "eal", None) else None)
                 taus[name].append(tau if tau is not None else 1.0)
@@ -125,9 +132,12 @@ def main() -> None:
         per_token = statistics.median(times[name])
         tau = statistics.fmean(taus[name])
         table[name] = {"what": what, "us_per_token": per_token * 1e6, "tau": tau,
-                       "us_per_cycle": per_token * tau * 1e6}
-    for base, device in [("ar", "ar_device"), ("lookup", "lookup_device"), ("ar", "ar_device_compiled"),
-                         ("lookup", "lookup_device_compiled")]:
+                       "us_per_cycle": per_token * tau * 1e6,
+                       "vs_hf_static": per_token / statistics.median(times["hf_static"]) if "hf_static" in times
+                       else None}
+    for base, device in [("ar", "ar_device"), ("lookup", "lookup_device"), ("suffix", "suffix_device"),
+                         ("ar", "ar_device_compiled"), ("lookup", "lookup_device_compiled"),
+                         ("suffix", "suffix_device_compiled")]:
         if device in table:
             table[device]["vs_today"] = table[device]["us_per_token"] / table[base]["us_per_token"]
     print(f"{'row':24} {'µs/token':>9} {'tau':>5} {'µs/cycle':>9}  what")

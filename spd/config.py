@@ -47,7 +47,7 @@ class GenerateConfig:
                                          # per cycle (AR and the chains, runtime=local), one pipeline step (SPD's
                                          # pipeline, local or distributed); 1 = one at a time
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
-    method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | suffix | pipedec | ar (plain AR
+    method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | suffix | selfdraft | pipedec | ar (plain AR
                                          # through the same stage runner); None = the checkpoint's, and where no key
                                          # chooses, the fastest lossless for the device (spd.fastest), else spd
     draft_length: Optional[int] = None   # method=eagle3 | lookup | suffix: at most m drafts per target forward; None
@@ -66,6 +66,12 @@ class GenerateConfig:
                                          # suffix | lookup (its trees from the context's statistics or lookup); eagle3:
                                          # module | suffix+module (the context's statistics with EAGLE-3's children
                                          # beside them, priced); None = the method's first
+    branches: int = 6                    # method=selfdraft: N, draft branches run beside each verification forward
+    branch_length: int = 6               # method=selfdraft: L, tokens a draft branch keeps (its oldest dropped past L)
+    gram: int = 4                        # method=selfdraft: G, the n-grams its context and corpus caches keep (a
+                                         # candidate is the G - 1 tokens after the newest token; draft_length caps it)
+    corpus_ngrams: bool = True           # method=selfdraft: the ShareGPT datastore's n-grams fill the candidates the
+                                         # branches' leave (built once per tokenizer, cached); false: branches alone
     lookup_min_ngram: int = 2            # lookup, lookup+module, suffix: shortest suffix of the context that may match
                                          # earlier
     lookup_max_ngram: int = 8            # lookup, lookup+module, suffix: longest suffix compared (the longest match wins)
@@ -237,6 +243,10 @@ def check_decoding(cfg) -> None:
         raise UserError(f"device={cfg.device!r} is not a device; use cpu, cuda, cuda:<index> or mps")
     at_least(cfg, "n", 1, " (pipeline stages)")
     at_least(cfg, "draft_length", 1, " (a chain's draft tokens per cycle)")
+    if "branches" in cfg:      # method=selfdraft's keys
+        at_least(cfg, "branches", 0, " (selfdraft's draft branches; 0 = the corpus n-grams alone)")
+        at_least(cfg, "branch_length", 1, " (tokens a selfdraft branch keeps)")
+        at_least(cfg, "gram", 2, " (selfdraft's n-gram length: a key and at least one token)")
     at_least(cfg, "lookup_min_ngram", 1, " (tokens a context match needs)")
     at_least(cfg, "W", 1, " (children per draft-tree node; 1 = a chain)")
     at_least(cfg, "tree_nodes", 1, " (drafted nodes per verification)")
@@ -283,6 +293,8 @@ def check_decoding(cfg) -> None:
         stepped = " or ".join(f"method={m.name}" for m in METHODS.values() if m.device_step)
         raise UserError(f"runtime={rt.name} runs {stepped}; method={cfg.method or 'spd'} has no device step: add "
                         f"{stepped.split(' or ')[-1]}, or use runtime=local")
+    if rt.device_step and cfg.W > 1:
+        raise UserError(f"runtime={rt.name} verifies chains; W={cfg.W} asks for trees: use W=1, or runtime=local")
     if getattr(cfg, "compile", False) and not rt.device_step:
         stepped = " or ".join(f"runtime={r.name}" for r in RUNTIMES.values() if r.device_step)
         raise UserError(f"compile=true compiles the device step of {stepped}; add it, or drop compile")

@@ -102,7 +102,11 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            draft_length=7, drafter="spd.drafters.lookup:chain_drafter", replays_trees=True, device_step=True),
     # 15: a chain's depth bound; the pricing (spd.pricing) decides each cycle how much of it to draft
     Method("suffix", "Context statistics, priced", CHAIN, None, fast_evaluator="spd.fast_eval_chain:fast_suffix_eval",
-           draft_length=15, drafter="spd.drafters.suffix:chain_drafter", replays_trees=True, priced=True),
+           draft_length=15, drafter="spd.drafters.suffix:chain_drafter", replays_trees=True, priced=True,
+           device_step=True),
+    # Self-Draft (Multi-Branch Self-Drafting): N draft branches ride in each verification forward, their n-grams and a
+    # corpus's are the candidates; 3: a candidate's tokens after its key at the default gram=4 (G - 1)
+    Method("selfdraft", "Self-Draft", CHAIN, None, draft_length=3, drafter="spd.drafters.selfdraft:chain_drafter"),
     # PipeDec: a draft model as the first stage grows the tree one layer per step (W = w nodes a layer, children
     # = c per leaf); greedy eval replays it over the target's traces with its draft model running
     Method("pipedec", "PipeDec", PIPELINE, None, drafter="spd.drafters.draft_model:pipelined_drafter",

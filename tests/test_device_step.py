@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import GREEDY, ar_run, prompt
 from spd.decoding import Request
 from spd.drafters.lookup import LookupDrafter
-from spd.runtime.device_step import DeviceChainDecoder, DeviceStep
+from spd.drafters.suffix import SuffixDrafter
+from spd.runtime.device_step import DeviceChainDecoder, DeviceStep, StepState
 from spd.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
@@ -19,9 +20,9 @@ from test_lossless_sampling import ALPHA, LENGTH, PARAMS, PROMPT, SHORT, chi2_pv
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
 
 
-def decoder(target, k, compile=None):
-    """k = 0: plain AR through the step; else the lookup's chain of up to k drafts a cycle."""
-    drafter = LookupDrafter(min_n=1, max_n=4) if k else None
+def decoder(target, k, compile=None, drafter=LookupDrafter):
+    """k = 0: plain AR through the step; else the lookup's (or `drafter`'s) chain of up to k drafts a cycle."""
+    drafter = (LookupDrafter(min_n=1, max_n=4) if drafter is LookupDrafter else drafter()) if k else None
     return DeviceChainDecoder(StagedTarget(target, 1), frozenset(), drafter, k, compile)
 
 
@@ -37,6 +38,18 @@ def test_greedy_equals_ar(family_model, untied_target_dir, k):
                 (family, k, seed)
     if k:
         assert device.stats.accepted > 0 and device.stats.cycles < 39          # drafts were kept: several tokens a cycle
+
+
+def test_the_priced_statistics_chain_equals_ar(family_model, untied_target_dir):
+    """The priced context statistics (method=suffix W=1) read the target's margin from the cycle's one read."""
+    family, model = family_model
+    for target in (model, load_target(untied_target_dir).model):
+        for params, seed in [(GREEDY, None), (SAMPLED, 4)]:
+            device = decoder(target, 15, drafter=SuffixDrafter)
+            p = prompt(seed or 90, vocab=target.config.vocab_size)
+            assert device.generate(p, Request(40, params, seed)).token_ids == \
+                ar_run(target, p, 40, params, seed=seed).token_ids, (family, params)
+        assert device.stats.drafted > 0
 
 
 @pytest.mark.parametrize("k", [0, 4])
@@ -80,7 +93,7 @@ def test_an_acceptance_that_ignores_the_draw_is_caught(small_vocab_model, monkey
 
     def argmax_for_drafts(self, logits):
         chosen = choose(self, logits)
-        return torch.where(self.rows < self.drafts, logits.argmax(-1), chosen) if len(chosen) > 1 else chosen
+        return torch.where(self.rows < self.state.drafts, logits.argmax(-1), chosen) if len(chosen) > 1 else chosen
     monkeypatch.setattr(DeviceStep, "choose", argmax_for_drafts)
     dist = exact_distribution(small_vocab_model, PARAMS)
     assert chi2_pvalue(sample_counts(small_vocab_model, SHORT, 12), dist, SHORT) < ALPHA
@@ -107,11 +120,11 @@ class HostReads(TorchDispatchMode):
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_a_step_reads_nothing_back(params):
     staged = StagedTarget(tiny_model("llama", num_layers=2), 1)
-    cache = staged.new_cache(64)
-    step = DeviceStep(staged, cache, 4, params)
-    step.tokens.copy_(torch.tensor([5, 9, 3, 5, 9]))
-    step.drafts.fill_(4)
-    step.position.fill_(10)
+    state = StepState(staged, staged.new_cache(64), 5, params)
+    step = DeviceStep(staged, state, 5)
+    state.tokens.copy_(torch.tensor([5, 9, 3, 5, 9]))
+    state.drafts.fill_(4)
+    state.position.fill_(10)
     step.run()                                  # the cache's buffers exist before counting
     with HostReads() as mode:
         out = step.run()

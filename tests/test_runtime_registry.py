@@ -122,7 +122,7 @@ def test_the_in_process_runtimes_open_their_executors():
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (dict(runtime="device"), "runtime=device runs method=lookup or method=ar; method=spd has no device step"),
+    (dict(runtime="device"), "runtime=device runs method=lookup or method=suffix or method=ar; method=spd has no device step"),
     (dict(runtime="device", method="eagle3"), "method=eagle3 has no device step: add method=ar, or use runtime=local"),
     (dict(compile=True), "compile=true compiles the device step of runtime=device; add it, or drop compile"),
 ])

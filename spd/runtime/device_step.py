@@ -22,29 +22,39 @@ from spd.targets.stages import StagedTarget
 
 
 BUCKET = 512     # positions: a static cache's length is a multiple of this
+ROWS = (1, 2, 4, 8, 16)   # rows a step runs: a cycle's drafts are padded up to the next of these
 
 
-class DeviceStep:
-    """One cycle over k + 1 rows, its state in device tensors: `tokens` [k+1] (the root, then its drafts),
-    `drafts` [] (how many of tokens[1:] are real; the rest are padding that is never kept), `position` [] (the
-    root's position), `noise` [k+1, V] (sampling: the Gumbel noise of the positions the rows choose)."""
+class StepState:
+    """What every step of one cache shares, in device tensors: `tokens` [R] (the root, then its drafts), `drafts` []
+    (how many of tokens[1:] are real; the rest are padding that is never kept), `position` [] (the root's position),
+    `noise` [R, V] (sampling: the Gumbel noise of the positions the rows choose), `out` [R + 2] (what the host reads:
+    the count c of verified tokens, the target's margin where it chose the last of them, its choice after each row;
+    float64 holds token ids exactly)."""
 
-    def __init__(self, target: StagedTarget, cache, k: int, params: SamplingParams, compile: str | None = None):
-        """compile: a torch.compile backend ("inductor"; "aot_eager" traces the same whole graph without generating
-        code), None: eager."""
+    def __init__(self, target: StagedTarget, cache, rows: int, params: SamplingParams):
         if not cache.static:
             raise ValueError("a device step needs a static cache (new_cache(max_length=...))")
         device = target.device
-        self.target, self.cache, self.k, self.params = target, cache, k, params
-        self.rows = torch.arange(k + 1, device=device)                                # [k+1]
-        self.tokens = torch.zeros(k + 1, dtype=torch.long, device=device)             # [k+1]
-        self.drafts = torch.zeros((), dtype=torch.long, device=device)                # []
-        self.position = torch.zeros((), dtype=torch.long, device=device)              # []
-        self.out = torch.zeros(k + 2, dtype=torch.long, device=device)                # [k+2] count, tokens
-        self.mask_keys = torch.arange(cache.max_length, device=device).view(1, -1)    # [1, S]
+        self.cache, self.params = cache, params
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)               # [R]
+        self.drafts = torch.zeros((), dtype=torch.long, device=device)                 # []
+        self.position = torch.zeros((), dtype=torch.long, device=device)               # []
+        self.out = torch.zeros(rows + 2, dtype=torch.float64, device=device)           # [R+2]
+        self.mask_keys = torch.arange(cache.max_length, device=device).view(1, -1)     # [1, S]
         vocab = target.model.config.vocab_size
         self.noise = None if params.greedy else \
-            torch.zeros(k + 1, vocab, dtype=torch.float64, device=device)           # [k+1, V]
+            torch.zeros(rows, vocab, dtype=torch.float64, device=device)              # [R, V]
+
+
+class DeviceStep:
+    """One cycle over the first `rows` of the shared state (the root and up to rows - 1 drafts)."""
+
+    def __init__(self, target: StagedTarget, state: StepState, rows: int, compile: str | None = None):
+        """compile: a torch.compile backend ("inductor"; "aot_eager" traces the same whole graph without generating
+        code), None: eager."""
+        self.target, self.state, self.params = target, state, state.params
+        self.rows = torch.arange(rows, device=target.device)                           # [r]
         self.run = self.step
         if compile:
             compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=compile)
@@ -56,57 +66,63 @@ class DeviceStep:
             self.run = run
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [k+1, V] -> the target's token after each row [k+1]: its argmax (ties to the lowest id, as
+        """logits [r, V] -> the target's token after each row [r]: its argmax (ties to the lowest id, as
         spd.sampling.greedy_token), or the keyed draw argmax(log p + g) over warp's support (KeyedDraws.sample)."""
         if self.params.greedy:
             return logits.argmax(-1)
-        probs = torch.stack([warp(row, self.params) for row in logits.unbind(0)]).double()   # [k+1, V]
-        scores = torch.where(probs > 0, probs.log() + self.noise, float("-inf"))
-        return scores.argmax(-1)
+        probs = torch.stack([warp(row, self.params) for row in logits.unbind(0)]).double()   # [r, V]
+        noise = self.state.noise[: len(logits)]                                              # [r, V]
+        return torch.where(probs > 0, probs.log() + noise, float("-inf")).argmax(-1)
 
     def step(self) -> torch.Tensor:
-        """One cycle; returns `out` [k+2]: the count c of verified tokens, then the tokens (the first c are real)."""
-        target = self.target
-        positions = self.position + self.rows                                         # [k+1]
-        self.cache.write_at = positions
+        """One cycle; returns the state's `out`."""
+        target, state, r = self.target, self.state, len(self.rows)
+        tokens = state.tokens[:r]                                                      # [r]
+        positions = state.position + self.rows                                         # [r]
+        state.cache.write_at = positions
         try:
-            hidden, _ = target.run_layers(target.embed(self.tokens.view(1, -1)), positions, 0, target.num_layers,
-                                          self.cache, frozenset(), self.mask_keys)
+            hidden, _ = target.run_layers(target.embed(tokens.view(1, -1)), positions, 0, target.num_layers,
+                                          state.cache, frozenset(), state.mask_keys)
         finally:
-            self.cache.write_at = None
-        chosen = self.choose(target.logits(hidden[0]))                                # [k+1]
-        hit = (self.tokens[1:] == chosen[:-1]) & (self.rows[1:] <= self.drafts)       # [k]
-        kept = torch.cumprod(hit.long(), 0).sum()                                     # [] drafts kept
+            state.cache.write_at = None
+        logits = target.logits(hidden[0])                                              # [r, V]
+        chosen = self.choose(logits)                                                   # [r]
+        hit = (tokens[1:] == chosen[:-1]) & (self.rows[1:] <= state.drafts)            # [r-1]
+        kept = torch.cumprod(hit.long(), 0).sum()                                      # [] drafts kept
         # the verified tokens are the target's own choices at rows 0..kept: a kept draft equals its row's choice
-        self.out[0] = kept + 1
-        self.out[1:] = chosen
-        self.position.add_(kept + 1)
-        self.tokens[:1] = chosen.gather(0, kept.view(1))
-        return self.out
+        top2 = logits.gather(0, kept.view(1, 1).expand(1, logits.shape[-1])).float().topk(2, -1).values   # [1, 2]
+        state.out[0] = kept + 1
+        state.out[1] = top2[0, 0] - top2[0, 1]
+        state.out[2: r + 2] = chosen
+        state.position.add_(kept + 1)
+        tokens[:1] = chosen.gather(0, kept.view(1))
+        return state.out
 
 
 class DeviceChainDecoder(Decoder):
-    """Draft-then-verify through the device step: a context drafter (no target states, no margin: the lookup)
-    drafts up to k tokens on the host from the tokens read back, the step verifies them on the device. drafter
-    None: plain AR (k = 0)."""
+    """Draft-then-verify through the device step: a context drafter (no target states: the lookup, the priced
+    context statistics' chain) drafts up to k tokens on the host from what the cycle read back, and the step over
+    the smallest row bucket that holds them verifies them on the device. drafter None: plain AR (k = 0)."""
 
     def __init__(self, target: StagedTarget, eos_ids: frozenset[int], drafter: ChainDrafter | None = None,
                  k: int = 7, compile: str | None = None):
-        if drafter is not None and (drafter.layers_needed() or drafter.uses_margin):
-            raise ValueError(f"{type(drafter).__name__} reads the target's states or margin; the device step hands "
-                             "a drafter only the verified tokens")
+        if drafter is not None and drafter.layers_needed():
+            raise ValueError(f"{type(drafter).__name__} reads the target's hidden states; the device step hands a "
+                             "drafter only the verified tokens and the target's margin")
         self.target, self.eos_ids, self.drafter = target, eos_ids, drafter
-        self.k = 0 if drafter is None else k
+        self.k = 0 if drafter is None else min(k, ROWS[-1] - 1)
+        self.buckets = sorted(set(r for r in ROWS if r < self.k + 1) | {self.k + 1})
         self.compile = compile
-        self._steps: dict[tuple, DeviceStep] = {}
+        self.state: StepState | None = None
+        self.steps: dict[int, DeviceStep] = {}
 
-    def device_step(self, cache, params: SamplingParams) -> DeviceStep:
-        """The step over this cache (a fresh cache length: a new step, compiled again when compiling)."""
-        key = (cache.max_length, params)
-        step = self._steps.get(key)
-        if step is None or step.cache is not cache:
-            step = self._steps[key] = DeviceStep(self.target, cache, self.k, params, self.compile)
-        return step
+    def state_for(self, cache, params: SamplingParams) -> StepState:
+        """The shared state over this cache, and its steps (built, and compiled, again only for a new cache
+        length bucket or sampling setting)."""
+        if self.state is None or self.state.cache is not cache or self.state.params != params:
+            self.state = StepState(self.target, cache, self.k + 1, params)
+            self.steps = {rows: DeviceStep(self.target, self.state, rows, self.compile) for rows in self.buckets}
+        return self.state
 
     @torch.no_grad()
     def stream(self, prompt_ids: list[int], request: Request):
@@ -114,62 +130,63 @@ class DeviceChainDecoder(Decoder):
         generator = request.generator(target.device)
         # the cache's length in buckets: a step is built (and compiled) once per bucket, not once per prompt
         length = -(-context_length(len(prompt_ids), request.max_new_tokens, k + 1) // BUCKET) * BUCKET
-        cached = next(iter(self._steps.values())).cache if self._steps else None
-        cache, hidden, _ = prefill(target, prompt_ids, frozenset(), length, cached)
-        logits = target.logits(hidden[0, -1])
+        cache, hidden, _ = prefill(target, prompt_ids, frozenset(), length, self.state and self.state.cache)
+        logits = target.logits(hidden[0, -1])                                          # [V]
         draws = None if params.greedy else request.draws(generator, logits.shape[-1])
-        step = self.device_step(cache, params)
-        step.position.fill_(len(prompt_ids))
-        host = torch.zeros(k + 2, dtype=torch.long, pin_memory=target.device.type == "cuda")
+        state = self.state_for(cache, params)
+        state.position.fill_(len(prompt_ids))
+        host = torch.zeros(k + 3, dtype=torch.float64, pin_memory=target.device.type == "cuda")
         # the first token from the prefill's last row, by the same rule as every later one
         if draws is not None:
-            step.noise[0] = -torch.log(-torch.log(draws.uniforms(len(prompt_ids))))
-        step.tokens[:1] = step.choose(logits.view(1, -1))[:1]
-        host[:1].copy_(step.tokens[:1], non_blocking=True)
-        self.synchronize(host)
-        first = host.tolist()[0]
-        tokens = list(prompt_ids) + [first]
-        produced = 1
-        stats = self.stats = ChainStats(m=k, N=1)
-        yield first
-        if is_final(first, produced, request.max_new_tokens, self.eos_ids):
-            return
-        if self.drafter is not None:
-            self.drafter.start({}, tokens)
-            self.drafter.sampling_draws(draws)
+            state.noise[0] = -torch.log(-torch.log(draws.uniforms(len(prompt_ids))))
+        state.tokens[:1] = self.steps[1].choose(logits.view(1, -1))
+        top2 = logits.float().topk(2).values
+        state.out[0], state.out[1], state.out[2] = 1, top2[0] - top2[1], state.tokens[0]
+        values = self.read(state, host)
+        tokens = list(prompt_ids)
+        stats = self.stats = ChainStats(m=k)
+        drafts: list[int] = []
         while True:
+            count, margin, chosen = int(values[0]), values[1], values[2:]
+            for token in chosen[:count]:
+                tokens.append(int(token))
+                stats.N += 1
+                yield tokens[-1]
+                if is_final(tokens[-1], stats.N, request.max_new_tokens, self.eos_ids):
+                    return
+            if self.drafter is not None:
+                if stats.N == 1:
+                    self.drafter.start({}, tokens)
+                    self.drafter.sampling_draws(draws)
+                else:
+                    self.drafter.verified({}, tokens)
+                if self.drafter.uses_margin:
+                    self.drafter.target_margin(margin)
             drafts = self.draft(tokens)
-            root = len(tokens) - 1                    # the newest verified token's position
+            rows = next(r for r in self.buckets if r > len(drafts))
             if drafts:
-                step.tokens[1: 1 + len(drafts)] = torch.tensor(drafts)
-            step.drafts.fill_(len(drafts))
+                state.tokens[1: 1 + len(drafts)] = torch.tensor(drafts)
+            state.drafts.fill_(len(drafts))
             if draws is not None:                      # the noise is known before the target reads the rows
-                step.noise.copy_(-torch.log(-torch.log(torch.stack(
-                    [draws.uniforms(root + 1 + j) for j in range(k + 1)]))))
-            host.copy_(step.run(), non_blocking=True)  # the cycle's one read
-            self.synchronize(host)
-            count, *chosen = host.tolist()
+                root = len(tokens) - 1                 # the newest verified token's position
+                state.noise[:rows].copy_(-torch.log(-torch.log(torch.stack(
+                    [draws.uniforms(root + 1 + j) for j in range(rows)]))))
+            self.steps[rows].run()
+            values = self.read(state, host)
             stats.cycles += 1
             stats.drafted += len(drafts)
             stats.drafting_cycles += bool(drafts)
-            stats.accepted += count - 1
-            stats.accepted_per_cycle.append(count - 1)
-            for token in chosen[:count]:
-                tokens.append(token)
-                produced += 1
-                stats.N = produced
-                yield token
-                if is_final(token, produced, request.max_new_tokens, self.eos_ids):
-                    return
-            if self.drafter is not None:
-                self.drafter.verified({}, tokens)
+            stats.accepted += int(values[0]) - 1
+            stats.accepted_per_cycle.append(int(values[0]) - 1)
 
-    def synchronize(self, host: torch.Tensor) -> None:
-        if host.is_pinned():                           # the copy was issued non-blocking on the device's stream
+    def read(self, state: StepState, host: torch.Tensor) -> list[float]:
+        """The cycle's one read: the state's `out` copied into the host buffer (pinned on CUDA, non-blocking)."""
+        host[: len(state.out)].copy_(state.out, non_blocking=True)
+        if host.is_pinned():
             torch.cuda.current_stream(self.target.device).synchronize()
+        return host.tolist()
 
     def draft(self, tokens: list[int]) -> list[int]:
-        if self.drafter is None:
+        if self.drafter is None or self.k == 0:
             return []
-        tree = self.drafter.draft_tree(tokens[-1], self.k, 1, self.k, None)
-        return tree.tokens()[1:]
+        return self.drafter.draft_tree(tokens[-1], self.k, 1, self.k, None).tokens()[1:]
