@@ -1,5 +1,5 @@
 """What `spd-infer generate` and `chat` decode with when no key chooses: the fastest lossless configuration that
-bench/wallclock.py measured for this kind of device and temperature regime (greedy or sampled; docs/results.md).
+bench/wallclock.py measured for this kind of device and temperature regime (greedy or sampled; docs/speed-cpu.md).
 
 Torch-free: it is read before any model loads. Any key that describes an SPD pipeline or a module (method=,
 checkpoint=, n=, stage_bounds=, runtime=, draft_source=, ...) on the command line, or set away from its default in
@@ -11,20 +11,12 @@ from __future__ import annotations
 from spd.targets.source import DEFAULT_TARGET
 
 # device type -> temperature regime -> the keys of the fastest lossless row. 2-core CPUs: bench/wallclock.py over the
-# eval and everyday sets (docs/results.md, "Drafts priced by the machine", second pass): greedy, the priced context
-# statistics' trees (W = 4) led on average (2.24x / 1.57x against the lookup chain's 2.03x / 1.61x); sampled, the same
-# trees by a hair (1.08x / 1.06x against 1.07x / 1.05x; a predictor that paid for its greedy prior in every sampled
-# request had put the chain ahead). With the ShareGPT datastore's continuations beside them (`datastore=sharegpt`,
-# the rows taking turns): 2.28x / 1.11x / 1.69x / 1.13x against 2.19x / 1.09x / 1.59x / 1.09x without (everyday
-# T = 0, T = 1, eval T = 0, T = 1) — measured on the default target only (fastest_default). The target's own answers
-# first (`datastore=answers+sharegpt`, same run): greedy 2.33x / 1.72x against ShareGPT alone's 2.23x / 1.69x;
-# sampled 1.09x / 1.12x against 1.10x / 1.14x — so sampled kept ShareGPT alone. Since keyed draws (candidates priced
-# by their own noise) the answers tie ShareGPT alone sampled (everyday 1.13x / 1.11x against 1.12x / 1.11x over two
-# runs, eval 1.09x against 1.09x): one configuration for both regimes. The whole field over both full sets with a
-# sampled candidate's recall: 2.98x / 1.276x / 2.20x / 1.279x of the suite's AR, the fastest plain decoding in every
-# cell, 1.84-2.22x of transformers' prompt lookup. On CUDA the bfloat16 table measured on one H200 (docs/results.md,
-# section "On a GPU"), where AR through CUDA graphs ran 242 tokens/s and SPD with graphs 47 (the chains were not
-# measured there).
+# eval and everyday sets, the whole field in one run (docs/speed-cpu.md, "The whole field by the clock"): the priced
+# context statistics' trees (W = 4) with the target's own answers and ShareGPT's continuations beside them ran 2.98x /
+# 1.276x / 2.20x / 1.279x of the suite's AR (everyday T = 0, T = 1, eval T = 0, T = 1), the fastest plain decoding in
+# every cell, and 1.84-2.22x of transformers' prompt lookup; the datastore was measured on the default target only
+# (fastest_default). On CUDA the bfloat16 table measured on one H200 (docs/gpu.md, "The figures"), where AR through
+# CUDA graphs was the fastest of the suite's rows and SPD ran below it.
 FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"},
                    "sampled": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"}},
            "cuda": {"greedy": {"method": "ar", "cuda_graphs": True}, "sampled": {"method": "ar", "cuda_graphs": True}}}

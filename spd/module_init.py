@@ -1,4 +1,4 @@
-"""Starting points for the speculation module's attention (docs/results.md, "Why depth did not help").
+"""Starting points for the speculation module's attention (docs/training.md, "Why depth did not help").
 
 Trained from a random start, the module's attention stays flat: at a = 1 every head puts about 1/(t+1) of its
 mass on each memory row (bench/depth_diagnosis.py, `attention_by_lag_a1`), so the module reads a bag of the

@@ -71,7 +71,7 @@ class AcceptancePredictor:
         prior_scale 0.6 fit 10 everyday answers' verdicts best (log-likelihood -0.340 against -0.365) and the 30
         held-out MT-Bench answers' too (-0.295 against -0.317). Not the default (spd.drafters.suffix's
         sampled_prior): +0.7% by the clock at T = 1 on the eval set, while where drafts are kept often its heavy prior
-        learns so slowly that short requests draft little (docs/results.md, the whole field after the noise share)."""
+        learns so slowly that short requests draft little (docs/speed-cpu.md, "What was tried and did not pay")."""
         return cls(prior_weight=16.0, prior_scale=0.6)
 
     @staticmethod
@@ -126,7 +126,7 @@ def given_noise(chance: float, u: float, share: float = NOISE_SHARE) -> float:
     put under 2% were kept ~35x more often than that, those it put over 40% ~0.6x as often — a worse fit
     (log-likelihood -0.584 a verdict) than ignoring the noise (-0.383). So only `share` of the chance follows the
     noise: (1 - share) * chance + share * u ** ((1 - p) / p), best at 0.3-0.4 (-0.365; bench/noise_calibration.py,
-    docs/results.md, the noise priced at T = 1; a probe over eval answers agreed). Over u it averages back to
+    docs/speed-cpu.md, "How good the pricing is"; a probe over eval answers agreed). Over u it averages back to
     `chance` at any share; share = 1 is the formula alone."""
     p = min(max(chance, 1e-6), 1.0 - 1e-9)
     return (1.0 - share) * chance + share * u ** ((1.0 - p) / p)

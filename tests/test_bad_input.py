@@ -1,7 +1,7 @@
 """Every entry point survives bad input: one stderr line `<command>: error: ...` naming the problem and the fix,
 exit code 2, no traceback, and the file system exactly as it was (nothing written for a refused run).
 
-The case tables here are what docs/results.md counts per entry point."""
+The case tables here are what docs/serving.md counts per entry point ("Bad input, per entry point")."""
 
 import json
 import os

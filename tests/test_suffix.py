@@ -14,7 +14,7 @@ from spd.pricing import AcceptancePredictor, Evidence, RowCosts, choose
 from spd.runtime.chain import ChainDecoder
 from spd.targets.stages import StagedTarget
 
-# a CPU's curve: 2 and 3 rows cost more than 4 (docs/results.md, "The lookup's settings, priced")
+# a CPU's curve: 2 and 3 rows cost more than 4 (docs/speed-cpu.md, "The lookup chain's settings")
 CPU_LIKE = RowCosts((1.0, 1.6, 1.9, 1.46, 1.9, 2.0, 2.1, 1.57, 2.2, 2.3, 2.4, 2.0, 2.6, 2.7, 2.8, 1.84))
 
 

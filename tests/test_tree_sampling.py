@@ -93,7 +93,7 @@ def test_deterministic_children_are_kept_with_their_p():
 
 
 def test_the_authors_rule_is_not_lossless():
-    """The counter-example docs/results.md quotes: q's top-2 children, one coin each."""
+    """The counter-example docs/lossless.md quotes: q's top-2 children, one coin each."""
     counts = emitted(top(2), authors_rule, seed=3)
     assert pvalue(counts, P) < ALPHA
     first = int(torch.argmax(Q))

@@ -1,7 +1,7 @@
 // float32 x W^T on a CPU from a weight packed once into panels of LANES output features, for few rows at a time.
 //
 // Why: MKL's sgemm steps at 4 rows on these CPUs (a forward's products cost 1.8x their one-row time at 4 rows and
-// stay above it to 15; docs/results.md, issue 36), so a draft of 4..15 rows paid most of a second forward. Streaming
+// stay above it to 15; docs/speed-cpu.md), so a draft of 4..15 rows paid most of a second forward. Streaming
 // the weight once per call and multiplying every row against it while it is in registers keeps the products at the
 // weight's memory time up to ~12 rows.
 //

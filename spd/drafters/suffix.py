@@ -63,7 +63,7 @@ class SuffixMemory:
 class Retrieval:
     """How the drafter reads a datastore (spd.datastore): the longest match of the context's last max_n tokens (at
     least min_n), `limit` of its occurrences spread over the corpus, their next `depth` tokens. Over the 30 eval
-    prompts' greedy traces a sample of 16 predicted the same speedup as 64 or 256 (docs/results.md)."""
+    prompts' greedy traces a sample of 16 predicted the same speedup as 64 or 256 (docs/speed-cpu.md, "How the default drafts and prices")."""
     store: Datastore
     max_n: int = 16
     min_n: int = 2
@@ -309,5 +309,5 @@ def chain_drafter(*, ngrams: tuple[int, int], row_costs: RowCosts | None = None,
                   retrieval: Retrieval | None = None, **_) -> SuffixDrafter:
     """The context statistics' drafter (spd.methods), priced with this machine's row costs: matches of one token up
     to ngrams[1] (lookup_min_ngram is the lookup's: here the pricing decides whether a short match drafts; over the
-    240 eval traces one-token matches raise the predicted speedup from 2.21x to 2.27x, docs/results.md)."""
+    240 eval traces one-token matches raise the predicted speedup to 2.22x from 2.19x, docs/speed-cpu.md)."""
     return SuffixDrafter(1, ngrams[1], costs=row_costs, memory=memory, retrieval=retrieval)

@@ -63,7 +63,7 @@ def grow(flight: Flight, pos: int, options: list[tuple[int, Proposal, float]], s
     the W whose branches have the highest cumulative log q (PipeDec's rule, and the SPD paper's). spine: the spine
     tip's likeliest child always enters, with the W - 1 best others — a kept child whose every descendant lost to
     other branches would refill the pipeline, and on SmolLM2 those refills cost more than the tree won for SPD's
-    module (docs/results.md). W = 1: the chain's one draft."""
+    module (docs/rivals.md, "SPD's pipeline trees"). W = 1: the chain's one draft."""
     score = lambda o: flight.nodes[o[0]].score + o[2]                  # noqa: E731
     ranked = sorted(options, key=lambda o: -score(o))
     first = next(o for o in options if o[0] == flight.spine) if spine else ranked[0]

@@ -34,7 +34,7 @@ def hosts_first_stage(controller: str, n: int, device: str, world: int | None = 
 
     `auto`: under torchrun (world given) the world size decides; spawned here, the controller hosts stage 1 on a
     CPU whose cores n + 1 processes would outnumber (a separate controller there measured 1.4x its calibrated
-    step, docs/results.md) and keeps its own process on a GPU or where cores are to spare."""
+    step, docs/speed-cpu.md "Concurrent stages") and keeps its own process on a GPU or where cores are to spare."""
     if controller == "first_stage" and n < 2:
         raise UserError("controller=first_stage needs n >= 2 (with n=1 nothing would run in a stage process); use "
                         "runtime=local, or controller=own_process")

@@ -1,7 +1,7 @@
 """float32 products on a CPU from weights packed once into panels, for the few rows a drafted forward carries.
 
 On these CPUs MKL's `F.linear` steps at 4 rows: SmolLM2's products cost 1.8x their one-row time at 4 rows and stay
-above it to 15 (docs/results.md), so a draft tree of 4..15 rows paid most of a second
+above it to 15 (docs/speed-cpu.md, "The forward's row costs"), so a draft tree of 4..15 rows paid most of a second
 forward and the pricing kept drafts small. The kernel in spd/csrc/panel_linear.cpp streams each weight once per call
 and multiplies every row against it while it is in registers: the products cost their weight's memory time up to
 ~12 rows. Every output element is the same sequence of operations whatever the row count, so a row's products do

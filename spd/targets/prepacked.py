@@ -7,7 +7,7 @@ on every call; over SmolLM2's 211 weights that reorder is most of a forward of a
 runs from the packed copy. It is used only where it keeps a row's bits independent of the rows beside it — the
 premise of spd.targets.invariant_attention, checked for this target's shapes when it loads — so AR and every drafted
 decoder still compute each row alike. float32 keeps `F.linear`: there a packed copy beside the plain weights read by
-the one-row step moved more bytes through a cache both do not fit (docs/results.md, on prepacked weights).
+the one-row step moved more bytes through a cache both do not fit (docs/speed-cpu.md, "What was tried and did not pay").
 
 The packed copies live beside the model (a Linear keeps its weight, which the state dict, an embedding tied to the
 head and the weight cache read), are made when the target is staged and again after an in-place change of a weight;

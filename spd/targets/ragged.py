@@ -114,7 +114,7 @@ AttentionInterface.register(KERNEL, ragged_attention)
 _LINEAR = F.linear
 CANDIDATES = range(2, 9)     # at 16 rows the AMD A/B was mixed, at 32 weight-first was slower
 # The row counts this process multiplies weight-first. Which way is faster is the machine's: on the AMD EPYC
-# machines of docs/results.md ("Many sequences at once") weight-first made a batched step of 2 rows 34 ms against
+# machines of docs/serving.md ("Many sequences at once") weight-first made a batched step of 2 rows 34 ms against
 # 68 and 8 rows 65 against 73; on an Intel Xeon with AMX it made them 96 against 46 and 127 against 93 ("Products
 # chosen per machine"). Every single-process decoder of several rows installs its machine's measured choice
 # (spd.targets.row_costs.use_machine_products); a process that installs none (a distributed stage) keeps this.

@@ -1,6 +1,6 @@
 """The controller's side of the multi-process pipeline (rank 0): a `StageExecutor` whose stages are processes.
 
-Placement, by measured cost on SmolLM2 (docs/results.md): the 49,152-row LM head costs about as much as 8 decoder
+Placement, by measured cost on SmolLM2 (docs/speed-cpu.md, "Concurrent stages"): the 49,152-row LM head costs about as much as 8 decoder
 layers on a CPU core, more than the module's draft. It sits on the last stage, where `stage_bounds=balanced` can
 give that stage fewer layers to pay for it; on the controller it would run *after* the step, serially, every step.
 Verification stays on the controller: it needs the draft's q and the sampling generator, costs ~30 µs, and keeps
