@@ -96,8 +96,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("eagle3", "EAGLE-3", CHAIN, "eagle3", fast_evaluator="spd.fast_eval_chain:fast_eagle3_eval",
            draft_length=5, drafter="spd.drafters.suffix_eagle3:chain_drafter",
            objective="spd.train.methods:Eagle3Objective", replays_trees=True, sources=(MODULE, SUFFIX_MODULE)),
-    # 7: 8 target rows a cycle, which a CPU computes faster than 7 (bench/lookup_grid.py); m = 15 measured within
-    # 7% of it on 512-token answers (docs/speed-cpu.md, "The lookup chain's settings") and costs more on a miss
+    # 7: 8 target rows a cycle, which a CPU computes faster than 7; m = 15 is predicted 7% better on 512-token answers
+    # but a miss costs it 16 rows, which short answers pay (docs/speed-cpu.md, "The lookup chain's settings")
     Method("lookup", "Context lookup", CHAIN, None, fast_evaluator="spd.fast_eval_chain:fast_lookup_eval",
            draft_length=7, drafter="spd.drafters.lookup:chain_drafter", replays_trees=True, device_step=True),
     # 15: a chain's depth bound; the pricing (spd.pricing) decides each cycle how much of it to draft

@@ -15,6 +15,7 @@ from spd.eagle3_module import Eagle3Module
 from spd.errors import UserError
 from spd.methods import AR, METHODS, MODULE, behaviour, module_class
 from spd.drafters.suffix import Retrieval, SuffixMemory
+from spd.drafters.selfdraft import corpus_ngrams
 from spd.module import SpeculationModule
 from spd.pricing import RowCosts
 from spd.prompts import conversation_ids
@@ -53,6 +54,7 @@ class Session:
     children: int | None = None        # pipelined trees: candidates drafted per tip (None: W)
     segment: int = 4                   # FlowSpec: nodes per segment
     retrieval: Retrieval | None = None  # suffix with datastore=: a corpus's continuations are candidates too
+    selfdraft: dict | None = None      # selfdraft: its drafter's branches, branch_length, gram and corpus n-grams
 
     def drafter(self, use_cache: bool = True) -> Drafter | ChainDrafter | None:
         """The method's drafter (spd.methods names its factory); None for plain AR."""
@@ -62,7 +64,7 @@ class Session:
         return behaviour(make)(module=self.module, embed=self.staged.embed, draft_source=self.draft_source,
                                ngrams=self.lookup_ngrams, use_cache=use_cache, row_costs=self.row_costs,
                                memory=self.memory, source_pricing=self.source_pricing, draft_model=self.draft_model,
-                               retrieval=self.retrieval)
+                               retrieval=self.retrieval, selfdraft=self.selfdraft)
 
     @property
     def drafts_with(self) -> str:
@@ -161,6 +163,12 @@ def open_session(cfg) -> Session:
     elif getattr(cfg, "datastore", None):
         raise UserError(f"datastore= is read by method=suffix (and method=eagle3 draft_source=suffix+module); "
                         f"method={method} drafts without it; drop datastore= or choose method=suffix")
+    selfdraft = None
+    if METHODS[method].drafter == "spd.drafters.selfdraft:chain_drafter":
+        gram = getattr(cfg, "gram", 4)
+        selfdraft = dict(branches=getattr(cfg, "branches", 6), branch_length=getattr(cfg, "branch_length", 6),
+                         gram=gram, corpus=corpus_ngrams(loaded.tokenizer, loaded.model.config.vocab_size, gram)
+                         if getattr(cfg, "corpus_ngrams", True) else None)
     draft_model = None
     if METHODS[method].draft_model:
         if not 1 <= cfg.draft_layers <= num_layers:
@@ -172,7 +180,7 @@ def open_session(cfg) -> Session:
                    method, ngrams, source,
                    draft_length, width, tree_nodes, row_costs,
                    memory, getattr(cfg, "source_pricing", False), draft_model, getattr(cfg, "children", None),
-                   getattr(cfg, "segment", 4), retrieval)
+                   getattr(cfg, "segment", 4), retrieval, selfdraft)
 
 
 def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> str:

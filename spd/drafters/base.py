@@ -105,6 +105,8 @@ class ChainDrafter(ABC):
 
     branches = False     # True: draft_tree grows trees wider than one branch (W > 1)
     uses_margin = False  # True: it prices with the target's margin, so the runtime computes it (`target_margin`)
+    extra_rows = 0       # rows beyond the cycle's budget it may feed a forward (a wider tree, `side_rows`): the
+                         # static cache is sized for them
 
     @abstractmethod
     def layers_needed(self, bounds: list[int] | None = None) -> list[int]:
@@ -130,6 +132,19 @@ class ChainDrafter(ABC):
         """The request's keyed draws (spd.sampling.KeyedDraws; None when greedy), given after `start`: the noise
         that will choose the token at each position, so a drafter that prices its candidates may weigh each by its
         own noise. Reading it changes no output."""
+
+    def side_rows(self):
+        """Rows to run beside this cycle's tree in its verification forward, after the tree's nodes (Self-Draft's
+        draft branches, spd.drafters.selfdraft): None, or (tokens [R], offsets [R] (each row's position minus the
+        root's), visible [R, R] bool: which of these rows each row sees). Every side row also sees the verified
+        cache and the root (node 0, the newest verified token), never another tree node; no tree node sees a side
+        row. Their K/V never stay in the cache (the settle keeps only the accepted path's rows). Asked after
+        `draft_tree`; default none."""
+        return None
+
+    def side_logits(self, logits: torch.Tensor) -> None:
+        """The target's logits [R, V] of the rows `side_rows` gave, handed back before the cycle settles (called
+        only when those rows ran: a decoder that runs no side rows, the batched one, never calls it)."""
 
     @abstractmethod
     def verified(self, hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:

@@ -23,6 +23,10 @@ class EvalConfig:
     segment: int = 4                    # method=flowspec: S, nodes per segment
     draft_source: Optional[str] = None  # spd, ppsd, spd_output_state: module | lookup+module (spd.drafters.hybrid);
                                         # flowspec: suffix | lookup; None = the method's first
+    branches: int = 6                   # method=selfdraft: N, draft branches beside each verification forward
+    branch_length: int = 6              # method=selfdraft: L, tokens a draft branch keeps
+    gram: int = 4                       # method=selfdraft: G, the n-grams of its context and corpus caches
+    corpus_ngrams: bool = True          # method=selfdraft: the ShareGPT datastore's n-grams fill the candidates too
     lookup_min_ngram: int = 2           # lookup, lookup+module: shortest suffix of the context that may match earlier
     lookup_max_ngram: int = 8           # lookup, lookup+module: longest suffix compared
     draft_pricing: bool = True          # suffix: drafts priced per cycle (spd.pricing; generate's key)

@@ -40,12 +40,23 @@ class ChainDecoder(Decoder):
         self.capture = frozenset(drafter.layers_needed())
         use_machine_products(target)    # a verification forward's few rows, multiplied the faster way here
 
-    def forward_tree(self, tree: DraftTree, cache, fed: int):
-        """The target over every node of the tree (the root at position `fed`): (logits [T, V], captured)."""
-        ids = torch.tensor([tree.tokens()], device=self.target.device)
+    def forward_tree(self, tree: DraftTree, cache, fed: int, rows=None):
+        """The target over every node of the tree (the root at position `fed`): (logits [T, V], captured). rows:
+        a drafter's side rows (ChainDrafter.side_rows: tokens, offsets, visible among themselves), run after the
+        tree's nodes in the same forward: each sees the cache, the root and what `visible` lets it; no tree node
+        sees them. Then logits are [T + R, V] (the settle hands rows T.. back to the drafter and keeps only the
+        accepted path's cache rows, so theirs never stay)."""
+        tokens = tree.tokens()
+        if rows is not None:
+            tokens = tokens + list(rows[0])
+        ids = torch.tensor([tokens], device=self.target.device)
         # swapping F.linear costs a Python call per product: only for a row count the machine multiplies weight-first
         with few_rows_products() if len(ids[0]) in ragged.FEW_ROWS else nullcontext():
-            if tree.is_chain():     # contiguous positions, causal: the plain path, bit for bit
+            if rows is not None:
+                offsets, visible = side_rows_mask(tree, rows)
+                out, captured = self.target.forward_all(ids, cache, fed, self.capture, offsets=offsets,
+                                                        visible=visible)
+            elif tree.is_chain():     # contiguous positions, causal: the plain path, bit for bit
                 out, captured = self.target.forward_all(ids, cache, fed, self.capture)
             else:
                 out, captured = self.target.forward_all(ids, cache, fed, self.capture,
@@ -59,5 +70,20 @@ class ChainDecoder(Decoder):
         self.stats = seq.stats
         yield from seq.prefill()
         while not seq.done:
-            logits, captured = self.forward_tree(seq.draft(), seq.cache, seq.fed)
+            tree = seq.draft()
+            logits, captured = self.forward_tree(tree, seq.cache, seq.fed, seq.rows)
             yield from seq.settle(logits, captured)       # the cycle's state is settled before its tokens go out
+
+
+def side_rows_mask(tree: DraftTree, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """offsets [T + R] and visible [T + R, T + R] of a tree (T nodes, under its ancestor mask) followed by a
+    drafter's R side rows: a side row sees the root (node 0) and the side rows its own `visible` row names; no tree
+    node sees a side row, no side row sees a drafted node."""
+    _, side_offsets, side_visible = rows
+    t, r = len(tree), len(side_offsets)
+    visible = torch.zeros(t + r, t + r, dtype=torch.bool)
+    visible[:t, :t] = tree.visibility()
+    visible[t:, 0] = True
+    visible[t:, t:] = torch.as_tensor(side_visible, dtype=torch.bool)
+    offsets = torch.tensor(tree.depths() + list(side_offsets))
+    return offsets, visible

@@ -40,10 +40,12 @@ class ChainSequence:
         self.cache = None
         self.tokens: list[int] = []
         self.tree: DraftTree | None = None
+        self.rows = None          # the drafter's side rows beside this cycle's tree (ChainDrafter.side_rows), or None
         self.fed = 0
 
     def context_length(self) -> int:
-        return context_length(len(self.prompt_ids), self.request.max_new_tokens, self.budget if self.drafter else 0)
+        return context_length(len(self.prompt_ids), self.request.max_new_tokens,
+                              self.budget + self.drafter.extra_rows if self.drafter else 0)
 
     def prefill(self) -> list[int]:
         """The prompt through the target alone (a fresh static cache); returns the first token."""
@@ -74,12 +76,17 @@ class ChainSequence:
         else:
             self.tree = self.drafter.draft_tree(self.tokens[-1], self.m, self.width, self.budget,
                                                 lambda logits: propose(logits, params, generator))
+        self.rows = self.drafter.side_rows() if self.drafter else None
         return self.tree
 
     def settle(self, logits: torch.Tensor, captured: dict[int, torch.Tensor]) -> list[int]:
         """logits [T, V] (row i: the target's p after node i's path), captured {l: H^l [1, T, d]}: walk the tree,
         keep the verified path's cache rows, tell the drafter; returns the tokens verified this cycle."""
         tree, stats, params, generator = self.tree, self.stats, self.request.params, self.generator
+        if logits.shape[0] > len(tree):       # the side rows ran after the tree's (ChainDecoder.forward_tree)
+            self.drafter.side_logits(logits[len(tree):])
+            logits = logits[:len(tree)]
+            captured = {layer: h[:, :len(tree)] for layer, h in captured.items()}
         stats.cycles += 1
         stats.drafted += len(tree) - 1
         stats.drafting_cycles += len(tree) > 1
@@ -105,7 +112,8 @@ class ChainSequence:
                 break
         stats.accepted += len(path) - 1
         stats.accepted_per_cycle.append(len(path) - 1)
-        self.cache.keep(self.fed, [self.fed + node for node in path])   # the verified path's rows, at their positions
+        # the verified path's rows, at their positions; side rows sit after the tree's, so they are dropped too
+        self.cache.keep(self.fed, [self.fed + node for node in path])
         if not self.done and self.drafter:
             self.drafter.verified({layer: captured[layer][:, path] for layer in self.drafter_layers}, self.tokens)
             if self.drafter.uses_margin:
