@@ -1,6 +1,6 @@
 """Decoding speed against the hardware limit: tokens/s of HF `generate` (dynamic cache; static cache +
-`torch.compile`), this suite's AR (eager; fixed-shape steps as CUDA graphs; the device step, eager and compiled), the
-lookup chain (today's loop; the device step compiled) and greedy SPD (runtime=local eager,
+`torch.compile`), this suite's AR (eager; fixed-shape steps as CUDA graphs; the device step eager, as one CUDA graph, and
+compiled), the lookup chain (today's loop; the device step as one CUDA graph, and compiled) and greedy SPD (runtime=local eager,
 local with graphs, runtime=streams with graphs off and on), every figure from one run, beside the bandwidth
 roofline: weight bytes read per token over the copy bandwidth measured here. Every SPD row is checked token for
 token against the suite's AR in the same dtype and the same step kind (eager or fixed-shape).
@@ -44,7 +44,8 @@ SPD_ROWS = {"spd_local_eager": "local", "spd_local_graphs": "graphs", "spd_strea
             "spd_streams_graphs": "streams_graphs"}
 AR_ROWS = {None: "suite_ar_eager", "fixed": "suite_ar_fixed_eager", "graphs": "suite_ar_graphs"}
 # whole-target rows checked against the eager AR: the device step (spd.runtime.device_step) and the lookup chain
-CHAIN_ROWS = ("suite_ar_device_eager", "suite_ar_device_compiled", "lookup_chain", "lookup_device_compiled")
+CHAIN_ROWS = ("suite_ar_device_eager", "suite_ar_device_graphs", "suite_ar_device_compiled", "lookup_chain",
+              "lookup_device_graphs", "lookup_device_compiled")
 LOOKUP_K = 7     # method=lookup's draft length (spd.methods)
 
 
@@ -122,8 +123,11 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
     request = Request(max_new, GREEDY)
     min_n, max_n = session.lookup_ngrams
     chains = {"suite_ar_device_eager": DeviceChainDecoder(whole, eos),
+              "suite_ar_device_graphs": DeviceChainDecoder(whole, eos, cuda_graphs=True),
               "suite_ar_device_compiled": DeviceChainDecoder(whole, eos, compile="inductor"),
               "lookup_chain": ChainDecoder(whole, LookupDrafter(min_n, max_n), eos, LOOKUP_K),
+              "lookup_device_graphs": DeviceChainDecoder(whole, eos, LookupDrafter(min_n, max_n), LOOKUP_K,
+                                                         cuda_graphs=True),
               "lookup_device_compiled": DeviceChainDecoder(whole, eos, LookupDrafter(min_n, max_n), LOOKUP_K,
                                                            compile="inductor")}
     runs = {

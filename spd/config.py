@@ -282,9 +282,9 @@ def check_decoding(cfg) -> None:
         graphed = " or ".join(f"runtime={r.name}" for r in RUNTIMES.values() if r.graphs)
         raise UserError(f"cuda_graphs=true is for {graphed}; runtime={rt.name} runs {rt.help}, eagerly")
     chain = cfg.method is not None and METHODS[cfg.method].chain
-    if cfg.cuda_graphs and chain:
+    if cfg.cuda_graphs and chain and not rt.device_step:
         raise UserError(f"cuda_graphs=true covers the pipeline's stage steps and AR; method={cfg.method}'s chain "
-                        "verifies m + 1 tokens at once and runs eagerly: drop cuda_graphs")
+                        "verifies m + 1 tokens at once and runs eagerly here: drop cuda_graphs, or use runtime=device")
     if chain and not rt.chains:
         chained = " or ".join(f"runtime={r.name}" for r in RUNTIMES.values() if r.chains)
         raise UserError(f"method={cfg.method} drafts and verifies in one process (no pipeline); use {chained}, "

@@ -68,7 +68,8 @@ def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder
     kind = METHODS[method].decoder
     if runtime(cfg.runtime).device_step:       # the config check let only methods with a device step through
         return DeviceChainDecoder(s.staged, s.eos_ids, drafter if kind == CHAIN else None,
-                                  s.draft_length or 1, "inductor" if getattr(cfg, "compile", False) else None)
+                                  s.draft_length or 1, "inductor" if getattr(cfg, "compile", False) else None,
+                                  getattr(cfg, "cuda_graphs", False))
     if kind == AR and eager_reference(cfg):
         stages = None            # the plain loop; elsewhere AR relays through the same fixed-shape or remote steps
     return build_decoder(kind, s.staged, s.eos_ids, drafter, stages=stages, width=s.width,

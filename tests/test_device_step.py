@@ -166,6 +166,14 @@ def test_the_step_compiles_whole(params, k):
         ar_run(target, p, 24, params, seed=1).token_ids
 
 
+def test_the_graph_twin_equals_ar():
+    """cuda_graphs=True captures the step on CUDA; elsewhere the same step runs eagerly, which is what this checks."""
+    target = tiny_model("llama", num_layers=2)
+    p = prompt(7, vocab=target.config.vocab_size)
+    device = DeviceChainDecoder(StagedTarget(target, 1), frozenset(), LookupDrafter(1, 4), 4, cuda_graphs=True)
+    assert device.generate(p, Request(24, GREEDY)).token_ids == ar_run(target, p, 24).token_ids
+
+
 @pytest.mark.slow
 def test_the_step_compiled_by_inductor_equals_ar():
     target = tiny_model("llama", num_layers=2)

@@ -130,6 +130,7 @@ def test_the_device_runtime_takes_the_methods_that_have_a_step(overrides, needle
     with pytest.raises(UserError) as err:
         check_decoding(config(**overrides))
     assert needle in str(err.value)
+    check_decoding(config(runtime="device", method="lookup", device="cuda", cuda_graphs=True, compile=True))
 
 
 @pytest.mark.parametrize("method", ["lookup", "ar"])

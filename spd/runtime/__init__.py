@@ -33,8 +33,8 @@ class Runtime:
 
     @property
     def graphs(self) -> bool:
-        """cuda_graphs=true can capture its stage steps."""
-        return self.steps is not None and self.steps[1] != self.steps[0]
+        """cuda_graphs=true can capture its steps (its stage steps, or its device step)."""
+        return self.device_step or self.steps is not None and self.steps[1] != self.steps[0]
 
     def executor_kind(self, cuda_graphs: bool) -> str:
         """The in-process executor (spd.runtime.stages.EXECUTORS) this runtime runs with `cuda_graphs`."""
@@ -54,7 +54,7 @@ RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
     Runtime("distributed", "one process per stage, spawned here or started by torchrun",
             opener="spd.runtime.distributed.launch:open_pipeline", processes=True),
     Runtime("device", "each cycle as one step of device tensors in this process (acceptance and rollback on the "
-            "device, one read a cycle; compile=true: through torch.compile)", steps=("local", "local"), chains=True,
+            "device, one read a cycle; cuda_graphs=true: captured as one CUDA graph; compile=true: through torch.compile)", steps=("local", "local"), chains=True,
             device_step=True),
 )}
 

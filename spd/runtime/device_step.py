@@ -17,6 +17,7 @@ from spd.decoding import Decoder, Request, context_length, is_final, prefill
 from spd.drafters.base import ChainDrafter
 from spd.metrics import ChainStats
 from spd.sampling import SamplingParams, warp
+from spd.targets.fixed_step import WARMUP_RUNS
 from spd.targets.linears import plain_products
 from spd.targets.stages import StagedTarget
 
@@ -50,12 +51,17 @@ class StepState:
 class DeviceStep:
     """One cycle over the first `rows` of the shared state (the root and up to rows - 1 drafts)."""
 
-    def __init__(self, target: StagedTarget, state: StepState, rows: int, compile: str | None = None):
+    def __init__(self, target: StagedTarget, state: StepState, rows: int, compile: str | None = None,
+                 cuda_graph: bool = False):
         """compile: a torch.compile backend ("inductor"; "aot_eager" traces the same whole graph without generating
-        code), None: eager."""
+        code), None: eager. cuda_graph: on CUDA, the step captured once as a CUDA graph and replayed (elsewhere it
+        runs eagerly, the twin the tests check)."""
         self.target, self.state, self.params = target, state, state.params
         self.rows = torch.arange(rows, device=target.device)                           # [r]
         self.run = self.step
+        if cuda_graph and target.device.type == "cuda":
+            self.graph = None
+            self.run = self.replay
         if compile:
             compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=compile)
 
@@ -64,6 +70,29 @@ class DeviceStep:
                 with plain_products(target.model):
                     return compiled()
             self.run = run
+
+    def replay(self) -> torch.Tensor:
+        """The step as one CUDA graph: captured on the first call (after warm-up runs on a side stream, which also
+        advance the state: the capture's own run is undone by restoring it), then replayed."""
+        if self.graph is None:
+            device, state = self.target.device, self.state
+            saved = (state.tokens.clone(), state.position.clone())
+            with torch.cuda.device(device):
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    for _ in range(WARMUP_RUNS):
+                        state.tokens.copy_(saved[0])
+                        state.position.copy_(saved[1])
+                        self.step()
+                torch.cuda.current_stream(device).wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.step()
+            state.tokens.copy_(saved[0])    # capturing ran nothing; the warm-ups' writes are undone here
+            state.position.copy_(saved[1])
+        self.graph.replay()
+        return self.state.out
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [r, V] -> the target's token after each row [r]: its argmax (ties to the lowest id, as
@@ -105,14 +134,14 @@ class DeviceChainDecoder(Decoder):
     the smallest row bucket that holds them verifies them on the device. drafter None: plain AR (k = 0)."""
 
     def __init__(self, target: StagedTarget, eos_ids: frozenset[int], drafter: ChainDrafter | None = None,
-                 k: int = 7, compile: str | None = None):
+                 k: int = 7, compile: str | None = None, cuda_graphs: bool = False):
         if drafter is not None and drafter.layers_needed():
             raise ValueError(f"{type(drafter).__name__} reads the target's hidden states; the device step hands a "
                              "drafter only the verified tokens and the target's margin")
         self.target, self.eos_ids, self.drafter = target, eos_ids, drafter
         self.k = 0 if drafter is None else min(k, ROWS[-1] - 1)
         self.buckets = sorted(set(r for r in ROWS if r < self.k + 1) | {self.k + 1})
-        self.compile = compile
+        self.compile, self.cuda_graphs = compile, cuda_graphs
         self.state: StepState | None = None
         self.steps: dict[int, DeviceStep] = {}
 
@@ -121,7 +150,8 @@ class DeviceChainDecoder(Decoder):
         length bucket or sampling setting)."""
         if self.state is None or self.state.cache is not cache or self.state.params != params:
             self.state = StepState(self.target, cache, self.k + 1, params)
-            self.steps = {rows: DeviceStep(self.target, self.state, rows, self.compile) for rows in self.buckets}
+            self.steps = {rows: DeviceStep(self.target, self.state, rows, self.compile, self.cuda_graphs)
+                          for rows in self.buckets}
         return self.state
 
     @torch.no_grad()
