@@ -96,7 +96,8 @@ class GenerateConfig:
     top_p: float = 1.0                   # sample within the smallest set of probability >= top_p (1 = off)
     seed: Optional[int] = None           # sampling's seed; None = a fresh one per run, printed in the stats line and
                                          # the JSON record (seed=) so the run can be repeated; greedy ignores it
-    dtype: str = "float32"               # float32 | bfloat16 | float16: the target's and the module's weights
+    dtype: Optional[str] = None          # float32 | bfloat16 | float16: the target's and the module's weights
+                                         # (None: bfloat16 on CUDA, float32 elsewhere, the reference)
     device: str = "cpu"                  # cpu | cuda | cuda:N | mps
     json: bool = False                   # print one JSON object instead of text + a stats line
     runtime: str = "local"               # local (stages one after another, the reference) | distributed |
@@ -361,10 +362,18 @@ def load_config(schema: type, path: str | None, overrides: list[str], text: dict
     except yaml.YAMLError as exc:  # a value YAML cannot read, e.g. n=[1,
         raise UserError(f"an override is not valid YAML ({_yaml_problem(exc)}); quote or fix it") from None
     check_numbers(cfg)
+    resolve_dtype(cfg)
     run_checks(schema, cfg)
     resolve_seed(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def resolve_dtype(cfg) -> None:
+    """dtype=null: bfloat16 on a CUDA device (a user's 8B target fits one GPU), float32 elsewhere (the CPU
+    reference), so everything downstream sees a dtype's name."""
+    if "dtype" in cfg and cfg.dtype is None and "device" in cfg:
+        cfg.dtype = "bfloat16" if str(cfg.device).startswith("cuda") else "float32"
 
 
 def resolve_seed(cfg) -> None:

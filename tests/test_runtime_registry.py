@@ -12,7 +12,7 @@ import pytest
 import spd.runtime as runtimes
 from omegaconf import OmegaConf
 
-from spd.config import GenerateConfig, check_decoding
+from spd.config import GenerateConfig, check_decoding, resolve_dtype
 from spd.errors import UserError
 from spd.runtime import RUNTIMES, Runtime, eager_reference, runtime
 from spd.runtime.local import LocalStages
@@ -58,7 +58,9 @@ def test_the_scan_catches_a_comparison():
 
 
 def config(**overrides):
-    return OmegaConf.merge(OmegaConf.structured(GenerateConfig), overrides)
+    cfg = OmegaConf.merge(OmegaConf.structured(GenerateConfig), overrides)
+    resolve_dtype(cfg)
+    return cfg
 
 
 def test_capabilities_answer_what_the_names_used_to():
@@ -67,7 +69,7 @@ def test_capabilities_answer_what_the_names_used_to():
     assert not eager_reference(SimpleNamespace(runtime="distributed"))
     assert [r.name for r in RUNTIMES.values() if r.processes] == ["distributed"]
     assert [r.name for r in RUNTIMES.values() if r.cuda] == ["streams"]
-    assert {r.name for r in RUNTIMES.values() if r.graphs} == {"local", "streams"}
+    assert {r.name for r in RUNTIMES.values() if r.graphs} == {"local", "streams", "device"}
     assert runtime("streams").executor_kind(True) == "streams_graphs"
     with pytest.raises(UserError, match="runtime='cloud' is not one of: local, streams, distributed"):
         runtime("cloud")
@@ -76,7 +78,8 @@ def test_capabilities_answer_what_the_names_used_to():
 @pytest.mark.parametrize("overrides,needle", [
     (dict(runtime="streams"), "runtime=streams runs each stage on a CUDA stream in this process; device=cpu has none"),
     (dict(runtime="distributed", device="cuda", cuda_graphs=True), "cuda_graphs=true is for runtime=local or "
-                                                                    "runtime=streams; runtime=distributed runs"),
+                                                                    "runtime=streams or runtime=device; "
+                                                                    "runtime=distributed runs"),
     (dict(runtime="distributed", method="lookup"), "use runtime=local or runtime=device, not runtime=distributed"),
 ])
 def test_the_config_checks_ask_capabilities(overrides, needle):
@@ -148,3 +151,14 @@ def test_runtime_device_decodes_through_the_device_step(tiny_target_dir, method)
     device, decoder = answer(f"method={method}", "runtime=device")
     assert isinstance(decoder, DeviceChainDecoder) and (decoder.drafter is None) == (method == "ar")
     assert device == answer("method=ar")[0]
+
+
+@pytest.mark.parametrize("device,dtype,expected", [("cpu", None, "float32"), ("cuda", None, "bfloat16"),
+                                                   ("cuda:1", "float32", "float32"), ("cpu", "bfloat16", "bfloat16")])
+def test_the_default_dtype_is_bfloat16_on_cuda_and_float32_elsewhere(device, dtype, expected):
+    from spd.config import load_config
+    from spd.eval.config import EvalConfig
+
+    keys = [f"device={device}"] + ([f"dtype={dtype}"] if dtype else [])
+    assert load_config(GenerateConfig, None, keys).dtype == expected
+    assert load_config(EvalConfig, None, keys).dtype == expected

@@ -47,7 +47,7 @@ class EvalConfig:
     exact_trace: bool = False           # T=0: run the step-by-step runtime instead of the exact fast evaluator
     ar_baseline: bool = True            # runtime samples: also decode with plain AR (lossless check + tokens/s)
     calibrate: bool = True              # measure stage/module/head/verify times for the measured-cost speedup
-    dtype: str = "float32"              # float32 | bfloat16 | float16
+    dtype: Optional[str] = None         # float32 | bfloat16 | float16 (None: bfloat16 on CUDA, float32 elsewhere)
     device: str = "cpu"                 # cpu | cuda | cuda:N | mps
     output_dir: str = "outputs/eval/run"  # samples.jsonl, summary.json, table.md, plots; a relative path is under the
                                         # directory spd-infer runs in: point output_dir= where the results belong
