@@ -1,0 +1,224 @@
+"""Multi-Branch Self-Drafting (Self-Draft, Gao et al., AAAI 2025): the target drafts for itself, with no other model
+and no training.
+
+Draft branches. N branches (`branches`) of up to L tokens (`branch_length`) ride in every verification forward
+beside the tree being verified (ChainDrafter.side_rows, run by spd.runtime.chain.ChainDecoder.forward_tree). Each
+branch sees the verified context (the cache and the root, the newest verified token) and its own earlier tokens only:
+block-diagonal causal masks, no branch sees another branch or a drafted node, and no drafted node sees a branch. A
+branch is the paper's "random padding" after the context: its j-th token sits at position (root's + 1 + j), right
+after the context, so row j's prediction is the target's guess of the token after [context; branch[:j + 1]] — the
+lookahead-style position that makes each prediction a continuation of the current context (a branch shifted
+elsewhere would read as a gap in the text and predict worse). Branches start as one random token each (drawn from
+the prompt, seeded, so runs repeat), and each forward appends its last row's prediction and drops its first token
+once past L (the paper's update rule; the intermediate predictions update nothing but the context cache). Their K/V
+never stay: the settle keeps only the accepted path's cache rows, which sit before the branch rows.
+
+Context cache. Every window of a branch gives a contextual n-gram: G - 1 branch tokens ending at row k plus row k's
+prediction (G = `gram`), kept in an LRU queue per first token (`lru` per key, the newest first).
+
+Corpus cache (`corpus`, a `CorpusNgrams` or None). The paper counts n-grams over OANC, a general English corpus; OANC
+is not available here, so the suite counts them over the ShareGPT assistant turns of its own datastore
+(spd.retrieval, the first `CORPUS_TOKENS` tokens; built once per tokenizer, cached beside the datastore). Lookups
+try the longer prefix first (the two newest verified tokens), then the root alone, each list most frequent first.
+
+Candidates. The continuations keyed by the root (the newest verified token): the context cache's first, then the
+corpus's fill the remaining ones, up to `candidates` (default N), merged as a trie and verified in the same forward
+under the tree's ancestor mask; the walk (spd.runtime.sequence, `spd.sampling.settle_children`) keeps the longest
+verified path. Every candidate is deterministic (q = None) and branch predictions are argmaxes that draw no noise, so
+greedy and sampled outputs stay the target's own.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from spd.drafters.base import ChainDrafter
+from spd.sampling import Proposal
+from spd.tree import DraftTree
+
+CORPUS_TOKENS = 2_000_000     # corpus n-grams are counted over this prefix of the datastore's tokens
+CORPUS_TOP = 4                # continuations kept per key, most frequent first
+
+
+class CorpusNgrams:
+    """The corpus cache: {key (1 or 2 tokens): [continuation (G - 1 tokens), ...] most frequent first}."""
+
+    def __init__(self, table: dict[tuple[int, ...], list[tuple[int, ...]]]):
+        self.table = table
+
+    def lookup(self, context: list[int]) -> list[tuple[int, ...]]:
+        """The continuations of the context's end: its two newest tokens' first (the longer prefix), then the newest
+        token's."""
+        out = []
+        for size in (2, 1):
+            if len(context) >= size:
+                for cont in self.table.get(tuple(context[-size:]), ()):
+                    if cont not in out:
+                        out.append(cont)
+        return out
+
+    @classmethod
+    def count(cls, tokens: np.ndarray, gram: int, separator: int | None = None, top: int = CORPUS_TOP,
+              min_count: int = 2) -> "CorpusNgrams":
+        """The n-grams of `tokens` (a 1-D id array; windows holding `separator` skipped): for every 1-token key the
+        `top` most frequent (gram - 1)-token continuations, for every 2-token key likewise (windows of gram + 1),
+        each seen at least `min_count` times."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        table: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for key_size in (2, 1):
+            width = key_size + gram - 1
+            if len(tokens) < width:
+                continue
+            windows = np.lib.stride_tricks.sliding_window_view(tokens, width)
+            if separator is not None:
+                windows = windows[~(windows == separator).any(1)]
+            rows, counts = np.unique(windows, axis=0, return_counts=True)
+            keep = counts >= min_count
+            rows, counts = rows[keep], counts[keep]
+            # by key, then most frequent first
+            order = np.lexsort((-counts, *[rows[:, i] for i in range(key_size - 1, -1, -1)]))
+            for row in rows[order].tolist():
+                entries = table.setdefault(tuple(row[:key_size]), [])
+                if len(entries) < top:
+                    entries.append(tuple(row[key_size:]))
+        return cls(table)
+
+    def save(self, path: str) -> None:
+        keys = list(self.table)
+        flat = [(key, cont) for key in keys for cont in self.table[key]]
+        np.savez(path + ".tmp.npz", keys=np.array([list(k) + [-1] * (2 - len(k)) for k, _ in flat], dtype=np.int64),
+                 conts=np.array([c for _, c in flat], dtype=np.int64))
+        os.replace(path + ".tmp.npz", path)
+
+    @classmethod
+    def load(cls, path: str) -> "CorpusNgrams":
+        data = np.load(path)
+        table: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for key, cont in zip(data["keys"].tolist(), data["conts"].tolist()):
+            table.setdefault(tuple(k for k in key if k >= 0), []).append(tuple(cont))
+        return cls(table)
+
+
+def corpus_ngrams(tokenizer, vocab_size: int, gram: int, log=print) -> CorpusNgrams | None:
+    """The ShareGPT corpus cache of this tokenizer (spd.retrieval's datastore, its first CORPUS_TOKENS tokens),
+    counted once and cached as .npz beside the datastore; None where the datastore cannot be built here."""
+    from spd.datastore import tokenizer_key
+    from spd.retrieval import SHAREGPT, open_datastore
+    from spd.targets.weight_cache import cache_root
+
+    try:
+        key = tokenizer_key(tokenizer)
+        path = os.path.join(cache_root(), "datastore", f"selfdraft-{SHAREGPT}-{key}-g{gram}.npz")
+        if os.path.isfile(path):
+            return CorpusNgrams.load(path)
+        store = open_datastore(SHAREGPT, tokenizer, vocab_size, log)
+        tokens = np.asarray(store.rev[::-1][:CORPUS_TOKENS])
+        ngrams = CorpusNgrams.count(tokens, gram, separator=store.separator)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        ngrams.save(path)
+        return ngrams
+    except Exception as exc:      # no corpus here (offline, a tiny test tokenizer): the context cache alone
+        log(f"selfdraft: no corpus n-grams ({type(exc).__name__}: {exc}); drafting from the context cache alone")
+        return None
+
+
+class SelfDraftDrafter(ChainDrafter):
+    branches = True
+
+    def __init__(self, branches: int = 6, branch_length: int = 6, gram: int = 4,
+                 corpus: CorpusNgrams | dict | None = None, candidates: int | None = None, lru: int = 16,
+                 seed: int = 0):
+        if branches < 0 or branch_length < 1 or gram < 2:
+            raise ValueError(f"selfdraft: branches={branches} >= 0, branch_length={branch_length} >= 1 and "
+                             f"gram={gram} >= 2 needed")
+        self.n, self.length, self.gram, self.lru, self.seed = branches, branch_length, gram, lru, seed
+        self.corpus = CorpusNgrams(corpus) if isinstance(corpus, dict) else corpus
+        self.candidates = candidates or max(branches, 1)
+        # the widest tree (every candidate apart, gram - 1 tokens each) and every branch row
+        self.extra_rows = self.candidates * (gram - 1) + branches * branch_length
+        self.tokens: list[int] = []
+        self.branch: list[list[int]] = []
+        self.context: dict[int, OrderedDict] = {}
+        self.grams_added = 0
+
+    def layers_needed(self, bounds=None) -> list[int]:
+        return []
+
+    def start(self, prompt_hidden, tokens) -> None:
+        """A fresh request: an empty context cache, and each branch one random token of the prompt."""
+        self.tokens = list(tokens)
+        rng = random.Random(self.seed)
+        self.branch = [[rng.choice(self.tokens)] for _ in range(self.n)]
+        self.context = {}
+        self.grams_added = 0
+
+    def verified(self, hidden, tokens) -> None:
+        self.tokens = list(tokens)
+
+    def side_rows(self):
+        if not self.n:
+            return None
+        ids, offsets = [], []
+        visible = torch.zeros(sum(map(len, self.branch)), sum(map(len, self.branch)), dtype=torch.bool)
+        for branch in self.branch:
+            start = len(ids)
+            ids += branch
+            offsets += range(1, len(branch) + 1)     # token j at the root's position + 1 + j: right after the context
+            visible[start:len(ids), start:len(ids)] = torch.tril(torch.ones(len(branch), len(branch),
+                                                                            dtype=torch.bool))
+        return ids, offsets, visible
+
+    def side_logits(self, logits: torch.Tensor) -> None:
+        predicted = logits.argmax(-1).tolist()       # drafts: the argmax, which draws none of the request's noise
+        at = 0
+        for i, branch in enumerate(self.branch):
+            own = predicted[at: at + len(branch)]
+            at += len(branch)
+            for k in range(self.gram - 2, len(branch)):   # G - 1 branch tokens ending at row k, and row k's prediction
+                self.remember(branch[k - self.gram + 2: k + 1] + [own[k]])
+            self.branch[i] = (branch + [own[-1]])[-self.length:]   # append the last prediction, drop the first past L
+
+    def remember(self, gram: list[int]) -> None:
+        """A contextual n-gram into the LRU queue of its first token."""
+        queue = self.context.setdefault(gram[0], OrderedDict())
+        cont = tuple(gram[1:])
+        queue[cont] = None
+        queue.move_to_end(cont)
+        self.grams_added += 1
+        if len(queue) > self.lru:
+            queue.popitem(last=False)
+
+    def candidate_list(self, root: int) -> list[tuple[int, ...]]:
+        """The continuations keyed by the root: the context cache's, newest first, then the corpus's."""
+        out = list(reversed(self.context.get(root, {})))
+        if self.corpus is not None and len(out) < self.candidates:
+            for cont in self.corpus.lookup(self.tokens):
+                if cont not in out:
+                    out.append(cont)
+        return out[:self.candidates]
+
+    def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
+        if width == 1:       # W and tree_nodes not given: every candidate may branch off the root
+            width, budget = self.candidates, self.candidates * m
+        tree, node_of = DraftTree(root), {}
+        for cont in self.candidate_list(root):
+            node = 0
+            for token in cont[:m]:
+                child = node_of.get((node, token))
+                if child is None:
+                    if len(tree) > budget or len(tree.children(node)) >= width:
+                        break
+                    child = node_of[(node, token)] = tree.add(node, Proposal(token, source="selfdraft"))
+                node = child
+        return tree
+
+
+def chain_drafter(*, selfdraft: dict | None = None, **_) -> SelfDraftDrafter:
+    """Self-Draft's drafter (spd.methods): selfdraft holds branches, branch_length, gram and corpus (a CorpusNgrams,
+    a dict, or None) as the session resolved them."""
+    return SelfDraftDrafter(**(selfdraft or {}))
