@@ -3,8 +3,8 @@
 The target's greedy traces are cached per (target fingerprint, stage bounds, prompts, max_new_tokens), so
 evaluating many checkpoints costs one batched module pass per prompt and occupancy.
 
-    python bench/acceptance.py --checkpoint outputs/smollm2_n5/checkpoint [--limit 20] [--max-new-tokens 128]
-    python bench/acceptance.py --n 5            # randomly initialised module (the untrained baseline)
+    python -m bench.acceptance --checkpoint outputs/smollm2_n5/checkpoint [--limit 20] [--max-new-tokens 128]
+    python -m bench.acceptance --n 5            # randomly initialised module (the untrained baseline)
 """
 
 from __future__ import annotations

@@ -1,27 +1,24 @@
 """What one batched decoding step costs against its number of rows on this machine: `BatchDecoder.step` of plain AR
 with B sequences of the same prompt (each its own cache), timed after warm-up steps, for each B.
 
-    OMP_NUM_THREADS=2 python bench/batch_cost.py --out docs/results/batch_cost.json
+    OMP_NUM_THREADS=2 python -m bench.batch_cost --out docs/results/batch_cost.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from spd.decoding import Request  # noqa: E402
-from spd.engine import build_batch_decoder  # noqa: E402
-from spd.methods import AR  # noqa: E402
-from spd.prompts import chat_prompt_ids  # noqa: E402
-from spd.targets.loading import load_target  # noqa: E402
-from spd.targets.stages import StagedTarget  # noqa: E402
+from spd.decoding import Request
+from spd.engine import build_batch_decoder
+from spd.methods import AR
+from spd.prompts import chat_prompt_ids
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 PROMPT = "Write a long essay about the history of the Roman empire and its fall."
 

@@ -11,7 +11,7 @@ from spd.engine import build_decoder
 from spd.methods import CHAIN
 from spd.retrieval import open_datastore
 from spd.targets.row_costs import cached_row_costs
-from wallclock_sets import prompt_set
+from bench.wallclock_sets import prompt_set
 
 
 def first_prompts(name: str, count: int, tokenizer) -> list[tuple[str, list[int]]]:

@@ -2,7 +2,7 @@
 project's plain AR decoding token for token; sampled SPD must run. The CPU path is covered by the test suite;
 this script is for CUDA machines.
 
-    python bench/device_check.py --device cuda [--dtype float32|bfloat16] [--target smollm2] [--limit 4]
+    python -m bench.device_check --device cuda [--dtype float32|bfloat16] [--target smollm2] [--limit 4]
 Writes docs/results/device_check_<device>_<dtype>.json.
 """
 

@@ -4,7 +4,7 @@ record's id. Training never sees them: spd.train.data drops these ids from every
 explicitly — the GPU-trained module's extract reached the end of the file before this set existed, so SPD rows on
 this set are not held-out for that module; the model-free drafters have nothing to leak).
 
-    python bench/everyday_set.py
+    python -m bench.everyday_set
 """
 
 from __future__ import annotations

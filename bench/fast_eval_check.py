@@ -3,7 +3,7 @@ rollbacks from the fast evaluator (cached target trace + batched module passes) 
 runtime's, and the runtime's tokens must equal the target's greedy trace. A difference is acceptable only where a
 top-2 logit margin below 1e-4 (module or target) explains it; every difference is listed with its margins.
 
-    python bench/fast_eval_check.py --ns 3,5,10 --limit 80 --max-new-tokens 16 \
+    python -m bench.fast_eval_check --ns 3,5,10 --limit 80 --max-new-tokens 16 \
         [--checkpoint 5=outputs/smollm2_n5_regen/checkpoint] [--draft-source lookup+module]
 With --draft-source lookup+module the drafts are spd.drafters.hybrid's (and the per-source counts must agree too).
 Without a checkpoint for an n, the module starts as in `model.init_fc=select model.init_layers=[L-1]` (FC_k a

@@ -5,13 +5,13 @@ evaluator (cached target trace + one training-time-test pass) must equal the cha
 tokens must equal the target's greedy trace. A difference is acceptable only where a top-2 logit margin below 1e-4
 (module or target) explains it (the same rule and helpers as bench/fast_eval_check.py); every difference is listed with its margins.
 
-    python bench/fast_eval_check_chain.py --checkpoint outputs/eagle3_679k/checkpoint --ms 3,5,7 \
+    python -m bench.fast_eval_check_chain --checkpoint outputs/eagle3_679k/checkpoint --ms 3,5,7 \
         --limit 10 --max-new-tokens 64
-    python bench/fast_eval_check_chain.py --method lookup --ms 7 --limit 80 --max-new-tokens 16 \
+    python -m bench.fast_eval_check_chain --method lookup --ms 7 --limit 80 --max-new-tokens 16 \
         --out docs/results/fast_eval_check_chain_lookup.json
-    python bench/fast_eval_check_chain.py --checkpoint CKPT --ms 5 --width 4 --tree-nodes 16   # EAGLE-3's trees
-    python bench/fast_eval_check_chain.py --method suffix --ms 15 --width 4 --limit 80 --max-new-tokens 16
-    python bench/fast_eval_check_chain.py --method suffix --ms 15 --width 4 --limit 80 --max-new-tokens 16 \
+    python -m bench.fast_eval_check_chain --checkpoint CKPT --ms 5 --width 4 --tree-nodes 16   # EAGLE-3's trees
+    python -m bench.fast_eval_check_chain --method suffix --ms 15 --width 4 --limit 80 --max-new-tokens 16
+    python -m bench.fast_eval_check_chain --method suffix --ms 15 --width 4 --limit 80 --max-new-tokens 16 \
         --datastore sharegpt --out docs/results/fast_eval_check_chain_datastore.json
 Resumable: finished (m, prompt) rows are kept in <out>l and skipped. Writes docs/results/fast_eval_check_chain.json.
 """
@@ -41,7 +41,7 @@ from spd.targets.loading import load_target
 from spd.targets.row_costs import cached_row_costs
 from spd.targets.stages import StagedTarget
 
-from fast_eval_check import eval_prompts, finished_rows, unexplained   # this folder: the SPD check's helpers
+from bench.fast_eval_check import eval_prompts, finished_rows, unexplained   # this folder: the SPD check's helpers
 
 
 def summary(stats) -> list:

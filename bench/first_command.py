@@ -2,7 +2,7 @@
 the same line with method=ar, in turns (A B A B ...) so that the machine's drift falls on both, as whole `spd-infer`
 processes. tokens/s is the decoding rate each process reports (json=true); the ratio is taken pair by pair.
 
-    python bench/first_command.py --pairs 5 --out docs/results/first_command.json
+    python -m bench.first_command --pairs 5 --out docs/results/first_command.json
 """
 
 from __future__ import annotations

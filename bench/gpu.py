@@ -6,8 +6,8 @@ roofline: weight bytes read per token over the copy bandwidth measured here. Eve
 token against the suite's AR in the same dtype and the same step kind (eager or fixed-shape).
 Then each stage's step timed alone and all stages launched together on their streams: whether they overlap.
 
-    python bench/gpu.py --device cuda --dtypes bfloat16,float32 --limit 20 --max-new-tokens 128
-    python bench/gpu.py --device cpu --dtypes float32 --limit 1 --max-new-tokens 8 --no-compile   # a smoke run
+    python -m bench.gpu --device cuda --dtypes bfloat16,float32 --limit 20 --max-new-tokens 128
+    python -m bench.gpu --device cpu --dtypes float32 --limit 1 --max-new-tokens 8 --no-compile   # a smoke run
 On CPU there are no graphs and no streams: the graph rows run the same fixed-shape steps eagerly.
 Writes docs/results/gpu_<device>_<dtypes>.json.
 """
@@ -82,6 +82,9 @@ def hf_rows(model, prompts, max_new, device, compile_static: bool, eos, deadline
         if only is not None and name not in only:
             rows[name] = {"skipped": "not asked"}
             continue
+        if not compile and name.endswith("_compiled"):
+            rows[name] = {"skipped": "compile off"}
+            continue
         if deadline is not None and time.time() > deadline:
             rows[name] = {"skipped": "time box"}
             continue
@@ -113,8 +116,9 @@ def hf_rows(model, prompts, max_new, device, compile_static: bool, eos, deadline
 
 
 def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
-               only: frozenset[str] | None = None) -> tuple[dict, dict]:
-    """deadline (time.time()): rows not started by then are marked skipped; only: the rows to run (None: all)."""
+               only: frozenset[str] | None = None, compile: bool = True) -> tuple[dict, dict]:
+    """deadline (time.time()): rows not started by then are marked skipped; only: the rows to run (None: all);
+    compile: False skips the rows through torch.compile (minutes of compilation on a CPU)."""
     staged, eos = session.staged, session.eos_ids
     whole = StagedTarget(session.loaded.model, 1)
     ar_eager = build_decoder(AR, whole, eos)
@@ -242,7 +246,7 @@ def main() -> int:
         tok = session.loaded.tokenizer
         prompts = [chat_prompt_ids(tok, q["turns"][0]) for ds in DATASETS for q in load_questions(ds)[: args.limit]]
         weight_bytes = sum(p.numel() * p.element_size() for p in session.loaded.model.parameters())
-        rows, executors = suite_rows(session, prompts, args.max_new_tokens, device)
+        rows, executors = suite_rows(session, prompts, args.max_new_tokens, device, compile=not args.no_compile)
         rows.update(hf_rows(session.loaded.model, prompts, args.max_new_tokens, device, not args.no_compile,
                             session.eos_ids))
         roofline = result["copy_bandwidth_bytes_per_s"] / weight_bytes

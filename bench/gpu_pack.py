@@ -10,11 +10,11 @@ outside the work tree and starts bench/gpu_session.py once every part is there (
 calls). The shipped modules (66 MiB) and docs/ would make the work tree itself travel over 64 MiB, so `travel` takes
 them out of git's index for the GPU calls (they stay on disk, ignored) and `home` puts them back.
 
-    .venv/bin/python bench/gpu_pack.py build     # -> .gpu/part1 .. .gpu/partK (K = 3), each with manifest.json
-    .venv/bin/python bench/gpu_pack.py travel    # before the device calls: modules and docs out of the index
-    .venv/bin/python bench/gpu_pack.py size      # what each call would carry (must be <= 64 MiB)
-    .venv/bin/python bench/gpu_pack.py home      # after the calls, before any commit: the index as it was
-    .venv/bin/python bench/gpu_pack.py unpack /work/.device/<...>/out   # results -> docs/results/gpu/, outputs/gpu/
+    .venv/bin/python -m bench.gpu_pack build     # -> .gpu/part1 .. .gpu/partK (K = 3), each with manifest.json
+    .venv/bin/python -m bench.gpu_pack travel    # before the device calls: modules and docs out of the index
+    .venv/bin/python -m bench.gpu_pack size      # what each call would carry (must be <= 64 MiB)
+    .venv/bin/python -m bench.gpu_pack home      # after the calls, before any commit: the index as it was
+    .venv/bin/python -m bench.gpu_pack unpack /work/.device/<...>/out   # results -> docs/results/gpu/, outputs/gpu/
 
 Stdlib only where the GPU machine runs it (`assemble`): it must work before any wheel is installed.
 """
@@ -347,7 +347,7 @@ def unpack(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bench/gpu_pack.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_pack", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="wheels, GGUF, shipped n = 5 module and a ShareGPT extract -> .gpu/partK")
     b.add_argument("--parts", type=int, default=3, help="device calls the payload may take (default 3)")

@@ -1,7 +1,7 @@
 """One GPU run, prepared: every CUDA check, the speed table and a module trained at GPU scale, in one command.
 
     bash bench/gpu_session.sh                       # on the GPU machine, once per carried part (docs/gpu.md)
-    python bench/gpu_session.py --device cpu --dry-run --out /tmp/out   # here: the same steps on a tiny random
+    python -m bench.gpu_session --device cpu --dry-run --out /tmp/out   # here: the same steps on a tiny random
                                                                         # target, small boxes (~1.5 min, 2 cores)
 
 Steps, in order, each in its own process under its own time box (minutes on the GPU; a step that overruns is
@@ -25,7 +25,8 @@ killed and what it finished stays), so a slow one cannot starve the rest:
 
 Writes at most 8 files to --out (the runner returns 8): session.json (every step's result, timings,
 tracebacks), log.txt (the steps' output), and each trained module's float16 weights cut into <= 16 MiB parts
-(`bench/gpu_pack.py unpack` puts them back together). Stdlib only: it runs before the wheels are installed.
+(`python -m bench.gpu_pack unpack` puts them back together). Stdlib only: it runs before the wheels are installed,
+as `python3 -m bench.gpu_session` from the repository root (bench/gpu_session.sh).
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ import sys
 import time
 import traceback
 
+from bench.gpu_pack import MIB, PACK_DIR, stash_and_assemble
+from bench.gpu_training import DRY_TRAIN_S, Training
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-from gpu_pack import MIB, PACK_DIR, stash_and_assemble  # noqa: E402
-from gpu_training import DRY_TRAIN_S, Training  # noqa: E402
 
 # seconds per step: (GPU run, dry run). The train box is whatever is left of --minutes after the others.
 # The H200 run of 2026-11-26 (docs/results.md) trained a whole epoch of the extract in 218 s but ran out of box in
@@ -124,7 +125,7 @@ class Visit(Training):
         killed 30 s (dry run: 10 s) after it."""
         deadline = time.time() + box
         result = os.path.join(self.work, f"{name}.json")
-        argv = [sys.executable, os.path.join(HERE, "gpu_steps.py"), name, "--plan", self.plan_path,
+        argv = [sys.executable, "-m", "bench.gpu_steps", name, "--plan", self.plan_path,
                 "--deadline", str(deadline), "--result", result, *(extra or [])]
         self.log(f"step {name}: box {box:.0f} s")
         rc, seconds = self.run_process(argv, box + (10 if self.dry else 30))
@@ -194,7 +195,7 @@ class Visit(Training):
             with open(self.plan_path, "w") as f:
                 json.dump(self.plan, f, indent=1)
             if self.dry:
-                rc, _ = self.run_process([sys.executable, os.path.join(HERE, "gpu_steps.py"), "tiny", "--plan",
+                rc, _ = self.run_process([sys.executable, "-m", "bench.gpu_steps", "tiny", "--plan",
                                           self.plan_path], 120)
                 if rc != 0:
                     raise RuntimeError(f"the tiny target was not saved (rc {rc})")
@@ -209,7 +210,7 @@ class Visit(Training):
 
     def dry_payload(self) -> str:
         """The dry run packs, splits, stashes and assembles a small payload the way a GPU run does its real one."""
-        from gpu_pack import split_payload
+        from bench.gpu_pack import split_payload
 
         stage = os.path.join(self.work, "dry_payload_src")
         os.makedirs(os.path.join(stage, "data"), exist_ok=True)
@@ -308,7 +309,7 @@ def parse_boxes(words: list[str]) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bench/gpu_session.py", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_session", description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where the returned files go (default: $OUT)")
     ap.add_argument("--device", default="cuda", help="cuda (a GPU run) or cpu (the dry run, a rehearsal)")

@@ -6,4 +6,4 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
-exec python3 bench/gpu_session.py --out "${OUT:?the runner sets OUT to the folder it returns}" "$@"
+exec python3 -m bench.gpu_session --out "${OUT:?the runner sets OUT to the folder it returns}" "$@"

@@ -1,8 +1,8 @@
 """The steps of a GPU run (bench/gpu_session.py runs each in its own process, under its own time box).
 
-    python bench/gpu_steps.py env|correctness|speed|eval --plan PLAN.json --deadline EPOCH --result OUT.json
-    python bench/gpu_steps.py export --plan PLAN.json --checkpoint DIR --name n5 --result OUT.json
-    python bench/gpu_steps.py tiny --plan PLAN.json           # the dry run's random target, saved as an HF directory
+    python -m bench.gpu_steps env|correctness|speed|eval --plan PLAN.json --deadline EPOCH --result OUT.json
+    python -m bench.gpu_steps export --plan PLAN.json --checkpoint DIR --name n5 --result OUT.json
+    python -m bench.gpu_steps tiny --plan PLAN.json           # the dry run's random target, saved as an HF directory
 
 Each step writes its JSON result after every row, atomically, so a step killed at its deadline still leaves what it
 finished. A row that raises records its traceback and the step goes on with the next row.
@@ -19,8 +19,6 @@ import time
 import traceback
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/gpu.py's rows
 
 from spd.config import GenerateConfig, load_config
 from spd.decoding import Request
@@ -210,7 +208,7 @@ def step_correctness(plan: dict, deadline: float, result: Result) -> None:
 # --- speed ---------------------------------------------------------------------------------------------------
 
 def step_speed(plan: dict, deadline: float, result: Result) -> None:
-    import gpu
+    from bench import gpu
 
     _share_loaded_targets()
     cfg = plan["speed"]
@@ -226,7 +224,7 @@ def step_speed(plan: dict, deadline: float, result: Result) -> None:
         result.data.setdefault("runs", {})[dtype] = run
         only = asked(plan)
         rows, executors = gpu.suite_rows(session, prompts, cfg["max_new_tokens"], device, deadline=deadline,
-                                         only=only)
+                                         only=only, compile=cfg["compile"])
         run["rows"] = rows
         result.save()
         if time.time() < deadline and "spd_streams_graphs" in executors:
@@ -317,7 +315,7 @@ def step_tiny(plan: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bench/gpu_steps.py")
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_steps")
     ap.add_argument("step", choices=["env", "correctness", "speed", "eval", "export", "tiny"])
     ap.add_argument("--plan", required=True)
     ap.add_argument("--deadline", type=float, default=float("inf"))

@@ -123,7 +123,7 @@ class Training:
             return exported
         stamp = os.path.getmtime(config)
         result = os.path.join(self.work, f"export_{name}.json")
-        rc, _ = self.run_process([sys.executable, os.path.join(HERE, "gpu_steps.py"), "export", "--plan",
+        rc, _ = self.run_process([sys.executable, "-m", "bench.gpu_steps", "export", "--plan",
                                   self.plan_path, "--checkpoint", os.path.join(out_dir, "checkpoint"), "--name", name,
                                   "--result", result], 120)
         if rc == 0:

@@ -5,7 +5,7 @@ differences between the two code paths may legitimately flip the argmax). Every 
 its margin. The drafter proposes HF's own tokens — drafts never change a lossless decoder's output, they
 only make the run faster — so any divergence is the target pipeline's own verdict.
 
-    python bench/hf_parity.py [--n 5] [--max-new-tokens 128] [--limit 80] [--out docs/results/hf_parity.json]
+    python -m bench.hf_parity [--n 5] [--max-new-tokens 128] [--limit 80] [--out docs/results/hf_parity.json]
 Resumable: finished prompts are kept in <out>.jsonl and skipped.
 """
 

@@ -7,7 +7,7 @@ after it; `calibrate_chain` for EAGLE-3's cycle at the run's m; `calibrate_rows`
 steps, priced by the rows each stage ran, through a session opened from the run's own config) and recomputes each
 run's measured-cost speedup from its pooled α (EAGLE-3: τ) per dataset.
 
-    python bench/method_costs.py --run spd=docs/results/eval/greedy_n5_best \
+    python -m bench.method_costs --run spd=docs/results/eval/greedy_n5_best \
         --run ppsd=docs/results/eval/greedy_n5_ppsd --out docs/results/method_costs_n5.json
 `--write-back` stores the re-timed figures in each run's summary.json, so `spd-infer report` tables and plots show
 them (`--reuse` takes them from an existing --out without timing again).

@@ -12,7 +12,7 @@ Each method's rows share its drafter and target, so the today/device pair of a m
 the table reports tau and the host time per cycle (tau-free) beside the time per token. The prefill is left out:
 a row's time per token is (t(N) - t(1)) / (N - 1), the same prompt decoded to N tokens and to 1.
 
-    python bench/overhead.py --out docs/results/overhead.json [--compile]
+    python -m bench.overhead --out docs/results/overhead.json [--compile]
 """
 
 from __future__ import annotations

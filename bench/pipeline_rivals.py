@@ -9,8 +9,8 @@ first --everyday-limit (chat template, --max-new-tokens, stopping at EOS), each 
 (rollbacks), rows each stage ran per step, the acceptance of each draft source, each row's worst prompt against AR;
 every greedy row is checked token for token against AR.
 
-    python bench/pipeline_rivals.py --limit 10 --max-new-tokens 128 --out docs/results/pipeline_rivals.json
-    python bench/pipeline_rivals.py --sets eval,everyday --limit 10 --max-new-tokens 256 \
+    python -m bench.pipeline_rivals --limit 10 --max-new-tokens 128 --out docs/results/pipeline_rivals.json
+    python -m bench.pipeline_rivals --sets eval,everyday --limit 10 --max-new-tokens 256 \
         --out docs/results/pipeline_rivals_256.json
 """
 
@@ -31,8 +31,8 @@ from spd.engine import open_engine
 from spd.eval.output import write_json
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
-from wallclock_turns import decode_all, params_for, seed_of
-from wallclock_sets import prompt_set
+from bench.wallclock_turns import decode_all, params_for, seed_of
+from bench.wallclock_sets import prompt_set
 
 
 def method_rows(args, prompts, method: str, keys: list[str]) -> list[dict]:

@@ -3,14 +3,14 @@ server against the same configuration decoding in-process (`spd.engine`, what `s
 and 4 concurrent clients. Server and in-process decodes alternate (one client: prompt by prompt; four clients: a
 batch of 4 concurrent requests, then the same 4 in-process one after another) so the machine's drift falls on both; every server answer is checked token for token against the in-process one (greedy).
 
-    python bench/serve.py --out docs/results/serve.json [key=value ...]   # keys as for spd-infer serve
+    python -m bench.serve --out docs/results/serve.json [key=value ...]   # keys as for spd-infer serve
 
 With --clients 1,2,4,8 it measures concurrency instead: for each number C of clients, C threads each send
 --per-client streamed chat requests back to back (everyday prompts, each client starting at its own), --rounds
 times; the aggregate tokens/s of the round, every request's time to first token (its wait in the queue included)
 and to its end, and every answer checked token for token against the same prompt decoded alone in-process.
 
-    python bench/serve.py --clients 1,2,4,8 --out docs/results/serve_clients_default.json [key=value ...]
+    python -m bench.serve --clients 1,2,4,8 --out docs/results/serve_clients_default.json [key=value ...]
 """
 
 from __future__ import annotations

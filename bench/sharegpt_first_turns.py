@@ -2,7 +2,7 @@
 it) of the first 9,000 ShareGPT records that have a non-empty one of at most 1,500 characters, each with a
 placeholder reply that `data.regenerate=true` replaces by the target's own.
 
-    python bench/sharegpt_first_turns.py --out outputs/data/sharegpt_first_turns.jsonl
+    python -m bench.sharegpt_first_turns --out outputs/data/sharegpt_first_turns.jsonl
 then (a GPU makes this minutes instead of hours):
     python train/run.py --config configs/train/smollm2_n5_regen.yaml data.path=outputs/data/sharegpt_first_turns.jsonl ...
 """

@@ -4,7 +4,7 @@
    same number of tokens); target ratio >= 0.9.
 2. SPD seconds per pipeline step vs one full-token target forward + one module forward; target ratio <= 1.2.
 
-    python bench/speed.py [--tokens 128] [--repeats 3] [--n 5] [--out docs/results/speed.json]
+    python -m bench.speed [--tokens 128] [--repeats 3] [--n 5] [--out docs/results/speed.json]
 """
 
 from __future__ import annotations

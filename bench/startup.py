@@ -9,7 +9,7 @@
 
 Each figure: min / median / max over --runs runs (after one warm-up), interleaved so drift hits all alike.
 
-    python bench/startup.py --runs 7 --out docs/results/startup.json
+    python -m bench.startup --runs 7 --out docs/results/startup.json
 """
 
 from __future__ import annotations

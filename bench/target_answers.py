@@ -9,7 +9,7 @@ when a run opens it).
 ShareGPT's own assistant turns are another model's phrasing; the target's answers to similar requests are its own,
 which is what the drafts must match.
 
-    python bench/target_answers.py --count 8192 --minutes 60      # about 9,000 tokens a minute on 2 cores
+    python -m bench.target_answers --count 8192 --minutes 60      # about 9,000 tokens a minute on 2 cores
 """
 
 from __future__ import annotations

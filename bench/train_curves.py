@@ -1,7 +1,7 @@
 """Curves for one or more training runs: held-out top-1 agreement per occupancy a=1..n and greedy L'acc on the
 eval prompts (exact fast evaluator, first --limit of each set), against training tokens, for every kept checkpoint.
 
-    python bench/train_curves.py outputs/smollm2_n5 outputs/smollm2_n5_fast --out docs/figures/train_curves
+    python -m bench.train_curves outputs/smollm2_n5 outputs/smollm2_n5_fast --out docs/figures/train_curves
 Writes <out>.json and <out>.png.
 """
 
@@ -27,8 +27,7 @@ from spd.targets.stages import StagedTarget  # noqa: E402
 from spd.train.data import load_conversations, tokenize_conversations  # noqa: E402
 from spd.train.objective import collate, kd_loss, teacher_pass  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from acceptance import load_traces  # noqa: E402
+from bench.acceptance import load_traces  # noqa: E402
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ For each sequence length (a fresh process each, so peak RSS is clean): tokens/s 
 (the frozen target keeping the needed layers, plus its head at the loss positions) and of a whole training step
 (teacher + module forward/backward + AdamW), and the step's peak memory above the loaded models.
 
-    python bench/train_speed.py [--lengths 512 1024 2048] [--repeats 3] [--out docs/results/train_speed.json]
+    python -m bench.train_speed [--lengths 512 1024 2048] [--repeats 3] [--out docs/results/train_speed.json]
 """
 
 from __future__ import annotations

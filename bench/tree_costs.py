@@ -4,7 +4,7 @@ on the default target. The draft module is untrained: its time does not depend o
 not measured here (no trained EAGLE-3 module is on this machine). A tree pays off where its τ gain exceeds
 cycle_s(tree) / cycle_s(chain).
 
-    python bench/tree_costs.py --out docs/results/tree_costs.json
+    python -m bench.tree_costs --out docs/results/tree_costs.json
 """
 
 from __future__ import annotations

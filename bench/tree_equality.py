@@ -4,16 +4,16 @@ tokens must equal the target's own greedy decode, read from the recorded greedy 
 protocol: 16 new tokens). A difference is acceptable only where the target's top-2 logit margin at the first
 differing token is below 1e-4 (float ties); every difference is listed with that margin.
 
-    python bench/tree_equality.py --label spd_w4 method=spd W=4
-    python bench/tree_equality.py --label ppsd_w4 method=ppsd W=4 checkpoint=outputs/grid/ppsd_n5/checkpoint
-    python bench/tree_equality.py --label eagle3_w4 method=eagle3 W=4 tree_nodes=16 \
+    python -m bench.tree_equality --label spd_w4 method=spd W=4
+    python -m bench.tree_equality --label ppsd_w4 method=ppsd W=4 checkpoint=outputs/grid/ppsd_n5/checkpoint
+    python -m bench.tree_equality --label eagle3_w4 method=eagle3 W=4 tree_nodes=16 \
         checkpoint=outputs/grid/eagle3/checkpoint
 
 The traces are the 512-token greedy recordings of `spd-infer eval` (--trace-dir; any recording of >= 16 tokens
 serves: greedy decoding's first 16 tokens are a prefix of its first 512), which are float32's; with --live-reference
 the target's own greedy decode (AR, with each position's top-2 margin) runs here, in the configuration's dtype:
 
-    python bench/tree_equality.py --label default_bf16 --live-reference --out docs/results/tree_equality_bf16.json \
+    python -m bench.tree_equality --label default_bf16 --live-reference --out docs/results/tree_equality_bf16.json \
         method=suffix W=4 datastore=answers+sharegpt dtype=bfloat16
 
 Resumable: finished (label, prompt) rows are kept in <out>l and skipped. Writes one entry per label into --out (default docs/results/tree_equality.json).
@@ -36,7 +36,7 @@ from spd.decoding import Request
 from spd.engine import open_engine
 from spd.sampling import SamplingParams
 
-from fast_eval_check import MARGIN, eval_prompts, finished_rows   # this folder: the fast evaluator check's helpers
+from bench.fast_eval_check import MARGIN, eval_prompts, finished_rows   # this folder: the fast evaluator check's helpers
 
 
 def trace_file(trace_dir: str, dataset: str, qid) -> str:

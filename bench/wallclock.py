@@ -17,8 +17,8 @@ ShareGPT first turns), chat template, --max-new-tokens each, stopping at EOS; gr
 Every greedy row is checked token for token against the suite's AR; every row's worst prompt against AR is kept.
 The single-process rows (both temperatures) take turns on each prompt, so a drifting machine is shared by all of them.
 
-    python bench/wallclock.py --checkpoint outputs/smollm2_n2_balanced/checkpoint --ns 1,2 --limit 20
-    python bench/wallclock.py --sets everyday,eval --limit 10 --max-new-tokens 256 --lookup --suffix-widths 1,4 --ns ""
+    python -m bench.wallclock --checkpoint outputs/smollm2_n2_balanced/checkpoint --ns 1,2 --limit 20
+    python -m bench.wallclock --sets everyday,eval --limit 10 --max-new-tokens 256 --lookup --suffix-widths 1,4 --ns ""
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ from spd.targets.stages import StagedTarget
 from spd.drafters.suffix import Retrieval, SuffixDrafter
 from spd.retrieval import open_datastore
 from spd.targets.row_costs import cached_row_costs
-from wallclock_sets import REPEAT_SPAN, prompt_set, summarise_set
-from wallclock_table import markdown
-from wallclock_distributed import distributed_rows
-from wallclock_turns import decode_interleaved, params_for, seed_of
+from bench.wallclock_sets import REPEAT_SPAN, prompt_set, summarise_set
+from bench.wallclock_table import markdown
+from bench.wallclock_distributed import distributed_rows
+from bench.wallclock_turns import decode_interleaved, params_for, seed_of
 
 PLAIN = "float32-plain"      # --dtypes: the float32 target multiplying with F.linear (spd.targets.panel off)
 REPEAT_KV = "float32-repeat-kv"   # --dtypes: the float32 target attending with transformers' SDPA as it is

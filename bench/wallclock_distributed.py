@@ -22,7 +22,7 @@ from spd.methods import AR, PIPELINE
 from spd.runtime.stages import open_stages, threads_for
 from spd.session import open_session
 from spd.targets.stages import StagedTarget
-from wallclock_turns import decode_all, params_for, seed_of
+from bench.wallclock_turns import decode_all, params_for, seed_of
 
 
 class TimedDrafter(WrappedDrafter):

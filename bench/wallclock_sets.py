@@ -6,11 +6,21 @@ from __future__ import annotations
 
 import json
 
-from repetition import repeating
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.sharegpt import EVERYDAY_PATH
 
 REPEAT_SPAN = 32
+
+
+def repeating(seq: list[int], prompt_len: int, span: int) -> set[int]:
+    """Generated positions p whose window seq[p - span + 1 .. p] occurred, ending earlier, in seq."""
+    seen, out = set(), set()
+    for end in range(span, len(seq) + 1):
+        window = tuple(seq[end - span: end])
+        if window in seen and end - 1 >= prompt_len:
+            out.add(end - 1)
+        seen.add(window)
+    return out
 
 
 def prompt_set(name: str, args, tokenizer) -> list[tuple[str, list[int]]]:

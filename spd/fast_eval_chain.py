@@ -109,7 +109,7 @@ def replay(drafter: ChainDrafter, prompt_ids: list[int], tokens: list[int], m: i
     trace's states — the verified path's states, as the verify pass captures them; `walk_trace` settles it. Only
     the target's verify forward is skipped: greedy descends along the trace's tokens, and off that path no node's
     verdict matters. Returns the statistics and the target rows each cycle fed (its tree's nodes, the root
-    included), which decide its cost on a CPU (bench/lookup_grid.py). on_settle(pos, accepted, source): called for
+    included), which decide its cost on a CPU (experiments/lookup_grid.py). on_settle(pos, accepted, source): called for
     every verified node (pos: its index in `tokens`). margins: the trace's top-2 logit margins (margins[i] where the
     target chose tokens[i]), told to the drafter as the runtime tells it. draws: a sampled answer's keyed draws
     (anything with `uniform(position, token)` and `chance(position)`), given to the drafter after `start` as the

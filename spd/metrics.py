@@ -26,7 +26,7 @@ class DecodeStats:
     # draft source -> [drafts verified, accepted] (only drafts that reached verification; flushed ones are not)
     sources: dict[str, list[int]] = field(default_factory=dict)
     # (index of the verified token among the generated ones, draft source, accepted) per verification, in order:
-    # where acceptance falls in the output (bench/repetition.py); not part of as_dict
+    # where acceptance falls in the output (experiments/repetition.py); not part of as_dict
     verdicts: list[tuple[int, str, bool]] = field(default_factory=list)
     # steps by the rows each stage ran in them ("r1,...,rn" -> steps): what prices a step whose rows vary
     # (FlowSpec's segments, PipeDec's levels; spd.eval.calibrate.calibrate_rows)

@@ -1,7 +1,7 @@
 """Starting points for the speculation module's attention (docs/training.md, "Why depth did not help").
 
 Trained from a random start, the module's attention stays flat: at a = 1 every head puts about 1/(t+1) of its
-mass on each memory row (bench/depth_diagnosis.py, `attention_by_lag_a1`), so the module reads a bag of the
+mass on each memory row (experiments/depth_diagnosis.py, `attention_by_lag_a1`), so the module reads a bag of the
 context and never singles out row t-1, whose full-depth state is what EAGLE's first draft is built on. A head can
 only prefer a *position* through RoPE, and RoPE can only do that when the query and key carry a component that is
 the same for every token. Standardised features through FCs have none; `init_previous_token_head` gives every

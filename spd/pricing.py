@@ -66,8 +66,8 @@ class AcceptancePredictor:
         """For a sampled request (T > 0), where a candidate is kept with the target's p of it rather than when it is
         the argmax: a lower prior that the buckets' few verdicts move less. The greedy settings over-predicted the
         sampled verdicts of the buckets they priced high by 20-40% (the datastore's children 25-60%) and
-        under-predicted those they priced low 2-4x (bench/noise_calibration.py); replaying one recording of every
-        judged candidate through each setting (bench/prior_replay.py; the same candidates, not new decodes), prior_weight 16 and
+        under-predicted those they priced low 2-4x (experiments/noise_calibration.py); replaying one recording of every
+        judged candidate through each setting (experiments/prior_replay.py; the same candidates, not new decodes), prior_weight 16 and
         prior_scale 0.6 fit 10 everyday answers' verdicts best (log-likelihood -0.340 against -0.365) and the 30
         held-out MT-Bench answers' too (-0.295 against -0.317). Not the default (spd.drafters.suffix's
         sampled_prior): +0.7% by the clock at T = 1 on the eval set, while where drafts are kept often its heavy prior
@@ -125,7 +125,7 @@ def given_noise(chance: float, u: float, share: float = NOISE_SHARE) -> float:
     is far sharper than the average of the formula: over the default's sampled everyday answers the candidates it
     put under 2% were kept ~35x more often than that, those it put over 40% ~0.6x as often — a worse fit
     (log-likelihood -0.584 a verdict) than ignoring the noise (-0.383). So only `share` of the chance follows the
-    noise: (1 - share) * chance + share * u ** ((1 - p) / p), best at 0.3-0.4 (-0.365; bench/noise_calibration.py,
+    noise: (1 - share) * chance + share * u ** ((1 - p) / p), best at 0.3-0.4 (-0.365; experiments/noise_calibration.py,
     docs/speed-cpu.md, "How good the pricing is"; a probe over eval answers agreed). Over u it averages back to
     `chance` at any share; share = 1 is the formula alone."""
     p = min(max(chance, 1e-6), 1.0 - 1e-9)

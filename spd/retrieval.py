@@ -166,7 +166,7 @@ def _open_one(spec: str, tokenizer, vocab_size: int, log) -> Datastore:
         path = answers_path(key)
         if not os.path.isfile(path):
             raise UserError(f"datastore={ANSWERS}: no answers of a target with this tokenizer ship with the suite; "
-                            f"write them with `python bench/target_answers.py`, or use datastore={SHAREGPT}")
+                            f"write them with `python -m bench.target_answers`, or use datastore={SHAREGPT}")
         documents, meta = load_documents(path)
         return Datastore.build(documents, separator, meta)
     if spec == SHAREGPT:

@@ -1,7 +1,7 @@
 """bench/gpu_session.py, the prepared GPU run, cannot rot: its dry run (a tiny random target on CPU) goes through
 every step the GPU run takes — parts stashed and assembled, correctness rows, speed rows, a probe-planned training run
 ended by SIGINT at its box with checkpoints exported as float16 parts, the fast evaluator, the returned files — and
-`gpu_pack.py unpack` rebuilds the trained module from what came back."""
+`python -m bench.gpu_pack unpack` rebuilds the trained module from what came back."""
 
 import json
 import os
@@ -12,14 +12,17 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(REPO, "bench")
-sys.path.insert(0, BENCH)
+
+
+def with_repo_path() -> dict:
+    """The environment for `python -m bench.x` run outside the repository root (unpack writes under its cwd)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_dry")
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_session.py"), "--device", "cpu", "--dry-run",
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_session", "--device", "cpu", "--dry-run",
                            "--out", str(root / "out"), "--work", str(root / "work")],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -64,8 +67,8 @@ def test_unpack_rebuilds_the_trained_module(dry_run, tmp_path):
     from spd.checkpoint import float16_state
 
     root, session = dry_run
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_pack.py"), "unpack", str(root / "out")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_pack", "unpack", str(root / "out")],
+                          cwd=tmp_path, env=with_repo_path(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     module = tmp_path / "outputs" / "gpu" / session["stamp"] / "n5"
     got = load_file(module / "model.safetensors")
@@ -78,7 +81,7 @@ def test_unpack_rebuilds_the_trained_module(dry_run, tmp_path):
 def test_a_failing_row_is_recorded_and_the_step_goes_on(tmp_path):
     import time
 
-    from gpu_steps import Result, guarded
+    from bench.gpu_steps import Result, guarded
 
     result = Result(str(tmp_path / "r.json"), "correctness")
     guarded(result, "boom", time.time() + 60, lambda: {"x": 1 / 0})
@@ -90,8 +93,8 @@ def test_a_failing_row_is_recorded_and_the_step_goes_on(tmp_path):
 
 
 def test_a_later_visit_runs_only_the_rows_it_names():
-    import gpu
-    from gpu_steps import correctness_rows
+    from bench import gpu
+    from bench.gpu_steps import correctness_rows
 
     everything = [row[0] for row in correctness_rows({"spd_checkpoint": "c"})]
     assert len(everything) == 12 and "lookup_chain" in everything
@@ -110,7 +113,7 @@ def test_a_later_visit_runs_only_the_rows_it_names():
 
 
 def test_hf_rows_time_each_prompt_after_its_own_warm_up():
-    import gpu
+    from bench import gpu
 
     class Recording:                  # a static cache compiles again for every new prompt length
         calls = []
@@ -130,7 +133,7 @@ def test_hf_rows_time_each_prompt_after_its_own_warm_up():
 def test_a_visit_can_give_a_step_a_longer_box(tmp_path):
     from types import SimpleNamespace
 
-    from gpu_session import BOXES, Visit, parse_boxes
+    from bench.gpu_session import BOXES, Visit, parse_boxes
 
     assert parse_boxes(["speed=300", "eval=60"]) == {"speed": 300.0, "eval": 60.0}
     for bad in ("speed", "speed=0", "speed=soon", "warmup=30"):
@@ -145,7 +148,7 @@ def test_a_visit_can_give_a_step_a_longer_box(tmp_path):
 def test_a_step_that_overruns_its_box_is_killed(tmp_path):
     from types import SimpleNamespace
 
-    from gpu_session import Visit
+    from bench.gpu_session import Visit
 
     visit = Visit(SimpleNamespace(dry_run=True, minutes=1, out=str(tmp_path / "out"), work=str(tmp_path / "w"),
                                   device="cpu"))
@@ -156,7 +159,7 @@ def test_a_step_that_overruns_its_box_is_killed(tmp_path):
 def test_parts_assemble_only_when_all_are_there_and_verified(tmp_path):
     import shutil
 
-    from gpu_pack import split_payload, stash_and_assemble
+    from bench.gpu_pack import split_payload, stash_and_assemble
 
     src = tmp_path / "src"
     (src / "a").mkdir(parents=True)
@@ -180,7 +183,7 @@ def test_parts_assemble_only_when_all_are_there_and_verified(tmp_path):
 
 
 def test_help_names_every_step_and_its_minutes():
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_session.py"), "--help"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_session", "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0
     for step in ("setup", "correctness", "speed", "train", "eval"):
@@ -192,7 +195,7 @@ def test_a_visit_trains_eagle3_and_brings_it_home(tmp_path):
     """`--train eagle3` (configs/train/gpu_eagle3.yaml): the baseline at the shipped modules' scale on a GPU;
     its eval decodes it as EAGLE-3 (tau) and `unpack` rebuilds it as an EAGLE-3 checkpoint."""
     root = tmp_path / "visit"
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_session.py"), "--device", "cpu", "--dry-run",
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_session", "--device", "cpu", "--dry-run",
                            "--skip", "correctness,speed", "--train", "eagle3", "--out", str(root / "out"),
                            "--work", str(root / "work")], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -205,8 +208,8 @@ def test_a_visit_trains_eagle3_and_brings_it_home(tmp_path):
     assert evals["gpu_eagle3"]["tau_pooled"] >= 1 and evals["random_n5"]["metric"] == "eal_pooled"
     home = tmp_path / "home"
     home.mkdir()
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_pack.py"), "unpack", str(root / "out")],
-                          cwd=home, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_pack", "unpack", str(root / "out")],
+                          cwd=home, env=with_repo_path(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     module = home / "outputs" / "gpu" / session["stamp"] / "eagle3"
     assert json.loads((module / "config.json").read_text())["method"] == "eagle3"

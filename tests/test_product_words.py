@@ -11,7 +11,7 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DIRS = ("spd", "bench", "tests", "infer", "train", "configs")
+DIRS = ("spd", "bench", "experiments", "tests", "infer", "train", "configs")
 SUFFIXES = (".py", ".md", ".sh", ".yaml", ".yml", ".toml")
 SKIP_DIRS = {".venv", "__pycache__", ".git", "node_modules"}
 THIS = os.path.relpath(os.path.abspath(__file__), ROOT)
@@ -201,7 +201,7 @@ EVERYDAY = [
     "built once into this test session's cache",
     "bench/gpu_session.py --device cpu",
     "docs/results/gpu/<stamp>/session.json",
-    "python bench/gpu_session.py",
+    "python -m bench.gpu_session",
     "the distribution a decoder actually visits",
     "what greedy decoding visits at n = 2",
     "a visitor",

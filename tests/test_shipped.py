@@ -102,7 +102,7 @@ def test_ship_script_halves_the_weights_and_records_provenance(tmp_path, monkeyp
     ship = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ship)
     assert ship.main([str(tmp_path / "ckpt"), "tiny-n3", "--measured", str(tmp_path / "acc.json"),
-                      "--measured-command", "python bench/acceptance.py ..."]) == 0
+                      "--measured-command", "python -m bench.acceptance ..."]) == 0
     dest = tmp_path / "modules" / "tiny-n3"
     state = load_file(str(dest / "model.safetensors"))
     assert state["head.weight"].dtype == torch.float16 and state["draft_to_target"].dtype == torch.int64

@@ -221,7 +221,7 @@ def test_the_answers_corpus_holds_the_targets_greedy_answers_and_resumes(smollm2
         monkeypatch.setattr(sys, "argv", [script, "--count", "3", "--chunk", "2", "--batch", "2",
                                           "--max-new-tokens", "12", "--cache-dir", str(cache), "--out", str(out)])
         with pytest.raises(SystemExit) as exit:
-            runpy.run_path(script, run_name="__main__")
+            runpy.run_module("bench.target_answers", run_name="__main__", alter_sys=True)
         assert exit.value.code == 0
         documents, meta = load_documents(str(out))
         assert meta["answers"] == 3 and meta["tokenizer"] and meta["source"] == "answers"

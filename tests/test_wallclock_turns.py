@@ -2,15 +2,10 @@
 row decodes every prompt, the order rotates one place per prompt (so no row always runs first, after a warm-up or a
 cold cache), and each row's totals are its own prompts' results."""
 
-import os
-import sys
-
 from spd.decoding import GenerationResult
 from spd.metrics import ChainStats
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-
-from wallclock_turns import decode_all, decode_interleaved  # noqa: E402
+from bench.wallclock_turns import decode_all, decode_interleaved
 
 
 def test_rows_take_turns_and_keep_their_own_totals():

@@ -150,3 +150,19 @@ class ChainDrafter(ABC):
     def verified(self, hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:
         """The cycle settled: `tokens` is the whole verified sequence; hidden {layer: [1, S, d]} holds the target's
         states of the positions verified since the last call (S of them), for the layers asked for."""
+
+
+def merged_tree(root: int, continuations, width: int, budget: int, source: str) -> DraftTree:
+    """Deterministic candidates (token lists, best first) merged as a trie under `root`: shared where they agree,
+    branching where they do not, at most `width` children a node and `budget` nodes besides the root."""
+    tree, node_of = DraftTree(root), {}       # node_of: (parent node, token) -> node
+    for continuation in continuations:
+        node = 0
+        for token in continuation:
+            child = node_of.get((node, token))
+            if child is None:
+                if len(tree) > budget or len(tree.children(node)) >= width:
+                    break
+                child = node_of[(node, token)] = tree.add(node, Proposal(token, source=source))
+            node = child
+    return tree

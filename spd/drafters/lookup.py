@@ -15,7 +15,7 @@ p (`spd.sampling.settle_children`).
 
 from __future__ import annotations
 
-from spd.drafters.base import ChainDrafter
+from spd.drafters.base import ChainDrafter, merged_tree
 from spd.sampling import Proposal
 from spd.tree import DraftTree
 
@@ -127,18 +127,9 @@ class LookupDrafter(ChainDrafter):
     def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
         if width == 1:
             return DraftTree.chain(root, self.chain(m))
-        tree, node_of = DraftTree(root), {}       # node_of: (parent node, token) -> node
         self.last_match = self.index.match()[0]
-        for start in self.index.matches(budget):
-            node = 0
-            for token in self.index.continuation(start, m):
-                child = node_of.get((node, token))
-                if child is None:
-                    if len(tree) > budget or len(tree.children(node)) >= width:
-                        break
-                    child = node_of[(node, token)] = tree.add(node, Proposal(token, source="lookup"))
-                node = child
-        return tree
+        return merged_tree(root, (self.index.continuation(start, m) for start in self.index.matches(budget)), width,
+                           budget, "lookup")
 
 
 def chain_drafter(*, ngrams: tuple[int, int], **_) -> LookupDrafter:

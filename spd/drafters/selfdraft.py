@@ -37,8 +37,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from spd.drafters.base import ChainDrafter
-from spd.sampling import Proposal
+from spd.drafters.base import ChainDrafter, merged_tree
 from spd.tree import DraftTree
 
 CORPUS_TOKENS = 2_000_000     # corpus n-grams are counted over this prefix of the datastore's tokens
@@ -205,17 +204,7 @@ class SelfDraftDrafter(ChainDrafter):
     def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
         if width == 1:       # W and tree_nodes not given: every candidate may branch off the root
             width, budget = self.candidates, self.candidates * m
-        tree, node_of = DraftTree(root), {}
-        for cont in self.candidate_list(root):
-            node = 0
-            for token in cont[:m]:
-                child = node_of.get((node, token))
-                if child is None:
-                    if len(tree) > budget or len(tree.children(node)) >= width:
-                        break
-                    child = node_of[(node, token)] = tree.add(node, Proposal(token, source="selfdraft"))
-                node = child
-        return tree
+        return merged_tree(root, (cont[:m] for cont in self.candidate_list(root)), width, budget, "selfdraft")
 
 
 def chain_drafter(*, selfdraft: dict | None = None, **_) -> SelfDraftDrafter:

@@ -1,7 +1,7 @@
 """bfloat16 products on a CPU with each weight prepacked once for oneDNN.
 
 `F.linear` in bfloat16 on a CPU hands oneDNN a plain [out, in] weight, which it reorders into its own blocked layout
-on every call; over SmolLM2's 211 weights that reorder is most of a forward of a few rows (bench/product_shapes.py
+on every call; over SmolLM2's 211 weights that reorder is most of a forward of a few rows (experiments/product_shapes.py
 --layouts: 8 rows 72 ms plain against 55 prepacked, 16 rows 67 against 62). Prepacked
 (`torch.ops.mkldnn._reorder_linear_weight`, the op `torch.compile` uses for a frozen CPU Linear), the same product
 runs from the packed copy. It is used only where it keeps a row's bits independent of the rows beside it — the

@@ -2,7 +2,9 @@
 `draft_layers=k`) picks the target's greedy token: top-1, top-4 and top-8 agreement at each k over
 cached greedy traces (every 8th of the 240 eval prompts, 30 of them, first 256 tokens; one forward each).
 
-    python bench/early_exit.py --traces outputs/cache/traces/greedy-e146e36482806c57 --out docs/results/early_exit.json
+    python -m experiments.early_exit --traces outputs/cache/traces/greedy-e146e36482806c57 --out docs/results/early_exit.json
+
+The figure's page: docs/rivals.md, "By the clock".
 """
 
 from __future__ import annotations

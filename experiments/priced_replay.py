@@ -6,7 +6,9 @@ cycle) — on all positions and on the first --heads tokens of each answer (128 
 checks the winners by the clock.
 
     spd-infer eval --config configs/eval/greedy.yaml           # records the 240 traces once (the trace cache)
-    python bench/priced_replay.py --out docs/results/priced_replay.json
+    python -m experiments.priced_replay --out docs/results/priced_replay.json
+
+The figure's page: docs/speed-cpu.md, "How good the pricing is".
 """
 
 from __future__ import annotations

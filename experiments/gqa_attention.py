@@ -5,7 +5,9 @@ one-row forward as a decode loop meets it: chains (causal rows after the cache) 
 ancestor mask). Beside the clock, how far each kernel's logits sit from the one-row steps they verify (max
 |difference| over rows) and whether every row's argmax agrees with them.
 
-    python bench/gqa_attention.py --out docs/results/gqa_attention_intel.json
+    python -m experiments.gqa_attention --out docs/results/gqa_attention_intel.json
+
+The figure's page: docs/speed-cpu.md, "The forward's row costs".
 """
 
 from __future__ import annotations

@@ -6,13 +6,15 @@ exact replay of the runtime), and how much of it falls inside a repeat — a gen
 tokens (itself included) already occurred earlier in the context, i.e. the answer is copying a whole span of
 itself or of the prompt (a loop until the length limit is the extreme case).
 
-    python bench/repetition.py --limit 10 --out docs/results/repetition.json
+    python -m experiments.repetition --limit 10 --out docs/results/repetition.json
 
 With --temperature > 0 there is no trace to replay: each configuration decodes every prompt step by step (the
 sampled eval config: top-k, top-p, one seed per prompt), and acceptance is placed by the decode's own verdicts
 inside that decode's output.
 
-    python bench/repetition.py --temperature 1 --limit 4 --out docs/results/repetition_t1.json
+    python -m experiments.repetition --temperature 1 --limit 4 --out docs/results/repetition_t1.json
+
+The figure's page: docs/evaluation.md, "Acceptance with the context lookup, and how much of it is repetition".
 """
 
 from __future__ import annotations
@@ -34,20 +36,11 @@ from spd.methods import METHODS
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
 
+from bench.wallclock_sets import repeating
+
 SOURCES = ("module", "lookup+module")                  # SPD's pipelined drafts, n = the module's
 CHAIN = "lookup chain"                                  # method=lookup, the default's settings
 RUNS = {"module": ["draft_source=module"], "lookup+module": ["draft_source=lookup+module"], CHAIN: ["method=lookup"]}
-
-
-def repeating(seq: list[int], prompt_len: int, span: int) -> set[int]:
-    """Generated positions p whose window seq[p - span + 1 .. p] occurred, ending earlier, in seq."""
-    seen, out = set(), set()
-    for end in range(span, len(seq) + 1):
-        window = tuple(seq[end - span: end])
-        if window in seen and end - 1 >= prompt_len:
-            out.add(end - 1)
-        seen.add(window)
-    return out
 
 
 def main() -> int:

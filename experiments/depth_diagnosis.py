@@ -11,8 +11,10 @@ current token alone can do on this data). Also: how much of the state the head r
 squared norm in its 3 largest dimensions), each input's share of g^k = FC_k(...), and per-FC gradient norms of the
 greedy cross-entropy on the traces. Greedy L'acc from the exact fast evaluator goes beside each module.
 
-    python bench/depth_diagnosis.py --checkpoint base=outputs/diag/e0/checkpoint --checkpoint std=... \
+    python -m experiments.depth_diagnosis --checkpoint base=outputs/diag/e0/checkpoint --checkpoint std=... \
         --out docs/results/depth_diagnosis.json
+
+The figure's page: docs/training.md, "The recipe, and why each option is there".
 """
 
 from __future__ import annotations
@@ -36,8 +38,7 @@ from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 from spd.train.data import load_conversations, tokenize_conversations
 
-sys.path.insert(0, os.path.dirname(__file__))
-from acceptance import load_traces  # noqa: E402
+from bench.acceptance import load_traces
 
 
 def drafted_positions(trace: GreedyTrace) -> tuple[torch.Tensor, torch.Tensor]:

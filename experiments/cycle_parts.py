@@ -7,7 +7,9 @@ Milliseconds a cycle for the default, a token for AR. The timers cost ~1 µs a c
 parts measured inside one another overlap (drafting contains the best-first tries, the datastore, the predictions
 and the keyed uniforms; settling contains the margin, the draws and the drafter's update).
 
-    python bench/cycle_parts.py --set eval --prompts 4 --temperature 1 --out docs/results/cycle_parts_intel.json
+    python -m experiments.cycle_parts --set eval --prompts 4 --temperature 1 --out docs/results/cycle_parts_intel.json
+
+The figure's page: docs/speed-cpu.md, "The forward's row costs".
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 
 import torch
 
-from default_build import default_decoder, first_prompts
+from bench.default_build import default_decoder, first_prompts
 from spd.decoding import Request, eos_ids_of
 from spd.drafters import suffix
 from spd.drafters.suffix import SuffixDrafter
@@ -31,7 +33,7 @@ from spd.runtime import chain, sequence
 from spd.sampling import KeyedDraws, greedy_token, top2_margin
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
-from wallclock_turns import params_for, seed_of
+from bench.wallclock_turns import params_for, seed_of
 
 SECONDS: dict[str, float] = collections.defaultdict(float)
 

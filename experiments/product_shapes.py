@@ -7,8 +7,10 @@ forward from the suite's float32 panels (spd.targets.panel). `--layouts` adds th
 with every weight stored column-major (one copy, so `F.linear` multiplies x by a contiguous W^T: MKL's other
 operand order) and the forward in bfloat16, plain and prepacked (spd.targets.prepacked).
 
-    python bench/product_shapes.py --out docs/results/product_shapes_intel.json
-    python bench/product_shapes.py --layouts --out docs/results/product_layouts_intel.json
+    python -m experiments.product_shapes --out docs/results/product_shapes_intel.json
+    python -m experiments.product_shapes --layouts --out docs/results/product_layouts_intel.json
+
+The figure's page: docs/speed-cpu.md, "The forward's row costs"; docs/speed-cpu.md, "What was tried and did not pay".
 """
 
 from __future__ import annotations

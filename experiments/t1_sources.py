@@ -13,7 +13,9 @@ sampling distribution p. Two measures over them:
   the target verified — prompt and accepted path — as the runtime could tell it); the default also priced by the
   noise of the keyed draws (spd.sampling.KeyedDraws), drawn from their posterior given the answer's tokens.
 
-    python bench/t1_sources.py --out docs/results/t1_sources.json
+    python -m experiments.t1_sources --out docs/results/t1_sources.json
+
+The figure's page: docs/speed-cpu.md, "How good the pricing is".
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from spd.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.row_costs import cached_row_costs
 from spd.targets.stages import StagedTarget
-from wallclock_sets import prompt_set
+from bench.wallclock_sets import prompt_set
 
 TOP = 16             # ids and probabilities kept per row
 

@@ -1,21 +1,19 @@
 """Paired A/B of a whole batched decoding step with the few-row product on and off (`spd.targets.ragged.FEW_ROWS`,
 on: every forward of 2..64 rows): bench/batch_cost.py's step, alternating off/on --repeats times in one run.
 
-    OMP_NUM_THREADS=2 python bench/few_rows_ab.py --out docs/results/few_rows_ab.json
+    OMP_NUM_THREADS=2 python -m experiments.few_rows_ab --out docs/results/few_rows_ab.json
+
+The figure's page: docs/speed-cpu.md, "The forward's row costs".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import spd.targets.ragged as ragged  # noqa: E402
-from batch_cost import setup, step_seconds  # noqa: E402
+import spd.targets.ragged as ragged
+from bench.batch_cost import setup, step_seconds
 
 
 def main() -> int:

@@ -10,7 +10,9 @@ ignores the noise — the mean log-likelihood and Brier score of the verdicts, a
 many were kept against how many the formula and the shipped share predicted; and the predictor's own calibration
 before any noise (kept against the sum of π per bin of π, and per source and depth).
 
-    python bench/noise_calibration.py --set everyday --prompts 10 --out docs/results/noise_calibration_everyday.json
+    python -m experiments.noise_calibration --set everyday --prompts 10 --out docs/results/noise_calibration_everyday.json
+
+The figure's page: docs/speed-cpu.md, "How good the pricing is".
 """
 
 from __future__ import annotations
@@ -22,21 +24,21 @@ import sys
 import torch
 from tqdm import tqdm
 
-from default_build import default_decoder, first_prompts
+from bench.default_build import default_decoder, first_prompts
 from spd.decoding import Request
 from spd.drafters.suffix import SuffixDrafter, judged
 from spd.eval.output import write_json
 from spd.pricing import NOISE_SHARE, given_noise
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
-from wallclock_turns import params_for, seed_of
+from bench.wallclock_turns import params_for, seed_of
 
 BINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class Recording(SuffixDrafter):
     """The default's drafter, unchanged, noting each cycle's candidates and, once the cycle settles, their verdicts
-    (`note`, called per cycle with [(candidate index, kept)]; bench/prior_replay.py notes more)."""
+    (`note`, called per cycle with [(candidate index, kept)]; experiments/prior_replay.py notes more)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -3,7 +3,9 @@ source, segment S, children per node W and tree nodes N (depth 5), with the exac
 (FlowSpec's own loop over the traces; no target forward). Every 8th of the 240 cached 512-token traces, cut to their
 first 256 tokens (30 prompts).
 
-    python bench/flowspec_grid.py --traces outputs/cache/traces/greedy-e146e36482806c57 --out docs/results/flowspec_grid.json
+    python -m experiments.flowspec_grid --traces outputs/cache/traces/greedy-e146e36482806c57 --out docs/results/flowspec_grid.json
+
+The figure's page: docs/rivals.md, "By the clock".
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ x ~ p once and descends into x if it is a child, so what it emits is p by constr
 checks the code with a chi-square test). This script computes the authors' rule's output distribution exactly (no
 sampling) on the toy p, q of that test and on SmolLM2-sized random ones, and writes its total variation from p.
 
-    python bench/tree_rule.py --out docs/results/tree_rule.json
+    python -m experiments.tree_rule --out docs/results/tree_rule.json
+
+The figure's page: docs/lossless.md, "The draft-tree verification rule, and why the authors' rule is not lossless".
 """
 
 from __future__ import annotations

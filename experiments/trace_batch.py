@@ -2,31 +2,30 @@
 in one run on one machine: the wall time of each, and whether the traces are the same (tokens; where they differ,
 the target's top-2 margin at the first difference, a near-tie when under 1e-4).
 
-    OMP_NUM_THREADS=2 python bench/trace_batch.py --limit 10 --max-new-tokens 512 --batch-sizes 8 \
+    OMP_NUM_THREADS=2 python -m experiments.trace_batch --limit 10 --max-new-tokens 512 --batch-sizes 8 \
         --out docs/results/trace_batch.json
 
 --limit prompts per data set (10: 30 prompts over the three sets); the layers stored are the shipped n = 5 layout's.
+
+The figure's page: docs/evaluation.md, "Recording the traces in batches".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from spd.decoding import eos_ids_of  # noqa: E402
-from spd.fast_eval import record_greedy_trace, record_greedy_traces  # noqa: E402
-from spd.layout import needed_layers  # noqa: E402
-from spd.prompts import chat_prompt_ids, load_questions  # noqa: E402
-from spd.targets.loading import load_target  # noqa: E402
-from spd.targets.stages import StagedTarget  # noqa: E402
+from spd.decoding import eos_ids_of
+from spd.fast_eval import record_greedy_trace, record_greedy_traces
+from spd.layout import needed_layers
+from spd.prompts import chat_prompt_ids, load_questions
+from spd.targets.loading import load_target
+from spd.targets.stages import StagedTarget
 
 NEAR_TIE = 1e-4
 

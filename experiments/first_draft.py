@@ -7,8 +7,10 @@ set of docs/results.md), for every drafted position t: does SPD's a = 1 draft eq
 EAGLE-3's first draft? Also EAGLE-3's unrolled steps j = 1..6 (teacher-forced tokens, its own hidden states), and
 each pipelined module's acceptance at every occupancy.
 
-    python bench/first_draft.py --spd e5=outputs/diag/e5/checkpoint --eagle3 eagle3=outputs/diag/eagle3/checkpoint \
+    python -m experiments.first_draft --spd e5=outputs/diag/e5/checkpoint --eagle3 eagle3=outputs/diag/eagle3/checkpoint \
         --out docs/results/first_draft_214k.json
+
+The figure's page: docs/evaluation.md, "EAGLE-3".
 """
 
 from __future__ import annotations
@@ -26,9 +28,8 @@ from spd.fast_eval import GreedyTrace
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 
-sys.path.insert(0, os.path.dirname(__file__))
-from acceptance import load_traces  # noqa: E402
-from depth_diagnosis import acceptance_per_occupancy, drafted_positions  # noqa: E402
+from bench.acceptance import load_traces
+from experiments.depth_diagnosis import acceptance_per_occupancy, drafted_positions
 
 
 @torch.no_grad()

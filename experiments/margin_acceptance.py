@@ -3,7 +3,9 @@ verified token, the candidate's share and its match length: the evidence the acc
 prices with, counted over the eval's cached greedy traces with the runtime's own priced drafter
 (spd.fast_eval_chain.replay; every candidate is judged, drafted or not).
 
-    python bench/margin_acceptance.py --out docs/results/margin_acceptance.json
+    python -m experiments.margin_acceptance --out docs/results/margin_acceptance.json
+
+The figure's page: docs/speed-cpu.md, "How good the pricing is".
 """
 
 from __future__ import annotations

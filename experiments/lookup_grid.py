@@ -7,10 +7,12 @@ trade acceptance against rows. For each pair: τ (tokens per target forward), th
 speedup over plain AR = (tokens × cost(1 row)) / Σ cost(rows of each cycle). The traces are the eval's cache
 (`spd-infer eval` with the same config records and reuses them). bench/wallclock.py then checks the pick by the clock.
 
-    python bench/lookup_grid.py --limit 5 --out docs/results/lookup_grid.json
+    python -m experiments.lookup_grid --limit 5 --out docs/results/lookup_grid.json
 
 --widths 1,2,4 adds branching lookups (W > 1, `--tree-nodes` nodes a cycle at most), replayed just as exactly:
 whether the alternative continuations earn the rows they add.
+
+The figure's page: docs/speed-cpu.md, "The lookup chain's settings"; docs/rivals.md, "Draft trees (W > 1)".
 """
 
 from __future__ import annotations

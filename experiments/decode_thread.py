@@ -1,7 +1,9 @@
 """The same decode in the main thread and in one long-lived second thread of the same process: why
 `spd-infer serve` decodes in its main thread (spd.serve.worker). Alternates thread, main, thread, main, ...
 
-    python bench/decode_thread.py --repeats 4 --out docs/results/decode_thread.json [key=value ...]
+    python -m experiments.decode_thread --repeats 4 --out docs/results/decode_thread.json [key=value ...]
+
+The figure's page: docs/serving.md, "`spd-infer serve` against the same engine in-process".
 """
 
 from __future__ import annotations

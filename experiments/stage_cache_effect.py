@@ -6,7 +6,9 @@ but not the whole model, a stage repeated alone runs from cache while a whole fo
 memory. This script times, in one process, every stage of an n-stage split alone (Σ), the same layers as one call,
 and one whole `forward_all`, plus the head, each the median of --repeats after warm-up.
 
-    OMP_NUM_THREADS=1 python bench/stage_cache_effect.py --ns 1,5 --out docs/results/stage_cache_effect.json
+    OMP_NUM_THREADS=1 python -m experiments.stage_cache_effect --ns 1,5 --out docs/results/stage_cache_effect.json
+
+The figure's page: docs/speed-cpu.md, "Costs that do not depend on a trained module".
 """
 
 from __future__ import annotations

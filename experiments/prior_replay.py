@@ -10,7 +10,9 @@ decodes. The recorded setting replays to the recording's own predictions (checke
 of a context candidate's prior its recall decides (`--recall-weights`; "none": the recall left
 out of the evidence, as before it), with the greedy prior and with for_sampling's.
 
-    python bench/prior_replay.py --set everyday --prompts 10 --out docs/results/prior_replay_everyday.json
+    python -m experiments.prior_replay --set everyday --prompts 10 --out docs/results/prior_replay_everyday.json
+
+The figure's page: docs/speed-cpu.md, "How good the pricing is".
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ import sys
 import torch
 from tqdm import tqdm
 
-from default_build import default_decoder, first_prompts
-from noise_calibration import Recording as NoiseRecording
+from bench.default_build import default_decoder, first_prompts
+from experiments.noise_calibration import Recording as NoiseRecording
 from spd.decoding import Request
 from spd.eval.output import write_json
 from spd.pricing import AcceptancePredictor, given_noise
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
-from wallclock_turns import params_for, seed_of
+from bench.wallclock_turns import params_for, seed_of
 
 
 class Recording(NoiseRecording):
