@@ -9,6 +9,8 @@ import shutil
 
 from spd.errors import UserError
 
+RANDOM = "random"   # checkpoint=random: an untrained module
+
 MIN_FREE_BYTES = 64 << 20  # outputs, checkpoints and caches of the default target all fit in far more than this
 
 
@@ -68,7 +70,6 @@ def check_checkpoint_dir(checkpoint: str | None, method: str | None = None) -> N
     None (the shipped module) and `random` (untrained) name none; a method that loads no module (the lookup, PipeDec)
     is left to the session, which refuses checkpoint= itself (drop it)."""
     from spd.methods import AR, METHODS
-    from spd.shipped import RANDOM
 
     if checkpoint is None or checkpoint == RANDOM:
         return

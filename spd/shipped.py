@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 
-from spd.paths import read_run_config
+from spd.paths import RANDOM, read_run_config  # noqa: F401 (RANDOM: read here by the session and CLI)
 from spd.targets.source import DEFAULT_TARGET
 
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "assets", "modules")
-RANDOM = "random"   # checkpoint=random: an untrained module
 DEFAULT_N = 5       # the pipeline a run without n= (and without a checkpoint that has one) gets
 
 
