@@ -71,7 +71,7 @@ def test_capabilities_answer_what_the_names_used_to():
     assert [r.name for r in RUNTIMES.values() if r.cuda] == ["streams"]
     assert {r.name for r in RUNTIMES.values() if r.graphs} == {"local", "streams", "device"}
     assert runtime("streams").executor_kind(True) == "streams_graphs"
-    with pytest.raises(UserError, match="runtime='cloud' is not one of: local, streams, distributed"):
+    with pytest.raises(UserError, match="runtime='cloud' is not one of: local, distributed, streams, device"):
         runtime("cloud")
 
 

@@ -50,12 +50,12 @@ class Runtime:
 RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
     Runtime("local", "the stages one after another in this process (the reference; cuda_graphs=true: each stage "
             "step a CUDA graph)", steps=("local", "graphs"), chains=True, reference=True),
-    Runtime("streams", "each stage on a CUDA stream in this process", steps=("streams", "streams_graphs"), cuda=True),
     Runtime("distributed", "one process per stage, spawned here or started by torchrun",
             opener="spd.runtime.distributed.launch:open_pipeline", processes=True),
+    Runtime("streams", "each stage on a CUDA stream in this process", steps=("streams", "streams_graphs"), cuda=True),
     Runtime("device", "each cycle as one step of device tensors in this process (acceptance and rollback on the "
-            "device, one read a cycle; cuda_graphs=true: captured as one CUDA graph; compile=true: through torch.compile)", steps=("local", "local"), chains=True,
-            device_step=True),
+            "device, one read a cycle; cuda_graphs=true: captured as one CUDA graph; compile=true: through "
+            "torch.compile)", steps=("local", "local"), chains=True, device_step=True),
 )}
 
 
