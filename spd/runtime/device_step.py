@@ -26,6 +26,12 @@ BUCKET = 512     # positions: a static cache's length is a multiple of this
 ROWS = (1, 2, 4, 8, 16)   # rows a step runs: a cycle's drafts are padded up to the next of these
 
 
+def gumbel(draws, position: int, rows: int) -> torch.Tensor:
+    """The keyed Gumbel noise -log(-log u) of `rows` positions from `position` on [rows, V] (float64, host): what
+    KeyedDraws.sample adds to log p there."""
+    return -torch.log(-torch.log(torch.stack([draws.uniforms(position + j) for j in range(rows)])))
+
+
 class StepState:
     """What every step of one cache shares, in device tensors: `tokens` [R] (the root, then its drafts), `drafts` []
     (how many of tokens[1:] are real; the rest are padding that is never kept), `position` [] (the root's position),
@@ -168,7 +174,7 @@ class DeviceChainDecoder(Decoder):
         host = torch.zeros(k + 3, dtype=torch.float64, pin_memory=target.device.type == "cuda")
         # the first token from the prefill's last row, by the same rule as every later one
         if draws is not None:
-            state.noise[0] = -torch.log(-torch.log(draws.uniforms(len(prompt_ids))))
+            state.noise[:1].copy_(gumbel(draws, len(prompt_ids), 1))
         state.tokens[:1] = self.steps[1].choose(logits.view(1, -1))
         top2 = logits.float().topk(2).values
         state.out[0], state.out[1], state.out[2] = 1, top2[0] - top2[1], state.tokens[0]
@@ -197,10 +203,8 @@ class DeviceChainDecoder(Decoder):
             if drafts:
                 state.tokens[1: 1 + len(drafts)] = torch.tensor(drafts)
             state.drafts.fill_(len(drafts))
-            if draws is not None:                      # the noise is known before the target reads the rows
-                root = len(tokens) - 1                 # the newest verified token's position
-                state.noise[:rows].copy_(-torch.log(-torch.log(torch.stack(
-                    [draws.uniforms(root + 1 + j) for j in range(rows)]))))
+            if draws is not None:     # the noise is known before the target reads the rows (after the root's position)
+                state.noise[:rows].copy_(gumbel(draws, len(tokens), rows))
             self.steps[rows].run()
             values = self.read(state, host)
             stats.cycles += 1
