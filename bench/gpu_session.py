@@ -56,7 +56,7 @@ MIN_TRAIN_S = (180, 20)
 RETURN_FILES, RETURN_BYTES, FILE_BYTES = 8, 64 * MIB, 16 * MIB
 
 
-class Visit(Training):
+class GpuRun(Training):
     def __init__(self, args):
         self.args = args
         self.dry = args.dry_run
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
         ap.error(str(exc))
     if args.dry_run and args.minutes == 9.0:
         args.minutes = 10.0
-    return Visit(args).run()
+    return GpuRun(args).run()
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def read_metrics(path: str) -> list[dict]:
 
 
 class Training:
-    """The GPU run's training methods (for gpu_session.Visit): they read its plan, work directory, log, session record
+    """The GPU run's training methods (for gpu_session.GpuRun): they read its plan, work directory, log, session record
     and run_process."""
 
     def train_keys(self, name: str) -> list[str]:

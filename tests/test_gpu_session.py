@@ -92,7 +92,7 @@ def test_a_failing_row_is_recorded_and_the_step_goes_on(tmp_path):
     assert "ZeroDivisionError" in rows[0]["traceback"]
 
 
-def test_a_later_visit_runs_only_the_rows_it_names():
+def test_a_later_run_runs_only_the_rows_it_names():
     from bench import gpu
     from bench.gpu_steps import correctness_rows
 
@@ -130,10 +130,10 @@ def test_hf_rows_time_each_prompt_after_its_own_warm_up():
     assert row["tokens"] == 8 and row["first_call_seconds"] > 0 and row["tokens_per_s"] > 0
 
 
-def test_a_visit_can_give_a_step_a_longer_box(tmp_path):
+def test_a_run_can_give_a_step_a_longer_box(tmp_path):
     from types import SimpleNamespace
 
-    from bench.gpu_session import BOXES, Visit, parse_boxes
+    from bench.gpu_session import BOXES, GpuRun, parse_boxes
 
     assert parse_boxes(["speed=300", "eval=60"]) == {"speed": 300.0, "eval": 60.0}
     for bad in ("speed", "speed=0", "speed=soon", "warmup=30"):
@@ -141,18 +141,18 @@ def test_a_visit_can_give_a_step_a_longer_box(tmp_path):
             parse_boxes([bad])
     args = SimpleNamespace(dry_run=False, minutes=9, out=str(tmp_path / "o"), work=str(tmp_path / "w"), device="cpu",
                            boxes=parse_boxes(["speed=300"]))
-    visit = Visit(args)
-    assert visit.box("speed") == 300 and visit.box("eval") == BOXES["eval"][0]
+    gpu_run = GpuRun(args)
+    assert gpu_run.box("speed") == 300 and gpu_run.box("eval") == BOXES["eval"][0]
 
 
 def test_a_step_that_overruns_its_box_is_killed(tmp_path):
     from types import SimpleNamespace
 
-    from bench.gpu_session import Visit
+    from bench.gpu_session import GpuRun
 
-    visit = Visit(SimpleNamespace(dry_run=True, minutes=1, out=str(tmp_path / "out"), work=str(tmp_path / "w"),
+    gpu_run = GpuRun(SimpleNamespace(dry_run=True, minutes=1, out=str(tmp_path / "out"), work=str(tmp_path / "w"),
                                   device="cpu"))
-    rc, seconds = visit.run_process([sys.executable, "-c", "import time; time.sleep(60)"], 1.0)
+    rc, seconds = gpu_run.run_process([sys.executable, "-c", "import time; time.sleep(60)"], 1.0)
     assert rc == "killed at its time box" and seconds < 30
 
 
@@ -191,10 +191,10 @@ def test_help_names_every_step_and_its_minutes():
     assert "9 minutes" in proc.stdout or "(default 9)" in proc.stdout
 
 
-def test_a_visit_trains_eagle3_and_brings_it_home(tmp_path):
+def test_a_run_trains_eagle3_and_brings_it_home(tmp_path):
     """`--train eagle3` (configs/train/gpu_eagle3.yaml): the baseline at the shipped modules' scale on a GPU;
     its eval decodes it as EAGLE-3 (tau) and `unpack` rebuilds it as an EAGLE-3 checkpoint."""
-    root = tmp_path / "visit"
+    root = tmp_path / "gpu_run"
     proc = subprocess.run([sys.executable, "-m", "bench.gpu_session", "--device", "cpu", "--dry-run",
                            "--skip", "correctness,speed", "--train", "eagle3", "--out", str(root / "out"),
                            "--work", str(root / "work")], cwd=REPO, capture_output=True, text=True, timeout=600)
