@@ -30,7 +30,7 @@ from spd.methods import AR, PIPELINE
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.drafters.lookup import LookupDrafter
 from spd.runtime.chain import ChainDecoder
-from spd.runtime.device_step import DeviceChainDecoder
+from spd.runtime.device_chain import DeviceChainDecoder
 from spd.runtime.stages import reference_kind, stage_executor
 from spd.runtime.streams import StreamStages
 from spd.sampling import SamplingParams

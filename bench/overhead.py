@@ -33,7 +33,7 @@ from spd.eagle3_module import Eagle3Module
 from spd.eval.output import write_json
 from spd.module import SpeculationModule
 from spd.runtime.chain import ChainDecoder
-from spd.runtime.device_step import DeviceChainDecoder
+from spd.runtime.device_chain import DeviceChainDecoder
 from spd.runtime.pipeline import PipelineDecoder
 from spd.sampling import SamplingParams
 from spd.targets.linears import plain_products

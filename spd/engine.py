@@ -14,7 +14,7 @@ from spd.methods import AR, CHAIN, METHODS, PIPELINE, SEGMENTS
 from spd.runtime import eager_reference, runtime
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
-from spd.runtime.device_step import DeviceChainDecoder
+from spd.runtime.device_chain import DeviceChainDecoder
 from spd.runtime.executor import StageExecutor
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.seed import SeedDecoder

@@ -10,7 +10,8 @@ from helpers import GREEDY, ar_run, prompt
 from spd.decoding import Request
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.suffix import SuffixDrafter
-from spd.runtime.device_step import DeviceChainDecoder, DeviceStep, StepState
+from spd.runtime.device_chain import DeviceChainDecoder
+from spd.runtime.device_step import DeviceStep, StepState
 from spd.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget

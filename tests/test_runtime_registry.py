@@ -141,7 +141,7 @@ def test_runtime_device_decodes_through_the_device_step(tiny_target_dir, method)
     """The engine builds the device step's decoder for runtime=device; its greedy answer is plain AR's."""
     from spd.config import load_config
     from spd.engine import open_engine
-    from spd.runtime.device_step import DeviceChainDecoder
+    from spd.runtime.device_chain import DeviceChainDecoder
 
     def answer(*keys):
         cfg = load_config(GenerateConfig, None, [f"target={tiny_target_dir}", "max_new_tokens=24", *keys])

@@ -1,21 +1,20 @@
 """A draft-then-verify cycle as one function of device tensors with fixed shapes (gpt-fast's static cache, SGLang's
-on-device acceptance): the target's forward over the newest verified token and k drafts, the target's own choice
-after every row (greedy, or the keyed Gumbel-max draw), acceptance as the longest run of drafts equal to those
-choices, and the next cycle's inputs written in place. k = 0 is plain AR.
+on-device acceptance): the target's forward over the newest verified token and its drafts (a chain, or a tree under
+its ancestor mask), the target's own choice after every row (greedy, or the keyed Gumbel-max draw), acceptance as
+the deepest draft whose every ancestor equals the choice after its parent, the accepted path's cache rows moved
+down to contiguous slots, and the next cycle's inputs written in place. A drafter that runs on the device (EAGLE-3's
+module, spd.drafters.eagle3_device) updates and drafts inside the same step. No drafts is plain AR.
 
 Nothing inside the step is read back to the host: the rollback is the position tensor itself (the static cache's
 rows past a query's position are hidden by its mask and overwritten by the next step), so a step launches the same
 kernels on the same memory every time, which `torch.compile(fullgraph=True)` compiles whole and a CUDA graph can
-replay. The decoder around it reads one thing a cycle, the verified tokens and their count, as one copy into a host
-buffer (pinned on CUDA) — which a context drafter needs on the host anyway to draft the next cycle."""
+replay. The decoder around it (spd.runtime.device_chain) reads one thing a cycle, the verified tokens and their
+count, as one copy into a host buffer (pinned on CUDA) — which a context drafter needs on the host anyway."""
 
 from __future__ import annotations
 
 import torch
 
-from spd.decoding import Decoder, Request, context_length, is_final, prefill
-from spd.drafters.base import ChainDrafter
-from spd.metrics import ChainStats
 from spd.sampling import SamplingParams, warp
 from spd.targets.fixed_step import WARMUP_RUNS
 from spd.targets.linears import plain_products
@@ -23,7 +22,7 @@ from spd.targets.stages import StagedTarget
 
 
 BUCKET = 512     # positions: a static cache's length is a multiple of this
-ROWS = (1, 2, 4, 8, 16)   # rows a step runs: a cycle's drafts are padded up to the next of these
+ROWS = (1, 2, 4, 8, 16, 32)   # rows a step runs: a cycle's drafts are padded up to the next of these
 
 
 def gumbel(draws, position: int, rows: int) -> torch.Tensor:
@@ -35,9 +34,10 @@ def gumbel(draws, position: int, rows: int) -> torch.Tensor:
 class StepState:
     """What every step of one cache shares, in device tensors: `tokens` [R] (the root, then its drafts), `drafts` []
     (how many of tokens[1:] are real; the rest are padding that is never kept), `position` [] (the root's position),
-    `noise` [R, V] (sampling: the Gumbel noise of the positions the rows choose), `out` [R + 2] (what the host reads:
-    the count c of verified tokens, the target's margin where it chose the last of them, its choice after each row;
-    float64 holds token ids exactly)."""
+    a tree's `depth` [R], `parent` [R] and `ancestors` [R, R] (row i sees row j: j is i or above it), `noise` [R, V]
+    (sampling: the Gumbel noise of the position each row chooses), `out` [R + 2] (what the host reads: the count c
+    of verified tokens, the target's margin where it chose the last of them, the verified tokens; float64 holds
+    token ids exactly)."""
 
     def __init__(self, target: StagedTarget, cache, rows: int, params: SamplingParams):
         if not cache.static:
@@ -47,22 +47,42 @@ class StepState:
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)               # [R]
         self.drafts = torch.zeros((), dtype=torch.long, device=device)                 # []
         self.position = torch.zeros((), dtype=torch.long, device=device)               # []
+        self.depth = torch.arange(rows, device=device)                                 # [R]
+        self.parent = (torch.arange(rows, device=device) - 1).clamp(min=0)             # [R]
+        self.ancestors = torch.ones(rows, rows, device=device).tril().bool()           # [R, R]
         self.out = torch.zeros(rows + 2, dtype=torch.float64, device=device)           # [R+2]
         self.mask_keys = torch.arange(cache.max_length, device=device).view(1, -1)     # [1, S]
         vocab = target.model.config.vocab_size
         self.noise = None if params.greedy else \
             torch.zeros(rows, vocab, dtype=torch.float64, device=device)              # [R, V]
 
+    def set_tree(self, tree, rows: int) -> None:
+        """A context drafter's tree (spd.tree.DraftTree, parents first) as the first `rows` rows' structure;
+        padding rows sit at depth 0 under the root and see only themselves (never kept: they are not drafts)."""
+        depths, parents = tree.depths(), [0, *tree.parents]
+        pad = rows - len(tree)
+        visible = torch.zeros(rows, rows, dtype=torch.bool)
+        visible[: len(tree), : len(tree)] = tree.visibility()
+        visible[len(tree):, len(tree):] = torch.eye(pad, dtype=torch.bool)
+        device = self.tokens.device
+        self.depth[:rows].copy_(torch.tensor(depths + [0] * pad), non_blocking=True)
+        self.parent[:rows].copy_(torch.tensor(parents + [0] * pad), non_blocking=True)
+        self.ancestors[:rows, :rows].copy_(visible.to(device), non_blocking=True)
+
 
 class DeviceStep:
-    """One cycle over the first `rows` of the shared state (the root and up to rows - 1 drafts)."""
+    """One cycle over the first `rows` rows of the shared state: a chain (contiguous positions, causal), or a tree
+    (`tree`: each row at the root's position + its depth, under its ancestors, the accepted path moved down).
+    drafter: a device drafter (`update`, `draft`: tensors in, tensors out) that writes the next cycle's drafts."""
 
     def __init__(self, target: StagedTarget, state: StepState, rows: int, compile: str | None = None,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, tree: bool = False, drafter=None):
         """compile: a torch.compile backend ("inductor"; "aot_eager" traces the same whole graph without generating
         code), None: eager. cuda_graph: on CUDA, the step captured once as a CUDA graph and replayed (elsewhere it
         runs eagerly, the twin the tests check)."""
         self.target, self.state, self.params = target, state, state.params
+        self.tree, self.drafter = tree, drafter
+        self.capture = frozenset(drafter.layers_needed()) if drafter is not None else frozenset()
         self.rows = torch.arange(rows, device=target.device)                           # [r]
         self.run = self.step
         if cuda_graph and target.device.type == "cuda":
@@ -82,23 +102,31 @@ class DeviceStep:
         advance the state: the capture's own run is undone by restoring it), then replayed."""
         if self.graph is None:
             device, state = self.target.device, self.state
-            saved = (state.tokens.clone(), state.position.clone())
+            saved = [t.clone() for t in self.mutable()]
             with torch.cuda.device(device):
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
                     for _ in range(WARMUP_RUNS):
-                        state.tokens.copy_(saved[0])
-                        state.position.copy_(saved[1])
+                        self.restore(saved)
                         self.step()
                 torch.cuda.current_stream(device).wait_stream(side)
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph):
                     self.step()
-            state.tokens.copy_(saved[0])    # capturing ran nothing; the warm-ups' writes are undone here
-            state.position.copy_(saved[1])
+            self.restore(saved)     # capturing ran nothing; the warm-ups' writes are undone here
         self.graph.replay()
         return self.state.out
+
+    def mutable(self) -> list[torch.Tensor]:
+        """The tensors a step writes that the next one reads (not the caches: their rows past the position are
+        hidden, and a warm-up's writes at or before it hold what the real step writes there)."""
+        state = self.state
+        return [state.tokens, state.position] + (self.drafter.mutable() if self.drafter is not None else [])
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for tensor, value in zip(self.mutable(), saved):
+            tensor.copy_(value)
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [r, V] -> the target's token after each row [r]: its argmax (ties to the lowest id, as
@@ -109,118 +137,65 @@ class DeviceStep:
         noise = self.state.noise[: len(logits)]                                              # [r, V]
         return torch.where(probs > 0, probs.log() + noise, float("-inf")).argmax(-1)
 
-    def step(self) -> torch.Tensor:
-        """One cycle; returns the state's `out`."""
+    def forward(self, tokens: torch.Tensor):
+        """The target over the rows: (hidden [1, r, d], {layer: H^l [1, r, d]} for the drafter's layers)."""
         target, state, r = self.target, self.state, len(self.rows)
-        tokens = state.tokens[:r]                                                      # [r]
-        positions = state.position + self.rows                                         # [r]
-        state.cache.write_at = positions
+        state.cache.write_at = state.position + self.rows                              # [r] slots, node order
+        h0 = target.embed(tokens.view(1, -1))                                          # [1, r, d]
         try:
-            hidden, _ = target.run_layers(target.embed(tokens.view(1, -1)), positions, 0, target.num_layers,
-                                          state.cache, frozenset(), state.mask_keys)
+            if not self.tree:
+                positions = state.position + self.rows                                 # [r]
+                hidden, captured = target.run_layers(h0, positions, 0, target.num_layers, state.cache,
+                                                     self.capture, state.mask_keys)
+            else:
+                depth = state.depth[:r]                                                # [r]
+                positions = state.position + depth                                     # [r]
+                column = state.mask_keys - state.position                              # [1, S] slot - root's
+                in_tree = (column >= 0) & (column < r)                                 # [1, S]
+                node = column.clamp(0, r - 1).expand(r, -1)                            # [r, S]
+                visible = (column < 0) | (in_tree & state.ancestors[:r, :r].gather(1, node))   # [r, S]
+                keys = torch.where(in_tree[0], state.position + depth[node[0]], state.mask_keys[0])  # [S]
+                hidden, captured = target.run_layers(h0, positions, 0, target.num_layers, state.cache,
+                                                     self.capture, visible=(visible, keys))
         finally:
             state.cache.write_at = None
-        logits = target.logits(hidden[0])                                              # [r, V]
+        if 0 in self.capture:
+            captured[0] = h0
+        return hidden, captured
+
+    def step(self) -> torch.Tensor:
+        """One cycle; returns the state's `out`."""
+        state, r = self.state, len(self.rows)
+        tokens = state.tokens[:r]                                                      # [r]
+        hidden, captured = self.forward(tokens)
+        logits = self.target.logits(hidden[0])                                         # [r, V]
         chosen = self.choose(logits)                                                   # [r]
-        hit = (tokens[1:] == chosen[:-1]) & (self.rows[1:] <= state.drafts)            # [r-1]
-        kept = torch.cumprod(hit.long(), 0).sum()                                      # [] drafts kept
-        # the verified tokens are the target's own choices at rows 0..kept: a kept draft equals its row's choice
-        top2 = logits.gather(0, kept.view(1, 1).expand(1, logits.shape[-1])).float().topk(2, -1).values   # [1, 2]
+        real = self.rows <= state.drafts                                               # [r]
+        if not self.tree:
+            hit = (tokens[1:] == chosen[:-1]) & real[1:]                               # [r-1]
+            kept = torch.cumprod(hit.long(), 0).sum()                                  # [] drafts kept
+            best, path = kept, self.rows                                               # the path is rows 0..kept
+        else:
+            depth, ancestors = state.depth[:r], state.ancestors[:r, :r]                # [r], [r, r]
+            hit = ((tokens == chosen.gather(0, state.parent[:r])) & real) | (self.rows == 0)   # [r]
+            held = ~(ancestors & ~hit.view(1, r)).any(-1)                              # [r] every ancestor hit
+            best = torch.where(held, depth, -1).argmax()                               # [] the deepest held node
+            kept = depth.gather(0, best.view(1))[0]                                    # []
+            on_path = ancestors.gather(0, best.view(1, 1).expand(1, r))[0]             # [r]
+            path = (on_path.view(r, 1) & (depth.view(r, 1) == self.rows.view(1, r))).long().argmax(0)   # [r]
+            # the path's rows to slots root + depth (past the path: the root's, hidden by the mask until rewritten)
+            state.cache.move(state.position + self.rows, state.position + path)
+        verified = chosen.gather(0, path)                                              # [r] tokens 0..kept
+        # the verified tokens are the target's own choices along the path: a kept draft equals its parent's choice
+        top2 = logits.gather(0, best.view(1, 1).expand(1, logits.shape[-1])).float().topk(2, -1).values   # [1, 2]
         state.out[0] = kept + 1
         state.out[1] = top2[0, 0] - top2[0, 1]
-        state.out[2: r + 2] = chosen
+        state.out[2: r + 2] = verified
+        if self.drafter is not None:
+            self.drafter.update({layer: h.index_select(1, path) for layer, h in captured.items()}, verified, kept,
+                                state.position)
         state.position.add_(kept + 1)
-        tokens[:1] = chosen.gather(0, kept.view(1))
+        tokens[:1] = chosen.gather(0, best.view(1))
+        if self.drafter is not None:
+            self.drafter.draft(state.tokens[:1], state.tokens[1:r])
         return state.out
-
-
-class DeviceChainDecoder(Decoder):
-    """Draft-then-verify through the device step: a context drafter (no target states: the lookup, the priced
-    context statistics' chain) drafts up to k tokens on the host from what the cycle read back, and the step over
-    the smallest row bucket that holds them verifies them on the device. drafter None: plain AR (k = 0)."""
-
-    def __init__(self, target: StagedTarget, eos_ids: frozenset[int], drafter: ChainDrafter | None = None,
-                 k: int = 7, compile: str | None = None, cuda_graphs: bool = False):
-        if drafter is not None and drafter.layers_needed():
-            raise ValueError(f"{type(drafter).__name__} reads the target's hidden states; the device step hands a "
-                             "drafter only the verified tokens and the target's margin")
-        self.target, self.eos_ids, self.drafter = target, eos_ids, drafter
-        self.k = 0 if drafter is None else min(k, ROWS[-1] - 1)
-        self.buckets = sorted(set(r for r in ROWS if r < self.k + 1) | {self.k + 1})
-        self.compile, self.cuda_graphs = compile, cuda_graphs
-        self.state: StepState | None = None
-        self.steps: dict[int, DeviceStep] = {}
-
-    def state_for(self, cache, params: SamplingParams) -> StepState:
-        """The shared state over this cache, and its steps (built, and compiled, again only for a new cache
-        length bucket or sampling setting)."""
-        if self.state is None or self.state.cache is not cache or self.state.params != params:
-            self.state = StepState(self.target, cache, self.k + 1, params)
-            self.steps = {rows: DeviceStep(self.target, self.state, rows, self.compile, self.cuda_graphs)
-                          for rows in self.buckets}
-        return self.state
-
-    @torch.no_grad()
-    def stream(self, prompt_ids: list[int], request: Request):
-        target, params, k = self.target, request.params, self.k
-        generator = request.generator(target.device)
-        # the cache's length in buckets: a step is built (and compiled) once per bucket, not once per prompt
-        length = -(-context_length(len(prompt_ids), request.max_new_tokens, k + 1) // BUCKET) * BUCKET
-        cache, hidden, _ = prefill(target, prompt_ids, frozenset(), length, self.state and self.state.cache)
-        logits = target.logits(hidden[0, -1])                                          # [V]
-        draws = None if params.greedy else request.draws(generator, logits.shape[-1])
-        state = self.state_for(cache, params)
-        state.position.fill_(len(prompt_ids))
-        host = torch.zeros(k + 3, dtype=torch.float64, pin_memory=target.device.type == "cuda")
-        # the first token from the prefill's last row, by the same rule as every later one
-        if draws is not None:
-            state.noise[:1].copy_(gumbel(draws, len(prompt_ids), 1))
-        state.tokens[:1] = self.steps[1].choose(logits.view(1, -1))
-        top2 = logits.float().topk(2).values
-        state.out[0], state.out[1], state.out[2] = 1, top2[0] - top2[1], state.tokens[0]
-        values = self.read(state, host)
-        tokens = list(prompt_ids)
-        stats = self.stats = ChainStats(m=k)
-        drafts: list[int] = []
-        while True:
-            count, margin, chosen = int(values[0]), values[1], values[2:]
-            for token in chosen[:count]:
-                tokens.append(int(token))
-                stats.N += 1
-                yield tokens[-1]
-                if is_final(tokens[-1], stats.N, request.max_new_tokens, self.eos_ids):
-                    return
-            if self.drafter is not None:
-                if stats.N == 1:
-                    self.drafter.start({}, tokens)
-                    self.drafter.sampling_draws(draws)
-                else:
-                    self.drafter.verified({}, tokens)
-                if self.drafter.uses_margin:
-                    self.drafter.target_margin(margin)
-            drafts = self.draft(tokens)
-            rows = next(r for r in self.buckets if r > len(drafts))
-            if drafts:
-                state.tokens[1: 1 + len(drafts)] = torch.tensor(drafts)
-            state.drafts.fill_(len(drafts))
-            if draws is not None:     # the noise is known before the target reads the rows (after the root's position)
-                state.noise[:rows].copy_(gumbel(draws, len(tokens), rows))
-            self.steps[rows].run()
-            values = self.read(state, host)
-            stats.cycles += 1
-            stats.drafted += len(drafts)
-            stats.drafting_cycles += bool(drafts)
-            stats.accepted += int(values[0]) - 1
-            stats.accepted_per_cycle.append(int(values[0]) - 1)
-
-    def read(self, state: StepState, host: torch.Tensor) -> list[float]:
-        """The cycle's one read: the state's `out` copied into the host buffer (pinned on CUDA, non-blocking)."""
-        host[: len(state.out)].copy_(state.out, non_blocking=True)
-        if host.is_pinned():
-            torch.cuda.current_stream(self.target.device).synchronize()
-        return host.tolist()
-
-    def draft(self, tokens: list[int]) -> list[int]:
-        if self.drafter is None or self.k == 0:
-            return []
-        return self.drafter.draft_tree(tokens[-1], self.k, 1, self.k, None).tokens()[1:]

@@ -96,5 +96,13 @@ class LayerKVCache:
             values[:, :, start: start + count] = values.index_select(2, index)
             self.lengths[layer] = start + count
 
+    def move(self, slots: torch.Tensor, sources: torch.Tensor) -> None:
+        """Every layer's rows at `sources` [r] copied to `slots` [r] (device tensors: no value read back), read
+        before any is written: a device step's accepted tree path moved down to contiguous slots."""
+        for keys, values in zip(self._keys, self._values):
+            if keys is not None:
+                keys.index_copy_(2, slots, keys.index_select(2, sources))
+                values.index_copy_(2, slots, values.index_select(2, sources))
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx]

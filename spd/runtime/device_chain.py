@@ -1,0 +1,121 @@
+"""Draft-then-verify through the device step (spd.runtime.device_step): the decoding loop around it, which reads one
+buffer a cycle. Three kinds of drafter: a context drafter (no target states: the lookup, the priced context
+statistics, as a chain or a tree of W children a node) drafts on the host from what the cycle read back; a device
+drafter (EAGLE-3's module, spd.drafters.eagle3_device) drafts inside the step itself, so the host only reads; none
+is plain AR."""
+
+from __future__ import annotations
+
+import torch
+
+from spd.decoding import Decoder, Request, context_length, is_final, prefill
+from spd.drafters.base import ChainDrafter
+from spd.metrics import ChainStats
+from spd.runtime.device_step import BUCKET, ROWS, DeviceStep, StepState, gumbel
+from spd.sampling import SamplingParams
+from spd.targets.stages import StagedTarget
+
+
+class DeviceChainDecoder(Decoder):
+    def __init__(self, target: StagedTarget, eos_ids: frozenset[int], drafter: ChainDrafter | None = None,
+                 k: int = 7, compile: str | None = None, cuda_graphs: bool = False, width: int = 1,
+                 budget: int | None = None, device_drafter=None):
+        """k: draft depth a cycle; width: children per node (W; 1 = a chain); budget: drafted nodes a cycle (W > 1;
+        None: k). device_drafter: drafts inside the step (then `drafter` is None and every cycle verifies k)."""
+        if drafter is not None and drafter.layers_needed():
+            raise ValueError(f"{type(drafter).__name__} reads the target's hidden states; the device step hands a "
+                             "host drafter only the verified tokens and the target's margin")
+        if width > 1 and (drafter is None or not drafter.branches):
+            raise ValueError(f"W={width}: {type(drafter).__name__} drafts chains only (W = 1)")
+        self.target, self.eos_ids, self.drafter, self.device_drafter = target, eos_ids, drafter, device_drafter
+        self.width = width
+        drafting = drafter is not None or device_drafter is not None
+        self.k = 0 if not drafting else min(k, ROWS[-1] - 1)
+        self.budget = min(budget or self.k, ROWS[-1] - 1) if width > 1 else self.k
+        self.buckets = [self.budget + 1] if device_drafter is not None else \
+            sorted(set(r for r in ROWS if r < self.budget + 1) | {self.budget + 1})
+        self.compile, self.cuda_graphs = compile, cuda_graphs
+        self.state: StepState | None = None
+        self.steps: dict[int, DeviceStep] = {}
+
+    def state_for(self, cache, params: SamplingParams) -> StepState:
+        """The shared state over this cache, and its steps (built, and compiled, again only for a new cache
+        length bucket or sampling setting)."""
+        if self.state is None or self.state.cache is not cache or self.state.params != params:
+            self.state = StepState(self.target, cache, self.budget + 1, params)
+            self.steps = {rows: DeviceStep(self.target, self.state, rows, self.compile, self.cuda_graphs,
+                                           tree=self.width > 1 and rows > 2, drafter=self.device_drafter)
+                          for rows in self.buckets}
+        return self.state
+
+    @torch.no_grad()
+    def stream(self, prompt_ids: list[int], request: Request):
+        target, params = self.target, request.params
+        generator = request.generator(target.device)
+        # the cache's length in buckets: a step is built (and compiled) once per bucket, not once per prompt
+        length = -(-context_length(len(prompt_ids), request.max_new_tokens, self.budget + 1) // BUCKET) * BUCKET
+        capture = frozenset(self.device_drafter.layers_needed()) if self.device_drafter else frozenset()
+        cache, hidden, captured = prefill(target, prompt_ids, capture, length, self.state and self.state.cache)
+        logits = target.logits(hidden[0, -1])                                          # [V]
+        draws = None if params.greedy else request.draws(generator, logits.shape[-1])
+        state = self.state_for(cache, params)
+        state.position.fill_(len(prompt_ids))
+        host = torch.zeros(self.budget + 3, dtype=torch.float64, pin_memory=target.device.type == "cuda")
+        # the first token from the prefill's last row, by the same rule as every later one
+        if draws is not None:
+            state.noise[:1].copy_(gumbel(draws, len(prompt_ids), 1))
+        state.tokens[:1] = self.steps[self.buckets[0]].choose(logits.view(1, -1))
+        top2 = logits.float().topk(2).values
+        state.out[0], state.out[1], state.out[2] = 1, top2[0] - top2[1], state.tokens[0]
+        if self.device_drafter is not None:
+            self.device_drafter.start(cache.max_length, captured, prompt_ids, state.tokens[:1], state.tokens[1:])
+            state.drafts.fill_(self.k)
+        values = self.read(state, host)
+        tokens = list(prompt_ids)
+        stats = self.stats = ChainStats(m=self.k)
+        while True:
+            count, margin, chosen = int(values[0]), values[1], values[2:]
+            for token in chosen[:count]:
+                tokens.append(int(token))
+                stats.N += 1
+                yield tokens[-1]
+                if is_final(tokens[-1], stats.N, request.max_new_tokens, self.eos_ids):
+                    return
+            rows = self.buckets[-1]
+            drafted = self.k
+            if self.drafter is not None:
+                if stats.N == 1:
+                    self.drafter.start({}, tokens)
+                    self.drafter.sampling_draws(draws)
+                else:
+                    self.drafter.verified({}, tokens)
+                if self.drafter.uses_margin:
+                    self.drafter.target_margin(margin)
+                tree = self.drafter.draft_tree(tokens[-1], self.k, self.width, self.budget, None)
+                drafted = len(tree) - 1
+                rows = next(r for r in self.buckets if r > drafted)
+                if drafted:
+                    state.tokens[1: 1 + drafted].copy_(torch.tensor(tree.tokens()[1:]), non_blocking=True)
+                if self.steps[rows].tree:
+                    state.set_tree(tree, rows)
+                state.drafts.fill_(drafted)
+                depths = tree.depths() + [0] * (rows - len(tree))
+            else:
+                depths = list(range(rows))
+            if draws is not None:     # the noise is known before the target reads the rows (after the root's position)
+                noise = gumbel(draws, len(tokens), max(depths) + 1)
+                state.noise[:rows].copy_(noise[depths], non_blocking=True)
+            self.steps[rows].run()
+            values = self.read(state, host)
+            stats.cycles += 1
+            stats.drafted += drafted
+            stats.drafting_cycles += bool(drafted)
+            stats.accepted += int(values[0]) - 1
+            stats.accepted_per_cycle.append(int(values[0]) - 1)
+
+    def read(self, state: StepState, host: torch.Tensor) -> list[float]:
+        """The cycle's one read: the state's `out` copied into the host buffer (pinned on CUDA, non-blocking)."""
+        host[: len(state.out)].copy_(state.out, non_blocking=True)
+        if host.is_pinned():
+            torch.cuda.current_stream(self.target.device).synchronize()
+        return host.tolist()
