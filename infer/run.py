@@ -16,6 +16,7 @@ import sys
 def main() -> int:
     import torch.distributed as dist
 
+    from spd.runtime.distributed.placement import backend, gpus_apart
     from spd.runtime.distributed.worker import run_stage_process
 
     rank = int(os.environ.get("RANK", "0"))
@@ -23,7 +24,11 @@ def main() -> int:
         print("infer/run.py: error: start it with torchrun --nproc-per-node <n+1> or <n> (or use spd-infer generate "
               "runtime=distributed, which starts the processes itself)", file=sys.stderr)
         return 2
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("SPD_CONNECT_TIMEOUT_S", 300))))
+    # the run's device is not known yet (rank 0 reads it from the keys): NCCL joins wherever each of this machine's
+    # processes could have a GPU of its own, and carries the hand-offs only if the run is on CUDA
+    gpus = gpus_apart("cuda", int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+    dist.init_process_group(backend(gpus),
+                            timeout=datetime.timedelta(seconds=float(os.environ.get("SPD_CONNECT_TIMEOUT_S", 300))))
     if rank > 0:
         return run_stage_process(rank)
     from spd.cli import main as cli_main

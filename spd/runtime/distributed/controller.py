@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from spd.runtime.distributed import comm
+from spd.runtime.distributed.placement import on_wire
 from spd.runtime.distributed.protocol import (ABORT, END, MAX_ARGMAX_VOCAB, PREFILL, PROBE, STEP, STOP, TAG_CONTROL,
                                               TAG_HIDDEN, TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Setup, control,
                                               first_remote, message, rank_of, stage_capture, stage_layers,
@@ -54,6 +55,8 @@ class DistributedStages(StageExecutor):
         self.bounds = setup.bounds
         self.device = target.device
         self.dtype = target.dtype  # once: StagedTarget.dtype searches the parameters for a materialised one
+        self.wire = on_wire(self.device, self.dtype, setup.nccl)
+        self.payload_wire = on_wire(self.device, torch.float32, setup.nccl)   # float32: greedy exits' argmax
         self.d = target.config.hidden_size
         self.vocab = target.config.vocab_size
         self.timeout = setup.step_timeout_s
@@ -150,16 +153,16 @@ class DistributedStages(StageExecutor):
             stage0 = frozenset(self.capture_of[0]) if slot.capture_on else frozenset()
             out, own = self.stage0.run_stage(0, h0, torch.arange(length, device=self.device), slot.cache, stage0)
             captured.update(own)
-            self.sends.append(comm.send(out.float(), 1, TAG_PREFILL))
+            self.sends.append(comm.send(out, 1, TAG_PREFILL, self.wire))
         else:
-            self.sends.append(comm.send(h0.float(), 1, TAG_PREFILL))
+            self.sends.append(comm.send(h0, 1, TAG_PREFILL, self.wire))
         slot.active = True
         try:
             for s in self.remote:
                 size = self._payload_size(s, length, slot.capture_on, exiting=1)
                 if size:
                     flat = comm.recv(size, torch.float32, rank_of(s, self.hosted), TAG_PAYLOAD, self.timeout,
-                                     self._what(s, "prefilling"))
+                                     self._what(s, "prefilling"), self.payload_wire.device)
                     last_logits = self._unpack(s, flat, length, slot.capture_on, captured)
                     logits = last_logits if last_logits is not None else logits
         except comm.PipelineFailure as exc:
@@ -188,22 +191,32 @@ class DistributedStages(StageExecutor):
         self.most = max(self.most, len(queued))
         for slot in queued:
             slot.crop = -1
-        for s in self.remote:
+        # Rank 1's payload is expected only after this step's rows are sent to it: over NCCL the two ranks share one
+        # stream, where a receive posted first would hold up the send it waits for. The other stages' go first, so
+        # that their payloads arrive while stage 0 runs here.
+        self._expect(queued, [s for s in self.remote if rank_of(s, self.hosted) != 1])
+        entering = [slot for slot in queued if slot.entering is not None]
+        if entering:
+            hidden = torch.cat([slot.entering for slot in entering], 1)
+            try:
+                if self.hosted:   # the stage processes started on their control rows; stage 0 runs here meanwhile
+                    hidden = self._run_stage0(entering, hidden)
+                # rank 1 runs stage 0, or stage 1 when hosted
+                self.sends.append(comm.send(hidden, 1, TAG_HIDDEN, self.wire))
+            except comm.PipelineFailure as exc:
+                self._fail(exc)
+        self._expect(queued, [s for s in self.remote if rank_of(s, self.hosted) == 1])
+        self.waiting.sort(key=lambda entry: entry[0])
+
+    def _expect(self, queued: list[Slot], stages: list[int]) -> None:
+        """Post the receives of `stages`' payloads for the step of `queued`."""
+        for s in stages:
             slots = [slot for slot in queued if s in slot.levels]
             size = sum(self._payload_size(s, len(slot.levels[s]), slot.capture_on, slot.argmax) for slot in slots)
             if size:
                 self.waiting.append((s, comm.Pending(size, torch.float32, rank_of(s, self.hosted), TAG_PAYLOAD,
-                                                     self._what(s, "running a step")), slots))
-        entering = [slot for slot in queued if slot.entering is not None]
-        if not entering:
-            return
-        hidden = torch.cat([slot.entering for slot in entering], 1)
-        try:
-            if self.hosted:   # the stage processes started on their control rows; stage 0 runs here meanwhile
-                hidden = self._run_stage0(entering, hidden)
-            self.sends.append(comm.send(hidden.float(), 1, TAG_HIDDEN))   # rank 1 runs stage 0, or stage 1 when hosted
-        except comm.PipelineFailure as exc:
-            self._fail(exc)
+                                                     self._what(s, "running a step"), self.payload_wire.device),
+                                     slots))
 
     def _run_stage0(self, slots: list[Slot], hidden: torch.Tensor) -> torch.Tensor:
         """The hosted stage 0 on every slot's entering rows hidden [1, R, d]: each slot's captured rows into its
@@ -320,7 +333,7 @@ class DistributedStages(StageExecutor):
         self.finish()
         self.solo.capture_on = bool(self.setup.capture)
         self.solo.argmax = False
-        entering = torch.zeros(1, 1, self.d)
+        entering = torch.zeros(1, 1, self.d, device=self.device, dtype=self.dtype)
         times = []
         step = first_step(0, self.n)  # fills like a decode, then every step is a full one
         for _ in range(warmup + steps):

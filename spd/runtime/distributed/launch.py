@@ -20,6 +20,7 @@ import torch.distributed as dist
 from spd.errors import UserError
 from spd.runtime.distributed.comm import PipelineFailure
 from spd.runtime.distributed.controller import DistributedStages
+from spd.runtime.distributed.placement import backend, gpus_apart
 from spd.runtime.distributed.protocol import Setup, world_size
 from spd.runtime.executor import StageExecutor
 from spd.runtime.stages import hosts_first_stage, launched_world, sequences_together, threads_for
@@ -57,10 +58,10 @@ class StageProcesses:
     """The stage processes this controller spawned (ranks 1..world - 1; rank r runs stage r, 1-based, or r + 1
     when the controller runs stage 1)."""
 
-    def __init__(self, n: int, hosted: bool, addr: str, port: int, threads: int):
+    def __init__(self, n: int, hosted: bool, addr: str, port: int, threads: int, backends: str = "gloo"):
         world = world_size(n, hosted)
         env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world),
-                   OMP_NUM_THREADS=str(threads), SPD_PARENT_PID=str(os.getpid()))
+                   OMP_NUM_THREADS=str(threads), SPD_PARENT_PID=str(os.getpid()), SPD_BACKEND=backends)
         self.n, self.hosted = n, hosted
         self.procs = []
         for rank in range(1, world):
@@ -111,9 +112,10 @@ class StageProcesses:
 def start_local_pipeline(target: StagedTarget, setup: Setup, addr: str = "127.0.0.1", port: int = 0) -> DistributedStages:
     """Spawn the stage processes here and form the group with this process as the controller (rank 0)."""
     port = check_port(addr, port)
-    processes = StageProcesses(setup.n, setup.hosted, addr, port, setup.threads)
+    backends = backend(setup.nccl)
+    processes = StageProcesses(setup.n, setup.hosted, addr, port, setup.threads, backends)
     try:
-        _form_group(processes, addr, port, world_size(setup.n, setup.hosted), setup.idle_timeout_s)
+        _form_group(processes, addr, port, world_size(setup.n, setup.hosted), setup.idle_timeout_s, backends)
         return DistributedStages(target, setup, processes)
     except PipelineFailure as exc:
         dead = processes.describe_failure()
@@ -126,7 +128,8 @@ def start_local_pipeline(target: StagedTarget, setup: Setup, addr: str = "127.0.
         raise
 
 
-def _form_group(processes: StageProcesses, addr: str, port: int, world: int, timeout_s: float) -> None:
+def _form_group(processes: StageProcesses, addr: str, port: int, world: int, timeout_s: float,
+                backends: str = "gloo") -> None:
     """init_process_group blocks in C++ until every rank has joined, where neither Ctrl-C nor a stage that died
     while importing torch can reach it: the controller would wait out the timeout (a day). So the group is formed
     in a helper thread while this one watches the stage processes and stays interruptible."""
@@ -134,7 +137,7 @@ def _form_group(processes: StageProcesses, addr: str, port: int, world: int, tim
 
     def join() -> None:
         try:
-            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=0, world_size=world,
+            dist.init_process_group(backends, init_method=f"tcp://{addr}:{port}", rank=0, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         except BaseException as exc:  # handed to the main thread
             failed.append(exc)
@@ -211,17 +214,28 @@ def watch_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def _gpu_hand_offs(device: str, launched: int | None, world: int) -> bool:
+    """Whether the hand-offs go GPU to GPU: judged from this machine's processes (torchrun's LOCAL_WORLD_SIZE, as
+    every node is taken to hold as many), and under torchrun only if infer/run.py formed the group with NCCL."""
+    if launched is None:
+        return gpus_apart(device, world)
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", launched))
+    return gpus_apart(device, here) and "nccl" in str(dist.get_backend())
+
+
 @contextmanager
 def open_pipeline(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | None = None,
                   width: int | None = None):
     """runtime=distributed: stage processes loading `cache_dir`'s target, spawned here or joined under torchrun;
     torn down on exit (gracefully unless the body raised)."""
-    hosted = hosts_first_stage(getattr(cfg, "controller", "auto"), staged.n, cfg.device, launched_world())
+    launched = launched_world()
+    hosted = hosts_first_stage(getattr(cfg, "controller", "auto"), staged.n, cfg.device, launched)
     threads = threads_for(staged.n, cfg.threads_per_stage, hosted)
     torch.set_num_threads(threads)
     setup = Setup(cache_dir=cache_dir, n=staged.n, bounds=staged.bounds, capture=sorted(set(capture) - {0}),
                   dtype=cfg.dtype, device=cfg.device, threads=threads, step_timeout_s=cfg.timeout_s, hosted=hosted,
-                  width=width or getattr(cfg, "W", 1), slots=sequences_together(cfg))
+                  width=width or getattr(cfg, "W", 1), slots=sequences_together(cfg),
+                  nccl=_gpu_hand_offs(cfg.device, launched, world_size(staged.n, hosted)))
     executor: StageExecutor | None = None
     graceful = True
     try:

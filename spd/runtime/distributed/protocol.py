@@ -54,6 +54,7 @@ class Setup:
     hosted: bool = False            # the controller runs stage 0 itself (n processes, not n + 1)
     width: int = 1                  # W: tree levels of up to W nodes (the control rows are sized for it)
     slots: int = 1                  # sequences the stages hold at once (one control row each)
+    nccl: bool = False              # hand-offs go GPU to GPU in the target's dtype (placement.gpus_apart)
     extra: dict = field(default_factory=dict)
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from spd.runtime.distributed import comm
+from spd.runtime.distributed.placement import on_wire, stage_device
 from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, PROBE, STEP, STOP, TAG_CONTROL, TAG_HIDDEN,
                                               TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Control, Setup, control_size,
                                               first_remote, parse_message, stage_capture, stage_layers)
@@ -39,14 +40,16 @@ class StageServer:
         self.n = setup.n
         self.last = self.stage == self.n - 1
         torch.set_num_threads(setup.threads)
-        device = torch.device(setup.device)
-        if device.type == "cuda" and torch.cuda.device_count() > 1:
-            device = torch.device("cuda", self.stage % torch.cuda.device_count())  # one GPU per stage
-        self.device = device
+        device = self.device = stage_device(setup.device, self.stage)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)   # NCCL and anything allocated on "cuda" then use this process's GPU
         parts = load_parts(setup.cache_dir, stage_layers(setup.bounds, self.stage), embed=False, head=self.last,
                            dtype=DTYPES[setup.dtype], device=device)
         self.target = StagedTarget(parts.model, self.n, setup.bounds)
         self.dtype = self.target.dtype  # once: the property searches the parameters for a materialised one
+        self.wire = on_wire(device, self.dtype, setup.nccl)
+        # the argmax of a greedy exit travels in the payload, exact only in float32
+        self.payload_wire = on_wire(device, torch.float32, setup.nccl)
         self.capture = stage_capture(setup.capture, setup.bounds, self.stage)
         self.d = parts.model.config.hidden_size
         self.sends = []
@@ -62,7 +65,7 @@ class StageServer:
     def _send_on(self, out: torch.Tensor, prefill: bool = False) -> None:
         if not self.last:
             # the tag says what the message is, not its length: a one-token prompt is still a prefill
-            self.sends.append(comm.send(out.float(), self.rank + 1, TAG_PREFILL if prefill else TAG_HIDDEN))
+            self.sends.append(comm.send(out, self.rank + 1, TAG_PREFILL if prefill else TAG_HIDDEN, self.wire))
 
     def _payload(self, captured: dict, lo: int, hi: int, capture: bool, exit_logits, argmax: bool) -> list:
         """One slot's part of the payload: its captured rows lo..hi-1 (each [k * d]), then its exit."""
@@ -74,15 +77,15 @@ class StageServer:
 
     def _send_payload(self, parts: list) -> None:
         if parts:
-            self.sends.append(comm.send(torch.cat(parts).float(), 0, TAG_PAYLOAD))
+            self.sends.append(comm.send(torch.cat(parts), 0, TAG_PAYLOAD, self.payload_wire))
 
     def _prefill(self, slot: int, c: Control) -> None:
         s = self.setup
         self.caches[slot] = self.target.new_cache(c.context or None)   # static: this stage's layers only
         self.rows[slot] = StageRows(c.length)
         self.inbox.pop(slot, None)
-        hidden = comm.recv((1, c.length, self.d), torch.float32, self.rank - 1, TAG_PREFILL, s.step_timeout_s,
-                           self.what("waiting for the prompt's states"))
+        hidden = comm.recv((1, c.length, self.d), self.wire.dtype, self.rank - 1, TAG_PREFILL, s.step_timeout_s,
+                           self.what("waiting for the prompt's states"), self.wire.device)
         hidden = hidden.to(self.device, self.dtype)
         capture = frozenset(self.capture if c.capture else [])
         out, captured = self.target.run_stage(self.stage, hidden, torch.arange(c.length, device=self.device),
@@ -114,16 +117,16 @@ class StageServer:
             before = [(slot, c.flight.level(c.work[self.stage - 1])) for slot, c in steps
                       if c.work[self.stage - 1] != IDLE]
             if before:
-                self.pending = comm.Pending((1, sum(len(nodes) for _, nodes in before), self.d), torch.float32,
+                self.pending = comm.Pending((1, sum(len(nodes) for _, nodes in before), self.d), self.wire.dtype,
                                             self.rank - 1, TAG_HIDDEN, self.what("waiting for the previous stage"),
-                                            slots=before)
+                                            self.wire.device, slots=before)
         mine = [(slot, c, c.flight.level(c.work[self.stage])) for slot, c in steps if c.work[self.stage] != IDLE]
         held = {slot: self.inbox.pop(slot, None) for slot, _ in steps}   # rows not taken now are stale
         if not mine:
             return
         if self.stage == 0:
-            hidden = comm.recv((1, sum(len(nodes) for *_, nodes in mine), self.d), torch.float32, 0, TAG_HIDDEN,
-                               s.step_timeout_s, self.what("waiting for the entering token"))
+            hidden = comm.recv((1, sum(len(nodes) for *_, nodes in mine), self.d), self.wire.dtype, 0, TAG_HIDDEN,
+                               s.step_timeout_s, self.what("waiting for the entering token"), self.wire.device)
         else:
             hidden = torch.cat([self._taken(held[slot], nodes, c.work[self.stage]) for slot, c, nodes in mine], 1)
         hidden = hidden.to(self.device, self.dtype)

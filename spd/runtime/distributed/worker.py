@@ -1,6 +1,7 @@
-"""A stage process: `python -m spd.runtime.distributed.worker` with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set
-(spawned by the controller), or rank > 0 under torchrun via infer/run.py. Exit 0 when told to stop, 1 with one
-line when the pipeline fails, 2 (quietly) when the controller refused the run."""
+"""A stage process: `python -m spd.runtime.distributed.worker` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+SPD_BACKEND (the group's backends) set (spawned by the controller), or rank > 0 under torchrun via infer/run.py.
+Exit 0 when told to stop, 1 with one line when the pipeline fails, 2 (quietly) when the controller refused the
+run."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def main() -> int:
     watch_parent()
     rank = int(os.environ["RANK"])
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+        dist.init_process_group(os.environ.get("SPD_BACKEND", "gloo"), rank=rank,
+                                world_size=int(os.environ["WORLD_SIZE"]),
                                 timeout=datetime.timedelta(seconds=float(os.environ.get("SPD_CONNECT_TIMEOUT_S", 60))))
     except RuntimeError as exc:
         _say(f"spd-infer: error: stage process rank {rank} could not join the pipeline "
