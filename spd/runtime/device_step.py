@@ -31,6 +31,16 @@ def gumbel(draws, position: int, rows: int) -> torch.Tensor:
     return -torch.log(-torch.log(torch.stack([draws.uniforms(position + j) for j in range(rows)])))
 
 
+def choose(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None) -> torch.Tensor:
+    """logits [r, V] -> the target's token after each row [r]: its argmax (ties to the lowest id, as
+    spd.sampling.greedy_token), or the keyed draw argmax(log p + g) over warp's support (KeyedDraws.sample), with
+    g the rows' noise [>= r, V]."""
+    if params.greedy:
+        return logits.argmax(-1)
+    probs = torch.stack([warp(row, params) for row in logits.unbind(0)]).double()        # [r, V]
+    return torch.where(probs > 0, probs.log() + noise[: len(logits)], float("-inf")).argmax(-1)
+
+
 class StepState:
     """What every step of one cache shares, in device tensors: `tokens` [R] (the root, then its drafts), `drafts` []
     (how many of tokens[1:] are real; the rest are padding that is never kept), `position` [] (the root's position),
@@ -70,7 +80,41 @@ class StepState:
         self.ancestors[:rows, :rows].copy_(visible.to(device), non_blocking=True)
 
 
-class DeviceStep:
+class Graphed:
+    """A step replayed as one CUDA graph: `step()` captured on the first call, `mutable()` the tensors a step writes
+    that the next one reads (restored after the warm-ups)."""
+
+    def replay(self) -> torch.Tensor:
+        """The step as one CUDA graph: captured on the first call (after warm-up runs on a side stream, which also
+        advance the state: the capture's own run is undone by restoring it), then replayed."""
+        if self.graph is None:
+            device = self.target.device
+            saved = [t.clone() for t in self.mutable()]
+            with torch.cuda.device(device):
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    for _ in range(WARMUP_RUNS):
+                        self.restore(saved)
+                        self.step()
+                torch.cuda.current_stream(device).wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.step()
+            self.restore(saved)     # capturing ran nothing; the warm-ups' writes are undone here
+        self.graph.replay()
+        return self.out_buffer()
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for tensor, value in zip(self.mutable(), saved):
+            tensor.copy_(value)
+
+    def out_buffer(self) -> torch.Tensor:
+        return self.state.out
+
+
+
+class DeviceStep(Graphed):
     """One cycle over the first `rows` rows of the shared state: a chain (contiguous positions, causal), or a tree
     (`tree`: each row at the root's position + its depth, under its ancestors, the accepted path moved down).
     drafter: a device drafter (`update`, `draft`: tensors in, tensors out) that writes the next cycle's drafts."""
@@ -97,45 +141,14 @@ class DeviceStep:
                     return compiled()
             self.run = run
 
-    def replay(self) -> torch.Tensor:
-        """The step as one CUDA graph: captured on the first call (after warm-up runs on a side stream, which also
-        advance the state: the capture's own run is undone by restoring it), then replayed."""
-        if self.graph is None:
-            device, state = self.target.device, self.state
-            saved = [t.clone() for t in self.mutable()]
-            with torch.cuda.device(device):
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    for _ in range(WARMUP_RUNS):
-                        self.restore(saved)
-                        self.step()
-                torch.cuda.current_stream(device).wait_stream(side)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    self.step()
-            self.restore(saved)     # capturing ran nothing; the warm-ups' writes are undone here
-        self.graph.replay()
-        return self.state.out
-
     def mutable(self) -> list[torch.Tensor]:
-        """The tensors a step writes that the next one reads (not the caches: their rows past the position are
-        hidden, and a warm-up's writes at or before it hold what the real step writes there)."""
+        """Not the caches: their rows past the position are hidden, and a warm-up's writes at or before it hold
+        what the real step writes there."""
         state = self.state
         return [state.tokens, state.position] + (self.drafter.mutable() if self.drafter is not None else [])
 
-    def restore(self, saved: list[torch.Tensor]) -> None:
-        for tensor, value in zip(self.mutable(), saved):
-            tensor.copy_(value)
-
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [r, V] -> the target's token after each row [r]: its argmax (ties to the lowest id, as
-        spd.sampling.greedy_token), or the keyed draw argmax(log p + g) over warp's support (KeyedDraws.sample)."""
-        if self.params.greedy:
-            return logits.argmax(-1)
-        probs = torch.stack([warp(row, self.params) for row in logits.unbind(0)]).double()   # [r, V]
-        noise = self.state.noise[: len(logits)]                                              # [r, V]
-        return torch.where(probs > 0, probs.log() + noise, float("-inf")).argmax(-1)
+        return choose(logits, self.params, self.state.noise)
 
     def forward(self, tokens: torch.Tensor):
         """The target over the rows: (hidden [1, r, d], {layer: H^l [1, r, d]} for the drafter's layers)."""
