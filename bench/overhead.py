@@ -5,8 +5,9 @@ part a GPU does not hide. One process, every row taking turns on the same prompt
 - transformers `generate` with its dynamic and its static cache (the plain decoding a user has);
 - the suite's AR today (the eager loop) and through the device step (spd.runtime.device_step: eager, and compiled
   with `--compile`);
-- the speculative methods today (the context lookup's chain, the priced context statistics, EAGLE-3's chain, SPD's
-  pipeline with n = 2), and the lookup's chain through the device step.
+- every speculative method today and through the device step: the context lookup's chain, the priced context
+  statistics' chain and the default's trees (W = 4), EAGLE-3's chain (its module drafting inside the step), SPD's
+  pipeline with n = 2 (its whole pipeline step on the device).
 
 Each method's rows share its drafter and target, so the today/device pair of a method compares at the same tau;
 the table reports tau and the host time per cycle (tau-free) beside the time per token. The prefill is left out:
@@ -26,6 +27,7 @@ import torch
 from spd.ar import ARDecoder
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
+from spd.drafters.eagle3_device import Eagle3DeviceDrafter
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.drafters.suffix import SuffixDrafter
@@ -34,6 +36,7 @@ from spd.eval.output import write_json
 from spd.module import SpeculationModule
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.device_chain import DeviceChainDecoder
+from spd.runtime.device_pipeline import DevicePipelineDecoder
 from spd.runtime.pipeline import PipelineDecoder
 from spd.sampling import SamplingParams
 from spd.targets.linears import plain_products
@@ -45,7 +48,9 @@ K = 7       # the lookup's drafts a cycle (spd.methods: method=lookup's draft_le
 
 def rows(target, compile: bool) -> dict:
     """name -> (make a decoder, what it is); a decoder has generate(prompt, request) -> GenerationResult."""
-    staged = StagedTarget(target, 1)
+    staged, two = StagedTarget(target, 1), StagedTarget(target, 2)
+    eagle3 = lambda: Eagle3Module.untrained(staged, "eagle3", 1, seed=0)             # noqa: E731
+    spd_module = lambda: SpeculationModule.from_target(two, 1, seed=1)               # noqa: E731
     out = {
         "ar": (lambda: ARDecoder(staged, frozenset()), "the suite's AR, eager loop"),
         "ar_device": (lambda: DeviceChainDecoder(staged, frozenset()), "the suite's AR through the device step"),
@@ -56,12 +61,19 @@ def rows(target, compile: bool) -> dict:
                    "the priced context statistics' chain today"),
         "suffix_device": (lambda: DeviceChainDecoder(staged, frozenset(), SuffixDrafter(), 15),
                           "the priced context statistics' chain through the device step"),
-        "eagle3": (lambda: ChainDecoder(staged, Eagle3Drafter(Eagle3Module.untrained(staged, "eagle3", 1, seed=0), staged.embed),
-                                        frozenset(), 5), "EAGLE-3's chain today (an untrained module)"),
-        "spd_n2": (lambda: PipelineDecoder(StagedTarget(target, 2),
-                                           ModuleDrafter(SpeculationModule.from_target(StagedTarget(target, 2), 1,
-                                                                                        seed=1)), frozenset()),
+        "suffix_tree": (lambda: ChainDecoder(staged, SuffixDrafter(), frozenset(), 15, 4, 16),
+                        "the default's trees today (context statistics, W = 4, 16 nodes)"),
+        "suffix_tree_device": (lambda: DeviceChainDecoder(staged, frozenset(), SuffixDrafter(), 15, width=4, budget=16),
+                               "the default's trees through the device step"),
+        "eagle3": (lambda: ChainDecoder(staged, Eagle3Drafter(eagle3(), staged.embed), frozenset(), 5),
+                   "EAGLE-3's chain today (an untrained module)"),
+        "eagle3_device": (lambda: DeviceChainDecoder(staged, frozenset(), None, 5,
+                                                     device_drafter=Eagle3DeviceDrafter(eagle3(), staged.embed)),
+                          "EAGLE-3's chain drafted inside the device step (the same module)"),
+        "spd_n2": (lambda: PipelineDecoder(two, ModuleDrafter(spd_module()), frozenset()),
                    "SPD's pipeline today, n = 2, one process (an untrained module)"),
+        "spd_n2_device": (lambda: DevicePipelineDecoder(two, spd_module(), frozenset()),
+                          "SPD's pipeline step on the device, n = 2 (the same module)"),
     }
     if compile:
         out["ar_device_compiled"] = (lambda: DeviceChainDecoder(staged, frozenset(), compile="inductor"),
@@ -72,6 +84,16 @@ def rows(target, compile: bool) -> dict:
         out["suffix_device_compiled"] = (lambda: DeviceChainDecoder(staged, frozenset(), SuffixDrafter(), 15,
                                                                     compile="inductor"),
                                          "the priced context statistics' chain through the device step, compiled")
+        out["suffix_tree_device_compiled"] = (lambda: DeviceChainDecoder(staged, frozenset(), SuffixDrafter(), 15,
+                                                                         compile="inductor", width=4, budget=16),
+                                              "the default's trees through the device step, compiled")
+        out["eagle3_device_compiled"] = (lambda: DeviceChainDecoder(staged, frozenset(), None, 5, compile="inductor",
+                                                                    device_drafter=Eagle3DeviceDrafter(
+                                                                        eagle3(), staged.embed)),
+                                         "EAGLE-3's chain inside the device step, compiled")
+        out["spd_n2_device_compiled"] = (lambda: DevicePipelineDecoder(two, spd_module(), frozenset(),
+                                                                       compile="inductor"),
+                                         "SPD's pipeline step on the device, n = 2, compiled")
     return out
 
 
@@ -135,11 +157,10 @@ def main() -> None:
                        "us_per_cycle": per_token * tau * 1e6,
                        "vs_hf_static": per_token / statistics.median(times["hf_static"]) if "hf_static" in times
                        else None}
-    for base, device in [("ar", "ar_device"), ("lookup", "lookup_device"), ("suffix", "suffix_device"),
-                         ("ar", "ar_device_compiled"), ("lookup", "lookup_device_compiled"),
-                         ("suffix", "suffix_device_compiled")]:
-        if device in table:
-            table[device]["vs_today"] = table[device]["us_per_token"] / table[base]["us_per_token"]
+    for name, row in table.items():        # each device row against its method's loop today
+        base = name.split("_device")[0]
+        if "_device" in name and base in table:
+            row["vs_today"] = row["us_per_token"] / table[base]["us_per_token"]
     print(f"{'row':24} {'µs/token':>9} {'tau':>5} {'µs/cycle':>9}  what")
     for name, row in table.items():
         print(f"{name:24} {row['us_per_token']:9.1f} {row['tau']:5.2f} {row['us_per_cycle']:9.1f}  {row['what']}")
