@@ -23,7 +23,7 @@ def first_prompts(name: str, count: int, tokenizer) -> list[tuple[str, list[int]
 
 def default_decoder(loaded, staged, datastore: str, drafter_class=SuffixDrafter, **drafter_options):
     """(the drafter, the decoder): a drafter_class (SuffixDrafter or a subclass that watches it) over `datastore`,
-    with any other SuffixDrafter options (e.g. sampled_prior=False)."""
+    with any other SuffixDrafter options."""
     store = Retrieval(open_datastore(datastore, loaded.tokenizer, loaded.model.config.vocab_size))
     drafter = drafter_class(1, 8, cached_row_costs(staged, 17), retrieval=store, **drafter_options)
     decoder = build_decoder(CHAIN, staged, eos_ids_of(loaded.model.config, loaded.tokenizer), drafter,

@@ -34,7 +34,7 @@ from spd.retrieval import open_datastore
 from spd.engine import build_decoder
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
-from spd.fast_eval_chain import fast_chain_stats, fast_lookup_stats, fast_tree_stats
+from spd.eval.fast_chain import fast_chain_stats, fast_lookup_stats, fast_tree_stats
 from spd.methods import CHAIN
 from spd.sampling import SamplingParams
 from spd.targets.loading import load_target

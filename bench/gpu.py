@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from spd.checkpoint import load_checkpoint
 from spd.config import GenerateConfig, load_config
 from spd.decoding import Request
 from spd.engine import build_decoder
@@ -28,15 +29,19 @@ from spd.eval.harness import machine
 from spd.eval.output import write_json
 from spd.methods import AR, PIPELINE
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.drafters.eagle3_device import Eagle3DeviceDrafter
 from spd.drafters.lookup import LookupDrafter
+from spd.drafters.suffix import SuffixDrafter
+from spd.eagle3_module import Eagle3Module
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.device_chain import DeviceChainDecoder
+from spd.runtime.device_pipeline import DevicePipelineDecoder
 from spd.runtime.stages import reference_kind, stage_executor
 from spd.runtime.streams import StreamStages
 from spd.sampling import SamplingParams
 from spd.session import open_session
 from spd.targets.stages import StagedTarget
-from spd.timing import sync
+from spd.targets.timing import sync
 
 GREEDY = SamplingParams()
 # the SPD rows' executors, and the AR row each is checked against (spd.runtime.stages.reference_kind)
@@ -45,8 +50,10 @@ SPD_ROWS = {"spd_local_eager": "local", "spd_local_graphs": "graphs", "spd_strea
 AR_ROWS = {None: "suite_ar_eager", "fixed": "suite_ar_fixed_eager", "graphs": "suite_ar_graphs"}
 # whole-target rows checked against the eager AR: the device step (spd.runtime.device_step) and the lookup chain
 CHAIN_ROWS = ("suite_ar_device_eager", "suite_ar_device_graphs", "suite_ar_device_compiled", "lookup_chain",
-              "lookup_device_graphs", "lookup_device_compiled")
-LOOKUP_K = 7     # method=lookup's draft length (spd.methods)
+              "lookup_device_graphs", "lookup_device_compiled", "default_device_graphs", "default_device_compiled",
+              "eagle3_device_graphs", "spd_device_graphs", "spd_device_compiled")
+COMPILED = ("suite_ar_device_compiled", "lookup_device_compiled", "default_device_compiled", "spd_device_compiled")
+LOOKUP_K, SUFFIX_K, EAGLE3_K = 7, 15, 5     # the methods' draft lengths (spd.methods)
 
 
 def copy_bandwidth(device: torch.device, mib: int = 512, repeats: int = 10) -> float:
@@ -116,16 +123,18 @@ def hf_rows(model, prompts, max_new, device, compile_static: bool, eos, deadline
 
 
 def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
-               only: frozenset[str] | None = None, compile: bool = True) -> tuple[dict, dict]:
+               only: frozenset[str] | None = None, compile: bool = True, eagle3=None) -> tuple[dict, dict]:
     """deadline (time.time()): rows not started by then are marked skipped; only: the rows to run (None: all);
-    compile: False skips the rows through torch.compile (minutes of compilation on a CPU)."""
+    compile: False skips the rows through torch.compile (minutes of compilation on a CPU). eagle3: an EAGLE-3
+    module for the whole target (None: an untrained one)."""
     staged, eos = session.staged, session.eos_ids
     whole = StagedTarget(session.loaded.model, 1)
+    eagle3 = eagle3 if eagle3 is not None else Eagle3Module.from_target(whole)
     ar_eager = build_decoder(AR, whole, eos)
     ar_fixed = build_decoder(AR, whole, eos, stages=stage_executor("fixed", whole))   # fixed-shape steps, no graphs
     ar_graphs = build_decoder(AR, whole, eos, stages=stage_executor("graphs", whole))
     request = Request(max_new, GREEDY)
-    min_n, max_n = session.lookup_ngrams
+    min_n, max_n = session.spec.lookup.min_ngram, session.spec.lookup.max_ngram
     chains = {"suite_ar_device_eager": DeviceChainDecoder(whole, eos),
               "suite_ar_device_graphs": DeviceChainDecoder(whole, eos, cuda_graphs=True),
               "suite_ar_device_compiled": DeviceChainDecoder(whole, eos, compile="inductor"),
@@ -133,7 +142,19 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
               "lookup_device_graphs": DeviceChainDecoder(whole, eos, LookupDrafter(min_n, max_n), LOOKUP_K,
                                                          cuda_graphs=True),
               "lookup_device_compiled": DeviceChainDecoder(whole, eos, LookupDrafter(min_n, max_n), LOOKUP_K,
-                                                           compile="inductor")}
+                                                           compile="inductor"),
+              # the CPU default's trees (context statistics, W = 4, 16 nodes), verified in the step
+              "default_device_graphs": DeviceChainDecoder(whole, eos, SuffixDrafter(), SUFFIX_K, cuda_graphs=True,
+                                                          width=4, budget=16),
+              "default_device_compiled": DeviceChainDecoder(whole, eos, SuffixDrafter(), SUFFIX_K,
+                                                            compile="inductor", width=4, budget=16),
+              # EAGLE-3's chain drafted inside the step (a module given by --eagle3-checkpoint, else untrained: the
+              # step's cost at tau ~ 1)
+              "eagle3_device_graphs": DeviceChainDecoder(whole, eos, None, EAGLE3_K, cuda_graphs=True,
+                                                         device_drafter=Eagle3DeviceDrafter(eagle3, whole.embed)),
+              # SPD's whole pipeline step (every stage and the module's draft on their streams) as one graph
+              "spd_device_graphs": DevicePipelineDecoder(staged, session.module, eos, cuda_graphs=True),
+              "spd_device_compiled": DevicePipelineDecoder(staged, session.module, eos, compile="inductor")}
     runs = {
         "suite_ar_eager": lambda ids: ar_eager.generate(ids, request).token_ids,
         # the device-step rows first: they are what a short box must not miss
@@ -157,6 +178,9 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
         if only is not None and name not in only:
             rows[name] = {"skipped": "not asked"}
             continue
+        if not compile and name in COMPILED:
+            rows[name] = {"skipped": "compile off"}
+            continue
         if deadline is not None and time.time() > deadline:
             rows[name] = {"skipped": "time box"}
             continue
@@ -177,7 +201,7 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
             rows[name]["ar_match"] = sum(a == b for a, b in zip(outputs[name], outputs["suite_ar_eager"]))
             rows[name]["prompts"] = len(prompts)
             stats = chains[name].stats
-            rows[name]["tau_last_prompt"] = getattr(stats, "tau", None)
+            rows[name]["tau_last_prompt"] = getattr(stats, "tau", None) or getattr(stats, "eal", None)
     for name in executors:   # lossless: each SPD row against the suite's AR with the same kind of step
         reference = outputs.get(AR_ROWS[reference_kind(SPD_ROWS[name])])
         if name not in outputs or reference is None:
@@ -234,6 +258,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--checkpoint", default=None, help="default: the shipped module for n = 5")
     ap.add_argument("--no-compile", action="store_true", help="skip HF static cache + torch.compile")
+    ap.add_argument("--eagle3-checkpoint", default=None, help="an EAGLE-3 module for eagle3_device_graphs (default: "
+                    "an untrained one: the step's cost at tau ~ 1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -246,22 +272,28 @@ def main() -> int:
         tok = session.loaded.tokenizer
         prompts = [chat_prompt_ids(tok, q["turns"][0]) for ds in DATASETS for q in load_questions(ds)[: args.limit]]
         weight_bytes = sum(p.numel() * p.element_size() for p in session.loaded.model.parameters())
-        rows, executors = suite_rows(session, prompts, args.max_new_tokens, device, compile=not args.no_compile)
+        eagle3 = None
+        if args.eagle3_checkpoint:
+            whole = StagedTarget(session.loaded.model, 1)
+            eagle3 = load_checkpoint(args.eagle3_checkpoint, whole, session.loaded)
+        rows, executors = suite_rows(session, prompts, args.max_new_tokens, device, compile=not args.no_compile,
+                                     eagle3=eagle3)
         rows.update(hf_rows(session.loaded.model, prompts, args.max_new_tokens, device, not args.no_compile,
                             session.eos_ids))
         roofline = result["copy_bandwidth_bytes_per_s"] / weight_bytes
         for row in rows.values():
-            row["fraction_of_roofline"] = row["tokens_per_s"] / roofline
+            if "tokens_per_s" in row:            # a skipped row has none
+                row["fraction_of_roofline"] = row["tokens_per_s"] / roofline
         result["runs"][dtype] = {"weight_bytes": weight_bytes, "roofline_tokens_per_s": roofline, "rows": rows,
                                  "n": session.staged.n, "stage_bounds": session.staged.bounds,
-                                 "checkpoint": session.checkpoint,
+                                 "checkpoint": session.spec.module.checkpoint,
                                  "stage_overlap": stage_overlap(executors["spd_streams_graphs"], session.staged,
                                                                 prompts[0], device, capture_of(session))}
         print(f"[gpu] {dtype}: roofline {roofline:.0f} tok/s; " +
-              ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in rows.items()), flush=True)
+              ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in rows.items() if "tokens_per_s" in v), flush=True)
     out = args.out or f"docs/results/gpu_{device.type}_{args.dtypes.replace(',', '_')}.json"
     write_json(out, result)
-    print(json.dumps({d: {k: round(v["tokens_per_s"], 1) for k, v in r["rows"].items()}
+    print(json.dumps({d: {k: round(v["tokens_per_s"], 1) for k, v in r["rows"].items() if "tokens_per_s" in v}
                       for d, r in result["runs"].items()}, indent=1))
     return 0
 

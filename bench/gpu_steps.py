@@ -165,8 +165,8 @@ def decode_row(plan: dict, dtype: str, keys: list[str], executor: str | None, wi
     drafter = session.drafter()
     whole = StagedTarget(session.loaded.model, 1)
     if executor is None:        # a chain: the target verifies whole; AR eager is its reference
-        decoder = build_decoder(CHAIN, session.staged, eos, drafter, width=session.width,
-                                draft_length=session.draft_length, tree_nodes=session.tree_nodes)
+        decoder = build_decoder(CHAIN, session.staged, eos, drafter, width=session.spec.tree.width,
+                                draft_length=session.spec.draft_length, tree_nodes=session.spec.tree.nodes)
         reference = build_decoder(AR, whole, eos)
     else:
         stages = stage_executor(PIPELINE_EXECUTORS[executor], session.staged)
@@ -220,7 +220,7 @@ def step_speed(plan: dict, deadline: float, result: Result) -> None:
         weight_bytes = sum(p.numel() * p.element_size() for p in session.loaded.model.parameters())
         roofline = result.data["copy_bandwidth_bytes_per_s"] / weight_bytes
         run = {"weight_bytes": weight_bytes, "roofline_tokens_per_s": roofline, "n": session.staged.n,
-               "checkpoint": session.checkpoint, "prompts": len(prompts), "max_new_tokens": cfg["max_new_tokens"]}
+               "checkpoint": session.spec.module.checkpoint, "prompts": len(prompts), "max_new_tokens": cfg["max_new_tokens"]}
         result.data.setdefault("runs", {})[dtype] = run
         only = asked(plan)
         rows, executors = gpu.suite_rows(session, prompts, cfg["max_new_tokens"], device, deadline=deadline,

@@ -154,7 +154,7 @@ def main() -> int:
             with open_engine(cfg) as engine:
                 solo = {p: engine.run(encode_chat(engine.session, [{"role": "user", "content": p}],
                                                   args.max_tokens))["token_ids"] for p in EVERYDAY}
-                method = engine.session.method
+                method = engine.session.spec.method
             clients = [int(c) for c in args.clients.split(",")]
             result = sweep(url, solo, clients, args.rounds, args.per_client, args.max_tokens)
         finally:
@@ -200,7 +200,7 @@ def main() -> int:
                 rounds.append({"tokens": tokens, "server_tokens_per_s": tokens / four_wall,
                                "inprocess_serial_tokens_per_s": tokens / serial_wall,
                                "ratio": serial_wall / four_wall})
-            method = engine.session.method
+            method = engine.session.spec.method
     finally:
         proc.terminate()
         code = proc.wait(60)

@@ -40,7 +40,7 @@ from spd.engine import build_decoder, open_engine, pick_decoder
 from spd.eval.output import write_json
 from spd.drafters.lookup import LookupDrafter
 from spd.methods import AR, CHAIN, PIPELINE, SUFFIX_MODULE
-from spd.pricing import NOISE_SHARE
+from spd.pricing import AcceptancePredictor
 from spd.runtime.stages import open_stages
 from spd.session import open_session
 from spd.targets.loading import load_target
@@ -58,6 +58,34 @@ PLAIN = "float32-plain"      # --dtypes: the float32 target multiplying with F.l
 REPEAT_KV = "float32-repeat-kv"   # --dtypes: the float32 target attending with transformers' SDPA as it is
 
 
+class UnkeyedRequest(Request):
+    """--keyed-ab's other arm: a sampled request drawing from its generator, without keyed draws."""
+
+    def draws(self, generator, vocab):
+        return None
+
+
+class SuffixVariant(SuffixDrafter):
+    """method=suffix's drafter with one part of its sampled pricing changed, for the A/Bs of --keyed-ab (by_noise
+    False: blind to the noise), --prior-ab (sampled_prior: a sampled request's predictor starts from
+    AcceptancePredictor.for_sampling's prior while it has judged nothing) and --recall-ab (recall False: no
+    candidate carries the target's p where the context had it)."""
+
+    DEFAULT = dict(by_noise=True, sampled_prior=False, recall=True)     # SuffixDrafter itself
+
+    def __init__(self, *args, by_noise: bool = True, sampled_prior: bool = False, recall: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.by_noise, self.sampled_prior, self.recall = by_noise, sampled_prior, recall
+
+    def sampling_draws(self, draws) -> None:
+        super().sampling_draws(draws if self.by_noise else None)
+        if draws is not None and self.sampled_prior and not self.predictor.counts:
+            self.predictor = AcceptancePredictor.for_sampling()
+
+    def _chance(self, position: int) -> float:
+        return super()._chance(position) if self.recall else float("nan")
+
+
 def local_spd_decoders(args, stack: contextlib.ExitStack) -> dict[float, list[tuple[dict, object]]]:
     """SPD with the shipped n = 5 module, stages one after another in this process (runtime=local),
     once per --widths entry (W > 1: draft trees): {temperature: [(row fields, decoder)]}, the stages held open by
@@ -67,12 +95,12 @@ def local_spd_decoders(args, stack: contextlib.ExitStack) -> dict[float, list[tu
         cfg = load_config(GenerateConfig, None, [f"target={args.target}", "method=spd", "runtime=local", f"W={width}"])
         session = open_session(cfg)
         stages = stack.enter_context(open_stages(session.staged, cfg, session.drafter().layers_needed(
-            session.staged.bounds), session.cache_dir))
+            session.staged.bounds), session.caches.cache_dir))
         for temperature in args.temperatures:
             decoder = build_decoder(PIPELINE, session.staged, session.eos_ids, session.drafter(), stages=stages,
-                                    width=session.width)
+                                    width=session.spec.tree.width)
             built[temperature].append(({"n": session.staged.n, "bounds": "even", "stage_bounds": session.staged.bounds,
-                                        "module": "shipped", "checkpoint": session.checkpoint, "method": "spd",
+                                        "module": "shipped", "checkpoint": session.spec.module.checkpoint, "method": "spd",
                                         "draft_source": "module", "W": width, "runtime": "local"}, decoder))
     return built
 
@@ -90,8 +118,8 @@ def eagle3_decoders(args) -> dict[float, list[tuple[dict, object, object]]]:
                                                  f"draft_source={source}", *deep])
         session = open_session(cfg)
         fields = {"method": "eagle3", "module": "trained", "checkpoint": args.eagle3, "W": width,
-                  "draft_source": source, "draft_length": session.draft_length,
-                  "tree_nodes": session.tree_nodes if width > 1 else None}
+                  "draft_source": source, "draft_length": session.spec.draft_length,
+                  "tree_nodes": session.spec.tree.nodes if width > 1 else None}
         for temperature in args.temperatures:
             drafter = session.drafter()
             decoder = pick_decoder("eagle3", cfg, session, None, drafter)   # the chain, or the tree at W > 1
@@ -121,7 +149,8 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
         drafters.append(drafter)
 
     def chain_run(decoder, params, keyed=True):
-        return lambda key, ids: decoder.generate(ids, Request(args.max_new_tokens, params, seed_of(key), keyed))
+        request = Request if keyed else UnkeyedRequest
+        return lambda key, ids: decoder.generate(ids, request(args.max_new_tokens, params, seed_of(key)))
 
     def twins(temperature) -> list[bool]:
         """[True] and, with --keyed-ab at T > 0, False: AR drawing from the generator instead of keyed draws, a
@@ -165,24 +194,23 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
                 put({"method": "hf_prompt_lookup", "temperature": temperature, "draft_length": args.hf_lookup_tokens},
                     lambda key, ids, hf=hf: hf(key, ids, lookup=args.hf_lookup_tokens))
             stores = ([] if args.skip_suffix_alone and retrieval else [(None, None)]) + retrieval
-            shares = args.noise_shares if temperature else [NOISE_SHARE]
             priors = [False, True] if temperature and args.prior_ab else [False]
             recalls = [True, False] if temperature and args.recall_ab else [True]
-            for width, (spec, store), by_noise, share, sampled_prior, recall in [
-                    (w, s, k, n, p, r) for w in args.suffix_widths for s in stores for k in twins(temperature)
-                    for n in shares for p in priors for r in recalls]:
+            for width, (spec, store), by_noise, sampled_prior, recall in [
+                    (w, s, k, p, r) for w in args.suffix_widths for s in stores for k in twins(temperature)
+                    for p in priors for r in recalls]:
                 # context statistics, priced with this machine's row costs; and with the datastore's candidates too
                 budget = args.tree_nodes if width > 1 else args.suffix_length
                 costs = cached_row_costs(staged, budget + 1)
-                # what method=suffix builds (spd.drafters.suffix)
-                drafter = SuffixDrafter(1, hi, costs, retrieval=store, by_noise=by_noise, noise_share=share,
-                                        sampled_prior=sampled_prior, recall=recall)
+                # what method=suffix builds (spd.drafters.suffix), or an A/B's variant of it
+                options = dict(by_noise=by_noise, sampled_prior=sampled_prior, recall=recall)
+                drafter = SuffixDrafter(1, hi, costs, retrieval=store) if options == SuffixVariant.DEFAULT else \
+                    SuffixVariant(1, hi, costs, retrieval=store, **options)
                 decoder = build_decoder(CHAIN, staged, eos, drafter, draft_length=args.suffix_length, width=width,
                                         tree_nodes=args.tree_nodes)
                 put({"method": "suffix", "temperature": temperature, "draft_length": args.suffix_length, "W": width,
                      "tree_nodes": args.tree_nodes if width > 1 else None, "ngrams": [lo, hi],
                      "datastore": spec, **({} if by_noise else {"by_noise": False}),
-                     **({} if share == NOISE_SHARE else {"noise_share": share}),
                      **({"sampled_prior": True} if sampled_prior else {}),
                      **({} if recall else {"recall": False}),
                      "row_costs_s": list(costs.seconds)}, chain_run(decoder, params), drafter)
@@ -306,9 +334,6 @@ def main() -> int:
                     "without one")
     ap.add_argument("--keyed-ab", action="store_true", help="at T > 0 also the suite's AR drawing from the request's "
                     "generator instead of keyed draws, and each method=suffix row blind to the noise (A/Bs in one run)")
-    ap.add_argument("--noise-shares", default=None, help="at T > 0 a method=suffix row per share of a candidate's "
-                    "chance its noise decides (spd.pricing.given_noise; e.g. 0.35,1 for the A/B of the shipped "
-                    "share against the formula alone; default: the shipped share)")
     ap.add_argument("--prior-ab", action="store_true", help="at T > 0 also each method=suffix row with "
                     "spd.pricing.AcceptancePredictor.for_sampling's prior instead of the greedy one (an A/B in "
                     "one run)")
@@ -332,7 +357,6 @@ def main() -> int:
     args.eagle3_sources = [s for s in args.eagle3_sources.split(",") if s]
     args.batch = [int(b) for b in args.batch.split(",") if b]
     args.suffix_widths = [int(w) for w in args.suffix_widths.split(",") if w]
-    args.noise_shares = [float(s) for s in args.noise_shares.split(",") if s] if args.noise_shares else [NOISE_SHARE]
     if (args.suffix_widths or args.datastore) and not args.lookup:
         # they take their turns among --lookup's rows: without it they would be dropped after an hour's run
         print("wallclock.py: error: --suffix-widths and --datastore rows run with --lookup; add --lookup (and "

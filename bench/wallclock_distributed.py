@@ -9,6 +9,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -73,18 +74,18 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model, c
     base = {"n": n, "bounds": kind, "stage_bounds": bounds, "threads_per_process": threads, "processes": processes,
             "controller": controller,
             # the session drafts with the shipped module for this n and bounds when none is given (spd.shipped)
-            "module": "trained" if checkpoint else "shipped" if session.checkpoint else "untrained",
-            "checkpoint": checkpoint or session.checkpoint,
-            "balance": probe.balance}
+            "module": "trained" if checkpoint else "shipped" if session.spec.module.checkpoint else "untrained",
+            "checkpoint": checkpoint or session.spec.module.checkpoint,
+            "balance": probe.caches.balance}
     rows = []
     capture = session.drafter().layers_needed(bounds)
-    with open_stages(session.staged, cfg, capture, session.cache_dir) as stages:
+    with open_stages(session.staged, cfg, capture, session.caches.cache_dir) as stages:
         messages = stages.time_messages()
         comm = {"message_us_per_step_median": statistics.median(messages) * 1e6,
                 "message_us_per_step_p90": sorted(messages)[int(0.9 * len(messages))] * 1e6}
         for temperature, source in itertools.product(args.temperatures, args.draft_sources):
             params = params_for(temperature)
-            session.draft_source = source
+            session.spec = replace(session.spec, draft_source=source)
             drafter = TimedDrafter(session.drafter())
             decoder = build_decoder(PIPELINE, session.staged, session.eos_ids, drafter, stages=stages)
             result = decode_all(prompts, lambda key, ids: decoder.generate(

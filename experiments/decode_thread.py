@@ -55,7 +55,7 @@ def main() -> int:
             thread_s.append(answers.get())
             main_s.append(engine.run(ids)["seconds"])
         asks.put(None)
-        method = engine.session.method
+        method = engine.session.spec.method
     report = {"method": method, "keys": args.keys, "max_tokens": args.max_tokens, "cores": os.cpu_count(),
               "main_thread_s": main_s, "second_thread_s": thread_s,
               "ratio_median": statistics.median(t / m for t, m in zip(thread_s, main_s)),

@@ -24,7 +24,7 @@ import torch
 
 from spd.eval.output import write_json
 from spd.checkpoint import load_checkpoint, read_checkpoint_config
-from spd.fast_eval import GreedyTrace
+from spd.eval.fast import GreedyTrace
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

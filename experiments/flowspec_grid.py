@@ -1,5 +1,5 @@
 """FlowSpec's settings replayed over the target's greedy traces: L′acc and tokens per step by n, draft
-source, segment S, children per node W and tree nodes N (depth 5), with the exact replay of `spd.fast_eval_trace`
+source, segment S, children per node W and tree nodes N (depth 5), with the exact replay of `spd.eval.fast_trace`
 (FlowSpec's own loop over the traces; no target forward). Every 8th of the 240 cached 512-token traces, cut to their
 first 256 tokens (30 prompts).
 
@@ -20,8 +20,11 @@ import sys
 import torch
 
 from spd.drafters.hybrid import segment_drafter
-from spd.fast_eval import GreedyTrace
-from spd.fast_eval_trace import fast_segment_eval
+from spd.eval.fast import GreedyTrace
+from spd.eval.fast_trace import fast_segment_eval
+from spd.spec import DecodeKeys, DecodeSpec
+
+LOOKUP = DecodeSpec.of(DecodeKeys()).lookup   # matches of 2..8 tokens, the keys' defaults
 
 
 def main() -> int:
@@ -45,7 +48,7 @@ def main() -> int:
             continue
         tokens = steps = 0
         for trace in traces:
-            stats = fast_segment_eval(trace, make_drafter=lambda: segment_drafter(draft_source=source, ngrams=(2, 8)),
+            stats = fast_segment_eval(trace, make_drafter=lambda: segment_drafter(draft_source=source, lookup=LOOKUP, memory=None),
                                       n=n, segment=segment, draft_length=5, width=width, tree_nodes=nodes,
                                       vocab=args.vocab)["stats"]
             tokens, steps = tokens + stats.N, steps + stats.K

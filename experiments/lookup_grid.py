@@ -1,5 +1,5 @@
 """Which lookup chain is fastest on this machine? Its greedy cycles replayed exactly over the target's own traces
-(spd.fast_eval_chain.fast_lookup_stats), priced with target forwards of 1..m+1 rows timed here.
+(spd.eval.fast_chain.fast_lookup_stats), priced with target forwards of 1..m+1 rows timed here.
 
 A CPU does not verify drafts for free (one row ~36 ms, eight rows ~1.3× that on SmolLM2): a draft pays only where
 it is likely right, so the shortest match that may draft (lookup_min_ngram) and the drafts per cycle (draft_length)
@@ -27,7 +27,7 @@ from tqdm import tqdm
 from spd.config import load_config
 from spd.eval.config import EvalConfig
 from spd.eval.traces import TraceCache
-from spd.fast_eval_chain import fast_lookup_stats
+from spd.eval.fast_chain import fast_lookup_stats
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
 from spd.targets.row_costs import measure_row_costs

@@ -1,7 +1,7 @@
 """How often a context-statistics candidate of depth 1 is kept, by the target's top-2 logit margin at the newest
 verified token, the candidate's share and its match length: the evidence the acceptance predictor (spd.pricing)
 prices with, counted over the eval's cached greedy traces with the runtime's own priced drafter
-(spd.fast_eval_chain.replay; every candidate is judged, drafted or not).
+(spd.eval.fast_chain.replay; every candidate is judged, drafted or not).
 
     python -m experiments.margin_acceptance --out docs/results/margin_acceptance.json
 
@@ -21,7 +21,7 @@ from spd.drafters.suffix import SuffixDrafter
 from spd.eval.config import EvalConfig
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
-from spd.fast_eval_chain import replay
+from spd.eval.fast_chain import replay
 from spd.pricing import MARGIN_EDGES, AcceptancePredictor
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session

@@ -28,7 +28,7 @@ from bench.default_build import default_decoder, first_prompts
 from spd.decoding import Request
 from spd.drafters.suffix import SuffixDrafter, judged
 from spd.eval.output import write_json
-from spd.pricing import NOISE_SHARE, given_noise
+from spd.pricing import NOISE_SHARE, AcceptancePredictor, given_noise
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 from bench.wallclock_turns import params_for, seed_of
@@ -61,6 +61,16 @@ class Recording(SuffixDrafter):
         self.verdicts += [(evidence[i].source, nodes[i].depth, *self.priced[i], kept) for i, kept in judged]
 
 
+class SampledPriorRecording(Recording):
+    """--sampled-prior: a sampled request's predictor starts from AcceptancePredictor.for_sampling's prior instead of
+    the greedy one, while it has judged nothing (the default drafter does not)."""
+
+    def sampling_draws(self, draws) -> None:
+        super().sampling_draws(draws)
+        if draws is not None and not self.predictor.counts:
+            self.predictor = AcceptancePredictor.for_sampling()
+
+
 def binned(verdicts, value):
     """[([lo, hi], the verdicts whose value falls in it)] over BINS, empty bins left out (1.0 in the last bin)."""
     out = []
@@ -91,18 +101,18 @@ def main() -> int:
     ap.add_argument("--datastore", default="answers+sharegpt")
     ap.add_argument("--shares", default="0,0.2,0.3,0.35,0.4,0.5,0.7,1")
     ap.add_argument("--sampled-prior", action="store_true", help="a sampled request's predictor from "
-                    "spd.pricing.AcceptancePredictor.for_sampling (spd.drafters.suffix's sampled_prior, not the default)")
+                    "spd.pricing.AcceptancePredictor.for_sampling (not the default)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="docs/results/noise_calibration.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_target(args.target)
     prompts = first_prompts(args.set, args.prompts, loaded.tokenizer)
-    drafter, default = default_decoder(loaded, StagedTarget(loaded.model, 1), args.datastore, Recording,
-                                       sampled_prior=args.sampled_prior)
+    drafter, default = default_decoder(loaded, StagedTarget(loaded.model, 1), args.datastore,
+                                       SampledPriorRecording if args.sampled_prior else Recording)
     tokens = 0
     for key, ids in tqdm(prompts, desc="prompts"):
-        tokens += len(default.generate(ids, Request(args.max_new_tokens, params_for(1.0), seed_of(key), True)).token_ids)
+        tokens += len(default.generate(ids, Request(args.max_new_tokens, params_for(1.0), seed_of(key))).token_ids)
     verdicts = drafter.verdicts
     by_share = {"none (π alone)": scores(verdicts, None)}
     by_share.update({f"{float(s):g}": scores(verdicts, float(s)) for s in args.shares.split(",")})

@@ -1,5 +1,5 @@
 """Priced drafting replayed over the target's greedy traces: for each drafter (the lookup chain, the priced context
-statistics at each W), its exact greedy cycles (spd.fast_eval_chain.replay) over the eval's cached 512-token
+statistics at each W), its exact greedy cycles (spd.eval.fast_chain.replay) over the eval's cached 512-token
 traces, priced with this machine's row costs (spd.targets.row_costs, the profile the runtime uses): τ, rows per
 cycle, the share of cycles drafted, and the predicted speedup over AR = tokens × cost(1 row) / Σ cost(rows of each
 cycle) — on all positions and on the first --heads tokens of each answer (128 unless asked). bench/wallclock.py
@@ -25,7 +25,7 @@ from spd.retrieval import open_datastore
 from spd.eval.config import EvalConfig
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
-from spd.fast_eval_chain import replay
+from spd.eval.fast_chain import replay
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
 from spd.sampling import Proposal

@@ -90,10 +90,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     loaded = load_target(args.target)
     prompts = first_prompts(args.set, args.prompts, loaded.tokenizer)
-    drafter, default = default_decoder(loaded, StagedTarget(loaded.model, 1), args.datastore, Recording,
-                                       sampled_prior=False)
+    drafter, default = default_decoder(loaded, StagedTarget(loaded.model, 1), args.datastore, Recording)
     for key, ids in tqdm(prompts, desc="prompts"):
-        default.generate(ids, Request(args.max_new_tokens, params_for(1.0), seed_of(key), True))
+        default.generate(ids, Request(args.max_new_tokens, params_for(1.0), seed_of(key)))
     # the recorded setting must replay to the recording's own predictions, or the replay is not the drafter's
     check, recorded = [], [chance for request in drafter.requests for cycle in request for *_, chance in cycle]
     greedy = replay(drafter.requests, AcceptancePredictor, check)

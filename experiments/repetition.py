@@ -1,7 +1,7 @@
 """Where does acceptance come from: new text, or output that repeats itself? Greedy, from the target's own traces
 (the eval's trace cache: `spd-infer eval` with the same config records and reuses them).
 
-For the first --limit prompts of each eval set: L′acc of the module alone and of lookup+module (spd.fast_eval, the
+For the first --limit prompts of each eval set: L′acc of the module alone and of lookup+module (spd.eval.fast, the
 exact replay of the runtime), and how much of it falls inside a repeat — a generated position whose last --span
 tokens (itself included) already occurred earlier in the context, i.e. the answer is copying a whole span of
 itself or of the prompt (a loop until the length limit is the extreme case).
@@ -30,8 +30,8 @@ from spd.eval.config import EvalConfig
 from spd.eval.harness import prompt_seed
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
-from spd.fast_eval import fast_greedy_stats
-from spd.fast_eval_chain import fast_lookup_stats
+from spd.eval.fast import fast_greedy_stats
+from spd.eval.fast_chain import fast_lookup_stats
 from spd.methods import METHODS
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
@@ -71,11 +71,11 @@ def main() -> int:
         row["positions"] += len(trace.tokens)
         row["positions_in_repeats"] += len(inside)
         for name in SOURCES:
-            lookup = session.lookup_ngrams if name == "lookup+module" else None
+            lookup = (session.spec.lookup.min_ngram, session.spec.lookup.max_ngram) if name == "lookup+module" else None
             stats = fast_greedy_stats(session.module, trace, lookup, counter(row[name], inside, 0))["stats"]
             row[name]["N"] += stats.N
             row[name]["K"] += stats.K
-        stats = fast_lookup_stats(trace, *session.lookup_ngrams, m, counter(row[CHAIN], inside, len(ids)))["stats"]
+        stats = fast_lookup_stats(trace, session.spec.lookup.min_ngram, session.spec.lookup.max_ngram, m, counter(row[CHAIN], inside, len(ids)))["stats"]
         row[CHAIN]["N"] += stats.N - 1                      # τ counts the tokens after the prefill's
         row[CHAIN]["cycles"] += stats.cycles
     n = session.staged.n
@@ -88,8 +88,8 @@ def main() -> int:
                 f["eal"] = n * f["N"] / f["K"]
             f["accepted_in_repeats_share"] = f["accepted_in_repeats"] / f["accepted"] if f["accepted"] else None
             f["acceptance"] = {s: a / v for s, (v, a) in f["sources"].items()}
-    report = {"per_dataset": per, "n": n, "checkpoint": session.checkpoint, "span": args.span, "limit": args.limit,
-              "lookup_chain": {"draft_length": m, "ngrams": list(session.lookup_ngrams)},
+    report = {"per_dataset": per, "n": n, "checkpoint": session.spec.module.checkpoint, "span": args.span, "limit": args.limit,
+              "lookup_chain": {"draft_length": m, "ngrams": [session.spec.lookup.min_ngram, session.spec.lookup.max_ngram]},
               "max_new_tokens": cfg.max_new_tokens, "command": " ".join(["python", *sys.argv])}
     write_json(args.out, report)
     print(markdown(report))
@@ -107,7 +107,7 @@ def sampled(args) -> int:
                           [*keys, f"temperature={args.temperature}", *args.overrides])
         with open_engine(cfg) as engine:
             tok = engine.session.loaded.tokenizer
-            meta[name] = {"n": engine.session.staged.n, "checkpoint": engine.session.checkpoint,
+            meta[name] = {"n": engine.session.staged.n, "checkpoint": engine.session.spec.module.checkpoint,
                           "runtime": cfg.runtime, "top_k": cfg.top_k, "top_p": cfg.top_p}
             for ds, q in tqdm(work, desc=name, unit="prompt"):
                 ids = chat_prompt_ids(tok, q["turns"][0])

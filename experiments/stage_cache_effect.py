@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from spd.timing import median_seconds
+from spd.targets.timing import median_seconds
 from spd.eval.output import write_json
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget

@@ -6,7 +6,7 @@ sampling distribution p. Two measures over them:
   children, spd.sampling.settle_children): the target's own top-k (a ceiling no drafter without a forward reaches),
   and the top-k the target produced the last time it read the same token (Token Recycling's adjacency: the
   target's recycled rows);
-- the priced replay of each drafter over the sampled answers (spd.fast_eval_chain.replay with the sampled token as
+- the priced replay of each drafter over the sampled answers (spd.eval.fast_chain.replay with the sampled token as
   the one draw at each node, which is how verification settles deterministic children; the machine's row costs,
   spd.targets.row_costs): the lookup chain, the default's priced context statistics (method=suffix W = 4), and
   those statistics with recycled children added (a drafter that lives only here, told the top ids of every row
@@ -37,7 +37,7 @@ from spd.drafters.suffix import Retrieval, SuffixDrafter, _Node
 from spd.drafters.suffix_eagle3 import SuffixEagle3Drafter
 from spd.engine import build_decoder
 from spd.eval.output import write_json
-from spd.fast_eval_chain import replay
+from spd.eval.fast_chain import replay
 from spd.methods import AR
 from spd.pricing import Evidence
 from spd.retrieval import open_datastore

@@ -8,7 +8,7 @@ import os
 import re
 import typing
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import yaml
 from omegaconf import OmegaConf
@@ -17,7 +17,8 @@ from omegaconf.errors import OmegaConfBaseException
 from spd.runtime import RUNTIMES, runtime   # torch-free packages: the names and capabilities only
 from spd.targets import DTYPE_NAMES
 from spd.errors import UserError
-from spd.methods import AR, DECODING_METHODS, METHODS, PIPELINE
+from spd.methods import AR, DECODING_METHODS, METHODS, MODULE, PIPELINE
+from spd.spec import DecodeKeys
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -36,9 +37,8 @@ class WandbSection:
 
 
 @dataclass
-class GenerateConfig:
-    target: str = "smollm2"              # "smollm2", an HF model directory, or a .gguf file
-    checkpoint: Optional[str] = None     # module directory; None = the shipped one for the run's n, random = untrained
+class GenerateConfig(DecodeKeys):
+    """`spd-infer generate` and `chat`: the decoding keys (spd.spec.DecodeKeys) and where the prompts come from."""
     prompt: Optional[str] = None         # taken verbatim; or prompt_file=, a positional argument, standard input
     prompt_file: Optional[str] = None    # a UTF-8 text file whose whole content is the prompt
     prompts_file: Optional[str] = None   # many prompts: one per line, or JSONL objects with a "prompt" field; one
@@ -47,70 +47,7 @@ class GenerateConfig:
                                          # per cycle (AR and the chains, runtime=local), one pipeline step (SPD's
                                          # pipeline, local or distributed); 1 = one at a time
     chat_template: bool = True           # wrap the prompt as a user turn with the generation prompt
-    method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | suffix | selfdraft | pipedec | ar (plain AR
-                                         # through the same stage runner); None = the checkpoint's, and where no key
-                                         # chooses, the fastest lossless for the device (spd.fastest), else spd
-    draft_length: Optional[int] = None   # method=eagle3 | lookup | suffix: at most m drafts per target forward; None
-                                         # = the method's own (eagle3 5, lookup 7, suffix 15)
-    W: int = 1                           # draft-tree width (1 = a chain): branches kept in SPD's pipeline, children per
-                                         # node in a chain's tree; W > 1 needs method=
-    tree_nodes: int = 16                 # W > 1, chain methods: drafted nodes per verification (the tree's budget);
-                                         # flowspec: N, the nodes of each tree it grows
-    children: Optional[int] = None       # W > 1, pipelined methods: candidates drafted per tip, the W best kept
-                                         # (PipeDec's c; None = W)
-    draft_layers: int = 1                # method=pipedec: its draft model is the target's first k layers, final norm
-                                         # and head (an early exit)
-    segment: int = 4                     # method=flowspec: S, the tree's nodes per segment (one segment enters a step)
-    draft_source: Optional[str] = None   # spd, ppsd, spd_output_state: module | lookup+module (the context lookup's token
-                                         # where the context's suffix matched earlier, else the module's draft); flowspec:
-                                         # suffix | lookup (its trees from the context's statistics or lookup); eagle3:
-                                         # module | suffix+module (the context's statistics with EAGLE-3's children
-                                         # beside them, priced); None = the method's first
-    branches: int = 6                    # method=selfdraft: N, draft branches run beside each verification forward
-    branch_length: int = 6               # method=selfdraft: L, tokens a draft branch keeps (its oldest dropped past L)
-    gram: int = 4                        # method=selfdraft: G, the n-grams its context and corpus caches keep (a
-                                         # candidate is the G - 1 tokens after the newest token; draft_length caps it)
-    corpus_ngrams: bool = True           # method=selfdraft: the ShareGPT datastore's n-grams fill the candidates the
-                                         # branches' leave (built once per tokenizer, cached); false: branches alone
-    lookup_min_ngram: int = 2            # lookup, lookup+module, suffix: shortest suffix of the context that may match
-                                         # earlier
-    lookup_max_ngram: int = 8            # lookup, lookup+module, suffix: longest suffix compared (the longest match wins)
-    draft_pricing: bool = True           # suffix: each cycle drafts what this machine's row costs and the run's own
-                                         # verdicts say pays (spd.pricing); false: every candidate up to the budget
-    source_pricing: bool = False         # lookup+module: the lookup drafts only where this request's verdicts predict
-                                         # it likelier kept than the module (off: measured 1% below the plain rule)
-    suffix_memory: bool = False          # suffix: earlier requests' prompts and answers (chat turns, a server's
-                                         # requests) join the context searched — speed only, never the output
-    datastore: Optional[str] = None      # suffix: a corpus's continuations of the context's suffix are candidates
-                                         # too — sharegpt (built once per tokenizer, cached), answers (the target's
-                                         # own, shipped), a datastore file, your own text (a .txt file, or .jsonl
-                                         # of {"text": ...} lines; built once, cached), or several joined by +
-                                         # (spd.retrieval); speed only, never the output
-    n: Optional[int] = None              # pipeline stages; None = the checkpoint's n, else 5
-    stage_bounds: Any = None             # explicit inner boundaries b_1..b_{n-1}, or "balanced" (by measured cost)
-    module_layers: int = 1               # L_s of a randomly initialised module
-    module_cache: bool = True            # cache K/V of depth-n memory rows (exact: they never change)
-    max_new_tokens: int = 128            # at most this many tokens after the prompt (end of sequence stops sooner)
-    temperature: float = 0.0             # 0 = greedy
-    top_k: int = 0                       # sample among the k likeliest tokens (0 = off)
-    top_p: float = 1.0                   # sample within the smallest set of probability >= top_p (1 = off)
-    seed: Optional[int] = None           # sampling's seed; None = a fresh one per run, printed in the stats line and
-                                         # the JSON record (seed=) so the run can be repeated; greedy ignores it
-    dtype: Optional[str] = None          # float32 | bfloat16 | float16: the target's and the module's weights
-                                         # (None: bfloat16 on CUDA, float32 elsewhere, the reference)
-    device: str = "cpu"                  # cpu | cuda | cuda:N | mps
     json: bool = False                   # print one JSON object instead of text + a stats line
-    runtime: str = "local"               # local (stages one after another, the reference) | distributed |
-                                         # streams (one CUDA stream per stage, launched together; CUDA only)
-    cuda_graphs: bool = False            # each stage's one-token step replayed as a CUDA graph (CUDA only)
-    compile: bool = False                # runtime=device: the step through torch.compile (fullgraph, inductor)
-    threads_per_stage: Optional[int] = None  # distributed: intra-op threads per process (None: cores // processes)
-    controller: str = "auto"             # distributed: own_process (n + 1 processes) | first_stage (the controller
-                                         # runs stage 1 too: n processes) | auto (first_stage where n + 1 processes
-                                         # would outnumber the CPU cores; under torchrun, what its world size says)
-    master_addr: str = "127.0.0.1"       # distributed: where the controller hosts the rendezvous
-    master_port: int = 0                 # distributed: 0 = any free port
-    timeout_s: float = 20.0              # distributed: longest wait for any message inside a generation
 
     @staticmethod
     def check(cfg) -> None:
@@ -234,7 +171,8 @@ def check_tree(cfg) -> None:
 
 
 def check_decoding(cfg) -> None:
-    """The keys every decoding command shares (generate, chat, eval): what can be refused before any model loads."""
+    """The keys every decoding command shares (spd.spec.DecodeKeys: generate, chat, serve, eval): what can be refused
+    before any model loads."""
     if cfg.method is not None:
         one_of(cfg, "method", DECODING_METHODS)
     one_of(cfg, "dtype", DTYPE_NAMES)
@@ -244,10 +182,9 @@ def check_decoding(cfg) -> None:
         raise UserError(f"device={cfg.device!r} is not a device; use cpu, cuda, cuda:<index> or mps")
     at_least(cfg, "n", 1, " (pipeline stages)")
     at_least(cfg, "draft_length", 1, " (a chain's draft tokens per cycle)")
-    if "branches" in cfg:      # method=selfdraft's keys
-        at_least(cfg, "branches", 0, " (selfdraft's draft branches; 0 = the corpus n-grams alone)")
-        at_least(cfg, "branch_length", 1, " (tokens a selfdraft branch keeps)")
-        at_least(cfg, "gram", 2, " (selfdraft's n-gram length: a key and at least one token)")
+    at_least(cfg, "branches", 0, " (selfdraft's draft branches; 0 = the corpus n-grams alone)")
+    at_least(cfg, "branch_length", 1, " (tokens a selfdraft branch keeps)")
+    at_least(cfg, "gram", 2, " (selfdraft's n-gram length: a key and at least one token)")
     at_least(cfg, "lookup_min_ngram", 1, " (tokens a context match needs)")
     at_least(cfg, "W", 1, " (children per draft-tree node; 1 = a chain)")
     at_least(cfg, "tree_nodes", 1, " (drafted nodes per verification)")
@@ -290,13 +227,18 @@ def check_decoding(cfg) -> None:
         chained = " or ".join(f"runtime={r.name}" for r in RUNTIMES.values() if r.chains)
         raise UserError(f"method={cfg.method} drafts and verifies in one process (no pipeline); use {chained}, "
                         f"not runtime={cfg.runtime}")
-    if rt.device_step and (cfg.method is None or not METHODS[cfg.method].device_step):
+    stepped_method = METHODS[cfg.method or "spd"]        # None: the checkpoint's pipelined method, else SPD
+    if rt.device_step and not stepped_method.device_step:
         stepped = " or ".join(f"method={m.name}" for m in METHODS.values() if m.device_step)
-        raise UserError(f"runtime={rt.name} runs {stepped}; method={cfg.method or 'spd'} has no device step: add "
-                        f"{stepped.split(' or ')[-1]}, or use runtime=local")
-    if rt.device_step and cfg.W > 1:
-        raise UserError(f"runtime={rt.name} verifies chains; W={cfg.W} asks for trees: use W=1, or runtime=local")
-    if getattr(cfg, "compile", False) and not rt.device_step:
+        raise UserError(f"runtime={rt.name} runs {stepped}; method={stepped_method.name} has no device step: use "
+                        "one of those, or runtime=local")
+    if rt.device_step and cfg.W > 1 and not stepped_method.device_trees:
+        raise UserError(f"runtime={rt.name} verifies method={stepped_method.name}'s chains; W={cfg.W} asks for "
+                        "trees: use W=1, or runtime=local")
+    if rt.device_step and stepped_method.trained and cfg.draft_source not in (None, MODULE):
+        raise UserError(f"runtime={rt.name} drafts method={stepped_method.name} with its module alone; drop "
+                        f"draft_source={cfg.draft_source}, or use runtime=local")
+    if cfg.compile and not rt.device_step:
         stepped = " or ".join(f"runtime={r.name}" for r in RUNTIMES.values() if r.device_step)
         raise UserError(f"compile=true compiles the device step of {stepped}; add it, or drop compile")
     at_least(cfg, "max_new_tokens", 1, " (tokens to generate)")
@@ -378,12 +320,12 @@ def resolve_dtype(cfg) -> None:
 
 def resolve_seed(cfg) -> None:
     """seed=null (generate, chat, serve): a fresh seed for this run when it samples, 0 when it is greedy (which
-    ignores it; an untrained module stays the same run to run), so everything downstream sees an int. eval and the
-    trainer keep a fixed default seed and never reach this."""
+    ignores it; an untrained module stays the same run to run), so everything downstream sees an int. eval's default
+    is a fixed seed (0), and the trainer's too."""
     if "seed" in cfg and cfg.seed is None:
         import secrets
 
-        cfg.seed = secrets.randbelow(2 ** 31) if cfg.get("temperature", 0) > 0 else 0
+        cfg.seed = secrets.randbelow(2 ** 31) if cfg.temperature > 0 else 0
 
 
 def _mistyped(base, overrides: list[str]) -> str:

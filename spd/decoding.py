@@ -23,12 +23,10 @@ class Request:
     max_new_tokens: int
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None            # None: a fresh seed from the OS (greedy ignores it)
-    keyed: bool = True                 # sampled: keyed draws (spd.sampling.KeyedDraws); False: draws from the
-    #                                    generator as before them (bench/wallclock.py --keyed-ab's A/B)
 
     def draws(self, generator: torch.Generator, vocab: int) -> KeyedDraws | None:
-        """This request's keyed draws (its generator's first draw is their key), or None: greedy, or unkeyed."""
-        return KeyedDraws.of(generator, vocab) if self.keyed and not self.params.greedy else None
+        """A sampled request's keyed draws (its generator's first draw is their key); None when greedy."""
+        return None if self.params.greedy else KeyedDraws.of(generator, vocab)
 
     def generator(self, device) -> torch.Generator:
         generator = torch.Generator(device=device)

@@ -15,6 +15,7 @@ from spd.runtime import eager_reference, runtime
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.device_chain import DeviceChainDecoder
+from spd.runtime.device_pipeline import DevicePipelineDecoder
 from spd.runtime.executor import StageExecutor
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.seed import SeedDecoder
@@ -32,7 +33,7 @@ def build_decoder(kind: str, staged: StagedTarget, eos_ids: frozenset[int], draf
     """Every decoder of the suite is built here. kind: a method's decoding kind (spd.methods: PIPELINE, CHAIN, AR).
     stages: the executor a pipeline runs on (None: `staged` in this process, stage after stage); for AR, stages
     given means AR relayed through them (fixed-shape steps, stage processes), None means the plain eager loop, whose
-    `capture` / `observe` record a greedy trace (spd.fast_eval). A chain verifies on `staged` whole: draft_length
+    `capture` / `observe` record a greedy trace (spd.eval.fast). A chain verifies on `staged` whole: draft_length
     drafts a cycle, or a tree of tree_nodes nodes of up to `width` children each. A pipeline keeps `width` nodes a
     level from `children` candidates per tip (None: width) by the `spine` rule (spd.runtime.pipeline.grow); FlowSpec's
     (SEGMENTS) sends its trees of depth draft_length, `width` children a node and tree_nodes nodes through the
@@ -64,17 +65,23 @@ def build_batch_decoder(kind: str, staged: StagedTarget, eos_ids: frozenset[int]
 
 def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder:
     """The decoder for `method` over this session's stages (AR where the method drafts nothing)."""
-    s = session
-    kind = METHODS[method].decoder
-    if runtime(cfg.runtime).device_step:       # the config check let only methods with a device step through
-        return DeviceChainDecoder(s.staged, s.eos_ids, drafter if kind == CHAIN else None,
-                                  s.draft_length or 1, "inductor" if getattr(cfg, "compile", False) else None,
-                                  getattr(cfg, "cuda_graphs", False))
+    s, spec = session, session.spec
+    tree, kind = spec.tree, METHODS[method].decoder
+    if runtime(spec.runtime.name).device_step and kind == PIPELINE:
+        return DevicePipelineDecoder(s.staged, s.module, s.eos_ids, "inductor" if spec.runtime.compile else None,
+                                     spec.runtime.cuda_graphs)
+    if runtime(spec.runtime.name).device_step:     # the config check let only methods with a device step through
+        inside = METHODS[method].device_drafter
+        inside = s.build(inside) if inside else None
+        return DeviceChainDecoder(s.staged, s.eos_ids, drafter if kind == CHAIN and inside is None else None,
+                                  spec.draft_length or 1, "inductor" if spec.runtime.compile else None,
+                                  spec.runtime.cuda_graphs, width=tree.width,
+                                  budget=tree.nodes if tree.width > 1 else None, device_drafter=inside)
     if kind == AR and eager_reference(cfg):
         stages = None            # the plain loop; elsewhere AR relays through the same fixed-shape or remote steps
-    return build_decoder(kind, s.staged, s.eos_ids, drafter, stages=stages, width=s.width,
-                         draft_length=s.draft_length, tree_nodes=s.tree_nodes, children=s.children,
-                         spine=METHODS[method].spine, segment=s.segment)
+    return build_decoder(kind, s.staged, s.eos_ids, drafter, stages=stages, width=tree.width,
+                         draft_length=spec.draft_length, tree_nodes=tree.nodes, children=tree.children,
+                         spine=METHODS[method].spine, segment=tree.segment)
 
 
 class Engine:
@@ -85,14 +92,14 @@ class Engine:
     def __init__(self, cfg, session: Session, stages, drafter, default: bool = False):
         self.cfg, self.session, self.stages, self.drafter = cfg, session, stages, drafter
         self.default = default
-        self.decoder = pick_decoder(session.method, cfg, session, stages, drafter)
+        self.decoder = pick_decoder(session.spec.method, cfg, session, stages, drafter)
         self._baseline: Decoder | None = None
 
     @property
     def baseline(self) -> Decoder:
         """Plain AR over the same stages: the reference eval checks every greedy sample against."""
         if self._baseline is None:
-            self._baseline = self.decoder if METHODS[self.session.method].decoder == AR else \
+            self._baseline = self.decoder if METHODS[self.session.spec.method].decoder == AR else \
                 pick_decoder("ar", self.cfg, self.session, self.stages, None)
         return self._baseline
 
@@ -101,27 +108,27 @@ class Engine:
         per-request baseline): in this process, or a pipelined method's sequences in the stage processes
         (runtime=distributed); None where the stages run as fixed-shape steps (streams, cuda_graphs) or AR would
         relay through stage processes (one request at a time there)."""
-        s = self.session
-        method = method or s.method
+        s, tree = self.session, self.session.spec.tree
+        method = method or s.spec.method
         kind = METHODS[method].decoder
-        use_cache = getattr(self.cfg, "module_cache", True)
-        new_drafter = None if kind == AR else (lambda: s.drafter(use_cache))
+        new_drafter = None if kind == AR else s.drafter
         if kind == SEGMENTS:
             return None             # FlowSpec's segments decode one request at a time
-        if runtime(self.cfg.runtime).processes and kind == PIPELINE:
-            return SeedDecoder(self.stages, new_drafter, s.eos_ids, s.width, max_batch, s.children,
+        if runtime(s.spec.runtime.name).processes and kind == PIPELINE:
+            return SeedDecoder(self.stages, new_drafter, s.eos_ids, tree.width, max_batch, tree.children,
                                METHODS[method].spine)
         if not eager_reference(self.cfg):
             return None
-        return build_batch_decoder(kind, s.staged, s.eos_ids, new_drafter, max_batch=max_batch, width=s.width,
-                                   draft_length=s.draft_length, tree_nodes=s.tree_nodes, children=s.children,
+        return build_batch_decoder(kind, s.staged, s.eos_ids, new_drafter, max_batch=max_batch, width=tree.width,
+                                   draft_length=s.spec.draft_length, tree_nodes=tree.nodes, children=tree.children,
                                    spine=METHODS[method].spine)
 
     def request(self, max_new_tokens: int | None = None, params: SamplingParams | None = None,
                 seed: int | None = None) -> Request:
         """A request with the configuration's values where the caller gives none."""
-        return Request(self.cfg.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                       self.session.params if params is None else params, self.cfg.seed if seed is None else seed)
+        spec = self.session.spec
+        return Request(spec.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                       self.session.params if params is None else params, spec.sampling.seed if seed is None else seed)
 
     def stream(self, prompt_ids: list[int], request: Request | None = None) -> Iterator[int]:
         return self.decoder.stream(prompt_ids, request or self.request())
@@ -131,21 +138,22 @@ class Engine:
         return self.record(prompt_ids, self.decoder.generate(prompt_ids, request or self.request(), on_token))
 
     def record(self, prompt_ids: list[int], result: GenerationResult) -> dict:
-        cfg, s = self.cfg, self.session
-        method = METHODS[s.method]
+        s, spec = self.session, self.session.spec
+        tree, method = spec.tree, METHODS[spec.method]
         stats = result.stats.as_dict() if result.stats else {"N": len(result.token_ids), "K": None, "alpha": None,
                                                               "eal": None, "rollbacks": None}
         return {"text": s.loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
-                "token_ids": result.token_ids, "prompt_token_ids": prompt_ids, "method": s.method,
-                "draft_source": s.draft_source if method.sources else None,
-                "segment": s.segment if method.decoder == SEGMENTS else None,
+                "token_ids": result.token_ids, "prompt_token_ids": prompt_ids, "method": spec.method,
+                "draft_source": spec.draft_source if method.sources else None,
+                "segment": tree.segment if method.decoder == SEGMENTS else None,
                 "draft_layers": s.draft_model.layers if s.draft_model else None,
-                "children": (s.children or s.width) if method.decoder == PIPELINE and s.width > 1 else None,
-                "W": s.width,
-                "tree_nodes": s.tree_nodes if s.width > 1 or method.decoder == SEGMENTS else None, "runtime": cfg.runtime,
+                "children": (tree.children or tree.width) if method.decoder == PIPELINE and tree.width > 1 else None,
+                "W": tree.width,
+                "tree_nodes": tree.nodes if tree.width > 1 or method.decoder == SEGMENTS else None,
+                "runtime": spec.runtime.name,
                 "processes": getattr(self.stages, "world", 1), "n": s.staged.n, "stage_bounds": s.staged.bounds,
-                "balance": s.balance, "datastore": getattr(cfg, "datastore", None) if s.retrieval else None,
-                "checkpoint": s.checkpoint, "dtype": cfg.dtype, **stats, "seconds": result.seconds,
+                "balance": s.caches.balance, "datastore": spec.suffix.datastore if s.caches.retrieval else None,
+                "checkpoint": spec.module.checkpoint, "dtype": spec.runtime.dtype, **stats, "seconds": result.seconds,
                 "tokens_per_s": result.tokens_per_s,
                 "default": self.default}
 
@@ -156,18 +164,19 @@ def open_engine(cfg, default: bool = False, session: Session | None = None):
     on exit."""
     session = session or open_session(cfg)
     report_balance(session)
-    drafter = session.drafter(getattr(cfg, "module_cache", True)) if METHODS[session.method].decoder != AR else None
+    spec = session.spec
+    drafter = session.drafter() if METHODS[spec.method].decoder != AR else None
     capture = drafter.layers_needed(session.staged.bounds) if drafter else []
     # the control rows carry a flight of n * width nodes: FlowSpec's, S a stage and as many verified in one walk
-    segments = METHODS[session.method].decoder == SEGMENTS
-    with open_stages(session.staged, cfg, capture, session.cache_dir,
-                     2 * session.segment if segments else session.width) as stages:
+    segments = METHODS[spec.method].decoder == SEGMENTS
+    with open_stages(session.staged, cfg, capture, session.caches.cache_dir,
+                     2 * spec.tree.segment if segments else spec.tree.width) as stages:
         yield Engine(cfg, session, stages, drafter, default)
 
 
 def report_balance(session: Session) -> None:
-    if session.balance:
-        b = session.balance
+    if session.caches.balance:
+        b = session.caches.balance
         print(f"[spd] stage_bounds=balanced -> {b['stage_bounds']}: stage times "
               f"{', '.join(f'{t * 1e3:.2f}' for t in b['stage_s'])} ms (even split: "
               f"{', '.join(f'{t * 1e3:.2f}' for t in b['even_stage_s'])} ms), predicted step "

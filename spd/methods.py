@@ -48,6 +48,8 @@ class Method:
                                       # the W best by cumulative log q alone
     sources: tuple[str, ...] = ()     # the draft_source= values it takes, its default first (none: no choice)
     device_step: bool = False         # runs through the device step (spd.runtime.device_step, runtime=device)
+    device_trees: bool = False        # ... with W > 1 too (its trees drafted on the host, verified in the step)
+    device_drafter: str | None = None  # "module:function" building the drafter that drafts inside the device step
 
     def prices(self, source: str | None) -> bool:
         """Its drafter, drafting from `source`, prices each cycle with this machine's row costs (spd.pricing)."""
@@ -55,7 +57,7 @@ class Method:
 
     @property
     def fast_eval(self) -> bool:
-        """Greedy eval can score it from the target's cached traces (spd.fast_eval*)."""
+        """Greedy eval can score it from the target's cached traces (spd.eval.fast*)."""
         return self.fast_evaluator is not None
 
     @property
@@ -86,35 +88,38 @@ class Method:
 # (spd.drafters.suffix_eagle3).
 MODULE, LOOKUP_MODULE, SUFFIX, LOOKUP, SUFFIX_MODULE = "module", "lookup+module", "suffix", "lookup", "suffix+module"
 
-_PIPELINED = dict(module="speculation", sources=(MODULE, LOOKUP_MODULE), fast_evaluator="spd.fast_eval:fast_pipeline_eval",
-                  drafter="spd.drafters.hybrid:pipelined_drafter", objective="spd.train.methods:PipelinedObjective")
+_PIPELINED = dict(module="speculation", sources=(MODULE, LOOKUP_MODULE), fast_evaluator="spd.eval.fast:fast_pipeline_eval",
+                  drafter="spd.drafters.hybrid:pipelined_drafter", objective="spd.train.methods:PipelinedObjective",
+                  device_step=True)
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("spd", "SPD", PIPELINE, plan=Plan(), **_PIPELINED),
     Method("ppsd", "PPSD", PIPELINE, plan=Plan(single=1, after_step=True), **_PIPELINED),
     Method("spd_output_state", "SPD output states", PIPELINE, plan=Plan(shift=1, after_step=True), **_PIPELINED),
-    Method("eagle3", "EAGLE-3", CHAIN, "eagle3", fast_evaluator="spd.fast_eval_chain:fast_eagle3_eval",
+    Method("eagle3", "EAGLE-3", CHAIN, "eagle3", fast_evaluator="spd.eval.fast_chain:fast_eagle3_eval",
            draft_length=5, drafter="spd.drafters.suffix_eagle3:chain_drafter",
-           objective="spd.train.methods:Eagle3Objective", replays_trees=True, sources=(MODULE, SUFFIX_MODULE)),
+           objective="spd.train.methods:Eagle3Objective", replays_trees=True, sources=(MODULE, SUFFIX_MODULE),
+           device_step=True, device_drafter="spd.drafters.eagle3_device:device_drafter"),
     # 7: 8 target rows a cycle, which a CPU computes faster than 7; m = 15 is predicted 7% better on 512-token answers
     # but a miss costs it 16 rows, which short answers pay (docs/speed-cpu.md, "The lookup chain's settings")
-    Method("lookup", "Context lookup", CHAIN, None, fast_evaluator="spd.fast_eval_chain:fast_lookup_eval",
-           draft_length=7, drafter="spd.drafters.lookup:chain_drafter", replays_trees=True, device_step=True),
+    Method("lookup", "Context lookup", CHAIN, None, fast_evaluator="spd.eval.fast_chain:fast_lookup_eval",
+           draft_length=7, drafter="spd.drafters.lookup:chain_drafter", replays_trees=True, device_step=True,
+           device_trees=True),
     # 15: a chain's depth bound; the pricing (spd.pricing) decides each cycle how much of it to draft
-    Method("suffix", "Context statistics, priced", CHAIN, None, fast_evaluator="spd.fast_eval_chain:fast_suffix_eval",
+    Method("suffix", "Context statistics, priced", CHAIN, None, fast_evaluator="spd.eval.fast_chain:fast_suffix_eval",
            draft_length=15, drafter="spd.drafters.suffix:chain_drafter", replays_trees=True, priced=True,
-           device_step=True),
+           device_step=True, device_trees=True),
     # Self-Draft (Multi-Branch Self-Drafting): N draft branches ride in each verification forward, their n-grams and a
     # corpus's are the candidates; 3: a candidate's tokens after its key at the default gram=4 (G - 1)
     Method("selfdraft", "Self-Draft", CHAIN, None, draft_length=3, drafter="spd.drafters.selfdraft:chain_drafter"),
     # PipeDec: a draft model as the first stage grows the tree one layer per step (W = w nodes a layer, children
     # = c per leaf); greedy eval replays it over the target's traces with its draft model running
     Method("pipedec", "PipeDec", PIPELINE, None, drafter="spd.drafters.draft_model:pipelined_drafter",
-           draft_model=True, spine=False, fast_evaluator="spd.fast_eval_trace:fast_pipedec_eval", replays_trees=True),
+           draft_model=True, spine=False, fast_evaluator="spd.eval.fast_trace:fast_pipedec_eval", replays_trees=True),
     # FlowSpec: the tree on the controller, score-ordered segments of S nodes flowing through the stages; D = 5 (the
     # paper's D_init and D_exp)
     Method("flowspec", "FlowSpec", SEGMENTS, None, draft_length=5, drafter="spd.drafters.hybrid:segment_drafter",
-           sources=(SUFFIX, LOOKUP), fast_evaluator="spd.fast_eval_trace:fast_segment_eval", replays_trees=True),
+           sources=(SUFFIX, LOOKUP), fast_evaluator="spd.eval.fast_trace:fast_segment_eval", replays_trees=True),
     Method("ar", "AR", AR, None, device_step=True),
 )}
 

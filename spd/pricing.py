@@ -69,8 +69,8 @@ class AcceptancePredictor:
         under-predicted those they priced low 2-4x (experiments/noise_calibration.py); replaying one recording of every
         judged candidate through each setting (experiments/prior_replay.py; the same candidates, not new decodes), prior_weight 16 and
         prior_scale 0.6 fit 10 everyday answers' verdicts best (log-likelihood -0.340 against -0.365) and the 30
-        held-out MT-Bench answers' too (-0.295 against -0.317). Not the default (spd.drafters.suffix's
-        sampled_prior): +0.7% by the clock at T = 1 on the eval set, while where drafts are kept often its heavy prior
+        held-out MT-Bench answers' too (-0.295 against -0.317). Not the default (bench/wallclock.py
+        --prior-ab tries it): +0.7% by the clock at T = 1 on the eval set, while where drafts are kept often its heavy prior
         learns so slowly that short requests draft little (docs/speed-cpu.md, "What was tried and did not pay")."""
         return cls(prior_weight=16.0, prior_scale=0.6)
 
@@ -160,6 +160,28 @@ def choose(reach: list[float], costs: RowCosts, edge: float = 0.0) -> int:
         if rate > best_rate:
             best_rows, best_rate = rows, rate
     return best_rows - 1
+
+
+def choose_beside(reach: list[float], costs: RowCosts, edge: float = 0.0, side: tuple[int, ...] = (0,),
+                  value: float = 0.0) -> tuple[int, int, float]:
+    """`choose` with rows that keep no token this cycle offered beside the candidates (Self-Draft's branches,
+    spd.drafters.suffix_branches): option u adds side[u] rows (side[0] = 0: none; ascending), each worth `value`
+    tokens (what such a row is predicted to earn later), so the forward of r candidate rows and option u is worth
+    (1 + sum(reach[:r - 1]) + value * side[u]) / seconds(r + side[u]). Returns (candidates carried, option, its
+    predicted tokens a second); rows past the measured curve are not offered. The plain step, edge and all, is the
+    rate to beat, as in `choose`."""
+    best, best_rate = (0, 0), (1.0 + edge) / costs.seconds[0]
+    for u, extra in enumerate(side):
+        gained = 1.0 + value * extra
+        for rows in range(1, min(len(reach) + 1, costs.max_rows - extra) + 1):
+            if rows > 1:
+                gained += reach[rows - 2]
+            if rows == 1 and extra == 0:
+                continue                  # the plain step: best_rate's start
+            rate = gained / costs.seconds[rows + extra - 1]
+            if rate > best_rate:
+                best, best_rate = (rows - 1, u), rate
+    return best[0], best[1], best_rate
 
 
 class SourcePricer:

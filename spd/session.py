@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -15,12 +16,13 @@ from spd.eagle3_module import Eagle3Module
 from spd.errors import UserError
 from spd.methods import AR, METHODS, MODULE, behaviour, module_class
 from spd.drafters.suffix import Retrieval, SuffixMemory
-from spd.drafters.selfdraft import corpus_ngrams
+from spd.drafters.selfdraft import CorpusNgrams, corpus_ngrams
 from spd.module import SpeculationModule
 from spd.pricing import RowCosts
 from spd.prompts import conversation_ids
 from spd.sampling import SamplingParams
 from spd.shipped import DEFAULT_N, checkpoint_for
+from spd.spec import DecodeSpec, Sampling
 from spd.runtime import runtime as runtime_named
 from spd.targets.loaded import DTYPES
 from spd.targets.loading import LoadedTarget, load_target
@@ -32,56 +34,70 @@ from spd.targets.stages import StagedTarget
 
 
 @dataclass
+class Caches:
+    """What a run builds once from its spec beside the models, shared by every drafter and decoder it makes."""
+    cache_dir: str | None = None       # runtime=distributed: the target cache the stage processes load from
+    balance: dict | None = None        # stage_bounds=balanced: the measured stage times and predicted step
+    row_costs: RowCosts | None = None  # suffix with draft_pricing: this machine's forward cost by rows
+    memory: SuffixMemory | None = None  # suffix with suffix_memory: earlier requests, one memory for every drafter
+    retrieval: Retrieval | None = None  # suffix with datastore=: a corpus's continuations are candidates too
+    corpus: CorpusNgrams | None = None  # selfdraft with corpus_ngrams: the ShareGPT datastore's n-grams
+
+
+@dataclass
 class Session:
     loaded: LoadedTarget
     staged: StagedTarget               # runtime=distributed: the controller's parts only (embedding, head)
-    module: SpeculationModule | Eagle3Module | None   # None for method=ar
-    params: SamplingParams
+    module: SpeculationModule | Eagle3Module | None   # None for the methods that load none
     eos_ids: frozenset[int]
-    cache_dir: str | None = None       # runtime=distributed: the target cache the stage processes load from
-    balance: dict | None = None        # stage_bounds=balanced: the measured stage times and predicted step
-    checkpoint: str | None = None      # the module directory drafting (a shipped one by default); None = untrained
-    method: str = "spd"                # a name in spd.methods.METHODS
-    lookup_ngrams: tuple[int, int] = (2, 8)   # lookup, lookup+module: shortest and longest suffix matched
-    draft_source: str = MODULE         # pipelined methods: module | lookup+module
-    draft_length: int | None = None    # chain methods: at most m drafts per target forward
-    width: int = 1                     # chain methods: draft-tree width W (1 = a chain)
-    tree_nodes: int = 16               # W > 1: drafted nodes per verification
-    row_costs: RowCosts | None = None  # suffix with draft_pricing: this machine's forward cost by rows
-    memory: SuffixMemory | None = None  # suffix with suffix_memory: earlier requests, shared by this session's drafters
-    source_pricing: bool = False       # lookup+module: the lookup only where likelier kept (spd.pricing.SourcePricer)
+    spec: DecodeSpec                   # resolved: the method (a checkpoint's where none was asked), its draft length
+                                       # and source, the module's directory (None: untrained or none), n
+    caches: Caches = field(default_factory=Caches)
     draft_model: DraftLM | None = None  # PipeDec: the draft model its first stage runs
-    children: int | None = None        # pipelined trees: candidates drafted per tip (None: W)
-    segment: int = 4                   # FlowSpec: nodes per segment
-    retrieval: Retrieval | None = None  # suffix with datastore=: a corpus's continuations are candidates too
-    selfdraft: dict | None = None      # selfdraft: its drafter's branches, branch_length, gram and corpus n-grams
 
-    def drafter(self, use_cache: bool = True) -> Drafter | ChainDrafter | None:
-        """The method's drafter (spd.methods names its factory); None for plain AR."""
-        make = METHODS[self.method].drafter
-        if make is None:
-            return None
-        return behaviour(make)(module=self.module, embed=self.staged.embed, draft_source=self.draft_source,
-                               ngrams=self.lookup_ngrams, use_cache=use_cache, row_costs=self.row_costs,
-                               memory=self.memory, source_pricing=self.source_pricing, draft_model=self.draft_model,
-                               retrieval=self.retrieval, selfdraft=self.selfdraft)
+    @property
+    def params(self) -> SamplingParams:
+        s = self.spec.sampling
+        return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+
+    def inputs(self, use_cache: bool | None = None) -> dict:
+        """What a drafter factory may ask for, by parameter name (spd.methods names the factories)."""
+        spec, caches = self.spec, self.caches
+        return dict(spec=spec, lookup=spec.lookup, suffix=spec.suffix, selfdraft=spec.selfdraft,
+                    draft_source=spec.draft_source, module=self.module, embed=self.staged.embed,
+                    use_cache=spec.module.cache if use_cache is None else use_cache, draft_model=self.draft_model,
+                    row_costs=caches.row_costs, memory=caches.memory, retrieval=caches.retrieval,
+                    corpus=caches.corpus)
+
+    def build(self, factory: str, use_cache: bool | None = None):
+        """A "module:function" factory called with the inputs its keyword parameters name: each factory declares
+        what it drafts with, and nothing else reaches it."""
+        offered = self.inputs(use_cache)
+        return behaviour(factory)(**{name: offered[name] for name in asks(factory)})
+
+    def drafter(self, use_cache: bool | None = None) -> Drafter | ChainDrafter | None:
+        """The method's drafter (spd.methods names its factory); None for plain AR. use_cache: None = module_cache."""
+        make = METHODS[self.spec.method].drafter
+        return None if make is None else self.build(make, use_cache)
 
     @property
     def drafts_with(self) -> str:
         """What drafts, for stats lines and run labels: the method, and for a pipelined one its draft source."""
+        method = self.spec.method
         if self.draft_model is not None:
-            return f"{self.method}, draft model of {self.draft_model.layers} layer(s)"
-        return f"{self.method}, {self.draft_source}" if METHODS[self.method].pipelined else self.method
+            return f"{method}, draft model of {self.draft_model.layers} layer(s)"
+        return f"{method}, {self.spec.draft_source}" if METHODS[method].pipelined else method
 
 
-def sampling_params(cfg) -> SamplingParams:
-    if cfg.temperature < 0:
-        raise UserError(f"temperature={cfg.temperature} must be >= 0 (0 = greedy)")
-    if not 0 < cfg.top_p <= 1:
-        raise UserError(f"top_p={cfg.top_p} must be in (0, 1]")
-    if cfg.top_k < 0:
-        raise UserError(f"top_k={cfg.top_k} must be >= 0 (0 = off)")
-    return SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+def sampling_params(sampling: Sampling) -> SamplingParams:
+    """The checks a library caller's spec has not passed through spd.config."""
+    if sampling.temperature < 0:
+        raise UserError(f"temperature={sampling.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < sampling.top_p <= 1:
+        raise UserError(f"top_p={sampling.top_p} must be in (0, 1]")
+    if sampling.top_k < 0:
+        raise UserError(f"top_k={sampling.top_k} must be >= 0 (0 = off)")
+    return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
 
 
 def check_device(device: str) -> None:
@@ -95,92 +111,107 @@ def check_device(device: str) -> None:
 
 
 def open_session(cfg) -> Session:
-    """Everything a decoding command needs; `cfg` has passed its schema's checks (spd.config.load_config)."""
-    check_device(cfg.device)
-    params = sampling_params(cfg)
-    wanted = getattr(cfg, "method", None)
+    """Everything a decoding command needs; `cfg` has passed its schema's checks (spd.config.load_config), or is
+    any object with the decoding keys (spd.spec.DecodeKeys)."""
+    spec = DecodeSpec.of(cfg)
+    rt, dtype = spec.runtime, DTYPES[spec.runtime.dtype]
+    check_device(rt.device)
+    sampling_params(spec.sampling)
+    wanted = spec.method
     # the lookup, the suffix statistics, PipeDec's draft model: nothing to load from a checkpoint
     moduleless = wanted is not None and METHODS[wanted].decoder != AR and not METHODS[wanted].trained
-    if moduleless and cfg.checkpoint not in (None, "random"):
+    if moduleless and spec.module.checkpoint not in (None, "random"):
         raise UserError(f"method={wanted} loads no module (it drafts with "
                         f"{'a draft model' if METHODS[wanted].draft_model else 'the context'}); drop checkpoint=")
     drafts_with_model = wanted is not None and METHODS[wanted].draft_model
-    path = None if moduleless else \
-        checkpoint_for(cfg.checkpoint, cfg.target, cfg.n, cfg.stage_bounds, None if wanted == "ar" else wanted)
+    path = None if moduleless else checkpoint_for(spec.module.checkpoint, spec.target, spec.stages.n,
+                                                  spec.stages.bounds, None if wanted == "ar" else wanted)
     ckpt = read_checkpoint_config(path) if path else None
     method = resolve_method(wanted, ckpt, path)
-    n = cfg.n if cfg.n is not None else (ckpt["n"] if ckpt else DEFAULT_N)
+    n = spec.stages.n if spec.stages.n is not None else (ckpt["n"] if ckpt else DEFAULT_N)
     if METHODS[method].chain:   # draft-then-verify runs the target whole
-        if cfg.n not in (None, 1) or cfg.stage_bounds is not None:
+        if spec.stages.n not in (None, 1) or spec.stages.bounds is not None:
             raise UserError(f"method={method} runs no pipeline (the target verifies m drafts in one forward); drop "
                             "n= and stage_bounds=, set the draft length with draft_length=")
         n = 1
-    runtime = getattr(cfg, "runtime", "local")
-    processes = runtime_named(runtime).processes
-    cache_dir = None
-    if processes:
-        if cfg.device not in ("cpu", "cuda") and not cfg.device.startswith("cuda:"):
-            raise UserError(f"device={cfg.device!r}: runtime={runtime} runs on cpu or cuda")
-        cache_dir = materialize(cfg.target, DTYPES[cfg.dtype])  # the stages load their own layers from it; never the whole model here
+    caches = Caches()
+    if runtime_named(rt.name).processes:
+        if rt.device not in ("cpu", "cuda") and not rt.device.startswith("cuda:"):
+            raise UserError(f"device={rt.device!r}: runtime={rt.name} runs on cpu or cuda")
+        caches.cache_dir = materialize(spec.target, dtype)  # the stages load their own layers from it; never the whole model here
         # the controller holds no layer, but PipeDec's draft model (the first draft_layers) runs here
-        drafted = range(cfg.draft_layers) if drafts_with_model else range(0)
-        loaded = load_parts(cache_dir, drafted, embed=True, head=True, dtype=DTYPES[cfg.dtype], device=cfg.device)
+        drafted = range(spec.draft_layers) if drafts_with_model else range(0)
+        loaded = load_parts(caches.cache_dir, drafted, embed=True, head=True, dtype=dtype, device=rt.device)
     else:
-        loaded = load_target(cfg.target, DTYPES[cfg.dtype], cfg.device)
+        loaded = load_target(spec.target, dtype, rt.device)
     if ckpt:
         check_target(path, ckpt, loaded)  # before n and bounds: a foreign checkpoint is the real problem
     num_layers = loaded.model.config.num_hidden_layers
     if not 1 <= n <= num_layers:
         raise UserError(f"n={n} stages is impossible for a target with L={num_layers} layers; use 1 <= n <= {num_layers}")
-    drafting = METHODS[method].trained
-    bounds, balance = resolve_bounds(cfg, n, ckpt, path, loaded, cache_dir, runtime, drafting)
+    bounds, caches.balance = resolve_bounds(spec, n, ckpt, path, loaded, caches.cache_dir, METHODS[method].trained)
     try:
         staged = StagedTarget(loaded.model, n, bounds)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    if not METHODS[method].trained:
-        module = None  # plain decoding and the context lookup load no module
-    elif ckpt:
-        module = load_checkpoint(path, staged, loaded)
-    else:
-        if cfg.module_layers < 1:
-            raise UserError(f"module_layers={cfg.module_layers} must be >= 1")
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            module = module_class(METHODS[method].module).untrained(staged, method, cfg.module_layers, seed=cfg.seed)
-    ngrams = (getattr(cfg, "lookup_min_ngram", 2), getattr(cfg, "lookup_max_ngram", 8))
-    draft_length, width, tree_nodes = (cfg.draft_length or METHODS[method].draft_length, getattr(cfg, "W", 1),
-                                       getattr(cfg, "tree_nodes", 16))
-    row_costs = memory = retrieval = None
-    source = getattr(cfg, "draft_source", None) or (METHODS[method].sources or (MODULE,))[0]
-    if METHODS[method].prices(source):
-        if getattr(cfg, "draft_pricing", True):
-            row_costs = cached_row_costs(staged, 1 + (tree_nodes if width > 1 else draft_length))
-        if getattr(cfg, "suffix_memory", False):
-            memory = SuffixMemory(1, ngrams[1])        # the sizes the drafter matches (spd.drafters.suffix)
-        if getattr(cfg, "datastore", None):
-            retrieval = Retrieval(open_datastore(cfg.datastore, loaded.tokenizer, loaded.model.config.vocab_size))
-    elif getattr(cfg, "datastore", None):
-        raise UserError(f"datastore= is read by method=suffix (and method=eagle3 draft_source=suffix+module); "
-                        f"method={method} drafts without it; drop datastore= or choose method=suffix")
-    selfdraft = None
-    if METHODS[method].drafter == "spd.drafters.selfdraft:chain_drafter":
-        gram = getattr(cfg, "gram", 4)
-        selfdraft = dict(branches=getattr(cfg, "branches", 6), branch_length=getattr(cfg, "branch_length", 6),
-                         gram=gram, corpus=corpus_ngrams(loaded.tokenizer, loaded.model.config.vocab_size, gram)
-                         if getattr(cfg, "corpus_ngrams", True) else None)
+    module = open_module(spec, method, ckpt, path, staged, loaded)
+    spec = replace(spec, method=method, draft_length=spec.draft_length or METHODS[method].draft_length,
+                   draft_source=spec.draft_source or (METHODS[method].sources or (MODULE,))[0],
+                   module=replace(spec.module, checkpoint=path if module else None), stages=replace(spec.stages, n=n))
+    open_caches(spec, caches, staged, loaded)
     draft_model = None
     if METHODS[method].draft_model:
-        if not 1 <= cfg.draft_layers <= num_layers:
-            raise UserError(f"draft_layers={cfg.draft_layers}: the draft model is the target's first k layers, so "
+        if not 1 <= spec.draft_layers <= num_layers:
+            raise UserError(f"draft_layers={spec.draft_layers}: the draft model is the target's first k layers, so "
                             f"1 <= k <= {num_layers}")
-        draft_model = DraftLM(staged, cfg.draft_layers)
-    return Session(loaded, staged, module.eval() if module else None, params,
-                   eos_ids_of(loaded.model.config, loaded.tokenizer), cache_dir, balance, path if module else None,
-                   method, ngrams, source,
-                   draft_length, width, tree_nodes, row_costs,
-                   memory, getattr(cfg, "source_pricing", False), draft_model, getattr(cfg, "children", None),
-                   getattr(cfg, "segment", 4), retrieval, selfdraft)
+        draft_model = DraftLM(staged, spec.draft_layers)
+    return Session(loaded, staged, module.eval() if module else None,
+                   eos_ids_of(loaded.model.config, loaded.tokenizer), spec, caches, draft_model)
+
+
+def open_module(spec: DecodeSpec, method: str, ckpt: dict | None, path: str | None, staged: StagedTarget,
+                loaded: LoadedTarget) -> SpeculationModule | Eagle3Module | None:
+    """The checkpoint's module, an untrained one (checkpoint=random, or no shipped one), or None for the methods
+    that draft without one."""
+    if not METHODS[method].trained:
+        return None
+    if ckpt:
+        return load_checkpoint(path, staged, loaded)
+    if spec.module.layers < 1:
+        raise UserError(f"module_layers={spec.module.layers} must be >= 1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        return module_class(METHODS[method].module).untrained(staged, method, spec.module.layers,
+                                                              seed=spec.sampling.seed)
+
+
+def open_caches(spec: DecodeSpec, caches: Caches, staged: StagedTarget, loaded: LoadedTarget) -> None:
+    """What the resolved method's drafter reads beyond the spec: the row costs, the suffix memory and datastore,
+    the corpus n-grams."""
+    method, suffix = METHODS[spec.method], spec.suffix
+    if method.prices(spec.draft_source):
+        tree = spec.tree
+        if suffix.draft_pricing:
+            # with Self-Draft's branches (spd.drafters.suffix_branches), every row they may add is priced too
+            side = spec.selfdraft.branches * spec.selfdraft.branch_length \
+                if suffix.branches and "suffix" in asks(method.drafter) else 0
+            rows = 1 + (tree.nodes if tree.width > 1 else spec.draft_length)
+            caches.row_costs = cached_row_costs(staged, rows + side)
+        if suffix.memory:
+            caches.memory = SuffixMemory(1, spec.lookup.max_ngram)   # the sizes the drafter matches
+        if suffix.datastore:
+            caches.retrieval = Retrieval(open_datastore(suffix.datastore, loaded.tokenizer,
+                                                        loaded.model.config.vocab_size))
+    elif suffix.datastore:
+        raise UserError(f"datastore= is read by method=suffix (and method=eagle3 draft_source=suffix+module); "
+                        f"method={spec.method} drafts without it; drop datastore= or choose method=suffix")
+    if "corpus" in asks(method.drafter) and spec.selfdraft.corpus_ngrams:
+        caches.corpus = corpus_ngrams(loaded.tokenizer, loaded.model.config.vocab_size, spec.selfdraft.gram)
+
+
+def asks(factory: str | None) -> frozenset[str]:
+    """The inputs a "module:function" drafter factory names (Session.inputs offers them); none without one."""
+    return frozenset(inspect.signature(behaviour(factory)).parameters) if factory else frozenset()
 
 
 def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> str:
@@ -197,37 +228,36 @@ def resolve_method(wanted: str | None, ckpt: dict | None, path: str | None) -> s
     return trained
 
 
-def resolve_bounds(cfg, n: int, ckpt: dict | None, path: str | None, loaded: LoadedTarget, cache_dir: str | None,
-                   runtime: str, drafting: bool = True) -> tuple[list[int] | None, dict | None]:
+def resolve_bounds(spec: DecodeSpec, n: int, ckpt: dict | None, path: str | None, loaded: LoadedTarget,
+                   cache_dir: str | None, drafting: bool = True) -> tuple[list[int] | None, dict | None]:
     """Explicit bounds, the checkpoint's, the even split (None), or `balanced`: measured here, and then a
     checkpoint trained for other bounds is refused with the bounds it needs. drafting: a module drafts (its cost
     lands on stage 1 where the controller runs it)."""
-    spec = cfg.stage_bounds
-    if spec is None:
+    rt, asked = spec.runtime, spec.stages.bounds
+    if asked is None:
         return (ckpt["stage_bounds"] if ckpt and ckpt["n"] == n else None), None
-    if isinstance(spec, str):
-        if spec != "balanced":
-            raise UserError(f"stage_bounds={spec!r}: give the inner boundaries as a list (e.g. [10, 20]) or "
+    if isinstance(asked, str):
+        if asked != "balanced":
+            raise UserError(f"stage_bounds={asked!r}: give the inner boundaries as a list (e.g. [10, 20]) or "
                             "'balanced'")
         from spd.runtime.balance import balanced_bounds, cached_profile, controller_costs, stage_costs
         from spd.runtime.stages import hosts_first_stage, launched_world, threads_for
 
         def full_target() -> StagedTarget:
             num_layers = loaded.model.config.num_hidden_layers
-            if runtime_named(runtime).processes:  # the controller holds no layers: borrow all of them, once, to time them
-                whole = load_parts(cache_dir, range(num_layers), embed=True, head=True, dtype=DTYPES[cfg.dtype],
-                                   device=cfg.device)
+            if runtime_named(rt.name).processes:  # the controller holds no layers: borrow all of them, once, to time them
+                whole = load_parts(cache_dir, range(num_layers), embed=True, head=True, dtype=DTYPES[rt.dtype],
+                                   device=rt.device)
                 return StagedTarget(whole.model, 1)
             return StagedTarget(loaded.model, 1)
 
-        processes = runtime_named(runtime).processes
-        hosted = processes and hosts_first_stage(getattr(cfg, "controller", "auto"), n, cfg.device,
-                                                                 launched_world())
-        threads = threads_for(n, cfg.threads_per_stage, hosted) if processes else torch.get_num_threads()
-        costs = cached_profile(cache_dir, full_target, threads, cfg.dtype, cfg.device)
+        processes = runtime_named(rt.name).processes
+        hosted = processes and hosts_first_stage(rt.distributed.controller, n, rt.device, launched_world())
+        threads = threads_for(n, rt.distributed.threads_per_stage, hosted) if processes else torch.get_num_threads()
+        costs = cached_profile(cache_dir, full_target, threads, rt.dtype, rt.device)
         vocab = loaded.model.config.vocab_size
         draft_vocab = (ckpt.get("draft_vocab_size") or vocab) if ckpt else vocab
-        controller_s = controller_costs(costs, ckpt["module_layers"] if ckpt else cfg.module_layers,
+        controller_s = controller_costs(costs, ckpt["module_layers"] if ckpt else spec.module.layers,
                                         draft_vocab if drafting else None, vocab) if hosted else 0.0
         bounds = balanced_bounds(costs, n, controller_s)
         stages = stage_costs(bounds, costs, controller_s)
@@ -242,9 +272,9 @@ def resolve_bounds(cfg, n: int, ckpt: dict | None, path: str | None, loaded: Loa
                             f"model.stage_bounds={bounds[1:-1]}")
         return bounds, balance
     try:
-        return [int(b) for b in spec], None
+        return [int(b) for b in asked], None
     except (TypeError, ValueError):
-        raise UserError(f"stage_bounds={spec!r}: give the inner boundaries as a list of integers or 'balanced'") from None
+        raise UserError(f"stage_bounds={asked!r}: give the inner boundaries as a list of integers or 'balanced'") from None
 
 
 def encode_prompt(session: Session, prompt: str | None, chat_template: bool, max_new_tokens: int) -> list[int]:

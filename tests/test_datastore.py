@@ -249,8 +249,8 @@ def test_greedy_with_a_datastore_decodes_what_ar_decodes(family, width, costs, s
 
 
 def test_the_replay_settles_what_the_runtime_settles_with_a_datastore():
-    from spd.fast_eval import record_greedy_trace
-    from spd.fast_eval_chain import fast_tree_stats
+    from spd.eval.fast import record_greedy_trace
+    from spd.eval.fast_chain import fast_tree_stats
 
     model = tiny_model("llama", tied=False)
     vocab = model.config.vocab_size

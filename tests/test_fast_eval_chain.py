@@ -9,8 +9,8 @@ from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.eagle3_module import Eagle3Module
 from spd.eval.traces import TraceCache
-from spd.fast_eval import record_greedy_trace
-from spd.fast_eval_chain import fast_chain_stats, fast_tree_stats, replay_chain
+from spd.eval.fast import record_greedy_trace
+from spd.eval.fast_chain import fast_chain_stats, fast_tree_stats, replay_chain
 from spd.layout import needed_layers
 from spd.runtime.chain import ChainDecoder
 from spd.targets.loading import load_target

@@ -191,8 +191,8 @@ def test_flowspec_over_stage_processes_equals_local(controller):
 def test_trace_replay_equals_the_runtime(family_model, n, segment, width):
     """The exact greedy replay (the same loop over the target's cached trace instead of its stages): every step,
     acceptance and token of the runtime's."""
-    from spd.fast_eval import record_greedy_trace
-    from spd.fast_eval_trace import fast_segment_eval
+    from spd.eval.fast import record_greedy_trace
+    from spd.eval.fast_trace import fast_segment_eval
 
     family, model = family_model
     for seed in range(2):

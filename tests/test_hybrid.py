@@ -13,7 +13,7 @@ from spd.drafters.hybrid import LookupThenModule
 from spd.drafters.lookup import NgramIndex
 from spd.drafters.reference import ReferenceDrafter
 from spd.drafters.spd_module import ModuleDrafter
-from spd.fast_eval import fast_greedy_stats, record_greedy_trace
+from spd.eval.fast import fast_greedy_stats, record_greedy_trace
 from spd.module import SpeculationModule
 from spd.pricing import SourcePricer
 from spd.runtime.pipeline import PipelineDecoder

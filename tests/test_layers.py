@@ -1,13 +1,21 @@
 """The layering of spd/: targets, drafters and the runtime never import the session, the configs, the engine, eval,
-the server or the CLI (lower layers never import higher ones), at module level or inside a function."""
+the server or the CLI (lower layers never import higher ones), at module level or inside a function; drafters never
+import the runtime, and targets neither. At the bottom, the names every part reads (the methods' registry, the
+errors, the runtimes' registry in spd/runtime/__init__.py) import no torch and nothing else from spd, so config
+checks read them before anything heavy loads."""
 
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
 SPD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spd")
 HIGHER = ("spd.session", "spd.config", "spd.engine", "spd.eval", "spd.serve", "spd.cli", "spd.train", "spd.fastest")
+NAMES = ("spd.methods", "spd.errors")      # the leaf: what a method and an error are
+REGISTRY = "spd.runtime"                  # RUNTIMES: what a runtime is; from spd, the leaf alone
+HEAVY = ("torch", "transformers", "numpy")
 
 
 def imports(path: str) -> list[tuple[int, str]]:
@@ -23,20 +31,59 @@ def imports(path: str) -> list[tuple[int, str]]:
     return found
 
 
+def within(module: str, parts) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in parts)
+
+
 def higher(module: str) -> bool:
-    return any(module == h or module.startswith(h + ".") for h in HIGHER)
+    return within(module, HIGHER)
 
 
-@pytest.mark.parametrize("part", ["targets", "drafters", "runtime"])
-def test_a_lower_part_imports_nothing_above_it(part):
+def source(module: str) -> str:
+    path = os.path.join(os.path.dirname(SPD), *module.split("."))
+    return os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py"
+
+
+def part_imports(part: str, beyond) -> list[str]:
+    """`file:line imports module` for every import under spd/<part>/ of a module within `beyond`."""
     bad = []
     for directory, _, names in os.walk(os.path.join(SPD, part)):
         for name in names:
             if name.endswith(".py"):
                 path = os.path.join(directory, name)
                 bad += [f"{os.path.relpath(path, SPD)}:{line} imports {module}" for line, module in imports(path)
-                        if higher(module)]
+                        if within(module, beyond)]
+    return bad
+
+
+@pytest.mark.parametrize("part", ["targets", "drafters", "runtime"])
+def test_a_lower_part_imports_nothing_above_it(part):
+    bad = part_imports(part, HIGHER)
     assert not bad, bad
+
+
+@pytest.mark.parametrize("part,above", [("drafters", ("spd.runtime",)), ("targets", ("spd.runtime", "spd.drafters"))])
+def test_drafters_and_targets_stay_below_the_runtime(part, above):
+    bad = part_imports(part, above)
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("module", NAMES + (REGISTRY,))
+def test_the_names_import_no_torch_and_nothing_above_them(module):
+    allowed = NAMES if module == REGISTRY else ()
+    bad = [f"{module}:{line} imports {name}" for line, name in imports(source(module))
+           if within(name, HEAVY) or (within(name, ("spd",)) and not within(name, allowed))]
+    assert not bad, bad
+
+
+def test_importing_the_names_loads_nothing_else():
+    """What the imports above allow, checked by importing them: a fresh interpreter holds no torch and no other spd
+    module afterwards (a package's __init__ counts too)."""
+    code = (f"import sys, {', '.join(NAMES + (REGISTRY,))}; "
+            f"print(*sorted(m for m in sys.modules if m.split('.')[0] in {('spd',) + HEAVY!r}))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=os.path.dirname(SPD)).stdout.split()
+    assert sorted(loaded) == sorted({"spd", *NAMES, REGISTRY}), loaded
 
 
 def test_the_check_sees_a_nested_import(tmp_path):

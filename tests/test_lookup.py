@@ -9,8 +9,8 @@ import torch
 from helpers import GREEDY, ar_run, prompt
 from spd.decoding import Request
 from spd.drafters.lookup import LookupDrafter, NgramIndex
-from spd.fast_eval import record_greedy_trace
-from spd.fast_eval_chain import fast_lookup_stats
+from spd.eval.fast import record_greedy_trace
+from spd.eval.fast_chain import fast_lookup_stats
 from spd.runtime.chain import ChainDecoder
 from spd.sampling import verify_point_mass, warp, SamplingParams
 from spd.targets.stages import StagedTarget

@@ -328,12 +328,21 @@ def test_a_lookup_in_the_pipeline_that_is_always_kept_is_caught(small_vocab_mode
     assert chi2_pvalue(counts, dist, 1500) < ALPHA
 
 
+class UnkeyedRequest(Request):
+    """A sampled request without keyed draws: a chain's deterministic drafts meet the point-mass rule
+    (spd.sampling.verify_point_mass, SPD's pipeline's rule for a lookup draft), drawing from the generator."""
+
+    def draws(self, generator, vocab):
+        return None
+
+
 def sample_chain(decoder, samples, seed, verdicts=None, keyed=True):
     """Counts of each sampled continuation of PROMPT by a chain decoder; verdicts receives every node's. keyed:
-    False draws from the request's generator (spd.decoding.Request.keyed)."""
+    False draws from the request's generator (`UnkeyedRequest`)."""
     counts = {}
     for i in range(samples):
-        out = decoder.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i, keyed))
+        request = (Request if keyed else UnkeyedRequest)(LENGTH, PARAMS, seed * 1_000_003 + i)
+        out = decoder.generate(PROMPT, request)
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
         if verdicts is not None:

@@ -43,8 +43,8 @@ def test_lookup_chain_samples_the_target_distribution(small_vocab_model):
 
 @pytest.mark.slow
 def test_unkeyed_lookup_chain_samples_the_target_distribution(small_vocab_model, monkeypatch):
-    """A request that draws from its generator (Request.keyed = False): point-mass drafts accepted with probability
-    p(x), else the residual p without x."""
+    """A request that draws from its generator, without keyed draws (test_lossless_sampling.UnkeyedRequest):
+    point-mass drafts accepted with probability p(x), else the residual p without x."""
     import spd.sampling
 
     verdicts = []

@@ -180,8 +180,8 @@ def test_pipedec_from_the_cli(capsys, tiny_target_dir, tmp_path):
 def test_trace_replay_equals_the_runtime(family_model):
     """PipeDec's exact greedy replay: its draft model runs, the target's stages are read from the cached trace; every
     step, acceptance and token equals the runtime's."""
-    from spd.fast_eval import record_greedy_trace
-    from spd.fast_eval_trace import fast_pipedec_eval
+    from spd.eval.fast import record_greedy_trace
+    from spd.eval.fast_trace import fast_pipedec_eval
 
     family, model = family_model
     for seed in range(2):

@@ -125,8 +125,11 @@ def test_the_in_process_runtimes_open_their_executors():
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (dict(runtime="device"), "runtime=device runs method=lookup or method=suffix or method=ar; method=spd has no device step"),
-    (dict(runtime="device", method="eagle3"), "method=eagle3 has no device step: add method=ar, or use runtime=local"),
+    (dict(runtime="device", method="flowspec"), "method=flowspec has no device step: use one of those, or "
+                                                "runtime=local"),
+    (dict(runtime="device", method="eagle3", W=4), "runtime=device verifies method=eagle3's chains; W=4 asks for trees"),
+    (dict(runtime="device", method="spd", W=4), "runtime=device verifies method=spd's chains; W=4 asks for trees"),
+    (dict(runtime="device", method="spd", draft_source="lookup+module"), "with its module alone; drop draft_source"),
     (dict(compile=True), "compile=true compiles the device step of runtime=device; add it, or drop compile"),
 ])
 def test_the_device_runtime_takes_the_methods_that_have_a_step(overrides, needle):
@@ -134,22 +137,32 @@ def test_the_device_runtime_takes_the_methods_that_have_a_step(overrides, needle
         check_decoding(config(**overrides))
     assert needle in str(err.value)
     check_decoding(config(runtime="device", method="lookup", device="cuda", cuda_graphs=True, compile=True))
+    for method, width in [("suffix", 4), ("lookup", 4), ("eagle3", 1), ("spd", 1), ("ppsd", 1), ("ar", 1)]:
+        check_decoding(config(runtime="device", method=method, W=width))
 
 
-@pytest.mark.parametrize("method", ["lookup", "ar"])
-def test_runtime_device_decodes_through_the_device_step(tiny_target_dir, method):
-    """The engine builds the device step's decoder for runtime=device; its greedy answer is plain AR's."""
+@pytest.mark.parametrize("keys,kind", [(["method=lookup"], "host"), (["method=ar"], "none"),
+                                       (["method=suffix", "W=4"], "host"), (["method=eagle3"], "device"),
+                                       (["method=spd", "n=2"], "pipeline")])
+def test_runtime_device_decodes_through_the_device_step(tiny_target_dir, keys, kind):
+    """The engine builds the device step's decoder for runtime=device (a host drafter, EAGLE-3's module drafting
+    inside the step, SPD's pipeline step); its greedy answer is plain AR's."""
     from spd.config import load_config
     from spd.engine import open_engine
     from spd.runtime.device_chain import DeviceChainDecoder
+    from spd.runtime.device_pipeline import DevicePipelineDecoder
 
     def answer(*keys):
         cfg = load_config(GenerateConfig, None, [f"target={tiny_target_dir}", "max_new_tokens=24", *keys])
         with open_engine(cfg) as engine:
             out = engine.run([5, 9, 3, 5, 9, 3, 7, 5, 9])
             return out["token_ids"], engine.decoder
-    device, decoder = answer(f"method={method}", "runtime=device")
-    assert isinstance(decoder, DeviceChainDecoder) and (decoder.drafter is None) == (method == "ar")
+    device, decoder = answer(*keys, "runtime=device")
+    if kind == "pipeline":
+        assert isinstance(decoder, DevicePipelineDecoder)
+    else:
+        assert isinstance(decoder, DeviceChainDecoder)
+        assert (decoder.drafter is not None, decoder.device_drafter is not None) == (kind == "host", kind == "device")
     assert device == answer("method=ar")[0]
 
 

@@ -3,12 +3,15 @@ changing it — greedy decodes AR's tokens on every tiny family, seeded sampling
 the target's distribution, and the sequence's cache after every cycle (rollbacks included, a reused decoder too)
 equals a fresh prefill of the verified tokens."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from helpers import GREEDY, ar_run, prompt
 from spd.decoding import Request
 from spd.drafters.selfdraft import CorpusNgrams, SelfDraftDrafter, chain_drafter
+from spd.spec import DecodeKeys, DecodeSpec
 from spd.runtime.chain import ChainDecoder, side_rows_mask
 from spd.runtime.sequence import ChainSequence
 from spd.sampling import SamplingParams
@@ -193,13 +196,15 @@ def test_selfdraft_samples_the_target_distribution():
 
 
 def test_the_factory_and_the_cli(capsys, tiny_target_dir):
-    """The registry's factory takes the session's keys; `generate method=selfdraft` equals AR (its corpus: none
+    """The registry's factory takes its typed options; `generate method=selfdraft` equals AR (its corpus: none
     where the datastore cannot be built, or the ShareGPT one)."""
     from spd.cli import main
     import json
 
-    drafter = chain_drafter(selfdraft=dict(branches=2, branch_length=5, gram=3, corpus={(1,): [(2, 3)]}))
+    options = DecodeSpec.of(DecodeKeys(branches=2, branch_length=5, gram=3)).selfdraft
+    drafter = chain_drafter(selfdraft=options, corpus={(1,): [(2, 3)]})
     assert (drafter.n, drafter.length, drafter.gram, drafter.corpus.table) == (2, 5, 3, {(1,): [(2, 3)]})
+    assert chain_drafter(selfdraft=replace(options, corpus_ngrams=False), corpus={(1,): [(2, 3)]}).corpus is None
     common = [f"target={tiny_target_dir}", "prompt=What is 12*7? What is 12*7?", "max_new_tokens=16", "json=true"]
     assert main(["generate", *common, "method=selfdraft", "branches=3", "branch_length=4", "corpus_ngrams=false"]) == 0
     drafted = json.loads(capsys.readouterr().out)

@@ -8,8 +8,8 @@ import pytest
 from helpers import GREEDY, ar_run, prompt
 from spd.decoding import Request
 from spd.drafters.suffix import SuffixDrafter, SuffixMemory
-from spd.fast_eval import record_greedy_trace
-from spd.fast_eval_chain import fast_tree_stats
+from spd.eval.fast import record_greedy_trace
+from spd.eval.fast_chain import fast_tree_stats
 from spd.pricing import AcceptancePredictor, Evidence, RowCosts, choose
 from spd.runtime.chain import ChainDecoder
 from spd.targets.stages import StagedTarget

@@ -51,7 +51,7 @@ def chat(cfg, default: bool = False) -> int:
     with open_engine(cfg, default) as engine:
         if interactive:
             s = engine.session
-            how = f"{s.method} n={s.staged.n}" if METHODS[s.method].pipelined else s.method
+            how = f"{s.spec.method} n={s.staged.n}" if METHODS[s.spec.method].pipelined else s.spec.method
             print(f"[chat] {s.loaded.name}, {how}: type a message; "
                   "/reset starts over, /exit or Ctrl-D leaves", file=sys.stderr)
         messages: list[dict] = []

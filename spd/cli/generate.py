@@ -42,7 +42,7 @@ def acceptance_by_source(sources: dict) -> str:
 def with_seed(engine, out: dict) -> dict:
     """The record with the seed a sampled run drew with (seed=null picks a fresh one per run: this repeats it), or
     None where it decoded greedily (no seed is used)."""
-    return {**out, "seed": None if engine.session.params.greedy else engine.cfg.seed}
+    return {**out, "seed": None if engine.session.params.greedy else engine.session.spec.sampling.seed}
 
 
 def stats_line(out: dict) -> str:

@@ -92,7 +92,7 @@ def serve(cfg, default: bool = False) -> int:
             batch = engine.batch_decoder(cfg.max_batch) if cfg.max_batch > 1 else None
             metrics = ServerMetrics(engine.session.staged.n)
             if batch is not None:
-                plain = engine.batch_decoder(cfg.max_batch, "ar") if engine.session.method != "ar" else None
+                plain = engine.batch_decoder(cfg.max_batch, "ar") if engine.session.spec.method != "ar" else None
                 hello = list(engine.session.loaded.tokenizer("Hello")["input_ids"]) or [0]
                 for decoder in filter(None, (batch, plain)):
                     for _ in decoder.stream(hello, engine.request(max_new_tokens=4)):
@@ -103,7 +103,7 @@ def serve(cfg, default: bool = False) -> int:
             service = Service(engine, worker, cfg)
             host, port = sock.getsockname()[:2]
             s = engine.session
-            how = f"{s.drafts_with}, n={s.staged.n}" if METHODS[s.method].pipelined else s.method
+            how = f"{s.drafts_with}, n={s.staged.n}" if METHODS[s.spec.method].pipelined else s.spec.method
             together = f", up to {cfg.max_batch} requests per forward" if batch is not None else ""
             ready = (f"[serve] {service.model} ({how}{', the default here' if default else ''}, runtime={cfg.runtime}"
                      f"{together}) at http://{host}:{port}/v1 — ready")

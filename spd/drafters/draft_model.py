@@ -120,6 +120,6 @@ def _labelled(proposed):
     return [(proposal._replace(source=SOURCE), log_q) for proposal, log_q in proposed]
 
 
-def pipelined_drafter(*, draft_model: DraftLM, **_) -> DraftModelDrafter:
+def pipelined_drafter(*, draft_model: DraftLM) -> DraftModelDrafter:
     """PipeDec's drafter (spd.methods): the session's draft model."""
     return DraftModelDrafter(draft_model)

@@ -149,6 +149,6 @@ class Eagle3Drafter(ChainDrafter):
         return tree
 
 
-def chain_drafter(*, module: Eagle3Module, embed, **_) -> Eagle3Drafter:
+def chain_drafter(*, module: Eagle3Module, embed) -> Eagle3Drafter:
     """EAGLE-3's drafter (spd.methods): its module, fed the target's embedding of each drafted token."""
     return Eagle3Drafter(module, embed)

@@ -81,3 +81,8 @@ class Eagle3DeviceDrafter:
             token = self.module.target_logits(self.module.logits(h))[0, -1].argmax().view(1)   # [1]
             drafts[j: j + 1] = token
             previous = token
+
+
+def device_drafter(*, module: Eagle3Module, embed) -> Eagle3DeviceDrafter:
+    """EAGLE-3's drafter inside the device step (spd.methods): its module, fed the target's embedding."""
+    return Eagle3DeviceDrafter(module, embed)

@@ -14,12 +14,18 @@ ends in a match, and the module's W likeliest children otherwise (one batched pa
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from spd.drafters.base import Drafter, StepView, WrappedDrafter
 from spd.drafters.lookup import NgramIndex
 from spd.drafters.spd_module import ModuleDrafter
 from spd.methods import DRAFT_SOURCES, LOOKUP_MODULE, MODULE
 from spd.pricing import SourcePricer
 from spd.sampling import Proposal
+from spd.spec import LookupOptions
+
+if TYPE_CHECKING:
+    from spd.drafters.suffix import SuffixMemory
 
 
 class LookupThenModule(WrappedDrafter):
@@ -116,19 +122,19 @@ def with_draft_source(module_drafter: Drafter, source: str, min_n: int, max_n: i
     raise ValueError(f"draft source {source!r}: one of {', '.join(DRAFT_SOURCES)}")
 
 
-def pipelined_drafter(*, module, draft_source: str, ngrams: tuple[int, int], use_cache: bool = True,
-                      source_pricing: bool = False, **_) -> Drafter:
+def pipelined_drafter(*, module, draft_source: str, lookup: LookupOptions, use_cache: bool) -> Drafter:
     """SPD's, PPSD's and the output-state ablation's drafter (spd.methods): the module, the lookup in front where
     draft_source says so (source_pricing: where its predicted acceptance is at least the module's)."""
-    return with_draft_source(ModuleDrafter(module, use_cache), draft_source, *ngrams, source_pricing)
+    return with_draft_source(ModuleDrafter(module, use_cache), draft_source, lookup.min_ngram, lookup.max_ngram,
+                             lookup.source_pricing)
 
 
-def segment_drafter(*, draft_source: str, ngrams: tuple[int, int], memory=None, **_):
+def segment_drafter(*, draft_source: str, lookup: LookupOptions, memory: SuffixMemory | None):
     """FlowSpec's tree grower (spd.methods): the context's statistics (every candidate up to the tree's budget, no
     pricing: the segments' costs are not a chain's) or its lookup."""
     from spd.drafters.lookup import LookupDrafter
     from spd.drafters.suffix import SuffixDrafter
 
     if draft_source == "lookup":
-        return LookupDrafter(*ngrams)
-    return SuffixDrafter(1, ngrams[1], costs=None, memory=memory)   # one-token matches too, as method=suffix
+        return LookupDrafter(lookup.min_ngram, lookup.max_ngram)
+    return SuffixDrafter(1, lookup.max_ngram, costs=None, memory=memory)   # one-token matches too, as method=suffix

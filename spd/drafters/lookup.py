@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from spd.drafters.base import ChainDrafter, merged_tree
 from spd.sampling import Proposal
+from spd.spec import LookupOptions
 from spd.tree import DraftTree
 
 
@@ -132,6 +133,7 @@ class LookupDrafter(ChainDrafter):
                            budget, "lookup")
 
 
-def chain_drafter(*, ngrams: tuple[int, int], **_) -> LookupDrafter:
-    """The context lookup's drafter (spd.methods): suffixes of ngrams[0]..ngrams[1] tokens matched earlier."""
-    return LookupDrafter(*ngrams)
+def chain_drafter(*, lookup: LookupOptions) -> LookupDrafter:
+    """The context lookup's drafter (spd.methods): suffixes of lookup_min_ngram..lookup_max_ngram tokens matched
+    earlier."""
+    return LookupDrafter(lookup.min_ngram, lookup.max_ngram)

@@ -14,7 +14,9 @@ once past L (the paper's update rule; the intermediate predictions update nothin
 never stay: the settle keeps only the accepted path's cache rows, which sit before the branch rows.
 
 Context cache. Every window of a branch gives a contextual n-gram: G - 1 branch tokens ending at row k plus row k's
-prediction (G = `gram`), kept in an LRU queue per first token (`lru` per key, the newest first).
+prediction (G = `gram`), kept in an LRU queue per first token (`lru` per key, the newest first, each with how often
+the branches produced it). The branches and this cache are `DraftBranches`, which the priced context statistics also
+read as a source of candidates (spd.drafters.suffix_branches, `suffix_branches=true`).
 
 Corpus cache (`corpus`, a `CorpusNgrams` or None). The paper counts n-grams over OANC, a general English corpus; OANC
 is not available here, so the suite counts them over the ShareGPT assistant turns of its own datastore
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 
 from spd.drafters.base import ChainDrafter, merged_tree
+from spd.spec import SelfDraftOptions
 from spd.tree import DraftTree
 
 CORPUS_TOKENS = 2_000_000     # corpus n-grams are counted over this prefix of the datastore's tokens
@@ -126,45 +129,35 @@ def corpus_ngrams(tokenizer, vocab_size: int, gram: int, log=print) -> CorpusNgr
         return None
 
 
-class SelfDraftDrafter(ChainDrafter):
-    branches = True
+class DraftBranches:
+    """N draft branches (`branches`) of up to L tokens (`branch_length`) and the contextual n-grams they leave (the
+    module's docstring says how they run and update): what SelfDraftDrafter drafts from, and a source of the priced
+    context statistics' candidates (spd.drafters.suffix_branches). `context` keeps, per first token, each
+    continuation with how often the branches produced it, the newest last."""
 
-    def __init__(self, branches: int = 6, branch_length: int = 6, gram: int = 4,
-                 corpus: CorpusNgrams | dict | None = None, candidates: int | None = None, lru: int = 16,
-                 seed: int = 0):
+    def __init__(self, branches: int = 6, branch_length: int = 6, gram: int = 4, lru: int = 16, seed: int = 0):
         if branches < 0 or branch_length < 1 or gram < 2:
             raise ValueError(f"selfdraft: branches={branches} >= 0, branch_length={branch_length} >= 1 and "
                              f"gram={gram} >= 2 needed")
         self.n, self.length, self.gram, self.lru, self.seed = branches, branch_length, gram, lru, seed
-        self.corpus = CorpusNgrams(corpus) if isinstance(corpus, dict) else corpus
-        self.candidates = candidates or max(branches, 1)
-        # the widest tree (every candidate apart, gram - 1 tokens each) and every branch row
-        self.extra_rows = self.candidates * (gram - 1) + branches * branch_length
-        self.tokens: list[int] = []
         self.branch: list[list[int]] = []
         self.context: dict[int, OrderedDict] = {}
         self.grams_added = 0
 
-    def layers_needed(self, bounds=None) -> list[int]:
-        return []
-
-    def start(self, prompt_hidden, tokens) -> None:
+    def start_branches(self, tokens: list[int]) -> None:
         """A fresh request: an empty context cache, and each branch one random token of the prompt."""
-        self.tokens = list(tokens)
         rng = random.Random(self.seed)
-        self.branch = [[rng.choice(self.tokens)] for _ in range(self.n)]
+        self.branch = [[rng.choice(tokens)] for _ in range(self.n)]
         self.context = {}
         self.grams_added = 0
 
-    def verified(self, hidden, tokens) -> None:
-        self.tokens = list(tokens)
-
-    def side_rows(self):
-        if not self.n:
-            return None
+    def branch_rows(self, which: list[int] | None = None):
+        """The rows of the branches `which` (None: all), one after another: (tokens, offsets, visible), as
+        ChainDrafter.side_rows gives them."""
+        chosen = [self.branch[i] for i in (range(self.n) if which is None else which)]
         ids, offsets = [], []
-        visible = torch.zeros(sum(map(len, self.branch)), sum(map(len, self.branch)), dtype=torch.bool)
-        for branch in self.branch:
+        visible = torch.zeros(sum(map(len, chosen)), sum(map(len, chosen)), dtype=torch.bool)
+        for branch in chosen:
             start = len(ids)
             ids += branch
             offsets += range(1, len(branch) + 1)     # token j at the root's position + 1 + j: right after the context
@@ -172,10 +165,12 @@ class SelfDraftDrafter(ChainDrafter):
                                                                             dtype=torch.bool))
         return ids, offsets, visible
 
-    def side_logits(self, logits: torch.Tensor) -> None:
+    def branch_logits(self, logits: torch.Tensor, which: list[int] | None = None) -> None:
+        """The target's logits of the rows branch_rows(which) gave: their n-grams remembered, each branch updated."""
         predicted = logits.argmax(-1).tolist()       # drafts: the argmax, which draws none of the request's noise
         at = 0
-        for i, branch in enumerate(self.branch):
+        for i in range(self.n) if which is None else which:
+            branch = self.branch[i]
             own = predicted[at: at + len(branch)]
             at += len(branch)
             for k in range(self.gram - 2, len(branch)):   # G - 1 branch tokens ending at row k, and row k's prediction
@@ -186,15 +181,49 @@ class SelfDraftDrafter(ChainDrafter):
         """A contextual n-gram into the LRU queue of its first token."""
         queue = self.context.setdefault(gram[0], OrderedDict())
         cont = tuple(gram[1:])
-        queue[cont] = None
+        queue[cont] = queue.get(cont, 0) + 1
         queue.move_to_end(cont)
         self.grams_added += 1
         if len(queue) > self.lru:
             queue.popitem(last=False)
 
+    def cached(self, root: int) -> list[tuple[tuple[int, ...], int]]:
+        """The context cache's continuations of `root`, newest first, each with how often the branches produced it."""
+        return list(reversed(self.context.get(root, {}).items()))
+
+
+class SelfDraftDrafter(DraftBranches, ChainDrafter):
+    branches = True
+
+    def __init__(self, branches: int = 6, branch_length: int = 6, gram: int = 4,
+                 corpus: CorpusNgrams | dict | None = None, candidates: int | None = None, lru: int = 16,
+                 seed: int = 0):
+        DraftBranches.__init__(self, branches, branch_length, gram, lru, seed)
+        self.corpus = CorpusNgrams(corpus) if isinstance(corpus, dict) else corpus
+        self.candidates = candidates or max(branches, 1)
+        # the widest tree (every candidate apart, gram - 1 tokens each) and every branch row
+        self.extra_rows = self.candidates * (gram - 1) + branches * branch_length
+        self.tokens: list[int] = []
+
+    def layers_needed(self, bounds=None) -> list[int]:
+        return []
+
+    def start(self, prompt_hidden, tokens) -> None:
+        self.tokens = list(tokens)
+        self.start_branches(self.tokens)
+
+    def verified(self, hidden, tokens) -> None:
+        self.tokens = list(tokens)
+
+    def side_rows(self):
+        return self.branch_rows() if self.n else None
+
+    def side_logits(self, logits: torch.Tensor) -> None:
+        self.branch_logits(logits)
+
     def candidate_list(self, root: int) -> list[tuple[int, ...]]:
         """The continuations keyed by the root: the context cache's, newest first, then the corpus's."""
-        out = list(reversed(self.context.get(root, {})))
+        out = [cont for cont, _ in self.cached(root)]
         if self.corpus is not None and len(out) < self.candidates:
             for cont in self.corpus.lookup(self.tokens):
                 if cont not in out:
@@ -207,7 +236,8 @@ class SelfDraftDrafter(ChainDrafter):
         return merged_tree(root, (cont[:m] for cont in self.candidate_list(root)), width, budget, "selfdraft")
 
 
-def chain_drafter(*, selfdraft: dict | None = None, **_) -> SelfDraftDrafter:
-    """Self-Draft's drafter (spd.methods): selfdraft holds branches, branch_length, gram and corpus (a CorpusNgrams,
-    a dict, or None) as the session resolved them."""
-    return SelfDraftDrafter(**(selfdraft or {}))
+def chain_drafter(*, selfdraft: SelfDraftOptions, corpus: CorpusNgrams | dict | None) -> SelfDraftDrafter:
+    """Self-Draft's drafter (spd.methods): its branches, branch length and gram; corpus: the corpus n-grams
+    (corpus_ngrams=true and a datastore built for the tokenizer), else None: the context cache alone."""
+    return SelfDraftDrafter(selfdraft.branches, selfdraft.branch_length, selfdraft.gram,
+                            corpus if selfdraft.corpus_ngrams else None)

@@ -40,6 +40,7 @@ from spd.drafters.base import ChainDrafter
 from spd.drafters.lookup import NgramIndex
 from spd.pricing import NOISE_SHARE, AcceptancePredictor, Evidence, RowCosts, choose, given_noise
 from spd.sampling import Proposal
+from spd.spec import LookupOptions, SelfDraftOptions, SuffixOptions
 from spd.tree import DraftTree
 
 DATASTORE = "datastore"   # the source of candidates a datastore proposed
@@ -107,24 +108,14 @@ class SuffixDrafter(ChainDrafter):
 
     def __init__(self, min_n: int = 1, max_n: int = 8, costs: RowCosts | None = None,
                  memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64, edge: float = 0.1,
-                 retrieval: Retrieval | None = None, by_noise: bool = True, noise_share: float = NOISE_SHARE,
-                 sampled_prior: bool = False, recall: bool = True):
+                 retrieval: Retrieval | None = None):
         """costs: this machine's row costs (None: every row count costs the same, so every candidate is drafted up
         to the budget); enough: occurrences of the longest match after which shorter matches are not consulted;
         edge: how much a draft's predicted rate must beat a plain step's (spd.pricing.choose); retrieval: a datastore
-        whose continuations of the context's suffix are candidates too (source "datastore"); by_noise: at T = 1
-        price each candidate given its own noise (False: as if the draws were unknown, bench/wallclock.py's A/B);
-        noise_share: how much of a candidate's chance its noise decides (spd.pricing.given_noise; 1: the formula
-        alone, the pricing before the noise share, for bench/wallclock.py's A/B); sampled_prior: a sampled request's
-        predictor starts from spd.pricing.AcceptancePredictor.for_sampling instead of the greedy one (an A/B by
-        bench/wallclock.py --prior-ab: +0.7% at T = 1 on the eval set, but a slow learner where drafts are
-        kept often — not the default); recall: a sampled request prices a context candidate by the target's p of its
-        token where the context had it too (spd.pricing.AcceptancePredictor.prior; False: the pricing
-        without the recall, for bench/wallclock.py's A/B)."""
+        whose continuations of the context's suffix are candidates too (source "datastore")."""
         self.min_n, self.max_n, self.retrieval = min_n, max_n, retrieval
         self.costs, self.memory, self.edge = costs, memory, edge
         self.enough, self.max_occurrences = enough, max_occurrences
-        self.by_noise, self.noise_share, self.sampled_prior, self.recall = by_noise, noise_share, sampled_prior, recall
         self.predictor = AcceptancePredictor()
         self.index: NgramIndex | None = None
         self.recalled: list[float] = []               # per context position: the target's p of its token (NaN: unknown)
@@ -150,13 +141,9 @@ class SuffixDrafter(ChainDrafter):
         self.margin = margin
 
     def sampling_draws(self, draws) -> None:
-        self.draws = draws if self.by_noise else None
+        self.draws = draws
         if self.recalled:
             self.recalled[-1] = self._chance(len(self.recalled) - 1)     # the first token, drawn before the draws came
-        if draws is not None and self.sampled_prior and not self.predictor.counts:
-            # a sampled request, and a predictor that has judged nothing yet (with a memory, the first request's
-            # regime stays): the sampled verdicts' prior
-            self.predictor = AcceptancePredictor.for_sampling()
 
     def verified(self, hidden, tokens) -> None:
         new = tokens[len(self.index):]
@@ -168,8 +155,8 @@ class SuffixDrafter(ChainDrafter):
         self.last = None
 
     def _chance(self, position: int) -> float:
-        """The target's p of the token drawn at `position`, as the draws recorded it (NaN: greedy, or recall off)."""
-        return self.draws.chance(position) if self.draws is not None and self.recall else NAN
+        """The target's p of the token drawn at `position`, as the draws recorded it (NaN: greedy)."""
+        return self.draws.chance(position) if self.draws is not None else NAN
 
     def _learn(self, nodes: list[_Node], evidence: list[Evidence], new: list[int]) -> None:
         for i, kept in judged(nodes, new):
@@ -220,13 +207,13 @@ class SuffixDrafter(ChainDrafter):
         chance = [self.predictor.predict(e) for e in evidence]
         if self.draws is not None:      # sampled: the noise that will choose each node's position is known already
             at = len(self.index.tokens) - 1             # the root's position
-            chance = [given_noise(c, self.draws.uniform(at + node.depth, node.token), self.noise_share)
+            chance = [given_noise(c, self.draws.uniform(at + node.depth, node.token), NOISE_SHARE)
                       for c, node in zip(chance, nodes)]
         reach = _along_paths(nodes, chance)
         # the candidates by predicted reach, parents first (a child's reach never exceeds its parent's)
         order = sorted(range(len(nodes)), key=lambda i: (-reach[i], nodes[i].depth, i))
-        take = min(len(order), budget) if self.costs is None else \
-            choose([reach[i] for i in order[:budget]], self.costs, self.edge)
+        ranked = order[:budget]
+        take = self.carried([reach[i] for i in ranked], [evidence[i].source for i in ranked])
         self.cycles += 1
         self.priced_out += bool(nodes) and take == 0
         chosen = sorted(order[:take])          # candidate order is parents first
@@ -235,6 +222,12 @@ class SuffixDrafter(ChainDrafter):
             node_of[i] = tree.add(node_of[nodes[i].parent], Proposal(nodes[i].token, source=evidence[i].source))
         self.last = (nodes, evidence)
         return tree
+
+    def carried(self, reach: list[float], sources: list[str]) -> int:
+        """How many of the ranked candidates (their reach, best first; their sources) the forward carries: what
+        pays by this machine's row costs, or every one without them. A drafter with rows of its own to add beside
+        them (spd.drafters.suffix_branches) prices those here too."""
+        return len(reach) if self.costs is None else choose(reach, self.costs, self.edge)
 
 
 def _best_first(paths: list[tuple[list[int], float, list[float]]], width: int, budget: int, like: Evidence,
@@ -305,9 +298,17 @@ def _continuation(index: NgramIndex, start: int, count: int, loops: bool) -> lis
     return out
 
 
-def chain_drafter(*, ngrams: tuple[int, int], row_costs: RowCosts | None = None, memory: SuffixMemory | None = None,
-                  retrieval: Retrieval | None = None, **_) -> SuffixDrafter:
-    """The context statistics' drafter (spd.methods), priced with this machine's row costs: matches of one token up
-    to ngrams[1] (lookup_min_ngram is the lookup's: here the pricing decides whether a short match drafts; over the
-    240 eval traces one-token matches raise the predicted speedup to 2.22x from 2.19x, docs/speed-cpu.md)."""
-    return SuffixDrafter(1, ngrams[1], costs=row_costs, memory=memory, retrieval=retrieval)
+def chain_drafter(*, lookup: LookupOptions, suffix: SuffixOptions, selfdraft: SelfDraftOptions,
+                  row_costs: RowCosts | None, memory: SuffixMemory | None,
+                  retrieval: Retrieval | None) -> SuffixDrafter:
+    """The context statistics' drafter (spd.methods), priced with this machine's row costs (None: draft_pricing=false):
+    matches of one token up to lookup_max_ngram (lookup_min_ngram is the lookup's: here the pricing decides whether a
+    short match drafts; over the 240 eval traces one-token matches raise the predicted speedup to 2.22x from 2.19x,
+    docs/speed-cpu.md); with suffix_branches, Self-Draft's branches (branches, branch_length, gram) as a priced
+    source too (spd.drafters.suffix_branches)."""
+    if suffix.branches:
+        from spd.drafters.selfdraft import DraftBranches
+        from spd.drafters.suffix_branches import SuffixBranchesDrafter
+        return SuffixBranchesDrafter(DraftBranches(selfdraft.branches, selfdraft.branch_length, selfdraft.gram), 1,
+                                     lookup.max_ngram, costs=row_costs, memory=memory, retrieval=retrieval)
+    return SuffixDrafter(1, lookup.max_ngram, costs=row_costs, memory=memory, retrieval=retrieval)

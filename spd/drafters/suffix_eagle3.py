@@ -23,9 +23,10 @@ import torch
 
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.suffix import Retrieval, SuffixDrafter, _Node
-from spd.methods import MODULE, SUFFIX_MODULE
+from spd.methods import SUFFIX_MODULE
 from spd.pricing import Evidence, RowCosts
 from spd.sampling import children_of_rows
+from spd.spec import LookupOptions
 
 EAGLE3 = "eagle3"
 
@@ -77,11 +78,10 @@ class SuffixEagle3Drafter(SuffixDrafter):
         return nodes, evidence
 
 
-def chain_drafter(*, module, embed, draft_source: str = MODULE, row_costs: RowCosts | None = None,
-                  ngrams: tuple[int, int] = (1, 8), retrieval: Retrieval | None = None,
-                  **_) -> Eagle3Drafter | SuffixEagle3Drafter:
+def chain_drafter(*, module, embed, draft_source: str, lookup: LookupOptions, row_costs: RowCosts | None,
+                  retrieval: Retrieval | None) -> Eagle3Drafter | SuffixEagle3Drafter:
     """EAGLE-3's drafter (spd.methods): its module alone, or beside the context's statistics
-    (draft_source=suffix+module)."""
+    (draft_source=suffix+module, matching up to lookup_max_ngram tokens)."""
     if draft_source == SUFFIX_MODULE:
-        return SuffixEagle3Drafter(Eagle3Drafter(module, embed), row_costs, ngrams[1], retrieval=retrieval)
+        return SuffixEagle3Drafter(Eagle3Drafter(module, embed), row_costs, lookup.max_ngram, retrieval=retrieval)
     return Eagle3Drafter(module, embed)

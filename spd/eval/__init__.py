@@ -1,1 +1,2 @@
-"""Evaluation: the benchmark harness, its reports and the measured-cost speedup."""
+"""Evaluation: the benchmark harness, the exact fast evaluators it scores greedy runs with, its reports and the
+measured-cost speedup."""

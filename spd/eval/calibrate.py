@@ -57,7 +57,7 @@ from spd.runtime.views import step_view
 from spd.sampling import (Proposal, SamplingParams, greedy_token, propose, propose_children, settle,
                           settle_children)
 from spd.targets.stages import StagedTarget
-from spd.timing import median_seconds
+from spd.targets.timing import median_seconds
 
 LAST = "last stage + head + verify"
 
@@ -336,8 +336,8 @@ def grow_timer(drafter, context_ids: list[int], depth: int, width: int, budget: 
 def rows_calibration(session, step_rows: dict[str, int], context_ids: list[int], repeats: int = 20) -> dict:
     """`calibrate_rows` for an open session's method: PipeDec's draft model, or FlowSpec's tree growth on
     context_ids (a prompt and its decode)."""
-    grow = None
+    grow, spec, tree = None, session.spec, session.spec.tree
     if session.draft_model is None:
-        grow = grow_timer(session.drafter(), context_ids, session.draft_length, session.width, session.tree_nodes)
+        grow = grow_timer(session.drafter(), context_ids, spec.draft_length, tree.width, tree.nodes)
     return calibrate_rows(session.staged, session.params, step_rows, draft_model=session.draft_model,
-                          children=session.children or session.width, grow=grow, repeats=repeats)
+                          children=tree.children or tree.width, grow=grow, repeats=repeats)

@@ -3,7 +3,7 @@ T=1/top-k 50/top-p 1.0, a fixed seed per prompt), per-sample JSONL, pooled summa
 
 Greedy runs use the exact fast evaluator by default: the target's greedy trace (cached) plus batched module passes
 give every N and K the step-by-step runtime would (bench/fast_eval_check.py proves it on the eval prompts; EAGLE-3's
-chain and tree and the lookup chain have theirs, `spd.fast_eval_chain`, checked the same way; SPD's pipeline trees,
+chain and tree and the lookup chain have theirs, `spd.eval.fast_chain`, checked the same way; SPD's pipeline trees,
 W > 1, run step by step: their branches' states are not in a greedy trace); `exact_trace=true` runs the runtime
 itself, and then plain AR as well, checking every sample token for token.
 """
@@ -44,9 +44,12 @@ def validate(cfg) -> None:
 
 
 def uses_fast_evaluator(cfg) -> bool:
-    """Greedy, in-process, eager runs are scored from cached traces; the others run the step-by-step runtime."""
+    """Greedy, in-process, eager runs are scored from cached traces; the others run the step-by-step runtime (and
+    so do Self-Draft's branches beside the suffix drafter: a trace holds no branch row's logits)."""
     evaluable = cfg.method is None or METHODS[cfg.method].fast_eval   # None: a checkpoint's module
-    return evaluable and cfg.temperature == 0 and not cfg.exact_trace and eager_reference(cfg) and (cfg.W == 1 or cfg.method is not None and METHODS[cfg.method].replays_trees)
+    evaluable = evaluable and not getattr(cfg, "suffix_branches", False)
+    return evaluable and cfg.temperature == 0 and not cfg.exact_trace and eager_reference(cfg) and (
+        cfg.W == 1 or cfg.method is not None and METHODS[cfg.method].replays_trees)
 
 
 def prompt_seed(seed: int, dataset: str, question_id) -> int:
@@ -57,11 +60,12 @@ def prompt_seed(seed: int, dataset: str, question_id) -> int:
 def fast_sample(session: Session, cfg, traces: TraceCache, dataset: str, question_id, prompt_ids) -> dict:
     trace, info = traces.get(dataset, question_id, prompt_ids)
     start = time.perf_counter()
-    evaluate = behaviour(METHODS[session.method].fast_evaluator)
-    result = evaluate(trace, module=session.module, make_drafter=session.drafter, draft_source=session.draft_source,
-                      ngrams=session.lookup_ngrams, draft_length=session.draft_length, width=session.width,
-                      tree_nodes=session.tree_nodes, source_pricing=session.source_pricing, n=session.staged.n,
-                      segment=session.segment, children=session.children,
+    spec, tree = session.spec, session.spec.tree
+    evaluate = behaviour(METHODS[spec.method].fast_evaluator)
+    result = evaluate(trace, module=session.module, make_drafter=session.drafter, draft_source=spec.draft_source,
+                      ngrams=(spec.lookup.min_ngram, spec.lookup.max_ngram), draft_length=spec.draft_length,
+                      width=tree.width, tree_nodes=tree.nodes, source_pricing=spec.lookup.source_pricing,
+                      n=session.staged.n, segment=tree.segment, children=tree.children,
                       vocab=session.loaded.model.config.vocab_size)
     seconds = time.perf_counter() - start
     stats = result["stats"]
@@ -139,12 +143,13 @@ def module_layers(module) -> int:
 
 
 def run_label(session: Session, cfg) -> str:
-    suffix = "" if session.checkpoint or session.module is None else ", untrained"
-    if METHODS[session.method].chain:
-        tree = f", W={session.width}, {session.tree_nodes} nodes" if session.width > 1 else ""
-        return f"{METHOD_NAMES[session.method]} (m={session.draft_length}{tree}{suffix})"
-    lookup = ", lookup+module" if session.draft_source == LOOKUP_MODULE else ""
-    return f"{METHOD_NAMES[session.method]} (n={session.staged.n}, L_s={module_layers(session.module)}{suffix}{lookup})"
+    spec = session.spec
+    suffix = "" if spec.module.checkpoint or session.module is None else ", untrained"
+    if METHODS[spec.method].chain:
+        tree = f", W={spec.tree.width}, {spec.tree.nodes} nodes" if spec.tree.width > 1 else ""
+        return f"{METHOD_NAMES[spec.method]} (m={spec.draft_length}{tree}{suffix})"
+    lookup = ", lookup+module" if spec.draft_source == LOOKUP_MODULE else ""
+    return f"{METHOD_NAMES[spec.method]} (n={session.staged.n}, L_s={module_layers(session.module)}{suffix}{lookup})"
 
 
 def run_eval(cfg, log=print) -> dict:
@@ -169,7 +174,8 @@ def run_eval(cfg, log=print) -> dict:
     capture = session.drafter().layers_needed(session.staged.bounds)
     # a pipelined module's traces hold every layer its layout's features read (one directory per layout serves all
     # plans); a chain, or a method without a module, reads what it asks for (FlowSpec, PipeDec: nothing)
-    read = capture if METHODS[session.method].chain or not METHODS[session.method].trained else None
+    spec, tree = session.spec, session.spec.tree
+    read = capture if METHODS[spec.method].chain or not METHODS[spec.method].trained else None
     traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens, read,
                         list(cfg.trace_layers)) if fast else None
     L_s = module_layers(session.module)
@@ -193,7 +199,7 @@ def run_eval(cfg, log=print) -> dict:
                     rec = fast_sample(session, cfg, traces, ds, q["question_id"], ids) if fast else \
                         runtime_sample(engine, seed, ids)
             token_ids = rec.pop("token_ids")
-            out.append({"question_id": q["question_id"], "dataset": ds, "method": session.method, "L_s": L_s,
+            out.append({"question_id": q["question_id"], "dataset": ds, "method": spec.method, "L_s": L_s,
                         "T": cfg.temperature, "top_k": session.params.top_k, "top_p": session.params.top_p,
                         "seed": seed, "runtime": cfg.runtime, **rec,
                         "text": tok.decode(token_ids, skip_special_tokens=True)})
@@ -203,25 +209,25 @@ def run_eval(cfg, log=print) -> dict:
     # Calibration times every stage (EAGLE-3: every part of a cycle) in this process; under runtime=distributed it
     # holds none (the clock is measured). EAGLE-3 needs no pipeline, so the clock also judges it directly.
     calibration = None
-    chain = METHODS[session.method].chain
-    if cfg.calibrate and runtime(cfg.runtime).reference and METHODS[session.method].rows_vary and samples:
+    chain = METHODS[spec.method].chain
+    if cfg.calibrate and runtime(cfg.runtime).reference and METHODS[spec.method].rows_vary and samples:
         calibration = rows_calibration(session, summary["overall"]["step_rows"], context_of(tok, work, samples))
     elif cfg.calibrate and runtime(cfg.runtime).reference and session.module is not None:  # the lookup has no module to time
-        calibration = calibrate_chain(session.staged, session.drafter(), session.params, session.draft_length,
-                                      width=session.width, budget=session.tree_nodes) if chain else \
-            calibrate(session.staged, session.module, session.params, width=session.width)
+        calibration = calibrate_chain(session.staged, session.drafter(), session.params, spec.draft_length,
+                                      width=tree.width, budget=tree.nodes) if chain else \
+            calibrate(session.staged, session.module, session.params, width=tree.width)
     summary["speedup"] = speedups(summary, session.staged, session.module, calibration) if not chain else \
-        chain_speedups(summary, session.staged.num_layers, session.draft_length, calibration, L_s)
-    summary["run"] = {"method": session.method, "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
-                      "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": session.width,
-                      "tree_nodes": session.tree_nodes if chain and session.width > 1 else None,
-                      "draft_length": session.draft_length if chain else None,
-                      "max_new_tokens": cfg.max_new_tokens, "checkpoint": session.checkpoint,
+        chain_speedups(summary, session.staged.num_layers, spec.draft_length, calibration, L_s)
+    summary["run"] = {"method": spec.method, "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
+                      "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": tree.width,
+                      "tree_nodes": tree.nodes if chain and tree.width > 1 else None,
+                      "draft_length": spec.draft_length if chain else None,
+                      "max_new_tokens": cfg.max_new_tokens, "checkpoint": spec.module.checkpoint,
                       "target": session.loaded.name, "mode": "fast" if fast else "runtime",
                       "runtime": cfg.runtime, "stage_bounds": session.staged.bounds,
-                      "draft_source": session.draft_source if METHODS[session.method].pipelined else None,
-                      "segment": session.segment if METHODS[session.method].decoder == SEGMENTS else None,
-                      "children": session.children, "draft_layers": session.draft_model.layers
+                      "draft_source": spec.draft_source if METHODS[spec.method].pipelined else None,
+                      "segment": tree.segment if METHODS[spec.method].decoder == SEGMENTS else None,
+                      "children": tree.children, "draft_layers": session.draft_model.layers
                       if session.draft_model is not None else None}
     summary["meta"] = {"config": resolved, "git_commit": git_commit(), "machine": machine(session.staged.device),
                        "dtype": cfg.dtype, "seed": cfg.seed, "torch": torch.__version__,

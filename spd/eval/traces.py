@@ -19,7 +19,7 @@ import time
 import torch
 
 from spd.decoding import eos_ids_of
-from spd.fast_eval import GreedyTrace, record_greedy_trace, record_greedy_traces
+from spd.eval.fast import GreedyTrace, record_greedy_trace, record_greedy_traces
 from spd.layout import needed_layers
 from spd.targets.loading import LoadedTarget
 from spd.targets.stages import StagedTarget

@@ -68,4 +68,4 @@ def runtime(name: str) -> Runtime:
 def eager_reference(cfg) -> bool:
     """The config decodes on the eager reference executor (no CUDA graphs): what the plain AR loop, the exact fast
     evaluator, calibration and in-process batching need."""
-    return runtime(getattr(cfg, "runtime", "local")).reference and not getattr(cfg, "cuda_graphs", False)
+    return runtime(cfg.runtime).reference and not cfg.cuda_graphs

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from spd.timing import median_seconds
+from spd.targets.timing import median_seconds
 from spd.targets.stages import StagedTarget
 
 

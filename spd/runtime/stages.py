@@ -110,4 +110,4 @@ def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | 
 def open_in_process(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | None = None,
                     width: int | None = None):
     """An in-process runtime's executor: its steps as the config asks (eager or CUDA graphs)."""
-    yield stage_executor(executor_kind(cfg.runtime, getattr(cfg, "cuda_graphs", False)), staged)
+    yield stage_executor(executor_kind(cfg.runtime, cfg.cuda_graphs), staged)

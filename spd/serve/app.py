@@ -43,7 +43,7 @@ class Service:
             raise ApiError(404, f"The model '{body.model}' does not exist; this server serves '{self.model}'",
                            param="model", code="model_not_found")
         body.refuse_unsupported()
-        method = self.engine.session.method
+        method = self.engine.session.spec.method
         if body.method not in (None, method, "ar"):
             raise ApiError(422, f"method={body.method!r}: this server runs {method} (and plain decoding, method=ar); "
                            f"start it with method={body.method} to serve that", param="method")
@@ -51,7 +51,7 @@ class Service:
             raise ApiError(422, "method='ar': the stage processes decode several requests together here "
                            "(runtime=distributed, max_batch > 1) and AR would relay one at a time; start the server "
                            "with max_batch=1 to serve it", param="method")
-        width = self.engine.session.width
+        width = self.engine.session.spec.tree.width
         if body.W not in (None, width):
             raise ApiError(422, f"W={body.W}: this server drafts with W={width} (its pipeline is warm for that width); "
                            f"start it with W={body.W} to serve that", param="W")
@@ -108,7 +108,7 @@ class Service:
 
     def spd_object(self, done: dict, baseline: bool) -> dict:
         stats = done["stats"]
-        out = {"method": "ar" if baseline else self.engine.session.method, "N": len(done["token_ids"]),
+        out = {"method": "ar" if baseline else self.engine.session.spec.method, "N": len(done["token_ids"]),
                "token_ids": done["token_ids"], "seconds": round(done["seconds"], 6),
                "tokens_per_s": len(done["token_ids"]) / done["seconds"] if done["seconds"] > 0 else None}
         if stats is not None:
@@ -160,7 +160,7 @@ def build_app(service: Service) -> FastAPI:
     async def health():
         failure = service.worker.failure
         state = "failed" if failure else ("shutting_down" if service.shutting_down else "ok")
-        body = {"status": state, "model": service.model, "method": service.engine.session.method,
+        body = {"status": state, "model": service.model, "method": service.engine.session.spec.method,
                 "runtime": service.cfg.runtime, "queue": service.worker.waiting,
                 "running": service.worker.busy, "error": failure}
         return JSONResponse(body, status_code=200 if state == "ok" else 503)

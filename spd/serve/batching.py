@@ -32,7 +32,7 @@ class BatchWorker(DecodeWorker):
         super().__init__(engine, metrics, max_queue, on_fatal)
         self.batch = batch
         # no batched AR beside a pipeline in stage processes (runtime=distributed): its AR relays one request
-        self.plain = plain if plain is not None else batch if engine.session.method == "ar" else None
+        self.plain = plain if plain is not None else batch if engine.session.spec.method == "ar" else None
         self.max_batch = batch.max_batch
         self.running: dict = {}                 # ticket -> Running
 
@@ -106,7 +106,7 @@ class BatchWorker(DecodeWorker):
             ticket.cancel()
 
     def _answer(self, ticket, run: Running) -> None:
-        stats = None if run.job.baseline or self.engine.session.method == "ar" else ticket.stats
+        stats = None if run.job.baseline or self.engine.session.spec.method == "ar" else ticket.stats
         self.metrics.decoded(stats)
         piece = run.text.finish()
         if piece:

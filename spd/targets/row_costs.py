@@ -23,7 +23,7 @@ import torch
 from spd.pricing import RowCosts
 from spd.targets import invariant_attention, panel, ragged
 from spd.targets.stages import StagedTarget
-from spd.timing import sync
+from spd.targets.timing import sync
 from spd.targets.weight_cache import cache_root, write_json_atomic
 
 

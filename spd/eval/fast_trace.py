@@ -1,6 +1,6 @@
 """Exact greedy replays of FlowSpec and PipeDec: their own decoding loops (spd.runtime.segments, spd.runtime.pipeline)
 over `TraceStages`, an executor that runs no target but reads what the target would choose from its cached greedy
-trace (spd.fast_eval.GreedyTrace). The loop, the schedule, the drafter, every prune and flush are the runtime's; only
+trace (spd.eval.fast.GreedyTrace). The loop, the schedule, the drafter, every prune and flush are the runtime's; only
 the stages are replaced, so the replay's steps, acceptances and tokens are the runtime's wherever the pipeline's
 forwards choose the trace's tokens (their near-ties are counted, as for the other replays).
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from spd.decoding import Request
-from spd.fast_eval import GreedyTrace
+from spd.eval.fast import GreedyTrace
 from spd.runtime.executor import StageExecutor, StepOutput
 from spd.runtime.pipeline import PipelineDecoder
 from spd.runtime.segments import SegmentPipelineDecoder
