@@ -11,8 +11,8 @@ from spd.decoding import Request
 from spd.runtime.device_pipeline import DevicePipelineDecoder, DevicePipelineStep
 from spd.targets.loading import load_target
 from spd.targets.tiny import tiny_model
-from test_device_step import SAMPLED, HostReads
-from test_lossless_sampling import ALPHA, LENGTH, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
+from test_device_step import SAMPLED, HostReads, answer_counts
+from test_lossless_sampling import ALPHA, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
 
 
 @pytest.mark.parametrize("method,n", [("spd", 1), ("spd", 3), ("ppsd", 2), ("spd_output_state", 2)])
@@ -46,12 +46,7 @@ def pipeline_counts(model, samples: int, seed: int, monkeypatch) -> dict:
     continuation here, so drafts are often kept (and often the argmax without being the draw)."""
     eager, staged, module = spd_run(model, 2, PROMPT, 1)
     monkeypatch.setattr(DevicePipelineStep, "draft", lambda self: torch.tensor([5]))
-    device = DevicePipelineDecoder(staged, module, frozenset())
-    counts = {}
-    for i in range(samples):
-        key = tuple(device.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i)).token_ids)
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+    return answer_counts(DevicePipelineDecoder(staged, module, frozenset()), samples, seed)
 
 
 @pytest.fixture(scope="module")

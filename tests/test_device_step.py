@@ -66,13 +66,17 @@ def test_keyed_sampling_equals_ar(family_model, untied_target_dir, k):
                 (family, k, seed)
 
 
-def sample_counts(model, samples: int, seed: int) -> dict:
-    device = decoder(model, 4)
+def answer_counts(device, samples: int, seed: int) -> dict:
+    """How often each answer to PROMPT comes out of `device` over `samples` seeded requests (T = 1, PARAMS)."""
     counts = {}
     for i in range(samples):
         key = tuple(device.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i)).token_ids)
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def sample_counts(model, samples: int, seed: int) -> dict:
+    return answer_counts(decoder(model, 4), samples, seed)
 
 
 @pytest.fixture(scope="module")

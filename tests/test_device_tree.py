@@ -19,8 +19,8 @@ from spd.runtime.device_step import DeviceStep
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
-from test_device_step import SAMPLED, HostReads
-from test_lossless_sampling import ALPHA, LENGTH, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
+from test_device_step import SAMPLED, HostReads, answer_counts
+from test_lossless_sampling import ALPHA, PARAMS, SHORT, chi2_pvalue, exact_distribution
 
 
 def tree_decoder(target, drafter=SuffixDrafter, width=4, budget=12, compile=None):
@@ -89,12 +89,7 @@ def test_a_tree_path_off_the_first_branch_is_moved_down(untied_target_dir):
 
 
 def tree_counts(model, samples: int, seed: int) -> dict:
-    device = tree_decoder(model, lookup, width=2, budget=6)
-    counts = {}
-    for i in range(samples):
-        key = tuple(device.generate(PROMPT, Request(LENGTH, PARAMS, seed * 1_000_003 + i)).token_ids)
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+    return answer_counts(tree_decoder(model, lookup, width=2, budget=6), samples, seed)
 
 
 @pytest.fixture(scope="module")

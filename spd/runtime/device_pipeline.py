@@ -25,7 +25,6 @@ from spd.metrics import DecodeStats
 from spd.module import SpeculationModule
 from spd.runtime.device_step import BUCKET, Graphed, choose, gumbel
 from spd.sampling import SamplingParams
-from spd.targets.linears import plain_products
 from spd.targets.stages import StagedTarget
 
 
@@ -66,17 +65,7 @@ class DevicePipelineStep(Graphed):
         # SPD's draft reads only the step's inputs, so it runs beside the stages; a plan that drafts after the
         # step (PPSD, the output states) waits for them
         self.streams = [torch.cuda.Stream(device) for _ in range(n + 1)] if on_cuda else None
-        self.run = self.step
-        if on_cuda:
-            self.graph = None
-            self.run = self.replay
-        if compile:
-            compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=compile)
-
-            def run():
-                with plain_products(target.model):
-                    return compiled()
-            self.run = run
+        self.choose_runner(on_cuda, compile)
 
     def mutable(self) -> list[torch.Tensor]:
         return [self.t, self.a, self.tokens, self.inputs, self.store]

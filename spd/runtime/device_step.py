@@ -105,6 +105,23 @@ class Graphed:
         self.graph.replay()
         return self.out_buffer()
 
+    def choose_runner(self, graph: bool, compile: str | None) -> None:
+        """self.run: the step eagerly, replayed as a CUDA graph (`graph`), or through torch.compile(fullgraph=True)
+        with the `compile` backend."""
+        self.run = self.step
+        if graph:
+            self.graph = None
+            self.run = self.replay
+        if compile:
+            compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=compile)
+            model = self.target.model
+
+            def run():
+                # the suite's own CPU products are an extension call the compiler cannot trace: F.linear inside
+                with plain_products(model):
+                    return compiled()
+            self.run = run
+
     def restore(self, saved: list[torch.Tensor]) -> None:
         for tensor, value in zip(self.mutable(), saved):
             tensor.copy_(value)
@@ -128,18 +145,7 @@ class DeviceStep(Graphed):
         self.tree, self.drafter = tree, drafter
         self.capture = frozenset(drafter.layers_needed()) if drafter is not None else frozenset()
         self.rows = torch.arange(rows, device=target.device)                           # [r]
-        self.run = self.step
-        if cuda_graph and target.device.type == "cuda":
-            self.graph = None
-            self.run = self.replay
-        if compile:
-            compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=compile)
-
-            def run():
-                # the suite's own CPU products are an extension call the compiler cannot trace: F.linear inside
-                with plain_products(target.model):
-                    return compiled()
-            self.run = run
+        self.choose_runner(cuda_graph and target.device.type == "cuda", compile)
 
     def mutable(self) -> list[torch.Tensor]:
         """Not the caches: their rows past the position are hidden, and a warm-up's writes at or before it hold
