@@ -40,7 +40,6 @@ from spd.engine import build_decoder, open_engine, pick_decoder
 from spd.eval.output import write_json
 from spd.drafters.lookup import LookupDrafter
 from spd.methods import AR, CHAIN, PIPELINE, SUFFIX_MODULE
-from spd.pricing import AcceptancePredictor
 from spd.runtime.stages import open_stages
 from spd.session import open_session
 from spd.targets.loading import load_target
@@ -53,37 +52,10 @@ from bench.wallclock_sets import REPEAT_SPAN, prompt_set, summarise_set
 from bench.wallclock_table import markdown
 from bench.wallclock_distributed import distributed_rows
 from bench.wallclock_turns import decode_interleaved, params_for, seed_of
+from bench.wallclock_variants import SuffixVariant, UnkeyedRequest
 
 PLAIN = "float32-plain"      # --dtypes: the float32 target multiplying with F.linear (spd.targets.panel off)
 REPEAT_KV = "float32-repeat-kv"   # --dtypes: the float32 target attending with transformers' SDPA as it is
-
-
-class UnkeyedRequest(Request):
-    """--keyed-ab's other arm: a sampled request drawing from its generator, without keyed draws."""
-
-    def draws(self, generator, vocab):
-        return None
-
-
-class SuffixVariant(SuffixDrafter):
-    """method=suffix's drafter with one part of its sampled pricing changed, for the A/Bs of --keyed-ab (by_noise
-    False: blind to the noise), --prior-ab (sampled_prior: a sampled request's predictor starts from
-    AcceptancePredictor.for_sampling's prior while it has judged nothing) and --recall-ab (recall False: no
-    candidate carries the target's p where the context had it)."""
-
-    DEFAULT = dict(by_noise=True, sampled_prior=False, recall=True)     # SuffixDrafter itself
-
-    def __init__(self, *args, by_noise: bool = True, sampled_prior: bool = False, recall: bool = True, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.by_noise, self.sampled_prior, self.recall = by_noise, sampled_prior, recall
-
-    def sampling_draws(self, draws) -> None:
-        super().sampling_draws(draws if self.by_noise else None)
-        if draws is not None and self.sampled_prior and not self.predictor.counts:
-            self.predictor = AcceptancePredictor.for_sampling()
-
-    def _chance(self, position: int) -> float:
-        return super()._chance(position) if self.recall else float("nan")
 
 
 def local_spd_decoders(args, stack: contextlib.ExitStack) -> dict[float, list[tuple[dict, object]]]:

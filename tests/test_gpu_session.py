@@ -48,7 +48,9 @@ def test_dry_run_goes_through_every_step(dry_run):
     for name in ("suite_ar_eager", "suite_ar_fixed_eager", "suite_ar_graphs", "spd_local_eager", "spd_local_graphs",
                  "spd_streams_eager", "spd_streams_graphs", "hf_dynamic"):
         assert speed[name]["tokens_per_s"] > 0
-    assert all(speed[name]["ar_match"] == 3 for name in speed if name.startswith("spd_"))
+    spd = {name: row for name, row in speed.items() if name.startswith("spd_")}
+    assert all(row.get("skipped") == "compile off" or row["ar_match"] == 3 for row in spd.values()), spd
+    assert sum("ar_match" in row for row in spd.values()) >= 5
     assert steps["speed"]["runs"]["float32"]["stage_overlap"]["together_s"] > 0
     train = steps["train_n5"]
     assert train["stopped_by_box"] and train["rc"] == 130 and train["steps_done"] >= 2     # SIGINT saved it

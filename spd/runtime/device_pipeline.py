@@ -192,7 +192,8 @@ class DevicePipelineStep(Graphed):
         # advance: every token one stage deeper and the draft enters, or the choice enters alone after a flush
         shifted = torch.cat([draft, self.tokens[:-1]])                                 # [n]
         self.tokens.copy_(torch.where(flush, chosen.expand(n), shifted))
-        self.inputs[1:] = torch.stack(outputs[:-1]) if n > 1 else self.inputs[1:]
+        if n > 1:
+            self.inputs[1:] = torch.stack(outputs[:-1])
         self.store[1:] = self.store[:-1].clone()
         self.t.copy_(torch.where(flush, self.t - n + 2, self.t + 1))
         self.a.copy_(torch.where(flush, 1, (self.a + 1).clamp(max=n)))

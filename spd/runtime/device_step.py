@@ -113,6 +113,11 @@ class Graphed:
             self.graph = None
             self.run = self.replay
         if compile:
+            # every step object (a bucket of a decoder) is its own cache entry on the one `step` code; past the
+            # default limit of 8 a ninth would be a hard failure under fullgraph, so the limit follows the count
+            limits = torch._dynamo.config
+            limits.recompile_limit = max(limits.recompile_limit, 1024)
+            limits.accumulated_recompile_limit = max(limits.accumulated_recompile_limit, 4096)
             compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=compile)
             model = self.target.model
 
