@@ -21,8 +21,8 @@ def distributed_cfg(**overrides):
     """The keys `open_stages` reads for runtime=distributed: one thread per stage process, on this machine."""
     from types import SimpleNamespace
 
-    base = dict(runtime="distributed", threads_per_stage=1, dtype="float32", device="cpu", timeout_s=20.0,
-                master_addr="127.0.0.1", master_port=0)
+    base = dict(runtime="distributed", threads_per_stage=1, dtype="float32", device="cpu", timeout_s=20.0, W=1,
+                controller="auto", master_addr="127.0.0.1", master_port=0)
     return SimpleNamespace(**{**base, **overrides})
 
 

@@ -184,7 +184,7 @@ def fast_greedy_stats(module: SpeculationModule, trace: GreedyTrace,
 
 
 def fast_pipeline_eval(trace: GreedyTrace, *, module: SpeculationModule, draft_source: str,
-                       ngrams: tuple[int, int], source_pricing: bool = False, **_) -> dict:
+                       ngrams: tuple[int, int], source_pricing: bool = False) -> dict:
     """A pipelined method's exact greedy replay (spd.methods): the module's drafts, the lookup's in front of them
     where draft_source says so (source_pricing: where it is predicted likelier kept)."""
     return fast_greedy_stats(module, trace, ngrams if draft_source == LOOKUP_MODULE else None,

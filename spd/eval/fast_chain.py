@@ -209,7 +209,7 @@ def fast_lookup_stats(trace: GreedyTrace, min_n: int, max_n: int, m: int, on_set
 
 
 def fast_eagle3_eval(trace: GreedyTrace, *, module: Eagle3Module, make_drafter, draft_length: int, width: int,
-                     tree_nodes: int, draft_source: str | None = None, **_) -> dict:
+                     tree_nodes: int, draft_source: str | None = None) -> dict:
     """EAGLE-3's exact greedy replay (spd.methods): its chain, or at W > 1 its dynamic tree — and beside the
     context's statistics (draft_source=suffix+module) at any W — drafted by the runtime's own drafter
     (make_drafter())."""
@@ -219,13 +219,13 @@ def fast_eagle3_eval(trace: GreedyTrace, *, module: Eagle3Module, make_drafter, 
 
 
 def fast_lookup_eval(trace: GreedyTrace, *, ngrams: tuple[int, int], draft_length: int, width: int,
-                     tree_nodes: int, **_) -> dict:
+                     tree_nodes: int) -> dict:
     """The context lookup's exact greedy replay (spd.methods), chain or tree."""
     return fast_lookup_stats(trace, *ngrams, draft_length, width=width, budget=tree_nodes if width > 1 else None)
 
 
-def fast_suffix_eval(trace: GreedyTrace, *, make_drafter, draft_length: int, width: int, tree_nodes: int,
-                     **_) -> dict:
+def fast_suffix_eval(trace: GreedyTrace, *, make_drafter, draft_length: int, width: int,
+                     tree_nodes: int) -> dict:
     """The context statistics' exact greedy replay (spd.methods): the runtime's own drafter (make_drafter(), fresh,
     priced with the session's row costs), chain or tree."""
     return fast_tree_stats(make_drafter(), trace, draft_length, width, tree_nodes if width > 1 else draft_length)

@@ -94,15 +94,15 @@ def replay(decoder, trace: GreedyTrace) -> dict:
 
 
 def fast_segment_eval(trace: GreedyTrace, *, make_drafter, n: int, segment: int, draft_length: int, width: int,
-                      tree_nodes: int, vocab: int, **_) -> dict:
+                      tree_nodes: int, vocab: int) -> dict:
     """FlowSpec's exact greedy replay (spd.methods): its segments over the trace."""
     stages = TraceStages(trace, n, vocab)
     return replay(SegmentPipelineDecoder(stages, make_drafter(), frozenset(), segment, draft_length, width,
                                          tree_nodes), trace)
 
 
-def fast_pipedec_eval(trace: GreedyTrace, *, make_drafter, n: int, width: int, children: int | None, vocab: int,
-                      **_) -> dict:
+def fast_pipedec_eval(trace: GreedyTrace, *, make_drafter, n: int, width: int, children: int | None,
+                      vocab: int) -> dict:
     """PipeDec's exact greedy replay (spd.methods): its draft model runs, the target's stages are read from the
     trace."""
     stages = TraceStages(trace, n, vocab)

@@ -30,7 +30,7 @@ from spd.eval.traces import TraceCache
 from spd.methods import DRAFTING_METHODS, LOOKUP_MODULE, METHODS, SEGMENTS, behaviour
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.runtime import eager_reference, runtime
-from spd.session import Session, open_session
+from spd.session import Session, asks, open_session
 
 
 def validate(cfg) -> None:
@@ -47,7 +47,7 @@ def uses_fast_evaluator(cfg) -> bool:
     """Greedy, in-process, eager runs are scored from cached traces; the others run the step-by-step runtime (and
     so do Self-Draft's branches beside the suffix drafter: a trace holds no branch row's logits)."""
     evaluable = cfg.method is None or METHODS[cfg.method].fast_eval   # None: a checkpoint's module
-    evaluable = evaluable and not getattr(cfg, "suffix_branches", False)
+    evaluable = evaluable and not cfg.suffix_branches
     return evaluable and cfg.temperature == 0 and not cfg.exact_trace and eager_reference(cfg) and (
         cfg.W == 1 or cfg.method is not None and METHODS[cfg.method].replays_trees)
 
@@ -61,12 +61,14 @@ def fast_sample(session: Session, cfg, traces: TraceCache, dataset: str, questio
     trace, info = traces.get(dataset, question_id, prompt_ids)
     start = time.perf_counter()
     spec, tree = session.spec, session.spec.tree
-    evaluate = behaviour(METHODS[spec.method].fast_evaluator)
-    result = evaluate(trace, module=session.module, make_drafter=session.drafter, draft_source=spec.draft_source,
-                      ngrams=(spec.lookup.min_ngram, spec.lookup.max_ngram), draft_length=spec.draft_length,
-                      width=tree.width, tree_nodes=tree.nodes, source_pricing=spec.lookup.source_pricing,
-                      n=session.staged.n, segment=tree.segment, children=tree.children,
-                      vocab=session.loaded.model.config.vocab_size)
+    evaluator = METHODS[spec.method].fast_evaluator
+    offered = dict(module=session.module, make_drafter=session.drafter, draft_source=spec.draft_source,
+                   ngrams=(spec.lookup.min_ngram, spec.lookup.max_ngram), draft_length=spec.draft_length,
+                   width=tree.width, tree_nodes=tree.nodes, source_pricing=spec.lookup.source_pricing,
+                   n=session.staged.n, segment=tree.segment, children=tree.children,
+                   vocab=session.loaded.model.config.vocab_size)
+    # each evaluator names what it replays with, as a drafter factory does (spd.session.asks)
+    result = behaviour(evaluator)(trace, **{name: offered[name] for name in asks(evaluator) if name != "trace"})
     seconds = time.perf_counter() - start
     stats = result["stats"]
     return {"mode": "fast", "token_ids": trace.tokens, **stats.as_dict(), "ar_match": None,

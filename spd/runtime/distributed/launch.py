@@ -229,12 +229,12 @@ def open_pipeline(staged: StagedTarget, cfg, capture: list[int], cache_dir: str 
     """runtime=distributed: stage processes loading `cache_dir`'s target, spawned here or joined under torchrun;
     torn down on exit (gracefully unless the body raised)."""
     launched = launched_world()
-    hosted = hosts_first_stage(getattr(cfg, "controller", "auto"), staged.n, cfg.device, launched)
+    hosted = hosts_first_stage(cfg.controller, staged.n, cfg.device, launched)
     threads = threads_for(staged.n, cfg.threads_per_stage, hosted)
     torch.set_num_threads(threads)
     setup = Setup(cache_dir=cache_dir, n=staged.n, bounds=staged.bounds, capture=sorted(set(capture) - {0}),
                   dtype=cfg.dtype, device=cfg.device, threads=threads, step_timeout_s=cfg.timeout_s, hosted=hosted,
-                  width=width or getattr(cfg, "W", 1), slots=sequences_together(cfg),
+                  width=width or cfg.W, slots=sequences_together(cfg),
                   nccl=_gpu_hand_offs(cfg.device, launched, world_size(staged.n, hosted)))
     executor: StageExecutor | None = None
     graceful = True
