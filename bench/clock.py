@@ -13,7 +13,9 @@ rotated one place per prompt, so every arm meets the same machine.
 Each (temperature, prompt, arm) is appended to X.jsonl as it finishes and a run started again skips what is there (a
 long run survives an interruption); X.json holds the summary: per set and temperature, tokens/s pooled over the
 prompts, each arm against AR and against the fastest plain row, the geometric mean of its per-prompt ratios against
-AR, τ (tokens after the first per target forward) for chains, and the count of prompts equal to AR.
+AR, τ (tokens after the first per target forward) for chains, each draft source's verified and accepted drafts, for
+`suffix_branches=true` the share of cycles that ran branch rows and the rows a cycle, and the count of prompts equal
+to AR.
 
     python -m bench.clock --arm "default: method=suffix W=4 datastore=answers+sharegpt" \\
         --arm "selfdraft: method=selfdraft" --hf generate,lookup --out docs/results/clock.json
@@ -57,10 +59,18 @@ def parse_arm(text: str) -> tuple[str, str]:
     return label.strip(), overrides.strip()
 
 
+BRANCH_COUNTS = ("branch_cycles", "branch_rows")    # suffix_branches=true: cycles that ran branch rows, and the rows
+
+
 def engine_run(engine, max_new_tokens: int):
-    """run(key, ids) with this engine's decoder and sampling, seeded per prompt."""
+    """run(key, ids) -> (result, extra) with this engine's decoder and sampling, seeded per prompt; extra: what the
+    drafter's branch rows cost on this prompt, where it runs any."""
     def run(key, ids):
-        return engine.decoder.generate(ids, engine.request(max_new_tokens, seed=seed_of(key)))
+        before = [getattr(engine.drafter, name, 0) for name in BRANCH_COUNTS]
+        result = engine.decoder.generate(ids, engine.request(max_new_tokens, seed=seed_of(key)))
+        if not hasattr(engine.drafter, BRANCH_COUNTS[0]):
+            return result, {}
+        return result, {name: getattr(engine.drafter, name) - b for name, b in zip(BRANCH_COUNTS, before)}
     return run
 
 
@@ -77,19 +87,21 @@ def hf_run(model, pad_id: int, temperature: float, max_new_tokens: int, lookup: 
             start = time.perf_counter()
             with plain_products(model):
                 out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sample)
-            return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
+            return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start), {}
         finally:
             model.config._attn_implementation = kernel
     return run
 
 
-def record(result: GenerationResult) -> dict:
+def record(result: GenerationResult, extra: dict) -> dict:
     stats = result.stats
-    row = {"tokens": len(result.token_ids), "seconds": result.seconds, "crc": hash_tokens(result.token_ids)}
+    row = {"tokens": len(result.token_ids), "seconds": result.seconds, "crc": hash_tokens(result.token_ids), **extra}
     if stats is not None and hasattr(stats, "cycles"):
         row.update(N=stats.N - 1, cycles=stats.cycles)     # τ: tokens after the prefill's per target forward
     elif stats is not None:
         row.update(N=stats.N, K=stats.K)
+    if stats is not None and stats.sources:
+        row["sources"] = {source: list(counts) for source, counts in stats.sources.items()}
     return row
 
 
@@ -114,7 +126,17 @@ def summarise(records: list[dict], arms: list[str], sets: dict[str, list[str]], 
                    "seconds": seconds, "tokens_per_s": tokens / seconds,
                    "equal_ar": sum(by[(t, k, arm)]["crc"] == by[(t, k, "ar")]["crc"] for k in done)}
             if all("cycles" in r for r in rs):
-                row["tau"] = sum(r["N"] for r in rs) / max(1, sum(r["cycles"] for r in rs))
+                cycles = max(1, sum(r["cycles"] for r in rs))
+                row["tau"] = sum(r["N"] for r in rs) / cycles
+                if all(BRANCH_COUNTS[0] in r for r in rs):
+                    row["branch_cycle_share"] = sum(r["branch_cycles"] for r in rs) / cycles
+                    row["branch_rows_per_cycle"] = sum(r["branch_rows"] for r in rs) / cycles
+            if any("sources" in r for r in rs):     # draft source -> [verified, accepted], pooled
+                pooled = {}
+                for r in rs:
+                    for source, (v, a) in r.get("sources", {}).items():
+                        pooled[source] = [pooled.get(source, [0, 0])[0] + v, pooled.get(source, [0, 0])[1] + a]
+                row["sources"] = pooled
             per = [by[(t, k, arm)]["tokens"] / by[(t, k, arm)]["seconds"] /
                    (by[(t, k, "ar")]["tokens"] / by[(t, k, "ar")]["seconds"]) for k in done]
             row["vs_ar_geomean"] = math.exp(sum(map(math.log, per)) / len(per))
@@ -195,7 +217,7 @@ def main() -> int:
                 for label, run in turn:
                     if (t, key, label) in done:
                         continue
-                    rec = {"temperature": t, "key": key, "arm": label, **record(run(key, ids))}
+                    rec = {"temperature": t, "key": key, "arm": label, **record(*run(key, ids))}
                     records.append(rec)
                     out.write(json.dumps(rec) + "\n")
                     out.flush()
