@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -205,11 +206,12 @@ def main() -> int:
                                 hf_run(loaded.model, loaded.tokenizer.pad_token_id or 0, t, args.max_new_tokens,
                                        args.hf_lookup_tokens if h == "lookup" else None)))
         sets = {name: prompt_set(name, args, loaded.tokenizer) for name in args.sets.split(",")}
-        prompts = [p for ps in sets.values() for p in ps]
+        # the sets' prompts alternate, each at every temperature, so a run cut short covers every cell alike
+        prompts = [p for group in itertools.zip_longest(*sets.values()) for p in group if p is not None]
         for t in temperatures:          # warm-up: first calls load kernels and build caches
             for _, run in runs[t]:
                 run("warm-up", prompts[0][1][:32])
-        todo = [(t, i, key, ids) for t in temperatures for i, (key, ids) in enumerate(prompts)
+        todo = [(t, i, key, ids) for i, (key, ids) in enumerate(prompts) for t in temperatures
                 if any((t, key, label) not in done for label, _ in runs[t])]
         with open(log, "a") as out:
             for t, i, key, ids in tqdm(todo, desc="prompts", unit="prompt"):
