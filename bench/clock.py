@@ -161,35 +161,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arm", action="append", default=[], help="'label: key=value ...' (repeatable)")
-    ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--hf", default="", help="transformers rows: generate and/or lookup (comma-separated)")
-    ap.add_argument("--hf-lookup-tokens", type=int, default=8)
-    ap.add_argument("--sets", default="eval,everyday")
-    ap.add_argument("--limit", type=int, default=10, help="first prompts of each eval set")
-    ap.add_argument("--everyday-limit", type=int, default=30)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--out", default="docs/results/clock.json")
-    args = ap.parse_args()
-    temperatures = [float(t) for t in args.temperatures.split(",")]
-    arms = [AR_ARM] + [parse_arm(a) for a in args.arm if parse_arm(a)[0] != "ar"]
-    if len({label for label, _ in arms}) != len(arms):
-        raise SystemExit("--arm: two arms share a label; give each its own")
-    hf = [h for h in args.hf.split(",") if h]
-    if set(hf) - {"generate", "lookup"}:
-        raise SystemExit(f"--hf {args.hf!r}: use generate and/or lookup")
-    labels = [label for label, _ in arms] + [{"generate": "hf_generate", "lookup": "hf_prompt_lookup"}[h] for h in hf]
-
-    log = os.path.splitext(args.out)[0] + ".jsonl"
-    records = []
-    if os.path.exists(log):
-        with open(log) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+def decode(args, arms, hf, temperatures, records: list[dict], log: str) -> dict[str, list[str]]:
+    """Every arm takes its turns on every prompt not yet in `log` (appended there and to `records`); returns each
+    set's prompt keys."""
     done = {(r["temperature"], r["key"], r["arm"]) for r in records}
-
     with contextlib.ExitStack() as stack:
         runs = {}           # temperature -> [(label, run)]
         loaded = None
@@ -223,8 +198,49 @@ def main() -> int:
                     records.append(rec)
                     out.write(json.dumps(rec) + "\n")
                     out.flush()
+    return {name: [k for k, _ in ps] for name, ps in sets.items()}
 
-    keys = {name: [k for k, _ in ps] for name, ps in sets.items()}
+
+def logged_sets(records: list[dict]) -> dict[str, list[str]]:
+    """--report: each set's prompt keys as the log holds them (the everyday set's keys start with "everyday/")."""
+    sets: dict[str, list[str]] = {}
+    for r in records:
+        name = "everyday" if r["key"].startswith("everyday/") else "eval"
+        if r["key"] not in sets.setdefault(name, []):
+            sets[name].append(r["key"])
+    return sets
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arm", action="append", default=[], help="'label: key=value ...' (repeatable)")
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--hf", default="", help="transformers rows: generate and/or lookup (comma-separated)")
+    ap.add_argument("--hf-lookup-tokens", type=int, default=8)
+    ap.add_argument("--sets", default="eval,everyday")
+    ap.add_argument("--limit", type=int, default=10, help="first prompts of each eval set")
+    ap.add_argument("--everyday-limit", type=int, default=30)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--out", default="docs/results/clock.json")
+    ap.add_argument("--report", action="store_true", help="decode nothing: the summary of what X.jsonl holds")
+    args = ap.parse_args()
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    arms = [AR_ARM] + [parse_arm(a) for a in args.arm if parse_arm(a)[0] != "ar"]
+    if len({label for label, _ in arms}) != len(arms):
+        raise SystemExit("--arm: two arms share a label; give each its own")
+    hf = [h for h in args.hf.split(",") if h]
+    if set(hf) - {"generate", "lookup"}:
+        raise SystemExit(f"--hf {args.hf!r}: use generate and/or lookup")
+    labels = [label for label, _ in arms] + [{"generate": "hf_generate", "lookup": "hf_prompt_lookup"}[h] for h in hf]
+
+    log = os.path.splitext(args.out)[0] + ".jsonl"
+    records = []
+    if os.path.exists(log):
+        with open(log) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+
+    keys = logged_sets(records) if args.report else decode(args, arms, hf, temperatures, records, log)
     rows = summarise(records, labels, keys, temperatures)
     write_json(args.out, {"machine": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
                           "threads": torch.get_num_threads(), "python": platform.python_version(),

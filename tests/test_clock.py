@@ -3,7 +3,7 @@ fastest plain row, τ for chains, and equality with AR read from the tokens' che
 
 import pytest
 
-from bench.clock import hash_tokens, parse_arm, summarise
+from bench.clock import hash_tokens, logged_sets, parse_arm, summarise
 
 
 def rec(t, key, arm, tokens, seconds, ids, **extra):
@@ -30,3 +30,9 @@ def test_an_arm_needs_a_label():
     assert parse_arm("default: method=suffix W=4") == ("default", "method=suffix W=4")
     with pytest.raises(SystemExit, match="label"):
         parse_arm("method=suffix")
+
+
+def test_a_report_reads_the_sets_from_the_log():
+    records = [rec(0.0, "mt_bench/81", "ar", 1, 1.0, [1]), rec(1.0, "mt_bench/81", "ar", 1, 1.0, [2]),
+               rec(0.0, "everyday/7", "ar", 1, 1.0, [1]), rec(0.0, "gsm8k/3", "ar", 1, 1.0, [1])]
+    assert logged_sets(records) == {"eval": ["mt_bench/81", "gsm8k/3"], "everyday": ["everyday/7"]}
