@@ -30,22 +30,21 @@ import json
 import math
 import os
 import platform
-import time
 import zlib
 
 import torch
 from tqdm import tqdm
 
 from bench.wallclock_sets import prompt_set
-from bench.wallclock_turns import seed_of
+from bench.wallclock_turns import hf_run, seed_of
 from spd.config import GenerateConfig, load_config
 from spd.decoding import GenerationResult
 from spd.engine import open_engine
 from spd.eval.output import write_json
-from spd.targets.linears import plain_products
 from spd.targets.row_costs import _cpu_name
 
 AR_ARM = ("ar", "method=ar")
+HF_LABELS = {"generate": "hf_generate", "lookup": "hf_prompt_lookup"}     # --hf
 PLAIN = ("ar", "hf_generate")
 
 
@@ -72,25 +71,6 @@ def engine_run(engine, max_new_tokens: int):
         if not hasattr(engine.drafter, BRANCH_COUNTS[0]):
             return result, {}
         return result, {name: getattr(engine.drafter, name) - b for name, b in zip(BRANCH_COUNTS, before)}
-    return run
-
-
-def hf_run(model, pad_id: int, temperature: float, max_new_tokens: int, lookup: int | None):
-    """transformers `generate` as a user has it: SDPA attention and its own products, whatever the suite set."""
-    def run(key, ids):
-        torch.manual_seed(seed_of(key))
-        sample = dict(do_sample=True, temperature=temperature, top_k=50, top_p=1.0) if temperature else \
-            dict(do_sample=False)
-        if lookup:
-            sample["prompt_lookup_num_tokens"] = lookup
-        kernel, model.config._attn_implementation = model.config._attn_implementation, "sdpa"
-        try:
-            start = time.perf_counter()
-            with plain_products(model):
-                out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sample)
-            return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start), {}
-        finally:
-            model.config._attn_implementation = kernel
     return run
 
 
@@ -135,8 +115,9 @@ def summarise(records: list[dict], arms: list[str], sets: dict[str, list[str]], 
             if any("sources" in r for r in rs):     # draft source -> [verified, accepted], pooled
                 pooled = {}
                 for r in rs:
-                    for source, (v, a) in r.get("sources", {}).items():
-                        pooled[source] = [pooled.get(source, [0, 0])[0] + v, pooled.get(source, [0, 0])[1] + a]
+                    for source, (verified, accepted) in r.get("sources", {}).items():
+                        counts = pooled.setdefault(source, [0, 0])
+                        counts[0], counts[1] = counts[0] + verified, counts[1] + accepted
                 row["sources"] = pooled
             per = [by[(t, k, arm)]["tokens"] / by[(t, k, arm)]["seconds"] /
                    (by[(t, k, "ar")]["tokens"] / by[(t, k, "ar")]["seconds"]) for k in done]
@@ -177,9 +158,9 @@ def decode(args, arms, hf, temperatures, records: list[dict], log: str) -> dict[
                 loaded = loaded or engine.session.loaded
                 runs[t].append((label, engine_run(engine, args.max_new_tokens)))
             for h in hf:
-                runs[t].append(({"generate": "hf_generate", "lookup": "hf_prompt_lookup"}[h],
-                                hf_run(loaded.model, loaded.tokenizer.pad_token_id or 0, t, args.max_new_tokens,
-                                       args.hf_lookup_tokens if h == "lookup" else None)))
+                hf_decode = hf_run(loaded.model, loaded.tokenizer.pad_token_id or 0, t, args.max_new_tokens,
+                                   args.hf_lookup_tokens if h == "lookup" else None)
+                runs[t].append((HF_LABELS[h], lambda key, ids, hf_decode=hf_decode: (hf_decode(key, ids), {})))
         sets = {name: prompt_set(name, args, loaded.tokenizer) for name in args.sets.split(",")}
         # the sets' prompts alternate, each at every temperature, so a run cut short covers every cell alike
         prompts = [p for group in itertools.zip_longest(*sets.values()) for p in group if p is not None]
@@ -230,9 +211,9 @@ def main() -> int:
     if len({label for label, _ in arms}) != len(arms):
         raise SystemExit("--arm: two arms share a label; give each its own")
     hf = [h for h in args.hf.split(",") if h]
-    if set(hf) - {"generate", "lookup"}:
+    if set(hf) - set(HF_LABELS):
         raise SystemExit(f"--hf {args.hf!r}: use generate and/or lookup")
-    labels = [label for label, _ in arms] + [{"generate": "hf_generate", "lookup": "hf_prompt_lookup"}[h] for h in hf]
+    labels = [label for label, _ in arms] + [HF_LABELS[h] for h in hf]
 
     log = os.path.splitext(args.out)[0] + ".jsonl"
     records = []

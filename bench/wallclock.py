@@ -43,7 +43,6 @@ from spd.methods import AR, CHAIN, PIPELINE, SUFFIX_MODULE
 from spd.runtime.stages import open_stages
 from spd.session import open_session
 from spd.targets.loading import load_target
-from spd.targets.linears import plain_products
 from spd.targets.stages import StagedTarget
 from spd.drafters.suffix import Retrieval, SuffixDrafter
 from spd.retrieval import open_datastore
@@ -51,7 +50,7 @@ from spd.targets.row_costs import cached_row_costs
 from bench.wallclock_sets import REPEAT_SPAN, prompt_set, summarise_set
 from bench.wallclock_table import markdown
 from bench.wallclock_distributed import distributed_rows
-from bench.wallclock_turns import decode_interleaved, params_for, seed_of
+from bench.wallclock_turns import decode_interleaved, hf_run, params_for, seed_of
 from bench.wallclock_variants import SuffixVariant, UnkeyedRequest
 
 PLAIN = "float32-plain"      # --dtypes: the float32 target multiplying with F.linear (spd.targets.panel off)
@@ -135,24 +134,8 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
         for temperature in args.temperatures:
             params = params_for(temperature)
 
-            def hf(key, ids, lookup=None, temperature=temperature, model=target.model):
-                from spd.decoding import GenerationResult
-
-                torch.manual_seed(seed_of(key))
-                sample = dict(do_sample=True, temperature=temperature, top_k=50, top_p=1.0) if temperature else \
-                    dict(do_sample=False)
-                if lookup:   # transformers' prompt-lookup decoding: what a user has with one argument
-                    sample["prompt_lookup_num_tokens"] = lookup
-                kernel = model.config._attn_implementation
-                model.config._attn_implementation = "sdpa"    # transformers as a user has it, whatever the suite set
-                try:
-                    start = time.perf_counter()
-                    with plain_products(model):                 # and its own products (spd.targets.linears)
-                        out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
-                                             pad_token_id=loaded.tokenizer.pad_token_id or 0, **sample)
-                    return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
-                finally:
-                    model.config._attn_implementation = kernel
+            pad = loaded.tokenizer.pad_token_id or 0
+            hf = hf_run(target.model, pad, temperature, args.max_new_tokens)
 
             twin = dtype == REPEAT_KV     # one row changes with the attention kernel: the drafted (AR is one row)
             for keyed in [] if twin else twins(temperature):
@@ -164,7 +147,7 @@ def single_process_rows(args, prompts, cores: int, loaded, others=()) -> list[di
                 continue
             if not (args.skip_hf or twin):
                 put({"method": "hf_prompt_lookup", "temperature": temperature, "draft_length": args.hf_lookup_tokens},
-                    lambda key, ids, hf=hf: hf(key, ids, lookup=args.hf_lookup_tokens))
+                    hf_run(target.model, pad, temperature, args.max_new_tokens, args.hf_lookup_tokens))
             stores = ([] if args.skip_suffix_alone and retrieval else [(None, None)]) + retrieval
             priors = [False, True] if temperature and args.prior_ab else [False]
             recalls = [True, False] if temperature and args.recall_ab else [True]

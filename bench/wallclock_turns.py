@@ -3,16 +3,41 @@ the rows of one field take turns on each prompt so that a machine whose speed dr
 
 from __future__ import annotations
 
+import time
 import zlib
 
+import torch
 from tqdm import tqdm
 
+from spd.decoding import GenerationResult
 from spd.sampling import SamplingParams
+from spd.targets.linears import plain_products
 
 
 def params_for(temperature: float) -> SamplingParams:
     """How every row samples at `temperature` (T = 0: greedy; T > 0: top-k 50, top-p 1)."""
     return SamplingParams() if temperature == 0 else SamplingParams(temperature=temperature, top_k=50, top_p=1.0)
+
+
+def hf_run(model, pad_id: int, temperature: float, max_new_tokens: int, lookup: int | None = None):
+    """run(key, ids) -> GenerationResult with transformers `generate` as a user has it: SDPA attention and its own
+    products whatever the suite set, sampled as params_for(temperature) samples, seeded per prompt; lookup: its
+    prompt-lookup decoding (`prompt_lookup_num_tokens`)."""
+    def run(key, ids):
+        torch.manual_seed(seed_of(key))
+        sample = dict(do_sample=True, temperature=temperature, top_k=50, top_p=1.0) if temperature else \
+            dict(do_sample=False)
+        if lookup:
+            sample["prompt_lookup_num_tokens"] = lookup
+        kernel, model.config._attn_implementation = model.config._attn_implementation, "sdpa"
+        try:
+            start = time.perf_counter()
+            with plain_products(model):
+                out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sample)
+            return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
+        finally:
+            model.config._attn_implementation = kernel
+    return run
 
 
 def seed_of(key: str) -> int:
