@@ -70,6 +70,11 @@ def rows(target, compile: bool) -> dict:
         "eagle3_device": (lambda: DeviceChainDecoder(staged, frozenset(), None, 5,
                                                      device_drafter=Eagle3DeviceDrafter(eagle3(), staged.embed)),
                           "EAGLE-3's chain drafted inside the device step (the same module)"),
+        "eagle3_tree": (lambda: ChainDecoder(staged, Eagle3Drafter(eagle3(), staged.embed), frozenset(), 5, 4, 16),
+                        "EAGLE-3's dynamic trees today (W = 4, 16 nodes)"),
+        "eagle3_tree_device": (lambda: DeviceChainDecoder(staged, frozenset(), None, 5, width=4, budget=16,
+                                                          device_drafter=Eagle3DeviceDrafter(eagle3(), staged.embed)),
+                               "EAGLE-3's dynamic trees drafted inside the device step"),
         "spd_n2": (lambda: PipelineDecoder(two, ModuleDrafter(spd_module()), frozenset()),
                    "SPD's pipeline today, n = 2, one process (an untrained module)"),
         "spd_n2_device": (lambda: DevicePipelineDecoder(two, spd_module(), frozenset()),
@@ -91,6 +96,9 @@ def rows(target, compile: bool) -> dict:
                                                                     device_drafter=Eagle3DeviceDrafter(
                                                                         eagle3(), staged.embed)),
                                          "EAGLE-3's chain inside the device step, compiled")
+        out["eagle3_tree_device_compiled"] = (lambda: DeviceChainDecoder(
+            staged, frozenset(), None, 5, compile="inductor", width=4, budget=16,
+            device_drafter=Eagle3DeviceDrafter(eagle3(), staged.embed)), "EAGLE-3's trees inside the step, compiled")
         out["spd_n2_device_compiled"] = (lambda: DevicePipelineDecoder(two, spd_module(), frozenset(),
                                                                        compile="inductor"),
                                          "SPD's pipeline step on the device, n = 2, compiled")

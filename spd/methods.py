@@ -48,7 +48,7 @@ class Method:
                                       # the W best by cumulative log q alone
     sources: tuple[str, ...] = ()     # the draft_source= values it takes, its default first (none: no choice)
     device_step: bool = False         # runs through the device step (spd.runtime.device_step, runtime=device)
-    device_trees: bool = False        # ... with W > 1 too (its trees drafted on the host, verified in the step)
+    device_trees: bool = False        # ... with W > 1 too (trees drafted on the host, or by its device drafter)
     device_drafter: str | None = None  # "module:function" building the drafter that drafts inside the device step
 
     def prices(self, source: str | None) -> bool:
@@ -99,7 +99,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("eagle3", "EAGLE-3", CHAIN, "eagle3", fast_evaluator="spd.eval.fast_chain:fast_eagle3_eval",
            draft_length=5, drafter="spd.drafters.suffix_eagle3:chain_drafter",
            objective="spd.train.methods:Eagle3Objective", replays_trees=True, sources=(MODULE, SUFFIX_MODULE),
-           device_step=True, device_drafter="spd.drafters.eagle3_device:device_drafter"),
+           device_step=True, device_trees=True, device_drafter="spd.drafters.eagle3_device:device_drafter"),
     # 7: 8 target rows a cycle, which a CPU computes faster than 7; m = 15 is predicted 7% better on 512-token answers
     # but a miss costs it 16 rows, which short answers pay (docs/speed-cpu.md, "The lookup chain's settings")
     Method("lookup", "Context lookup", CHAIN, None, fast_evaluator="spd.eval.fast_chain:fast_lookup_eval",

@@ -1,5 +1,6 @@
 """Trees and EAGLE-3's module through the device step (spd.runtime.device_step): a tree of W children a node verified
-under its ancestor mask with its accepted path moved down in the cache, and EAGLE-3's chain drafted inside the step.
+under its ancestor mask with its accepted path moved down in the cache, and EAGLE-3's chain and tree drafted inside
+the step.
 Lossless (greedy = AR, keyed sampling = AR's keyed draws, the target's distribution by chi-square with its power
 check), compiled whole with `fullgraph=True`, and no host read inside a step."""
 
@@ -28,11 +29,11 @@ def tree_decoder(target, drafter=SuffixDrafter, width=4, budget=12, compile=None
                               budget=budget)
 
 
-def eagle3_decoder(target, k=4, compile=None):
+def eagle3_decoder(target, k=4, compile=None, width=1, budget=None):
     staged = StagedTarget(target, 1)
     module = Eagle3Module.from_target(staged, seed=1)
-    return DeviceChainDecoder(staged, frozenset(), None, k, compile, device_drafter=Eagle3DeviceDrafter(
-        module, staged.embed)), module
+    return DeviceChainDecoder(staged, frozenset(), None, k, compile, width=width, budget=budget,
+                              device_drafter=Eagle3DeviceDrafter(module, staged.embed)), module
 
 
 def lookup():
@@ -131,8 +132,8 @@ def test_eagle3_drafts_on_the_device_what_its_host_drafter_drafts():
     on_device, on_host = [], []
     draft, chain = device.device_drafter.draft, host_drafter.chain
 
-    def record_device(root, drafts):
-        draft(root, drafts)
+    def record_device(root, drafts, tree):
+        draft(root, drafts, tree)
         on_device.append(drafts.tolist())
 
     def record_host(m, propose):
@@ -147,16 +148,74 @@ def test_eagle3_drafts_on_the_device_what_its_host_drafter_drafts():
     assert len({token for chain in on_host for token in chain}) > 3      # drafts that vary: the rows were read
 
 
+def test_eagle3_trees_equal_ar(family_model, untied_target_dir, small_vocab_model):
+    """EAGLE-3's dynamic tree drafted inside the step: greedy and keyed sampling equal AR's on every family; on the
+    16-token vocabulary its W = 3 children are often the target's choice, so paths through the tree are kept."""
+    family, model = family_model
+    kept = 0
+    for target in (model, load_target(untied_target_dir).model, small_vocab_model):
+        device, _ = eagle3_decoder(target, 4, width=3, budget=10)
+        for params, seed in [(GREEDY, None), (SAMPLED, 3), (SAMPLED, 4)]:
+            p = prompt(12, vocab=target.config.vocab_size)
+            assert device.generate(p, Request(40, params, seed)).token_ids == \
+                ar_run(target, p, 40, params, seed=seed).token_ids, (family, params)
+            kept += device.stats.accepted
+    assert kept > 0
+
+
+def test_eagle3_trees_on_the_device_are_its_host_trees():
+    """Inside the step the module grows the tree spd.drafters.eagle3 grows on the host: the same nodes in the same
+    rows under the same parents, cycle by cycle (a wrong temporary slot, ancestor mask or tie would change them)."""
+    target = tiny_model("llama", num_layers=4)
+    device, module = eagle3_decoder(target, 4, width=3, budget=10)
+    host_drafter = Eagle3Drafter(module, device.target.embed)
+    host = ChainDecoder(StagedTarget(target, 1), host_drafter, frozenset(), 4, width=3, budget=10)
+    on_device, on_host = [], []
+    draft_tree, host_tree = device.device_drafter.draft_tree, host_drafter.draft_tree
+
+    def record_device(root, drafts, tree):
+        draft_tree(root, drafts, tree)
+        on_device.append((drafts.tolist(), tree.parent[1: len(drafts) + 1].tolist()))
+
+    def record_host(root, m, width, budget, propose):
+        out = host_tree(root, m, width, budget, propose)
+        on_host.append((out.tokens()[1:], list(out.parents)))
+        return out
+    device.device_drafter.draft_tree, host_drafter.draft_tree = record_device, record_host
+    p = prompt(12, vocab=target.config.vocab_size)
+    assert device.generate(p, Request(40, GREEDY)).token_ids == host.generate(p, Request(40, GREEDY)).token_ids
+    assert on_device[: len(on_host)] == on_host and len(on_host) == host.stats.cycles
+    assert len({tuple(parents) for _, parents in on_host}) > 1      # shapes that vary: the scores were read
+
+
+def test_the_eagle3_tree_samples_the_target_distribution(small_vocab_model, monkeypatch):
+    """T = 1, EAGLE-3's W = 3 trees on a 16-token vocabulary: the chi-square passes; keeping a node whenever it is
+    the target's argmax is rejected by the same test."""
+    dist = exact_distribution(small_vocab_model, PARAMS)
+
+    def counts(seed):
+        return answer_counts(eagle3_decoder(small_vocab_model, 3, width=3, budget=8)[0], SHORT, seed)
+    assert chi2_pvalue(counts(23), dist, SHORT) > ALPHA
+    choose = DeviceStep.choose
+
+    def argmax_for_drafts(self, logits):
+        chosen = choose(self, logits)
+        return torch.where(self.rows < self.state.drafts, logits.argmax(-1), chosen) if len(chosen) > 1 else chosen
+    monkeypatch.setattr(DeviceStep, "choose", argmax_for_drafts)
+    assert chi2_pvalue(counts(24), dist, SHORT) < ALPHA
+
+
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("kind", ["tree", "eagle3"])
+@pytest.mark.parametrize("kind", ["tree", "eagle3", "eagle3_tree"])
 def test_the_step_compiles_whole_and_reads_nothing_back(params, kind):
     """torch.compile(fullgraph=True) traces the tree's and EAGLE-3's whole step (a graph break would raise), and an
     eager step reads no value back (the decoder's one read a cycle happens after it)."""
     target = tiny_model("llama", num_layers=2)
     p = prompt(5, vocab=target.config.vocab_size)
     request = Request(24, params, 1)
-    make = (lambda c: tree_decoder(target, lookup, 2, 6, c)) if kind == "tree" else \
-        (lambda c: eagle3_decoder(target, 4, c)[0])
+    make = {"tree": lambda c: tree_decoder(target, lookup, 2, 6, c),
+            "eagle3": lambda c: eagle3_decoder(target, 4, c)[0],
+            "eagle3_tree": lambda c: eagle3_decoder(target, 3, c, width=2, budget=6)[0]}[kind]
     assert make("aot_eager").generate(p, request).token_ids == ar_run(target, p, 24, params, seed=1).token_ids
     device = make(None)
     device.generate(p, request)

@@ -127,7 +127,6 @@ def test_the_in_process_runtimes_open_their_executors():
 @pytest.mark.parametrize("overrides,needle", [
     (dict(runtime="device", method="flowspec"), "method=flowspec has no device step: use one of those, or "
                                                 "runtime=local"),
-    (dict(runtime="device", method="eagle3", W=4), "runtime=device verifies method=eagle3's chains; W=4 asks for trees"),
     (dict(runtime="device", method="spd", W=4), "runtime=device verifies method=spd's chains; W=4 asks for trees"),
     (dict(runtime="device", method="spd", draft_source="lookup+module"), "with its module alone; drop draft_source"),
     (dict(compile=True), "compile=true compiles the device step of runtime=device; add it, or drop compile"),
@@ -137,12 +136,14 @@ def test_the_device_runtime_takes_the_methods_that_have_a_step(overrides, needle
         check_decoding(config(**overrides))
     assert needle in str(err.value)
     check_decoding(config(runtime="device", method="lookup", device="cuda", cuda_graphs=True, compile=True))
-    for method, width in [("suffix", 4), ("lookup", 4), ("eagle3", 1), ("spd", 1), ("ppsd", 1), ("ar", 1)]:
+    for method, width in [("suffix", 4), ("lookup", 4), ("eagle3", 1), ("eagle3", 4), ("spd", 1), ("ppsd", 1),
+                          ("ar", 1)]:
         check_decoding(config(runtime="device", method=method, W=width))
 
 
 @pytest.mark.parametrize("keys,kind", [(["method=lookup"], "host"), (["method=ar"], "none"),
                                        (["method=suffix", "W=4"], "host"), (["method=eagle3"], "device"),
+                                       (["method=eagle3", "W=3", "tree_nodes=8"], "device"),
                                        (["method=spd", "n=2"], "pipeline")])
 def test_runtime_device_decodes_through_the_device_step(tiny_target_dir, keys, kind):
     """The engine builds the device step's decoder for runtime=device (a host drafter, EAGLE-3's module drafting
@@ -163,6 +164,7 @@ def test_runtime_device_decodes_through_the_device_step(tiny_target_dir, keys, k
     else:
         assert isinstance(decoder, DeviceChainDecoder)
         assert (decoder.drafter is not None, decoder.device_drafter is not None) == (kind == "host", kind == "device")
+        assert decoder.width == (3 if "W=3" in keys else 4 if "W=4" in keys else 1)
     assert device == answer("method=ar")[0]
 
 

@@ -21,17 +21,20 @@ class DeviceChainDecoder(Decoder):
                  k: int = 7, compile: str | None = None, cuda_graphs: bool = False, width: int = 1,
                  budget: int | None = None, device_drafter=None):
         """k: draft depth a cycle; width: children per node (W; 1 = a chain); budget: drafted nodes a cycle (W > 1;
-        None: k). device_drafter: drafts inside the step (then `drafter` is None and every cycle verifies k)."""
+        None: k). device_drafter: drafts inside the step (then `drafter` is None and every cycle verifies its k drafts,
+        or with W > 1 its tree of `budget` nodes)."""
         if drafter is not None and drafter.layers_needed():
             raise ValueError(f"{type(drafter).__name__} reads the target's hidden states; the device step hands a "
                              "host drafter only the verified tokens and the target's margin")
-        if width > 1 and (drafter is None or not drafter.branches):
+        if width > 1 and device_drafter is None and (drafter is None or not drafter.branches):
             raise ValueError(f"W={width}: {type(drafter).__name__} drafts chains only (W = 1)")
         self.target, self.eos_ids, self.drafter, self.device_drafter = target, eos_ids, drafter, device_drafter
-        self.width = width
         drafting = drafter is not None or device_drafter is not None
         self.k = 0 if not drafting else min(k, ROWS[-1] - 1)
         self.budget = min(budget or self.k, ROWS[-1] - 1) if width > 1 else self.k
+        if width > 1 and device_drafter is not None:    # a fixed tree: as many nodes as it has candidates at most
+            self.budget = min(self.budget, device_drafter.candidates(self.k, width))
+        self.width = 1 if device_drafter is not None and self.budget < 2 else width
         self.buckets = [self.budget + 1] if device_drafter is not None else \
             sorted(set(r for r in ROWS if r < self.budget + 1) | {self.budget + 1})
         self.compile, self.cuda_graphs = compile, cuda_graphs
@@ -68,8 +71,9 @@ class DeviceChainDecoder(Decoder):
         top2 = logits.float().topk(2).values
         state.out[0], state.out[1], state.out[2] = 1, top2[0] - top2[1], state.tokens[0]
         if self.device_drafter is not None:
-            self.device_drafter.start(cache.max_length, captured, prompt_ids, state.tokens[:1], state.tokens[1:])
-            state.drafts.fill_(self.k)
+            self.device_drafter.start(cache.max_length, captured, prompt_ids, state.tokens[:1], state.tokens[1:],
+                                      self.k, self.width, state if self.width > 1 else None)
+            state.drafts.fill_(self.budget)
         values = self.read(state, host)
         tokens = list(prompt_ids)
         stats = self.stats = ChainStats(m=self.k)
@@ -99,12 +103,11 @@ class DeviceChainDecoder(Decoder):
                 if self.steps[rows].tree:
                     state.set_tree(tree, rows)
                 state.drafts.fill_(drafted)
-                depths = tree.depths() + [0] * (rows - len(tree))
+                deepest = max(tree.depths())
             else:
-                depths = list(range(rows))
+                deepest = min(self.k, rows - 1)
             if draws is not None:     # the noise is known before the target reads the rows (after the root's position)
-                noise = gumbel(draws, len(tokens), max(depths) + 1)
-                state.noise[:rows].copy_(noise[depths], non_blocking=True)
+                state.noise[: deepest + 1].copy_(gumbel(draws, len(tokens), deepest + 1), non_blocking=True)
             self.steps[rows].run()
             values = self.read(state, host)
             stats.cycles += 1

@@ -45,7 +45,8 @@ class StepState:
     """What every step of one cache shares, in device tensors: `tokens` [R] (the root, then its drafts), `drafts` []
     (how many of tokens[1:] are real; the rest are padding that is never kept), `position` [] (the root's position),
     a tree's `depth` [R], `parent` [R] and `ancestors` [R, R] (row i sees row j: j is i or above it), `noise` [R, V]
-    (sampling: the Gumbel noise of the position each row chooses), `out` [R + 2] (what the host reads: the count c
+    (sampling: the Gumbel noise of the positions after the root's, by depth: a row at depth d chooses with
+    noise[d]), `out` [R + 2] (what the host reads: the count c
     of verified tokens, the target's margin where it chose the last of them, the verified tokens; float64 holds
     token ids exactly)."""
 
@@ -156,10 +157,15 @@ class DeviceStep(Graphed):
         """Not the caches: their rows past the position are hidden, and a warm-up's writes at or before it hold
         what the real step writes there."""
         state = self.state
-        return [state.tokens, state.position] + (self.drafter.mutable() if self.drafter is not None else [])
+        drafted = self.drafter.mutable() if self.drafter is not None else []
+        shape = [state.depth, state.parent, state.ancestors] if self.tree and self.drafter is not None else []
+        return [state.tokens, state.position] + drafted + shape
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        return choose(logits, self.params, self.state.noise)
+        noise = self.state.noise
+        if self.tree and noise is not None:     # the noise is the position's: each row's from its depth
+            noise = noise.index_select(0, self.state.depth[: len(self.rows)])
+        return choose(logits, self.params, noise)
 
     def forward(self, tokens: torch.Tensor):
         """The target over the rows: (hidden [1, r, d], {layer: H^l [1, r, d]} for the drafter's layers)."""
@@ -221,5 +227,5 @@ class DeviceStep(Graphed):
         state.position.add_(kept + 1)
         tokens[:1] = chosen.gather(0, best.view(1))
         if self.drafter is not None:
-            self.drafter.draft(state.tokens[:1], state.tokens[1:r])
+            self.drafter.draft(state.tokens[:1], state.tokens[1:r], state if self.tree else None)
         return state.out
