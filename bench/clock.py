@@ -15,7 +15,7 @@ long run survives an interruption); X.json holds the summary: per set and temper
 prompts, each arm against AR and against the fastest plain row, the geometric mean of its per-prompt ratios against
 AR, τ (tokens after the first per target forward) for chains, each draft source's verified and accepted drafts, for
 `suffix_branches=true` the share of cycles that ran branch rows and the rows a cycle, and the count of prompts equal
-to AR.
+to AR; `per_source` the same per benchmark (MT-Bench, GSM8K, HumanEval, everyday), as the rows of a paper's Table 1.
 
     python -m bench.clock --arm "default: method=suffix W=4 datastore=answers+sharegpt" \\
         --arm "selfdraft: method=selfdraft" --hf generate,lookup --out docs/results/clock.json
@@ -192,6 +192,16 @@ def logged_sets(records: list[dict]) -> dict[str, list[str]]:
     return sets
 
 
+def by_source(sets: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The sets split by where each prompt comes from (the key's prefix: mt_bench, gsm8k, humaneval, everyday): the
+    per-benchmark rows of the paper's Table 1."""
+    out: dict[str, list[str]] = {}
+    for keys in sets.values():
+        for key in keys:
+            out.setdefault(key.split("/")[0], []).append(key)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arm", action="append", default=[], help="'label: key=value ...' (repeatable)")
@@ -223,11 +233,14 @@ def main() -> int:
 
     keys = logged_sets(records) if args.report else decode(args, arms, hf, temperatures, records, log)
     rows = summarise(records, labels, keys, temperatures)
+    per_source = summarise(records, labels, by_source(keys), temperatures)
     write_json(args.out, {"machine": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
                           "threads": torch.get_num_threads(), "python": platform.python_version(),
                           "target": args.target, "max_new_tokens": args.max_new_tokens,
-                          "arms": dict(arms), "hf_lookup_tokens": args.hf_lookup_tokens, "rows": rows})
+                          "arms": dict(arms), "hf_lookup_tokens": args.hf_lookup_tokens, "rows": rows,
+                          "per_source": per_source})
     print(table(rows))
+    print("\nper source of prompts:\n" + table(per_source))
     return 0
 
 

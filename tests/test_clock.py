@@ -3,7 +3,7 @@ fastest plain row, τ for chains, and equality with AR read from the tokens' che
 
 import pytest
 
-from bench.clock import hash_tokens, logged_sets, parse_arm, summarise
+from bench.clock import by_source, hash_tokens, logged_sets, parse_arm, summarise
 
 
 def rec(t, key, arm, tokens, seconds, ids, **extra):
@@ -36,3 +36,9 @@ def test_a_report_reads_the_sets_from_the_log():
     records = [rec(0.0, "mt_bench/81", "ar", 1, 1.0, [1]), rec(1.0, "mt_bench/81", "ar", 1, 1.0, [2]),
                rec(0.0, "everyday/7", "ar", 1, 1.0, [1]), rec(0.0, "gsm8k/3", "ar", 1, 1.0, [1])]
     assert logged_sets(records) == {"eval": ["mt_bench/81", "gsm8k/3"], "everyday": ["everyday/7"]}
+
+
+def test_the_per_source_rows_split_the_sets_by_benchmark():
+    sets = {"eval": ["mt_bench/81", "gsm8k/3", "mt_bench/82", "humaneval/HumanEval_0"], "everyday": ["everyday/7"]}
+    assert by_source(sets) == {"mt_bench": ["mt_bench/81", "mt_bench/82"], "gsm8k": ["gsm8k/3"],
+                               "humaneval": ["humaneval/HumanEval_0"], "everyday": ["everyday/7"]}
