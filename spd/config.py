@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from spd.runtime import RUNTIMES, runtime   # torch-free packages: the names and capabilities only
 from spd.targets import DTYPE_NAMES
 from spd.errors import UserError
-from spd.methods import AR, DECODING_METHODS, METHODS, MODULE, PIPELINE
+from spd.methods import AR, DECODING_METHODS, METHOD_KEYS, METHODS, MODULE, PIPELINE, own_keys
 from spd.spec import DecodeKeys
 
 
@@ -182,9 +182,8 @@ def check_decoding(cfg) -> None:
         raise UserError(f"device={cfg.device!r} is not a device; use cpu, cuda, cuda:<index> or mps")
     at_least(cfg, "n", 1, " (pipeline stages)")
     at_least(cfg, "draft_length", 1, " (a chain's draft tokens per cycle)")
-    at_least(cfg, "branches", 0, " (selfdraft's draft branches; 0 = the corpus n-grams alone)")
-    at_least(cfg, "branch_length", 1, " (tokens a selfdraft branch keeps)")
-    at_least(cfg, "gram", 2, " (selfdraft's n-gram length: a key and at least one token)")
+    for keys in METHOD_KEYS.values():        # each method's own keys check themselves
+        own_keys(keys, cfg).check()
     at_least(cfg, "lookup_min_ngram", 1, " (tokens a context match needs)")
     at_least(cfg, "W", 1, " (children per draft-tree node; 1 = a chain)")
     at_least(cfg, "tree_nodes", 1, " (drafted nodes per verification)")

@@ -10,7 +10,9 @@ when first used (`behaviour`), as vLLM's model registry names its classes."""
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from spd.errors import UserError
 
 PIPELINE, SEGMENTS, CHAIN, AR = "pipeline", "segments", "chain", "ar"
 
@@ -50,6 +52,9 @@ class Method:
     device_step: bool = False         # runs through the device step (spd.runtime.device_step, runtime=device)
     device_trees: bool = False        # ... with W > 1 too (trees drafted on the host, or by its device drafter)
     device_drafter: str | None = None  # "module:function" building the drafter that drafts inside the device step
+    keys: type | None = None          # its own keys: a dataclass of flat keys (default and meaning beside each, a
+                                      # `check`), joined into every decoding command's config (spd.spec.DecodeKeys)
+                                      # and handed to drafter factories under the method's name
 
     def prices(self, source: str | None) -> bool:
         """Its drafter, drafting from `source`, prices each cycle with this machine's row costs (spd.pricing)."""
@@ -92,6 +97,32 @@ _PIPELINED = dict(module="speculation", sources=(MODULE, LOOKUP_MODULE), fast_ev
                   drafter="spd.drafters.hybrid:pipelined_drafter", objective="spd.train.methods:PipelinedObjective",
                   device_step=True)
 
+@dataclass
+class SelfDraftKeys:
+    """method=selfdraft's own keys (suffix_branches=true reads them too)."""
+    branches: int = 6                    # method=selfdraft (and suffix_branches): N, draft branches run beside each
+                                         # verification forward (suffix_branches: at most N, as the pricing decides)
+    branch_length: int = 6               # method=selfdraft, suffix_branches: L, tokens a draft branch keeps (its
+                                         # oldest dropped past L)
+    gram: int = 4                        # method=selfdraft, suffix_branches: G, the n-grams its context and corpus
+                                         # caches keep (a candidate is the G - 1 tokens after the newest token;
+                                         # draft_length caps it)
+    corpus_ngrams: bool = True           # method=selfdraft: the ShareGPT datastore's n-grams fill the candidates the
+                                         # branches' leave (built once per tokenizer, cached); false: branches alone
+
+    def check(self) -> None:
+        for name, low, what in (("branches", 0, "selfdraft's draft branches; 0 = the corpus n-grams alone"),
+                                ("branch_length", 1, "tokens a selfdraft branch keeps"),
+                                ("gram", 2, "selfdraft's n-gram length: a key and at least one token")):
+            if getattr(self, name) < low:
+                raise UserError(f"{name}={getattr(self, name)} must be a finite number >= {low} ({what})")
+
+
+def own_keys(method_keys: type, cfg) -> object:
+    """A method's own keys (Method.keys) with a config's values (any object with the flat keys)."""
+    return method_keys(**{f.name: getattr(cfg, f.name) for f in fields(method_keys)})
+
+
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("spd", "SPD", PIPELINE, plan=Plan(), **_PIPELINED),
     Method("ppsd", "PPSD", PIPELINE, plan=Plan(single=1, after_step=True), **_PIPELINED),
@@ -111,7 +142,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            device_step=True, device_trees=True),
     # Self-Draft (Multi-Branch Self-Drafting): N draft branches ride in each verification forward, their n-grams and a
     # corpus's are the candidates; 3: a candidate's tokens after its key at the default gram=4 (G - 1)
-    Method("selfdraft", "Self-Draft", CHAIN, None, draft_length=3, drafter="spd.drafters.selfdraft:chain_drafter"),
+    Method("selfdraft", "Self-Draft", CHAIN, None, draft_length=3, drafter="spd.drafters.selfdraft:chain_drafter",
+           keys=SelfDraftKeys),
     # PipeDec: a draft model as the first stage grows the tree one layer per step (W = w nodes a layer, children
     # = c per leaf); greedy eval replays it over the target's traces with its draft model running
     Method("pipedec", "PipeDec", PIPELINE, None, drafter="spd.drafters.draft_model:pipelined_drafter",
@@ -128,6 +160,7 @@ TRAINED_METHODS = tuple(name for name, m in METHODS.items() if m.trained)
 DRAFTING_METHODS = tuple(name for name, m in METHODS.items() if m.decoder != AR)
 
 DRAFT_SOURCES = tuple(dict.fromkeys(source for m in METHODS.values() for source in m.sources))
+METHOD_KEYS = {name: m.keys for name, m in METHODS.items() if m.keys is not None}     # method -> its own keys
 
 
 def method(name: str) -> Method:

@@ -16,7 +16,6 @@ from spd.eagle3_module import Eagle3Module
 from spd.errors import UserError
 from spd.methods import AR, METHODS, MODULE, behaviour, module_class
 from spd.drafters.suffix import Retrieval, SuffixMemory
-from spd.drafters.selfdraft import CorpusNgrams, corpus_ngrams
 from spd.module import SpeculationModule
 from spd.pricing import RowCosts
 from spd.prompts import conversation_ids
@@ -41,7 +40,6 @@ class Caches:
     row_costs: RowCosts | None = None  # suffix with draft_pricing: this machine's forward cost by rows
     memory: SuffixMemory | None = None  # suffix with suffix_memory: earlier requests, one memory for every drafter
     retrieval: Retrieval | None = None  # suffix with datastore=: a corpus's continuations are candidates too
-    corpus: CorpusNgrams | None = None  # selfdraft with corpus_ngrams: the ShareGPT datastore's n-grams
 
 
 @dataclass
@@ -63,11 +61,11 @@ class Session:
     def inputs(self, use_cache: bool | None = None) -> dict:
         """What a drafter factory may ask for, by parameter name (spd.methods names the factories)."""
         spec, caches = self.spec, self.caches
-        return dict(spec=spec, lookup=spec.lookup, suffix=spec.suffix, selfdraft=spec.selfdraft,
+        return dict(spec=spec, lookup=spec.lookup, suffix=spec.suffix, **spec.options,
                     draft_source=spec.draft_source, module=self.module, embed=self.staged.embed,
                     use_cache=spec.module.cache if use_cache is None else use_cache, draft_model=self.draft_model,
                     row_costs=caches.row_costs, memory=caches.memory, retrieval=caches.retrieval,
-                    corpus=caches.corpus)
+                    tokenizer=self.loaded.tokenizer, vocab_size=self.loaded.model.config.vocab_size)
 
     def build(self, factory: str, use_cache: bool | None = None):
         """A "module:function" factory called with the inputs its keyword parameters name: each factory declares
@@ -186,14 +184,14 @@ def open_module(spec: DecodeSpec, method: str, ckpt: dict | None, path: str | No
 
 
 def open_caches(spec: DecodeSpec, caches: Caches, staged: StagedTarget, loaded: LoadedTarget) -> None:
-    """What the resolved method's drafter reads beyond the spec: the row costs, the suffix memory and datastore,
-    the corpus n-grams."""
+    """What the resolved method's drafter reads beyond the spec: the row costs, the suffix memory and datastore."""
     method, suffix = METHODS[spec.method], spec.suffix
     if method.prices(spec.draft_source):
         tree = spec.tree
         if suffix.draft_pricing:
             # with Self-Draft's branches (spd.drafters.suffix_branches), every row they may add is priced too
-            side = spec.selfdraft.branches * spec.selfdraft.branch_length \
+            branches = spec.options["selfdraft"]
+            side = branches.branches * branches.branch_length \
                 if suffix.branches and "suffix" in asks(method.drafter) else 0
             rows = 1 + (tree.nodes if tree.width > 1 else spec.draft_length)
             caches.row_costs = cached_row_costs(staged, rows + side)
@@ -205,8 +203,6 @@ def open_caches(spec: DecodeSpec, caches: Caches, staged: StagedTarget, loaded: 
     elif suffix.datastore:
         raise UserError(f"datastore= is read by method=suffix (and method=eagle3 draft_source=suffix+module); "
                         f"method={spec.method} drafts without it; drop datastore= or choose method=suffix")
-    if "corpus" in asks(method.drafter) and spec.selfdraft.corpus_ngrams:
-        caches.corpus = corpus_ngrams(loaded.tokenizer, loaded.model.config.vocab_size, spec.selfdraft.gram)
 
 
 def asks(factory: str | None) -> frozenset[str]:

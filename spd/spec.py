@@ -1,7 +1,8 @@
-"""One decoding spec. The keys every decoding command shares (generate, chat, serve, eval) are declared once, flat, in
-`DecodeKeys` — the command line's and YAML's `method=suffix W=4 temperature=1` — each beside its meaning; every
-command's config inherits them. `DecodeSpec` is the typed view a run decodes with: the method, each method's own
-options in a small group, the module, the stages, the runtime and the sampling. `DecodeSpec.of(cfg)` builds it from a
+"""One decoding spec. The keys every decoding command shares (generate, chat, serve, eval) are declared once, flat —
+the command line's and YAML's `method=suffix W=4 temperature=1` — each beside its meaning: the shared ones in
+`SharedKeys`, a method's own in its registry entry (spd.methods, Method.keys); `DecodeKeys` joins them and every
+command's config inherits it. `DecodeSpec` is the typed view a run decodes with: the method, the options groups, each
+method's own keys (`options`), the module, the stages, the runtime and the sampling. `DecodeSpec.of(cfg)` builds it from a
 config; spd.session resolves what a config leaves open (the checkpoint's method, the method's draft length and
 source).
 
@@ -12,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
+
+from spd.methods import METHOD_KEYS, own_keys
 
 
 @dataclass
-class DecodeKeys:
+class SharedKeys:
     target: str = "smollm2"              # "smollm2", an HF model directory, a .gguf file, or tiny-<family>
     checkpoint: Optional[str] = None     # module directory; None = the shipped one for the run's n, random = untrained
     method: Optional[str] = None         # spd | ppsd | spd_output_state | eagle3 | lookup | suffix | selfdraft | pipedec | ar (plain AR
@@ -38,15 +42,6 @@ class DecodeKeys:
                                          # suffix | lookup (its trees from the context's statistics or lookup); eagle3:
                                          # module | suffix+module (the context's statistics with EAGLE-3's children
                                          # beside them, priced); None = the method's first
-    branches: int = 6                    # method=selfdraft (and suffix_branches): N, draft branches run beside each
-                                         # verification forward (suffix_branches: at most N, as the pricing decides)
-    branch_length: int = 6               # method=selfdraft, suffix_branches: L, tokens a draft branch keeps (its
-                                         # oldest dropped past L)
-    gram: int = 4                        # method=selfdraft, suffix_branches: G, the n-grams its context and corpus
-                                         # caches keep (a candidate is the G - 1 tokens after the newest token;
-                                         # draft_length caps it)
-    corpus_ngrams: bool = True           # method=selfdraft: the ShareGPT datastore's n-grams fill the candidates the
-                                         # branches' leave (built once per tokenizer, cached); false: branches alone
     lookup_min_ngram: int = 2            # lookup, lookup+module, suffix: shortest suffix of the context that may match
                                          # earlier
     lookup_max_ngram: int = 8            # lookup, lookup+module, suffix: longest suffix compared (the longest match wins)
@@ -92,6 +87,11 @@ class DecodeKeys:
     master_addr: str = "127.0.0.1"       # distributed: where the controller hosts the rendezvous
     master_port: int = 0                 # distributed: 0 = any free port
     timeout_s: float = 20.0              # distributed: longest wait for any message inside a generation
+
+
+@dataclass
+class DecodeKeys(*METHOD_KEYS.values(), SharedKeys):
+    """Every decoding key: the shared ones above and each method's own (spd.methods, Method.keys)."""
 
 
 def own_defaults(**values):
@@ -145,14 +145,6 @@ class SuffixOptions:
 
 
 @dataclass(frozen=True)
-class SelfDraftOptions:
-    branches: int
-    branch_length: int
-    gram: int
-    corpus_ngrams: bool
-
-
-@dataclass(frozen=True)
 class ModuleOptions:
     checkpoint: Optional[str]
     layers: int = key("module_layers")
@@ -203,7 +195,7 @@ class DecodeSpec:
     tree: TreeOptions
     lookup: LookupOptions
     suffix: SuffixOptions
-    selfdraft: SelfDraftOptions
+    options: Mapping[str, Any]           # each method's own keys (spd.methods, Method.keys), by method name
     module: ModuleOptions
     stages: StageOptions
     sampling: Sampling
@@ -223,14 +215,16 @@ class DecodeSpec:
         """The value at a dotted place, e.g. spec.at("tree.width")."""
         value = self
         for part in path.split("."):
-            value = getattr(value, part)
+            value = value[part] if isinstance(value, Mapping) else getattr(value, part)
         return value
 
 
 def _view(kind: type, cfg):
     values = {}
     for f, hint in _fields(kind):
-        if dataclasses.is_dataclass(hint):
+        if f.name == "options":
+            values[f.name] = MappingProxyType({name: own_keys(keys, cfg) for name, keys in METHOD_KEYS.items()})
+        elif dataclasses.is_dataclass(hint):
             values[f.name] = _view(hint, cfg)
         else:
             values[f.name] = _plain(getattr(cfg, f.metadata.get("key", f.name)))
@@ -239,7 +233,10 @@ def _view(kind: type, cfg):
 
 def _paths(kind: type, prefix: str = ""):
     for f, hint in _fields(kind):
-        if dataclasses.is_dataclass(hint):
+        if f.name == "options":
+            yield from ((k.name, f"{prefix}options.{name}.{k.name}")
+                        for name, keys in METHOD_KEYS.items() for k in dataclasses.fields(keys))
+        elif dataclasses.is_dataclass(hint):
             yield from _paths(hint, f"{prefix}{f.name}.")
         else:
             yield f.metadata.get("key", f.name), prefix + f.name

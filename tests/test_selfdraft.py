@@ -10,6 +10,7 @@ import torch
 
 from helpers import GREEDY, ar_run, prompt
 from spd.decoding import Request
+from spd.drafters import selfdraft
 from spd.drafters.selfdraft import CorpusNgrams, SelfDraftDrafter, chain_drafter
 from spd.spec import DecodeKeys, DecodeSpec
 from spd.runtime.chain import ChainDecoder, side_rows_mask
@@ -195,16 +196,19 @@ def test_selfdraft_samples_the_target_distribution():
     assert chi2_pvalue(counts, exact_distribution(model, PARAMS), SHORT) > ALPHA
 
 
-def test_the_factory_and_the_cli(capsys, tiny_target_dir):
+def test_the_factory_and_the_cli(capsys, tiny_target_dir, monkeypatch):
     """The registry's factory takes its typed options; `generate method=selfdraft` equals AR (its corpus: none
     where the datastore cannot be built, or the ShareGPT one)."""
     from spd.cli import main
     import json
 
-    options = DecodeSpec.of(DecodeKeys(branches=2, branch_length=5, gram=3)).selfdraft
-    drafter = chain_drafter(selfdraft=options, corpus={(1,): [(2, 3)]})
-    assert (drafter.n, drafter.length, drafter.gram, drafter.corpus.table) == (2, 5, 3, {(1,): [(2, 3)]})
-    assert chain_drafter(selfdraft=replace(options, corpus_ngrams=False), corpus={(1,): [(2, 3)]}).corpus is None
+    options = DecodeSpec.of(DecodeKeys(branches=2, branch_length=5, gram=3)).options["selfdraft"]
+    table = CorpusNgrams({(1,): [(2, 3)]})
+    monkeypatch.setattr(selfdraft, "corpus_ngrams", lambda tokenizer, vocab_size, gram: table)
+    drafter = chain_drafter(selfdraft=options, tokenizer=object(), vocab_size=16)
+    assert (drafter.n, drafter.length, drafter.gram, drafter.corpus) == (2, 5, 3, table)
+    assert chain_drafter(selfdraft=replace(options, corpus_ngrams=False), tokenizer=object(),
+                         vocab_size=16).corpus is None
     common = [f"target={tiny_target_dir}", "prompt=What is 12*7? What is 12*7?", "max_new_tokens=16", "json=true"]
     assert main(["generate", *common, "method=selfdraft", "branches=3", "branch_length=4", "corpus_ngrams=false"]) == 0
     drafted = json.loads(capsys.readouterr().out)

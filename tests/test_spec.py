@@ -14,7 +14,8 @@ import pytest
 
 from spd.config import GenerateConfig, ServeConfig, load_config
 from spd.eval.config import EvalConfig
-from spd.spec import DecodeKeys, DecodeSpec, own_defaults
+from spd.methods import METHOD_KEYS, SelfDraftKeys
+from spd.spec import DecodeKeys, DecodeSpec, SharedKeys, own_defaults
 
 SPD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spd")
 KEYS = [f.name for f in dataclasses.fields(DecodeKeys)]
@@ -31,15 +32,17 @@ def declared(cls) -> list[str]:
 
 def test_every_decoding_key_is_declared_once():
     """Across every class the decoding commands' configs are made of, each key of DecodeKeys is written once: in
-    DecodeKeys."""
+    SharedKeys, or in one method's own keys (spd.methods, Method.keys)."""
     where = {}
     for schema in CONFIGS:
         for cls in schema.__mro__:
             if dataclasses.is_dataclass(cls):
                 for name in declared(cls):
                     where.setdefault(name, set()).add(cls.__qualname__)
-    assert {key: where.get(key) for key in KEYS if where.get(key) != {"DecodeKeys"}} == {}
-    assert sorted(declared(DecodeKeys)) == sorted(KEYS)
+    owners = {"SharedKeys"} | {keys.__qualname__ for keys in METHOD_KEYS.values()}
+    assert {key: where.get(key) for key in KEYS if len(where.get(key, ())) != 1 or not where[key] <= owners} == {}
+    assert sorted(declared(SharedKeys) + [k for keys in METHOD_KEYS.values() for k in declared(keys)]) == sorted(KEYS)
+    assert declared(DecodeKeys) == []          # it only joins them
 
 
 @pytest.mark.parametrize("schema", CONFIGS)
@@ -67,6 +70,8 @@ def test_every_key_has_one_place_in_the_view_and_the_same_type():
     for key, path in paths.items():
         owner = DecodeSpec
         *groups, name = path.split(".")
+        if groups[:1] == ["options"]:          # a method's own keys: options.<method>.<key>
+            owner, groups = METHOD_KEYS[groups[1]], groups[2:]
         for group in groups:
             owner = typing.get_type_hints(owner)[group]
         assert typing.get_type_hints(owner)[name] == keys[key], key
@@ -83,6 +88,7 @@ def test_the_spec_carries_a_configs_values(schema):
         value = cfg[key]
         assert spec.at(path) == (tuple(value) if key == "stage_bounds" else value), key
     assert (spec.tree.width, spec.lookup.min_ngram, spec.suffix.memory, spec.sampling.seed) == (4, 3, True, 11)
+    assert spec.options["selfdraft"] == SelfDraftKeys(branches=2)
     assert spec.stages.bounds == (3, 6) and spec.runtime.distributed.controller == "first_stage"
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.tree.width = 2
@@ -114,7 +120,8 @@ def bare_session(**keys):
     """A Session around a spec alone: enough for the drafters that read no model."""
     from spd.session import Session
 
-    return Session(loaded=None, staged=SimpleNamespace(embed=None), module=None, eos_ids=frozenset(),
+    loaded = SimpleNamespace(tokenizer=None, model=SimpleNamespace(config=SimpleNamespace(vocab_size=16)))
+    return Session(loaded=loaded, staged=SimpleNamespace(embed=None), module=None, eos_ids=frozenset(),
                    spec=DecodeSpec.of(DecodeKeys(**keys)))
 
 
@@ -139,7 +146,7 @@ def test_a_drafter_is_built_from_its_typed_options():
     assert isinstance(lookup, LookupDrafter) and (lookup.min_n, lookup.max_n) == (3, 5)
     suffix = bare_session(method="suffix", lookup_max_ngram=6).drafter()
     assert isinstance(suffix, SuffixDrafter) and (suffix.min_n, suffix.max_n, suffix.costs) == (1, 6, None)
-    selfdraft = bare_session(method="selfdraft", branches=2, branch_length=3, gram=5).drafter()
+    selfdraft = bare_session(method="selfdraft", branches=2, branch_length=3, gram=5, corpus_ngrams=False).drafter()
     assert isinstance(selfdraft, SelfDraftDrafter) and (selfdraft.n, selfdraft.length, selfdraft.gram) == (2, 3, 5)
     segments = bare_session(method="flowspec", draft_source="lookup", lookup_min_ngram=4).drafter()
     assert isinstance(segments, LookupDrafter) and segments.min_n == 4

@@ -216,12 +216,12 @@ def test_the_factory_the_eval_harness_and_the_cli(capsys, tiny_target_dir):
     from types import SimpleNamespace
 
     spec = DecodeSpec.of(DecodeKeys(suffix_branches=True, branches=3, branch_length=5, gram=3))
-    drafter = chain_drafter(lookup=spec.lookup, suffix=spec.suffix, selfdraft=spec.selfdraft, row_costs=None,
+    drafter = chain_drafter(lookup=spec.lookup, suffix=spec.suffix, selfdraft=spec.options["selfdraft"], row_costs=None,
                             memory=None, retrieval=None)
     assert isinstance(drafter, SuffixBranchesDrafter)
     assert (drafter.lanes.n, drafter.lanes.length, drafter.lanes.gram, drafter.extra_rows) == (3, 5, 3, 15)
     plain = DecodeSpec.of(DecodeKeys())
-    assert type(chain_drafter(lookup=plain.lookup, suffix=plain.suffix, selfdraft=plain.selfdraft, row_costs=None,
+    assert type(chain_drafter(lookup=plain.lookup, suffix=plain.suffix, selfdraft=plain.options["selfdraft"], row_costs=None,
                               memory=None, retrieval=None)) is SuffixDrafter
     keys = dict(method="suffix", temperature=0, exact_trace=False, W=4, device="cpu", runtime="local",
                 dtype=None, cuda_graphs=False, compile=False)

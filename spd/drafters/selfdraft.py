@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from spd.drafters.base import ChainDrafter, merged_tree
-from spd.spec import SelfDraftOptions
+from spd.methods import SelfDraftKeys
 from spd.tree import DraftTree
 
 CORPUS_TOKENS = 2_000_000     # corpus n-grams are counted over this prefix of the datastore's tokens
@@ -236,8 +236,20 @@ class SelfDraftDrafter(DraftBranches, ChainDrafter):
         return merged_tree(root, (cont[:m] for cont in self.candidate_list(root)), width, budget, "selfdraft")
 
 
-def chain_drafter(*, selfdraft: SelfDraftOptions, corpus: CorpusNgrams | dict | None) -> SelfDraftDrafter:
-    """Self-Draft's drafter (spd.methods): its branches, branch length and gram; corpus: the corpus n-grams
-    (corpus_ngrams=true and a datastore built for the tokenizer), else None: the context cache alone."""
-    return SelfDraftDrafter(selfdraft.branches, selfdraft.branch_length, selfdraft.gram,
-                            corpus if selfdraft.corpus_ngrams else None)
+def chain_drafter(*, selfdraft: SelfDraftKeys, tokenizer, vocab_size: int) -> SelfDraftDrafter:
+    """Self-Draft's drafter (spd.methods): its branches, branch length and gram, and with corpus_ngrams=true the
+    tokenizer's corpus n-grams (none where no datastore can be built: the context cache alone)."""
+    corpus = shared_corpus(tokenizer, vocab_size, selfdraft.gram) if selfdraft.corpus_ngrams else None
+    return SelfDraftDrafter(selfdraft.branches, selfdraft.branch_length, selfdraft.gram, corpus)
+
+
+_CORPORA: dict[tuple[int, int, int], tuple[object, CorpusNgrams | None]] = {}
+
+
+def shared_corpus(tokenizer, vocab_size: int, gram: int) -> CorpusNgrams | None:
+    """corpus_ngrams, loaded once per tokenizer and gram in this process: every request's drafter (a server's, an
+    eval's) reads the same counts. The tokenizer is kept beside them, so its id names it while they live."""
+    key = (id(tokenizer), vocab_size, gram)
+    if key not in _CORPORA:
+        _CORPORA[key] = (tokenizer, corpus_ngrams(tokenizer, vocab_size, gram))
+    return _CORPORA[key][1]

@@ -40,7 +40,8 @@ from spd.drafters.base import ChainDrafter
 from spd.drafters.lookup import NgramIndex
 from spd.pricing import NOISE_SHARE, AcceptancePredictor, Evidence, RowCosts, choose, given_noise
 from spd.sampling import Proposal
-from spd.spec import LookupOptions, SelfDraftOptions, SuffixOptions
+from spd.methods import SelfDraftKeys
+from spd.spec import LookupOptions, SuffixOptions
 from spd.tree import DraftTree
 
 DATASTORE = "datastore"   # the source of candidates a datastore proposed
@@ -298,7 +299,7 @@ def _continuation(index: NgramIndex, start: int, count: int, loops: bool) -> lis
     return out
 
 
-def chain_drafter(*, lookup: LookupOptions, suffix: SuffixOptions, selfdraft: SelfDraftOptions,
+def chain_drafter(*, lookup: LookupOptions, suffix: SuffixOptions, selfdraft: SelfDraftKeys,
                   row_costs: RowCosts | None, memory: SuffixMemory | None,
                   retrieval: Retrieval | None) -> SuffixDrafter:
     """The context statistics' drafter (spd.methods), priced with this machine's row costs (None: draft_pricing=false):
