@@ -51,7 +51,8 @@ AR_ROWS = {None: "suite_ar_eager", "fixed": "suite_ar_fixed_eager", "graphs": "s
 # whole-target rows checked against the eager AR: the device step (spd.runtime.device_step) and the lookup chain
 CHAIN_ROWS = ("suite_ar_device_eager", "suite_ar_device_graphs", "suite_ar_device_compiled", "lookup_chain",
               "lookup_device_graphs", "lookup_device_compiled", "default_device_graphs", "default_device_compiled",
-              "eagle3_device_graphs", "eagle3_tree_device_graphs", "spd_device_graphs", "spd_device_compiled")
+              "eagle3_device_graphs", "eagle3_tree_device_graphs", "spd_device_graphs", "spd_lookup_device_graphs",
+              "spd_device_compiled")
 COMPILED = ("suite_ar_device_compiled", "lookup_device_compiled", "default_device_compiled", "spd_device_compiled")
 LOOKUP_K, SUFFIX_K, EAGLE3_K = 7, 15, 5     # the methods' draft lengths (spd.methods)
 
@@ -158,7 +159,10 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
                                                               device_drafter=Eagle3DeviceDrafter(eagle3, whole.embed)),
               # SPD's whole pipeline step (every stage and the module's draft on their streams) as one graph
               "spd_device_graphs": DevicePipelineDecoder(staged, session.module, eos, cuda_graphs=True),
-              "spd_device_compiled": DevicePipelineDecoder(staged, session.module, eos, compile="inductor")}
+              "spd_device_compiled": DevicePipelineDecoder(staged, session.module, eos, compile="inductor"),
+              # ... with the context lookup in front of the module (draft_source=lookup+module)
+              "spd_lookup_device_graphs": DevicePipelineDecoder(staged, session.module, eos, cuda_graphs=True,
+                                                                lookup=(min_n, max_n))}
     runs = {
         "suite_ar_eager": lambda ids: ar_eager.generate(ids, request).token_ids,
         # the device-step rows first: they are what a short box must not miss

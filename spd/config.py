@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from spd.runtime import RUNTIMES, runtime   # torch-free packages: the names and capabilities only
 from spd.targets import DTYPE_NAMES
 from spd.errors import UserError
-from spd.methods import AR, DECODING_METHODS, METHOD_KEYS, METHODS, MODULE, PIPELINE, own_keys
+from spd.methods import AR, DECODING_METHODS, LOOKUP_MODULE, METHOD_KEYS, METHODS, MODULE, PIPELINE, own_keys
 from spd.spec import DecodeKeys
 
 
@@ -234,9 +234,13 @@ def check_decoding(cfg) -> None:
     if rt.device_step and cfg.W > 1 and not stepped_method.device_trees:
         raise UserError(f"runtime={rt.name} verifies method={stepped_method.name}'s chains; W={cfg.W} asks for "
                         "trees: use W=1, or runtime=local")
-    if rt.device_step and stepped_method.trained and cfg.draft_source not in (None, MODULE):
-        raise UserError(f"runtime={rt.name} drafts method={stepped_method.name} with its module alone; drop "
-                        f"draft_source={cfg.draft_source}, or use runtime=local")
+    stepped_sources = (MODULE, LOOKUP_MODULE) if stepped_method.pipelined else (MODULE,)
+    if rt.device_step and stepped_method.trained and cfg.draft_source not in (None, *stepped_sources):
+        raise UserError(f"runtime={rt.name} drafts method={stepped_method.name} from draft_source="
+                        f"{' or '.join(stepped_sources)}; drop draft_source={cfg.draft_source}, or use runtime=local")
+    if rt.device_step and cfg.draft_source == LOOKUP_MODULE and cfg.source_pricing:
+        raise UserError(f"runtime={rt.name} puts the lookup in front of the module wherever it matches; drop "
+                        "source_pricing, or use runtime=local")
     if cfg.compile and not rt.device_step:
         stepped = " or ".join(f"runtime={r.name}" for r in RUNTIMES.values() if r.device_step)
         raise UserError(f"compile=true compiles the device step of {stepped}; add it, or drop compile")

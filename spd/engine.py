@@ -10,7 +10,7 @@ from typing import Iterator
 
 from spd.ar import ARDecoder
 from spd.decoding import Decoder, GenerationResult, Request
-from spd.methods import AR, CHAIN, METHODS, PIPELINE, SEGMENTS
+from spd.methods import AR, CHAIN, LOOKUP_MODULE, METHODS, PIPELINE, SEGMENTS
 from spd.runtime import eager_reference, runtime
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
@@ -68,8 +68,9 @@ def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder
     s, spec = session, session.spec
     tree, kind = spec.tree, METHODS[method].decoder
     if runtime(spec.runtime.name).device_step and kind == PIPELINE:
+        lookup = (spec.lookup.min_ngram, spec.lookup.max_ngram) if spec.draft_source == LOOKUP_MODULE else None
         return DevicePipelineDecoder(s.staged, s.module, s.eos_ids, "inductor" if spec.runtime.compile else None,
-                                     spec.runtime.cuda_graphs)
+                                     spec.runtime.cuda_graphs, lookup)
     if runtime(spec.runtime.name).device_step:     # the config check let only methods with a device step through
         inside = METHODS[method].device_drafter
         inside = s.build(inside) if inside else None

@@ -30,6 +30,32 @@ def test_the_device_pipeline_settles_as_the_eager_one(family_model, untied_targe
             ar_run(target, p, 30, SAMPLED, seed=7).token_ids, family
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_lookup_in_front_of_the_module_settles_as_the_eager_one(family_model, untied_target_dir, n):
+    """draft_source=lookup+module through the device step: the lookup's token where the context matched earlier
+    (handed to the step from the host), else the module's — the eager hybrid's verdicts one by one, AR's tokens,
+    and AR's keyed draws; the repeating prompt makes the lookup draft and its drafts kept."""
+    from spd.drafters.hybrid import LookupThenModule
+    from spd.drafters.spd_module import ModuleDrafter
+    from spd.runtime.pipeline import PipelineDecoder
+
+    family, model = family_model
+    kept = 0
+    for target in (model, load_target(untied_target_dir).model):
+        p = prompt(n + 30, vocab=target.config.vocab_size, length=8) * 3
+        _, staged, module = spd_run(target, n, p, 1)
+        eager = PipelineDecoder(staged, LookupThenModule(ModuleDrafter(module), 2, 8), frozenset())
+        expected = eager.generate(p, Request(40, GREEDY))
+        device = DevicePipelineDecoder(staged, module, frozenset(), lookup=(2, 8))
+        assert device.generate(p, Request(40, GREEDY)).token_ids == ar_run(target, p, 40).token_ids == \
+            expected.token_ids, family
+        assert device.stats.verdicts == eager.stats.verdicts and device.stats.rollbacks == eager.stats.rollbacks
+        kept += sum(held for _, _, held in device.stats.verdicts)
+        assert device.generate(p, Request(40, SAMPLED, 7)).token_ids == \
+            ar_run(target, p, 40, SAMPLED, seed=7).token_ids, family
+    assert kept > 5
+
+
 def test_drafts_are_kept():
     """A module whose drafts the target keeps (the output-state plan at n = 3 on the tiny Llama): the held path."""
     target = tiny_model("llama")
@@ -67,15 +93,16 @@ def test_the_pipeline_samples_the_target_distribution(small_vocab_model, monkeyp
     assert chi2_pvalue(pipeline_counts(small_vocab_model, SHORT, 32, monkeypatch), dist, SHORT) < ALPHA
 
 
+@pytest.mark.parametrize("lookup", [None, (2, 8)], ids=["module", "lookup+module"])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_the_step_compiles_whole_and_reads_nothing_back(params):
+def test_the_step_compiles_whole_and_reads_nothing_back(params, lookup):
     target = tiny_model("llama", num_layers=4)
-    p = prompt(5, vocab=target.config.vocab_size)
+    p = prompt(5, vocab=target.config.vocab_size) * 2
     eager, staged, module = spd_run(target, 3, p, 1)
     request = Request(24, params, 1)
-    compiled = DevicePipelineDecoder(staged, module, frozenset(), compile="aot_eager")
+    compiled = DevicePipelineDecoder(staged, module, frozenset(), compile="aot_eager", lookup=lookup)
     assert compiled.generate(p, request).token_ids == ar_run(target, p, 24, params, seed=1).token_ids
-    device = DevicePipelineDecoder(staged, module, frozenset())
+    device = DevicePipelineDecoder(staged, module, frozenset(), lookup=lookup)
     device.generate(p, request)
     with HostReads() as mode:
         device.step.run()

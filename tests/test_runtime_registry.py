@@ -128,7 +128,10 @@ def test_the_in_process_runtimes_open_their_executors():
     (dict(runtime="device", method="flowspec"), "method=flowspec has no device step: use one of those, or "
                                                 "runtime=local"),
     (dict(runtime="device", method="spd", W=4), "runtime=device verifies method=spd's chains; W=4 asks for trees"),
-    (dict(runtime="device", method="spd", draft_source="lookup+module"), "with its module alone; drop draft_source"),
+    (dict(runtime="device", method="eagle3", draft_source="suffix+module"),
+     "runtime=device drafts method=eagle3 from draft_source=module; drop draft_source=suffix+module"),
+    (dict(runtime="device", method="spd", draft_source="lookup+module", source_pricing=True),
+     "puts the lookup in front of the module wherever it matches; drop source_pricing"),
     (dict(compile=True), "compile=true compiles the device step of runtime=device; add it, or drop compile"),
 ])
 def test_the_device_runtime_takes_the_methods_that_have_a_step(overrides, needle):
@@ -144,7 +147,8 @@ def test_the_device_runtime_takes_the_methods_that_have_a_step(overrides, needle
 @pytest.mark.parametrize("keys,kind", [(["method=lookup"], "host"), (["method=ar"], "none"),
                                        (["method=suffix", "W=4"], "host"), (["method=eagle3"], "device"),
                                        (["method=eagle3", "W=3", "tree_nodes=8"], "device"),
-                                       (["method=spd", "n=2"], "pipeline")])
+                                       (["method=spd", "n=2"], "pipeline"),
+                                       (["method=spd", "n=2", "draft_source=lookup+module"], "pipeline")])
 def test_runtime_device_decodes_through_the_device_step(tiny_target_dir, keys, kind):
     """The engine builds the device step's decoder for runtime=device (a host drafter, EAGLE-3's module drafting
     inside the step, SPD's pipeline step); its greedy answer is plain AR's."""
@@ -161,6 +165,7 @@ def test_runtime_device_decodes_through_the_device_step(tiny_target_dir, keys, k
     device, decoder = answer(*keys, "runtime=device")
     if kind == "pipeline":
         assert isinstance(decoder, DevicePipelineDecoder)
+        assert decoder.lookup == ((2, 8) if "draft_source=lookup+module" in keys else None)
     else:
         assert isinstance(decoder, DeviceChainDecoder)
         assert (decoder.drafter is not None, decoder.device_drafter is not None) == (kind == "host", kind == "device")

@@ -21,6 +21,7 @@ import torch
 
 from spd.attention import layer_forward, memory_kv
 from spd.decoding import Decoder, Request, context_length, is_final, prefill
+from spd.drafters.lookup import NgramIndex
 from spd.metrics import DecodeStats
 from spd.module import SpeculationModule
 from spd.runtime.device_step import BUCKET, Graphed, choose, gumbel
@@ -53,7 +54,12 @@ class DevicePipelineStep(Graphed):
         self.tokens = torch.zeros(n, dtype=torch.long, device=device)                  # [n] by lag
         self.inputs = torch.zeros(n, d, device=device, dtype=target.dtype)             # [n, d] entering stage s
         self.store = torch.zeros(n, len(self.layers), d, device=device, dtype=target.dtype)   # [n, layers, d]
-        self.out = torch.zeros(6, dtype=torch.float64, device=device)          # count, margin, token, t, a, held
+        # count, margin, token, t, a, held, and the newest token in flight (a host-side lookup extends its context)
+        self.out = torch.zeros(7, dtype=torch.float64, device=device)
+        # draft_source=lookup+module: the context lookup's draft for the next position, where it found one (the
+        # decoder writes both before the step, as it writes the noise)
+        self.lookup = torch.zeros(1, dtype=torch.long, device=device)                 # [1]
+        self.looked = torch.zeros((), dtype=torch.bool, device=device)                 # []
         self.noise = None if params.greedy else \
             torch.zeros(1, target.model.config.vocab_size, dtype=torch.float64, device=device)   # [1, V]
         attn = module.layers[0].self_attn
@@ -169,7 +175,7 @@ class DevicePipelineStep(Graphed):
             for stream in self.streams[:n]:
                 self.streams[n].wait_stream(stream)
         with self.on(n):
-            draft = self.draft()                                                       # [1]
+            draft = torch.where(self.looked, self.lookup, self.draft())                # [1]
         if self.streams is not None:        # join
             for stream in self.streams:
                 main.wait_stream(stream)
@@ -201,6 +207,7 @@ class DevicePipelineStep(Graphed):
         self.out[3] = self.t.double()
         self.out[4] = self.a.double()
         self.out[5] = held.double()
+        self.out[6] = self.tokens[0].double()
         return self.out
 
 
@@ -208,9 +215,12 @@ class DevicePipelineDecoder(Decoder):
     """SPD's pipeline through the device step: one step, one read of its buffer (a settled token or none)."""
 
     def __init__(self, target: StagedTarget, module: SpeculationModule, eos_ids: frozenset[int],
-                 compile: str | None = None, cuda_graphs: bool = False):
+                 compile: str | None = None, cuda_graphs: bool = False, lookup: tuple[int, int] | None = None):
+        """lookup: (min_n, max_n) for draft_source=lookup+module — the context lookup's token where the context's
+        suffix matched earlier, else the module's (spd.drafters.hybrid.LookupThenModule's rule), looked up on the
+        host from the buffer each step returns and handed to the next step."""
         self.target, self.module, self.eos_ids, self.compile = target, module, eos_ids, compile
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.lookup = cuda_graphs, lookup
         self.step: DevicePipelineStep | None = None
 
     @torch.no_grad()
@@ -232,8 +242,12 @@ class DevicePipelineDecoder(Decoder):
         first = choose(logits.view(1, -1), params, step.noise)                         # [1]
         step.start(prompt_ids, captured, first)
         stats = self.stats = DecodeStats(n=n)
-        host = torch.zeros(6, dtype=torch.float64, pin_memory=target.device.type == "cuda")
+        host = torch.zeros(7, dtype=torch.float64, pin_memory=target.device.type == "cuda")
         token, t, a = int(first[0]), len(prompt_ids), 1
+        index = NgramIndex(*self.lookup) if self.lookup else None    # every position up to the newest in flight
+        drafted_by: dict[int, str] = {}           # position -> the source of its draft (lookup or module)
+        if index is not None:
+            index.extend(list(prompt_ids) + [token])
         stats.N = 1
         yield token
         if is_final(token, stats.N, request.max_new_tokens, self.eos_ids):
@@ -241,15 +255,26 @@ class DevicePipelineDecoder(Decoder):
         while True:
             if draws is not None and a == n:      # the position the exiting token chooses: the next-oldest's
                 step.noise.copy_(gumbel(draws, t - n + 2, 1), non_blocking=True)
+            if index is not None:
+                matched, start = index.match()
+                step.looked.fill_(bool(matched))
+                if matched:
+                    step.lookup.fill_(index.continuation(start, 1)[0])
+                drafted_by[t + 1] = "lookup" if matched else "module"
+            settles = t - n + 2                   # the position a verdict of this step is on
             step.run()
             host.copy_(step.out, non_blocking=True)
             if host.is_pinned():
                 torch.cuda.current_stream(target.device).synchronize()
-            count, _, token, t_next, a_next, held = host.tolist()
+            count, _, token, t_next, a_next, held, newest = host.tolist()
             stats.K += 1
             t, a = int(t_next), int(a_next)
+            if index is not None:                 # a flush takes the drafts back; the newest token joins
+                index.truncate(t)
+                index.extend([int(newest)])
             if count:
-                stats.settle(bool(held))          # one more token: the held draft, or the correction
+                # one more token: the held draft, or the correction
+                stats.settle(bool(held), drafted_by.pop(settles, "module"))
                 yield int(token)
                 if is_final(int(token), stats.N, request.max_new_tokens, self.eos_ids):
                     stats.finish()
