@@ -136,7 +136,7 @@ class Eagle3DeviceDrafter:
             parents.append(frontier.repeat_interleave(width))
             depths.append(torch.full((width * width,), level + 2, device=device))
             best = grown.sort(descending=True, stable=True).indices[:width]           # [W]
-            frontier = sum(map(len, scores[:-1])) + best
+            frontier = self.candidates(level + 1, width) + best                          # ids after the levels so far
             score, token = grown.index_select(0, best), tokens[-1].index_select(0, best)
             h = out.index_select(1, best // width)
             seen = seen.index_select(0, best // width)
