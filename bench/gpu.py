@@ -27,10 +27,11 @@ from spd.decoding import Request
 from spd.engine import build_decoder
 from spd.eval.harness import machine
 from spd.eval.output import write_json
-from spd.methods import AR, PIPELINE
+from spd.methods import AR, METHODS, PIPELINE
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.drafters.eagle3_device import Eagle3DeviceDrafter
 from spd.drafters.lookup import LookupDrafter
+from spd.drafters.selfdraft import SelfDraftDrafter
 from spd.drafters.suffix import SuffixDrafter
 from spd.eagle3_module import Eagle3Module
 from spd.runtime.chain import ChainDecoder
@@ -52,9 +53,11 @@ AR_ROWS = {None: "suite_ar_eager", "fixed": "suite_ar_fixed_eager", "graphs": "s
 CHAIN_ROWS = ("suite_ar_device_eager", "suite_ar_device_graphs", "suite_ar_device_compiled", "lookup_chain",
               "lookup_device_graphs", "lookup_device_compiled", "default_device_graphs", "default_device_compiled",
               "eagle3_device_graphs", "eagle3_tree_device_graphs", "spd_device_graphs", "spd_lookup_device_graphs",
+              "selfdraft_chain", "selfdraft_device_graphs",
               "spd_device_compiled")
 COMPILED = ("suite_ar_device_compiled", "lookup_device_compiled", "default_device_compiled", "spd_device_compiled")
 LOOKUP_K, SUFFIX_K, EAGLE3_K = 7, 15, 5     # the methods' draft lengths (spd.methods)
+SELFDRAFT_K = METHODS["selfdraft"].draft_length
 
 
 def copy_bandwidth(device: torch.device, mib: int = 512, repeats: int = 10) -> float:
@@ -157,6 +160,10 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
               "eagle3_tree_device_graphs": DeviceChainDecoder(whole, eos, None, EAGLE3_K, cuda_graphs=True, width=4,
                                                               budget=16,
                                                               device_drafter=Eagle3DeviceDrafter(eagle3, whole.embed)),
+              # Self-Draft (N = L = 6 branch rows in every step; its context cache, no corpus: no datastore there)
+              "selfdraft_chain": ChainDecoder(whole, SelfDraftDrafter(), eos, SELFDRAFT_K),
+              "selfdraft_device_graphs": DeviceChainDecoder(whole, eos, SelfDraftDrafter(), SELFDRAFT_K,
+                                                            cuda_graphs=True),
               # SPD's whole pipeline step (every stage and the module's draft on their streams) as one graph
               "spd_device_graphs": DevicePipelineDecoder(staged, session.module, eos, cuda_graphs=True),
               "spd_device_compiled": DevicePipelineDecoder(staged, session.module, eos, compile="inductor"),

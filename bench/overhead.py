@@ -6,8 +6,9 @@ part a GPU does not hide. One process, every row taking turns on the same prompt
 - the suite's AR today (the eager loop) and through the device step (spd.runtime.device_step: eager, and compiled
   with `--compile`);
 - every speculative method today and through the device step: the context lookup's chain, the priced context
-  statistics' chain and the default's trees (W = 4), EAGLE-3's chain (its module drafting inside the step), SPD's
-  pipeline with n = 2 (its whole pipeline step on the device).
+  statistics' chain and the default's trees (W = 4), EAGLE-3's chain (its module drafting inside the step),
+  Self-Draft (its branch rows fixed rows of the step), SPD's pipeline with n = 2 (its whole pipeline step on the
+  device).
 
 Each method's rows share its drafter and target, so the today/device pair of a method compares at the same tau;
 the table reports tau and the host time per cycle (tau-free) beside the time per token. The prefill is left out:
@@ -29,10 +30,12 @@ from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.eagle3_device import Eagle3DeviceDrafter
 from spd.drafters.lookup import LookupDrafter
+from spd.drafters.selfdraft import SelfDraftDrafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.drafters.suffix import SuffixDrafter
 from spd.eagle3_module import Eagle3Module
 from spd.eval.output import write_json
+from spd.methods import METHODS
 from spd.module import SpeculationModule
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.device_chain import DeviceChainDecoder
@@ -44,6 +47,7 @@ from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
 
 K = 7       # the lookup's drafts a cycle (spd.methods: method=lookup's draft_length)
+SELFDRAFT_M = METHODS["selfdraft"].draft_length
 
 
 def rows(target, compile: bool) -> dict:
@@ -75,6 +79,10 @@ def rows(target, compile: bool) -> dict:
         "eagle3_tree_device": (lambda: DeviceChainDecoder(staged, frozenset(), None, 5, width=4, budget=16,
                                                           device_drafter=Eagle3DeviceDrafter(eagle3(), staged.embed)),
                                "EAGLE-3's dynamic trees drafted inside the device step"),
+        "selfdraft": (lambda: ChainDecoder(staged, SelfDraftDrafter(), frozenset(), SELFDRAFT_M),
+                      "Self-Draft today (N = L = 6 branch rows beside its trees, the context cache alone)"),
+        "selfdraft_device": (lambda: DeviceChainDecoder(staged, frozenset(), SelfDraftDrafter(), SELFDRAFT_M),
+                             "Self-Draft through the device step (its branch rows fixed rows of every step)"),
         "spd_n2": (lambda: PipelineDecoder(two, ModuleDrafter(spd_module()), frozenset()),
                    "SPD's pipeline today, n = 2, one process (an untrained module)"),
         "spd_n2_device": (lambda: DevicePipelineDecoder(two, spd_module(), frozenset()),
@@ -99,6 +107,9 @@ def rows(target, compile: bool) -> dict:
         out["eagle3_tree_device_compiled"] = (lambda: DeviceChainDecoder(
             staged, frozenset(), None, 5, compile="inductor", width=4, budget=16,
             device_drafter=Eagle3DeviceDrafter(eagle3(), staged.embed)), "EAGLE-3's trees inside the step, compiled")
+        out["selfdraft_device_compiled"] = (lambda: DeviceChainDecoder(staged, frozenset(), SelfDraftDrafter(),
+                                                                       SELFDRAFT_M, compile="inductor"),
+                                            "Self-Draft through the device step, compiled")
         out["spd_n2_device_compiled"] = (lambda: DevicePipelineDecoder(two, spd_module(), frozenset(),
                                                                        compile="inductor"),
                                          "SPD's pipeline step on the device, n = 2, compiled")
@@ -129,6 +140,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--compile", action="store_true", help="also the device step through torch.compile")
+    parser.add_argument("--rows", default="", help="comma-separated rows to run (default: all; transformers' static "
+                        "row always runs, the reference)")
     parser.add_argument("--out", default="docs/results/overhead.json")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -141,6 +154,12 @@ def main() -> None:
     makers = {"hf_dynamic": (lambda: HFGenerate(target, None), "transformers generate, dynamic cache"),
               "hf_static": (lambda: HFGenerate(target, "static"), "transformers generate, static cache"),
               **rows(target, args.compile)}
+    if args.rows:
+        wanted = set(args.rows.split(",")) | {"hf_static"}
+        unknown = wanted - set(makers)
+        if unknown:
+            raise SystemExit(f"--rows: no row {', '.join(sorted(unknown))}; rows: {', '.join(makers)}")
+        makers = {name: m for name, m in makers.items() if name in wanted}
     if not params.greedy:     # transformers' sampling draws other tokens: its rows time greedy decoding only
         makers = {name: m for name, m in makers.items() if not name.startswith("hf_")}
     decoders = {name: make() for name, (make, _) in makers.items()}

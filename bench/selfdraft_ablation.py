@@ -1,6 +1,7 @@
 """Self-Draft's ablation on this CPU (Gao et al., AAAI 2025, its N × L table): tokens per target forward (τ) of
-`method=selfdraft` at every N (draft branches) and L (branch length) in --grid, with the corpus n-grams, and at
-N = L = 6 without them; greedy, and sampled (T = 1, top-k 50, keyed draws: the suite's sampled setting) at one cell.
+`method=selfdraft` at every N (draft branches) and L (branch length) in --grid with the branches' n-grams alone
+(verified_ngrams=false) and the corpus n-grams; at N = L = 6 the method's default (the verified text's n-grams too),
+each without the corpus; greedy, and sampled (T = 1, top-k 50, keyed draws: the suite's sampled setting) at that cell.
 
 τ counts tokens after the prefill's over target forwards (spd.metrics.ChainStats.tau); it is deterministic, so a busy
 machine moves the seconds beside it (kept, not compared) and never τ. Prompts: the first --limit HumanEval and
@@ -45,19 +46,26 @@ GRAM = 4                         # G, the method's default: a candidate is the G
 
 
 def cells(grid: list[int], sampled_cell: tuple[int, int]) -> list[dict]:
-    """AR first (every later cell is checked against it), the N × L grid, the grid's N = L = 6 without the corpus,
-    the lookup chain, and the sampled pair (AR, Self-Draft)."""
+    """AR first (every later cell is checked against it); the method's default at the sampled cell's N, L (the
+    verified text's n-grams in the context cache), without the corpus, and sampled; the lookup chain; the N × L grid
+    with the branches' n-grams alone (verified_ngrams=false, the paper's text), its N = L = 6 without the corpus and
+    sampled."""
     n, length = sampled_cell
-    grid_cells = [{"name": f"selfdraft N={a} L={b}", "N": a, "L": b, "corpus": True, "temperature": 0.0}
-                  for a, b in itertools.product(grid, grid)]
+    branches_only = " verified_ngrams=false"
+    grid_cells = [{"name": f"selfdraft N={a} L={b}{branches_only}", "N": a, "L": b, "corpus": True,
+                   "verified": False, "temperature": 0.0} for a, b in itertools.product(grid, grid)]
     # the paper's own cell and its variants first, then the rest of the grid, fewest rows first: a run cut short
     # has the headline figures
     grid_cells.sort(key=lambda c: ((c["N"], c["L"]) != (n, length), c["N"] * c["L"]))
-    return [{"name": "ar", "temperature": 0.0}, grid_cells[0],
-            {"name": f"selfdraft N={n} L={length} corpus_ngrams=false", "N": n, "L": length, "corpus": False,
-             "temperature": 0.0},
-            {"name": "lookup m=7", "temperature": 0.0}, {"name": "ar T=1", "temperature": 1.0},
-            {"name": f"selfdraft N={n} L={length} T=1", "N": n, "L": length, "corpus": True, "temperature": 1.0},
+    default = {"N": n, "L": length, "corpus": True, "verified": True, "temperature": 0.0}
+    return [{"name": "ar", "temperature": 0.0}, {**default, "name": f"selfdraft N={n} L={length}"},
+            {**default, "name": f"selfdraft N={n} L={length} corpus_ngrams=false", "corpus": False},
+            {"name": "ar T=1", "temperature": 1.0},
+            {**default, "name": f"selfdraft N={n} L={length} T=1", "temperature": 1.0},
+            {"name": "lookup m=7", "temperature": 0.0}, grid_cells[0],
+            {**grid_cells[0], "name": f"selfdraft N={n} L={length} corpus_ngrams=false{branches_only}",
+             "corpus": False},
+            {**grid_cells[0], "name": f"selfdraft N={n} L={length} T=1{branches_only}", "temperature": 1.0},
             *grid_cells[1:]]
 
 
@@ -67,7 +75,8 @@ def decoder_for(cell: dict, staged: StagedTarget, eos: frozenset[int], corpus):
         return build_decoder(AR, staged, eos), None
     if cell["name"].startswith("lookup"):
         return build_decoder(CHAIN, staged, eos, LookupDrafter(2, 8), draft_length=METHODS["lookup"].draft_length), None
-    drafter = SelfDraftDrafter(cell["N"], cell["L"], GRAM, corpus if cell["corpus"] else None)
+    drafter = SelfDraftDrafter(cell["N"], cell["L"], GRAM, corpus if cell["corpus"] else None,
+                               verified_ngrams=cell["verified"])
     return build_decoder(CHAIN, staged, eos, drafter, draft_length=METHODS["selfdraft"].draft_length), drafter
 
 
@@ -98,7 +107,7 @@ def summary(records: list[dict], cell_list: list[dict]) -> list[dict]:
 def table(rows: list[dict], grid: list[int]) -> str:
     """The N × L grid of τ (both sets), then every cell's τ per set."""
     tau = {(r.get("N"), r.get("L")): r["all"]["tau"] for r in rows
-           if r["name"].startswith("selfdraft") and r.get("corpus") and r["temperature"] == 0}
+           if r["name"].startswith("selfdraft") and r.get("corpus") and r["temperature"] == 0 and not r["verified"]}
     lines = ["| N \\ L | " + " | ".join(map(str, grid)) + " |", "|---|" + "---:|" * len(grid)]
     for n in grid:
         lines.append(f"| {n} | " + " | ".join(f"{tau[n, length]:.3f}" if tau.get((n, length)) else "—"

@@ -109,6 +109,9 @@ class SelfDraftKeys:
                                          # draft_length caps it)
     corpus_ngrams: bool = True           # method=selfdraft: the ShareGPT datastore's n-grams fill the candidates the
                                          # branches' leave (built once per tokenizer, cached); false: branches alone
+    verified_ngrams: bool = True         # method=selfdraft: the prompt's and the verified text's own n-grams join
+                                         # the branches' in the context cache (as the authors' code does); false:
+                                         # the branches' alone (the paper's text)
 
     def check(self) -> None:
         for name, low, what in (("branches", 0, "selfdraft's draft branches; 0 = the corpus n-grams alone"),
@@ -143,7 +146,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # Self-Draft (Multi-Branch Self-Drafting): N draft branches ride in each verification forward, their n-grams and a
     # corpus's are the candidates; 3: a candidate's tokens after its key at the default gram=4 (G - 1)
     Method("selfdraft", "Self-Draft", CHAIN, None, draft_length=3, drafter="spd.drafters.selfdraft:chain_drafter",
-           keys=SelfDraftKeys),
+           keys=SelfDraftKeys, device_step=True, device_trees=True),
     # PipeDec: a draft model as the first stage grows the tree one layer per step (W = w nodes a layer, children
     # = c per leaf); greedy eval replays it over the target's traces with its draft model running
     Method("pipedec", "PipeDec", PIPELINE, None, drafter="spd.drafters.draft_model:pipelined_drafter",

@@ -56,7 +56,7 @@ def tree_proposal(token):
 def test_the_branch_update_and_the_context_cache():
     """Each branch appends its last row's prediction and drops its first past L; every window of G - 1 branch
     tokens and the next row's prediction is a contextual n-gram keyed by its first token, newest first."""
-    drafter = SelfDraftDrafter(branches=1, branch_length=3, gram=3, candidates=4)
+    drafter = SelfDraftDrafter(branches=1, branch_length=3, gram=3, candidates=4, verified_ngrams=False)
     drafter.start({}, [1, 2, 3])
     drafter.branch = [[10, 11, 12]]
     logits = torch.zeros(3, 32)
@@ -70,6 +70,25 @@ def test_the_branch_update_and_the_context_cache():
     counted = CorpusNgrams.count([1, 2, 4, 9, 1, 2, 3, 1, 2, 3, 1, 2, 4, 9, 1, 2, 3], 3, separator=9)
     assert counted.table[(1,)] == [(2, 3), (2, 4)]           # the more frequent first; none across a separator
     assert counted.table[(1, 2)] == [(3, 1)] and (2, 4) not in counted.table
+
+
+def test_the_verified_text_joins_the_context_cache():
+    """verified_ngrams: the prompt's windows at the start, each cycle's new windows after its branch n-grams (newer,
+    so listed first); off, the cache holds the branches' alone."""
+    drafter = SelfDraftDrafter(branches=1, branch_length=3, gram=3, candidates=4)
+    drafter.start({}, [1, 2, 3, 1, 2])
+    assert drafter.candidate_list(1) == [(2, 3)] and drafter.candidate_list(2) == [(3, 1)]
+    drafter.branch = [[1, 7, 8]]
+    logits = torch.zeros(3, 32)
+    logits[1, 6] = 1.0
+    drafter.side_logits(logits)                                   # the branch's n-gram (1, 7, 6) ...
+    drafter.verified({}, [1, 2, 3, 1, 2, 4, 1, 5])                # ... then the verified (1, 2, 4) and (1, 5) is short
+    assert drafter.candidate_list(1) == [(2, 4), (7, 6), (2, 3)]
+    assert drafter.grams_added == 2                               # the count is the branches' n-grams only
+    off = SelfDraftDrafter(branches=1, branch_length=3, gram=3, verified_ngrams=False)
+    off.start({}, [1, 2, 3, 1, 2])
+    off.verified({}, [1, 2, 3, 1, 2, 4, 1, 5])
+    assert off.context == {}
 
 
 @pytest.mark.parametrize("branches,gram", [(6, 4), (3, 2)])

@@ -146,6 +146,24 @@ class ChainDrafter(ABC):
         """The target's logits [R, V] of the rows `side_rows` gave, handed back before the cycle settles (called
         only when those rows ran: a decoder that runs no side rows, the batched one, never calls it)."""
 
+    def device_side(self, device: torch.device):
+        """The side rows as fixed rows of the device step (spd.runtime.device_step's StepState `side`: rows,
+        offsets(), visible(), bind, start, advance, mutable), or None (default: none). The step then hands their
+        argmaxes back through `side_predictions`, and `side_tokens` gives a fresh request's rows."""
+        return None
+
+    def side_tokens(self) -> list[list[int]]:
+        """The side rows' tokens at a request's start, for device_side's `start`."""
+        raise NotImplementedError
+
+    def side_predictions(self, values: list[float]) -> None:
+        """The device step's argmax after each of device_side's rows (its read buffer's tail), before `verified`."""
+        raise NotImplementedError
+
+    def nodes(self, m: int, width: int, budget: int) -> int:
+        """The most nodes besides the root draft_tree(root, m, width, budget) returns."""
+        return budget if width > 1 else m
+
     @abstractmethod
     def verified(self, hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:
         """The cycle settled: `tokens` is the whole verified sequence; hidden {layer: [1, S, d]} holds the target's

@@ -15,8 +15,11 @@ never stay: the settle keeps only the accepted path's cache rows, which sit befo
 
 Context cache. Every window of a branch gives a contextual n-gram: G - 1 branch tokens ending at row k plus row k's
 prediction (G = `gram`), kept in an LRU queue per first token (`lru` per key, the newest first, each with how often
-the branches produced it). The branches and this cache are `DraftBranches`, which the priced context statistics also
-read as a source of candidates (spd.drafters.suffix_branches, `suffix_branches=true`).
+it was seen). The branches and this cache are `DraftBranches`, which the priced context statistics also read as a
+source of candidates (spd.drafters.suffix_branches, `suffix_branches=true`). With `verified_ngrams` (the default)
+every G-token window of the prompt and of the verified text joins the same cache after the cycle's branch n-grams, as
+the authors' code does (its context cache takes the decoded text's windows beside the branches'; the paper's text
+names the branches' only): text that repeats itself — code above all — then offers its own continuations.
 
 Corpus cache (`corpus`, a `CorpusNgrams` or None). The paper counts n-grams over OANC, a general English corpus; OANC
 is not available here, so the suite counts them over the ShareGPT assistant turns of its own datastore
@@ -40,6 +43,7 @@ import numpy as np
 import torch
 
 from spd.drafters.base import ChainDrafter, merged_tree
+from spd.drafters.selfdraft_device import DeviceBranches
 from spd.methods import SelfDraftKeys
 from spd.tree import DraftTree
 
@@ -168,22 +172,27 @@ class DraftBranches:
     def branch_logits(self, logits: torch.Tensor, which: list[int] | None = None) -> None:
         """The target's logits of the rows branch_rows(which) gave: their n-grams remembered, each branch updated."""
         predicted = logits.argmax(-1).tolist()       # drafts: the argmax, which draws none of the request's noise
-        at = 0
-        for i in range(self.n) if which is None else which:
+        which = list(range(self.n)) if which is None else which
+        starts = np.cumsum([0] + [len(self.branch[i]) for i in which]).tolist()
+        self.branch_predictions({i: predicted[a:b] for i, a, b in zip(which, starts, starts[1:])})
+
+    def branch_predictions(self, predicted: dict[int, list[int]]) -> None:
+        """Each branch's row predictions (branch i: one a token it holds): their n-grams remembered, the branches
+        updated. The device step's branch rows hand theirs back here (spd.drafters.selfdraft_device)."""
+        for i, own in predicted.items():
             branch = self.branch[i]
-            own = predicted[at: at + len(branch)]
-            at += len(branch)
             for k in range(self.gram - 2, len(branch)):   # G - 1 branch tokens ending at row k, and row k's prediction
                 self.remember(branch[k - self.gram + 2: k + 1] + [own[k]])
             self.branch[i] = (branch + [own[-1]])[-self.length:]   # append the last prediction, drop the first past L
 
-    def remember(self, gram: list[int]) -> None:
-        """A contextual n-gram into the LRU queue of its first token."""
+    def remember(self, gram: list[int], branch: bool = True) -> None:
+        """A contextual n-gram into the LRU queue of its first token (branch: one the branches produced, counted in
+        grams_added)."""
         queue = self.context.setdefault(gram[0], OrderedDict())
         cont = tuple(gram[1:])
         queue[cont] = queue.get(cont, 0) + 1
         queue.move_to_end(cont)
-        self.grams_added += 1
+        self.grams_added += branch
         if len(queue) > self.lru:
             queue.popitem(last=False)
 
@@ -197,8 +206,9 @@ class SelfDraftDrafter(DraftBranches, ChainDrafter):
 
     def __init__(self, branches: int = 6, branch_length: int = 6, gram: int = 4,
                  corpus: CorpusNgrams | dict | None = None, candidates: int | None = None, lru: int = 16,
-                 seed: int = 0):
+                 seed: int = 0, verified_ngrams: bool = True):
         DraftBranches.__init__(self, branches, branch_length, gram, lru, seed)
+        self.verified_ngrams, self.seen = verified_ngrams, 0
         self.corpus = CorpusNgrams(corpus) if isinstance(corpus, dict) else corpus
         self.candidates = candidates or max(branches, 1)
         # the widest tree (every candidate apart, gram - 1 tokens each) and every branch row
@@ -211,15 +221,44 @@ class SelfDraftDrafter(DraftBranches, ChainDrafter):
     def start(self, prompt_hidden, tokens) -> None:
         self.tokens = list(tokens)
         self.start_branches(self.tokens)
+        self.seen = 0
+        self.remember_verified()
 
     def verified(self, hidden, tokens) -> None:
         self.tokens = list(tokens)
+        self.remember_verified()
+
+    def remember_verified(self) -> None:
+        """Every n-gram of the verified text not yet seen into the context cache (the prompt's at the start): text
+        that repeats itself (code, a list) offers its own continuations, after the branches' of this cycle."""
+        if not self.verified_ngrams:
+            return
+        tokens = self.tokens
+        for i in range(max(0, self.seen - self.gram + 1), len(tokens) - self.gram + 1):
+            self.remember(tokens[i: i + self.gram], branch=False)
+        self.seen = len(tokens)
 
     def side_rows(self):
         return self.branch_rows() if self.n else None
 
     def side_logits(self, logits: torch.Tensor) -> None:
         self.branch_logits(logits)
+
+    def device_side(self, device: torch.device) -> DeviceBranches | None:
+        if not self.n:
+            return None
+        return DeviceBranches(self.n, self.length, device)
+
+    def side_tokens(self) -> list[list[int]]:
+        return self.branch
+
+    def side_predictions(self, values: list[float]) -> None:
+        """values: DeviceBranches' rows, L a branch, of which each branch's first len(branch) hold tokens."""
+        rows, filled = self.length, len(self.branch[0])
+        self.branch_predictions({i: [int(v) for v in values[i * rows: i * rows + filled]] for i in range(self.n)})
+
+    def nodes(self, m: int, width: int, budget: int) -> int:
+        return self.candidates * m if width == 1 else budget
 
     def candidate_list(self, root: int) -> list[tuple[int, ...]]:
         """The continuations keyed by the root: the context cache's, newest first, then the corpus's."""
@@ -240,7 +279,8 @@ def chain_drafter(*, selfdraft: SelfDraftKeys, tokenizer, vocab_size: int) -> Se
     """Self-Draft's drafter (spd.methods): its branches, branch length and gram, and with corpus_ngrams=true the
     tokenizer's corpus n-grams (none where no datastore can be built: the context cache alone)."""
     corpus = shared_corpus(tokenizer, vocab_size, selfdraft.gram) if selfdraft.corpus_ngrams else None
-    return SelfDraftDrafter(selfdraft.branches, selfdraft.branch_length, selfdraft.gram, corpus)
+    return SelfDraftDrafter(selfdraft.branches, selfdraft.branch_length, selfdraft.gram, corpus,
+                            verified_ngrams=selfdraft.verified_ngrams)
 
 
 _CORPORA: dict[tuple[int, int, int], tuple[object, CorpusNgrams | None]] = {}

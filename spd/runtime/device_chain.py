@@ -32,6 +32,10 @@ class DeviceChainDecoder(Decoder):
         drafting = drafter is not None or device_drafter is not None
         self.k = 0 if not drafting else min(k, ROWS[-1] - 1)
         self.budget = min(budget or self.k, ROWS[-1] - 1) if width > 1 else self.k
+        # a drafter's side rows (Self-Draft's branches) as fixed rows of every step; its trees as wide as it drafts
+        self.side = drafter.device_side(target.device) if drafter is not None else None
+        if drafter is not None:
+            self.budget = drafter.nodes(self.k, width, self.budget)
         if width > 1 and device_drafter is not None:    # a fixed tree: as many nodes as it has candidates at most
             self.budget = min(self.budget, device_drafter.candidates(self.k, width))
         self.width = 1 if device_drafter is not None and self.budget < 2 else width
@@ -45,7 +49,7 @@ class DeviceChainDecoder(Decoder):
         """The shared state over this cache, and its steps (built, and compiled, again only for a new cache
         length bucket or sampling setting)."""
         if self.state is None or self.state.cache is not cache or self.state.params != params:
-            self.state = StepState(self.target, cache, self.budget + 1, params)
+            self.state = StepState(self.target, cache, self.budget + 1, params, self.side)
             self.steps = {rows: DeviceStep(self.target, self.state, rows, self.compile, self.cuda_graphs,
                                            tree=self.width > 1 and rows > 2, drafter=self.device_drafter)
                           for rows in self.buckets}
@@ -56,14 +60,15 @@ class DeviceChainDecoder(Decoder):
         target, params = self.target, request.params
         generator = request.generator(target.device)
         # the cache's length in buckets: a step is built (and compiled) once per bucket, not once per prompt
-        length = -(-context_length(len(prompt_ids), request.max_new_tokens, self.budget + 1) // BUCKET) * BUCKET
+        ahead = self.budget + 1 + (self.side.rows if self.side is not None else 0)
+        length = -(-context_length(len(prompt_ids), request.max_new_tokens, ahead) // BUCKET) * BUCKET
         capture = frozenset(self.device_drafter.layers_needed()) if self.device_drafter else frozenset()
         cache, hidden, captured = prefill(target, prompt_ids, capture, length, self.state and self.state.cache)
         logits = target.logits(hidden[0, -1])                                          # [V]
         draws = None if params.greedy else request.draws(generator, logits.shape[-1])
         state = self.state_for(cache, params)
         state.position.fill_(len(prompt_ids))
-        host = torch.zeros(self.budget + 3, dtype=torch.float64, pin_memory=target.device.type == "cuda")
+        host = torch.zeros(len(state.out), dtype=torch.float64, pin_memory=target.device.type == "cuda")
         # the first token from the prefill's last row, by the same rule as every later one
         if draws is not None:
             state.noise[:1].copy_(gumbel(draws, len(prompt_ids), 1))
@@ -79,6 +84,8 @@ class DeviceChainDecoder(Decoder):
         stats = self.stats = ChainStats(m=self.k)
         while True:
             count, margin, chosen = int(values[0]), values[1], values[2:]
+            if self.side is not None and stats.cycles:    # the side rows' drafts, before the cycle's tokens settle
+                self.drafter.side_predictions(values[2 + state.tree_rows:])
             for token in chosen[:count]:
                 tokens.append(int(token))
                 stats.N += 1
@@ -91,6 +98,8 @@ class DeviceChainDecoder(Decoder):
                 if stats.N == 1:
                     self.drafter.start({}, tokens)
                     self.drafter.sampling_draws(draws)
+                    if self.side is not None:
+                        self.side.start(self.drafter.side_tokens())
                 else:
                     self.drafter.verified({}, tokens)
                 if self.drafter.uses_margin:

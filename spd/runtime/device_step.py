@@ -48,13 +48,18 @@ class StepState:
     (sampling: the Gumbel noise of the positions after the root's, by depth: a row at depth d chooses with
     noise[d]), `out` [R + 2] (what the host reads: the count c
     of verified tokens, the target's margin where it chose the last of them, the verified tokens; float64 holds
-    token ids exactly)."""
+    token ids exactly). side: a drafter's side rows (Self-Draft's branches, spd.drafters.selfdraft_device), S more
+    rows after the tree's R (tokens, depth, parent and ancestors are then [R + S]): each sees the root and the side
+    rows its `visible` names, no tree row sees one; their argmaxes go out after the verified tokens
+    (out[2 + R: 2 + R + S])."""
 
-    def __init__(self, target: StagedTarget, cache, rows: int, params: SamplingParams):
+    def __init__(self, target: StagedTarget, cache, rows: int, params: SamplingParams, side=None):
         if not cache.static:
             raise ValueError("a device step needs a static cache (new_cache(max_length=...))")
         device = target.device
-        self.cache, self.params = cache, params
+        self.cache, self.params, self.side, self.tree_rows = cache, params, side, rows
+        noise_rows = rows
+        rows += side.rows if side is not None else 0
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)               # [R]
         self.drafts = torch.zeros((), dtype=torch.long, device=device)                 # []
         self.position = torch.zeros((), dtype=torch.long, device=device)               # []
@@ -65,7 +70,15 @@ class StepState:
         self.mask_keys = torch.arange(cache.max_length, device=device).view(1, -1)     # [1, S]
         vocab = target.model.config.vocab_size
         self.noise = None if params.greedy else \
-            torch.zeros(rows, vocab, dtype=torch.float64, device=device)              # [R, V]
+            torch.zeros(noise_rows, vocab, dtype=torch.float64, device=device)        # [R, V]
+        if side is not None:      # the side rows' shape never changes: set once
+            tree = noise_rows
+            self.depth[tree:].copy_(side.offsets())
+            self.parent[tree:] = 0
+            self.ancestors[tree:] = False
+            self.ancestors[tree:, 0] = True
+            self.ancestors[tree:, tree:] = side.visible()
+            side.bind(self.tokens[tree:])
 
     def set_tree(self, tree, rows: int) -> None:
         """A context drafter's tree (spd.tree.DraftTree, parents first) as the first `rows` rows' structure;
@@ -148,9 +161,14 @@ class DeviceStep(Graphed):
         code), None: eager. cuda_graph: on CUDA, the step captured once as a CUDA graph and replayed (elsewhere it
         runs eagerly, the twin the tests check)."""
         self.target, self.state, self.params = target, state, state.params
-        self.tree, self.drafter = tree, drafter
+        self.tree, self.drafter, self.side = tree or state.side is not None, drafter, state.side
         self.capture = frozenset(drafter.layers_needed()) if drafter is not None else frozenset()
-        self.rows = torch.arange(rows, device=target.device)                           # [r]
+        device = target.device
+        self.rows = torch.arange(rows, device=device)                                  # [r]
+        # the rows the forward runs: the tree's first r, then the side rows after the state's R tree rows
+        self.run_rows = self.rows if self.side is None else \
+            torch.cat([self.rows, state.tree_rows + torch.arange(self.side.rows, device=device)])   # [r + S]
+        self.span = torch.arange(len(self.run_rows), device=device)                    # [n] the cache slots'
         self.choose_runner(cuda_graph and target.device.type == "cuda", compile)
 
     def mutable(self) -> list[torch.Tensor]:
@@ -158,6 +176,7 @@ class DeviceStep(Graphed):
         what the real step writes there."""
         state = self.state
         drafted = self.drafter.mutable() if self.drafter is not None else []
+        drafted += self.side.mutable() if self.side is not None else []
         shape = [state.depth, state.parent, state.ancestors] if self.tree and self.drafter is not None else []
         return [state.tokens, state.position] + drafted + shape
 
@@ -167,23 +186,32 @@ class DeviceStep(Graphed):
             noise = noise.index_select(0, self.state.depth[: len(self.rows)])
         return choose(logits, self.params, noise)
 
-    def forward(self, tokens: torch.Tensor):
-        """The target over the rows: (hidden [1, r, d], {layer: H^l [1, r, d]} for the drafter's layers)."""
-        target, state, r = self.target, self.state, len(self.rows)
-        state.cache.write_at = state.position + self.rows                              # [r] slots, node order
-        h0 = target.embed(tokens.view(1, -1))                                          # [1, r, d]
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The forward's rows: tokens [n], depth [n] and ancestors [n, n] (n = r, or r + S with side rows)."""
+        state, r = self.state, len(self.rows)
+        if self.side is None:
+            return state.tokens[:r], state.depth[:r], state.ancestors[:r, :r]
+        rows = self.run_rows
+        return (state.tokens.index_select(0, rows), state.depth.index_select(0, rows),
+                state.ancestors.index_select(0, rows).index_select(1, rows))
+
+    def forward(self, tokens: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor):
+        """The target over the rows (layout()'s n): (hidden [1, n, d], {layer: H^l [1, n, d]} for the drafter's
+        layers)."""
+        target, state, n = self.target, self.state, len(tokens)
+        state.cache.write_at = state.position + self.span                              # [n] slots, node order
+        h0 = target.embed(tokens.view(1, -1))                                          # [1, n, d]
         try:
             if not self.tree:
-                positions = state.position + self.rows                                 # [r]
+                positions = state.position + self.rows                                 # [n]
                 hidden, captured = target.run_layers(h0, positions, 0, target.num_layers, state.cache,
                                                      self.capture, state.mask_keys)
             else:
-                depth = state.depth[:r]                                                # [r]
-                positions = state.position + depth                                     # [r]
+                positions = state.position + depth                                     # [n]
                 column = state.mask_keys - state.position                              # [1, S] slot - root's
-                in_tree = (column >= 0) & (column < r)                                 # [1, S]
-                node = column.clamp(0, r - 1).expand(r, -1)                            # [r, S]
-                visible = (column < 0) | (in_tree & state.ancestors[:r, :r].gather(1, node))   # [r, S]
+                in_tree = (column >= 0) & (column < n)                                 # [1, S]
+                node = column.clamp(0, n - 1).expand(n, -1)                            # [n, S]
+                visible = (column < 0) | (in_tree & ancestors.gather(1, node))         # [n, S]
                 keys = torch.where(in_tree[0], state.position + depth[node[0]], state.mask_keys[0])  # [S]
                 hidden, captured = target.run_layers(h0, positions, 0, target.num_layers, state.cache,
                                                      self.capture, visible=(visible, keys))
@@ -197,8 +225,10 @@ class DeviceStep(Graphed):
         """One cycle; returns the state's `out`."""
         state, r = self.state, len(self.rows)
         tokens = state.tokens[:r]                                                      # [r]
-        hidden, captured = self.forward(tokens)
-        logits = self.target.logits(hidden[0])                                         # [r, V]
+        hidden, captured = self.forward(*self.layout())
+        logits = self.target.logits(hidden[0])                                         # [r (+ S), V]
+        side = logits[r:].argmax(-1) if self.side is not None else None               # [S] branch drafts: argmax,
+        logits = logits[:r]                                                            # no noise drawn
         chosen = self.choose(logits)                                                   # [r]
         real = self.rows <= state.drafts                                               # [r]
         if not self.tree:
@@ -221,6 +251,9 @@ class DeviceStep(Graphed):
         state.out[0] = kept + 1
         state.out[1] = top2[0, 0] - top2[0, 1]
         state.out[2: r + 2] = verified
+        if side is not None:
+            state.out[2 + state.tree_rows:].copy_(side)
+            self.side.advance(side)
         if self.drafter is not None:
             self.drafter.update({layer: h.index_select(1, path) for layer, h in captured.items()}, verified, kept,
                                 state.position)
