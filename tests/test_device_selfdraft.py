@@ -13,12 +13,11 @@ from spd.drafters.selfdraft import SelfDraftDrafter
 from spd.drafters.selfdraft_device import DeviceBranches
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.device_chain import DeviceChainDecoder
-from spd.runtime.device_step import DeviceStep
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
-from test_device_step import SAMPLED, HostReads
-from test_lossless_sampling import ALPHA, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution, sample_chain
+from test_device_step import SAMPLED, HostReads, keep_argmax_drafts
+from test_lossless_sampling import ALPHA, PARAMS, SHORT, chi2_pvalue, exact_distribution, sample_chain
 from test_selfdraft import junk_corpus
 
 
@@ -93,12 +92,7 @@ def test_the_device_selfdraft_samples_the_target_distribution(monkeypatch):
         selfdraft = SelfDraftDrafter(branches=3, branch_length=3, gram=2, corpus=corpus, candidates=1)
         return sample_chain(device_decoder(model, selfdraft, 1), SHORT, seed=seed)
     assert chi2_pvalue(counts(4), dist, SHORT) > ALPHA
-    choose = DeviceStep.choose
-
-    def argmax_for_drafts(self, logits):
-        chosen = choose(self, logits)
-        return torch.where(self.rows < self.state.drafts, logits.argmax(-1), chosen) if len(chosen) > 1 else chosen
-    monkeypatch.setattr(DeviceStep, "choose", argmax_for_drafts)
+    keep_argmax_drafts(monkeypatch)
     assert chi2_pvalue(counts(5), dist, SHORT) < ALPHA
 
 

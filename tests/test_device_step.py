@@ -84,6 +84,17 @@ def small_vocab_model():
     return tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
 
 
+def keep_argmax_drafts(monkeypatch) -> None:
+    """A broken verdict for the power checks: the step keeps a draft whenever it is the target's argmax, not the
+    keyed draw."""
+    choose = DeviceStep.choose
+
+    def argmax_for_drafts(self, logits):
+        chosen = choose(self, logits)
+        return torch.where(self.rows < self.state.drafts, logits.argmax(-1), chosen) if len(chosen) > 1 else chosen
+    monkeypatch.setattr(DeviceStep, "choose", argmax_for_drafts)
+
+
 def test_the_chain_samples_the_target_distribution(small_vocab_model):
     """T = 1 with top-k and top-p, the lookup's chain (PROMPT's tokens recur, so drafts are verified): a chi-square
     against the enumerated distribution (tests/test_lossless_sampling.py shows it rejects a 5% TV shift)."""
@@ -94,12 +105,7 @@ def test_the_chain_samples_the_target_distribution(small_vocab_model):
 def test_an_acceptance_that_ignores_the_draw_is_caught(small_vocab_model, monkeypatch):
     """The power check on this path: a step that keeps a draft whenever it is the target's argmax (not the keyed
     draw) changes the distribution, and the same chi-square rejects it."""
-    choose = DeviceStep.choose
-
-    def argmax_for_drafts(self, logits):
-        chosen = choose(self, logits)
-        return torch.where(self.rows < self.state.drafts, logits.argmax(-1), chosen) if len(chosen) > 1 else chosen
-    monkeypatch.setattr(DeviceStep, "choose", argmax_for_drafts)
+    keep_argmax_drafts(monkeypatch)
     dist = exact_distribution(small_vocab_model, PARAMS)
     assert chi2_pvalue(sample_counts(small_vocab_model, SHORT, 12), dist, SHORT) < ALPHA
 

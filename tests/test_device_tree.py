@@ -5,7 +5,6 @@ Lossless (greedy = AR, keyed sampling = AR's keyed draws, the target's distribut
 check), compiled whole with `fullgraph=True`, and no host read inside a step."""
 
 import pytest
-import torch
 
 from helpers import GREEDY, ar_run, prompt
 from spd.decoding import Request
@@ -16,11 +15,10 @@ from spd.drafters.suffix import SuffixDrafter
 from spd.eagle3_module import Eagle3Module
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.device_chain import DeviceChainDecoder
-from spd.runtime.device_step import DeviceStep
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
-from test_device_step import SAMPLED, HostReads, answer_counts
+from test_device_step import SAMPLED, HostReads, answer_counts, keep_argmax_drafts
 from test_lossless_sampling import ALPHA, PARAMS, SHORT, chi2_pvalue, exact_distribution
 
 
@@ -103,12 +101,7 @@ def test_the_tree_samples_the_target_distribution(small_vocab_model, monkeypatch
     whenever it is the target's argmax (not the keyed draw) is rejected by the same test."""
     dist = exact_distribution(small_vocab_model, PARAMS)
     assert chi2_pvalue(tree_counts(small_vocab_model, SHORT, 21), dist, SHORT) > ALPHA
-    choose = DeviceStep.choose
-
-    def argmax_for_drafts(self, logits):
-        chosen = choose(self, logits)
-        return torch.where(self.rows < self.state.drafts, logits.argmax(-1), chosen) if len(chosen) > 1 else chosen
-    monkeypatch.setattr(DeviceStep, "choose", argmax_for_drafts)
+    keep_argmax_drafts(monkeypatch)
     assert chi2_pvalue(tree_counts(small_vocab_model, SHORT, 22), dist, SHORT) < ALPHA
 
 
@@ -196,12 +189,7 @@ def test_the_eagle3_tree_samples_the_target_distribution(small_vocab_model, monk
     def counts(seed):
         return answer_counts(eagle3_decoder(small_vocab_model, 3, width=3, budget=8)[0], SHORT, seed)
     assert chi2_pvalue(counts(23), dist, SHORT) > ALPHA
-    choose = DeviceStep.choose
-
-    def argmax_for_drafts(self, logits):
-        chosen = choose(self, logits)
-        return torch.where(self.rows < self.state.drafts, logits.argmax(-1), chosen) if len(chosen) > 1 else chosen
-    monkeypatch.setattr(DeviceStep, "choose", argmax_for_drafts)
+    keep_argmax_drafts(monkeypatch)
     assert chi2_pvalue(counts(24), dist, SHORT) < ALPHA
 
 
