@@ -197,21 +197,24 @@ def test_sampled_selfdraft_decodes_what_keyed_ar_samples(family_model, untied_ta
             assert kept > 0, family
 
 
-def test_selfdraft_samples_the_target_distribution():
+@pytest.mark.parametrize("verified", [False, True], ids=["branches+corpus", "with-verified-ngrams"])
+def test_selfdraft_samples_the_target_distribution(verified):
     """T = 1 (top-k 2, top-p 0.95: tests/test_lossless_sampling.py's PARAMS) on the 16-token 2-layer model: 2,500
     samples of 3 tokens follow the exact distribution (chi-square at ALPHA, that file's power), with candidates of
-    both the branches (gram 2: a branch token and its prediction) and the corpus, kept and rejected often."""
-    from test_lossless_sampling import ALPHA, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution, sample_chain
+    both the branches (gram 2: a branch token and its prediction) and the corpus, kept and rejected often; with the
+    verified text's n-grams too (the default), which are kept most of the time."""
+    from test_lossless_sampling import ALPHA, PARAMS, SHORT, chi2_pvalue, exact_distribution, sample_chain
 
     model = tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
     corpus = {(t,): [(2,)] for t in range(16)}      # the model mostly repeats 5: kept sometimes, rejected often
     decoder = ChainDecoder(StagedTarget(model, 1),
-                           SelfDraftDrafter(branches=3, branch_length=3, gram=2, corpus=corpus, candidates=1),
+                           SelfDraftDrafter(branches=3, branch_length=3, gram=2, corpus=corpus, candidates=1,
+                                            verified_ngrams=verified),
                            frozenset(), 1)
     verdicts = []
     counts = sample_chain(decoder, SHORT, seed=4, verdicts=verdicts)
     kept = sum(ok for _, _, ok in verdicts)
-    assert kept > SHORT * 0.1 and len(verdicts) - kept > SHORT * 0.1
+    assert kept > SHORT * 0.1 and len(verdicts) - kept > (SHORT * 0.1 if not verified else 0)
     assert chi2_pvalue(counts, exact_distribution(model, PARAMS), SHORT) > ALPHA
 
 
