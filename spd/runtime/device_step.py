@@ -58,7 +58,7 @@ class StepState:
             raise ValueError("a device step needs a static cache (new_cache(max_length=...))")
         device = target.device
         self.cache, self.params, self.side, self.tree_rows = cache, params, side, rows
-        noise_rows = rows
+        tree = rows
         rows += side.rows if side is not None else 0
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)               # [R]
         self.drafts = torch.zeros((), dtype=torch.long, device=device)                 # []
@@ -70,11 +70,9 @@ class StepState:
         self.mask_keys = torch.arange(cache.max_length, device=device).view(1, -1)     # [1, S]
         vocab = target.model.config.vocab_size
         self.noise = None if params.greedy else \
-            torch.zeros(noise_rows, vocab, dtype=torch.float64, device=device)        # [R, V]
-        if side is not None:      # the side rows' shape never changes: set once
-            tree = noise_rows
+            torch.zeros(tree, vocab, dtype=torch.float64, device=device)              # [R, V]
+        if side is not None:      # the side rows' shape never changes: set once (no parent: never a draft)
             self.depth[tree:].copy_(side.offsets())
-            self.parent[tree:] = 0
             self.ancestors[tree:] = False
             self.ancestors[tree:, 0] = True
             self.ancestors[tree:, tree:] = side.visible()
