@@ -18,8 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from spd.errors import UserError
 from spd.eagle3_module import Eagle3Module
+from spd.formats.eagle3 import FORMATS, check_head_target, head_config, head_state, layout_of, weights_file
 from spd.methods import METHODS, TRAINED_METHODS, module_class
 from spd.module import SpeculationModule
+from spd.paths import refuse_authors_head
 from spd.targets.loaded import reduced_fingerprints
 from spd.targets.loading import LoadedTarget
 from spd.targets.stages import StagedTarget
@@ -75,7 +77,10 @@ def save_checkpoint(module: SpeculationModule, target: LoadedTarget, path: str, 
 
 
 def read_checkpoint_config(path: str) -> dict:
+    """config.json of a module checkpoint, or of an EAGLE-3 head in an engine's layout (spd.formats) translated
+    into this suite's fields."""
     config_path = os.path.join(path, CONFIG_FILE)
+    refuse_authors_head(path)
     if not os.path.isdir(path):
         raise UserError(f"checkpoint directory {path!r} does not exist; pass checkpoint=<dir> of a trained module")
     if not os.path.isfile(config_path):
@@ -85,8 +90,11 @@ def read_checkpoint_config(path: str) -> dict:
             cfg = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{config_path} is corrupt (not valid JSON); re-save or re-train the checkpoint") from None
+    if isinstance(cfg, dict) and cfg.get("format") != FORMAT and layout_of(cfg):
+        return head_config(path, cfg)
     if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
-        raise UserError(f"{config_path} is not an SPD module checkpoint (format != {FORMAT!r})")
+        raise UserError(f"{config_path} is neither an SPD module checkpoint (format != {FORMAT!r}) nor an EAGLE-3 "
+                        f"head in the {' or '.join(sorted(set(FORMATS.values())))} layout")
     missing = [k for k in REQUIRED if k not in cfg] + \
         [f"target.{k}" for k in ("name", "fingerprint") if not isinstance(cfg.get("target"), dict) or k not in cfg["target"]]
     if missing:
@@ -106,6 +114,8 @@ def checkpoint_method(path: str, cfg: dict) -> str:
 
 def check_target(path: str, cfg: dict, target: LoadedTarget) -> None:
     """A checkpoint runs only on the target it was trained for (checked before anything about n or bounds)."""
+    if cfg["format"] != FORMAT:
+        return check_head_target(path, cfg, target)
     ident = cfg["target"]
     # the same weights in bfloat16 / float16 (a GPU run of a module trained in float32) are the same target
     if target.fingerprint not in (ident["fingerprint"], *(ident.get("fingerprints") or {}).values()):
@@ -120,13 +130,18 @@ def load_checkpoint(path: str, staged: StagedTarget, target: LoadedTarget) -> Sp
     if cfg["n"] != staged.n or cfg["stage_bounds"] != staged.bounds:
         raise UserError(f"checkpoint {path!r} is for n={cfg['n']} with stage_bounds={cfg['stage_bounds']}, "
                         f"but this run has n={staged.n}, stage_bounds={staged.bounds}; drop n= or match it")
-    weights = os.path.join(path, WEIGHTS_FILE)
-    if not os.path.isfile(weights):
-        raise UserError(f"checkpoint {path!r} has no {WEIGHTS_FILE}")
-    try:
-        state = load_file(weights)
-    except (SafetensorError, OSError) as exc:
-        raise UserError(f"{weights} is corrupt ({str(exc).splitlines()[0]}); re-save or re-train the checkpoint") from None
+    if cfg["format"] != FORMAT:
+        weights = weights_file(path)
+        state = head_state(path, cfg, target.model.get_input_embeddings().weight.detach())
+    else:
+        weights = os.path.join(path, WEIGHTS_FILE)
+        if not os.path.isfile(weights):
+            raise UserError(f"checkpoint {path!r} has no {WEIGHTS_FILE}")
+        try:
+            state = load_file(weights)
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"{weights} is corrupt ({str(exc).splitlines()[0]}); re-save or re-train the "
+                            "checkpoint") from None
     draft_map = state.get("draft_to_target")
     method = checkpoint_method(path, cfg)
     module = module_class(METHODS[method].module).from_checkpoint_config(staged, method, cfg, draft_map)

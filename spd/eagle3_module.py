@@ -31,16 +31,18 @@ def fused_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 class Eagle3Module(DraftHead, nn.Module):
-    def __init__(self, target_config, layer_cls, rotary_cls, norm_cls, draft_to_target: torch.Tensor | None = None):
+    def __init__(self, target_config, layer_cls, rotary_cls, norm_cls, draft_to_target: torch.Tensor | None = None,
+                 fused: tuple[int, ...] | None = None):
         super().__init__()
         d = target_config.hidden_size
-        self.fused = fused_layers(target_config.num_hidden_layers)
+        # a head trained elsewhere may fuse other layers (spd.formats reads them from its config)
+        self.fused = tuple(fused) if fused is not None else fused_layers(target_config.num_hidden_layers)
         cfg = copy.deepcopy(target_config)
         cfg.num_hidden_layers = 1
         if hasattr(cfg, "layer_types"):
             cfg.layer_types = ["full_attention"]
         self.config = cfg
-        self.fc = nn.Linear(3 * d, d, bias=False)
+        self.fc = nn.Linear(len(self.fused) * d, d, bias=False)
         self.embed_norm = norm_cls(d, eps=cfg.rms_norm_eps)
         self.hidden_norm = norm_cls(d, eps=cfg.rms_norm_eps)
         layer = layer_cls(cfg, layer_idx=0)
@@ -62,8 +64,18 @@ class Eagle3Module(DraftHead, nn.Module):
     @classmethod
     def from_checkpoint_config(cls, target: StagedTarget, method: str, config: dict,
                                draft_to_target: torch.Tensor | None) -> "Eagle3Module":
-        """The module a checkpoint's config.json describes, its weights still to be loaded."""
-        return cls.from_target(target, draft_to_target=draft_to_target)
+        """The module a checkpoint's config.json describes, its weights still to be loaded. A head read from an
+        engine's format (spd.formats) carries its own layer: the engines' Llama decoder layer at its sizes."""
+        layer = config.get("draft_layer")
+        if layer is None:
+            return cls.from_target(target, draft_to_target=draft_to_target)
+        from spd.formats.layer import llama_layer_parts
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            module = cls(*llama_layer_parts(layer, target.config.vocab_size), draft_to_target,
+                         fused=config["fused_layers"])
+        return module.to(device=target.device, dtype=target.dtype)
 
     def checkpoint_fields(self, num_layers: int) -> dict:
         """What config.json records beside the target's identity: no pipeline, the chain runs the target whole."""

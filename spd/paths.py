@@ -64,6 +64,18 @@ def read_run_config(path: str, fix: str) -> dict:
     return config
 
 
+AUTHORS_HEAD = "speculation_head_final.pt"   # how the SPD authors publish their heads
+
+
+def refuse_authors_head(path: str) -> None:
+    """The SPD authors' heads (a .pt of a state dict and a config) are not this suite's module: say so, not "no
+    config.json"."""
+    head = path if path.endswith(".pt") else os.path.join(path, AUTHORS_HEAD)
+    if os.path.isfile(head) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise UserError(f"{head} is an SPD authors' head; its per-depth feature sets and layers that run every row are "
+                        "not this suite's module (docs/training.md, \"Sharing heads\"), so it cannot be read")
+
+
 def check_checkpoint_dir(checkpoint: str | None, method: str | None = None) -> None:
     """A checkpoint= that names a directory names one that exists and holds a module's config.json: checked from
     the config alone, before torch loads (spd.checkpoint reads and verifies the rest once the target is loaded).
@@ -75,6 +87,7 @@ def check_checkpoint_dir(checkpoint: str | None, method: str | None = None) -> N
         return
     if method is not None and METHODS[method].decoder != AR and not METHODS[method].trained:
         return
+    refuse_authors_head(checkpoint)
     if not os.path.isdir(checkpoint):
         raise UserError(f"checkpoint directory {checkpoint!r} does not exist; pass checkpoint=<dir> of a trained "
                         "module")
