@@ -240,3 +240,49 @@ def test_bad_heads_are_refused_in_one_line(capsys, tmp_path, trained_dir, untied
     out = tmp_path / "out"
     assert "neither" in refused(capsys, [str(nothing), "--format", "vllm", "--out", str(out)], command=export)
     assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_the_shipped_head_round_trips_drafting_the_same_chains(capsys, tmp_path, fmt):
+    """The shipped SmolLM2 EAGLE-3 head through train/export.py and back: the same chain drafted every cycle, greedy
+    = AR, on two everyday prompts."""
+    from spd.prompts import chat_prompt_ids
+    from spd.shipped import checkpoint_for
+
+    shipped = checkpoint_for(None, "smollm2", None, None, "eagle3")
+    assert shipped is not None, "no EAGLE-3 head ships for the default target"
+    out = str(tmp_path / fmt)
+    assert load_export_main()([shipped, "--format", fmt, "--out", out]) == 0
+    capsys.readouterr()
+    loaded = load_target("smollm2")
+    staged = StagedTarget(loaded.model, 1)
+    original = load_checkpoint(shipped, staged, loaded).eval()
+    again = load_checkpoint(out, staged, loaded).eval()
+    for text in ("Give me three tips for staying focused while studying.", "What is the capital of France?"):
+        ids = chat_prompt_ids(loaded.tokenizer, text)
+        tokens, chains = drafted_chains(staged, original, ids, max_new=48, m=5)
+        tokens_again, chains_again = drafted_chains(staged, again, ids, max_new=48, m=5)
+        assert chains_again == chains and tokens_again == tokens == ar_run(loaded.model, ids, 48).token_ids
+        assert len(chains) < 48          # drafts were kept: a trained head
+
+
+def test_eval_scores_an_engine_format_head_as_it_scores_the_original(capsys, tmp_path, trained_dir, untied_target_dir):
+    """`spd-infer eval method=eagle3 checkpoint=<export>` puts a head from another tool in the table: the same samples
+    and tokens per forward as the head it was exported from."""
+    export = str(tmp_path / "export")
+    assert load_export_main()([trained_dir, "--format", "vllm", "--out", export, "--target", untied_target_dir]) == 0
+    rows = {}
+    for name, checkpoint in (("ours", trained_dir), ("hf", export)):
+        out = str(tmp_path / name)
+        code = spd_infer(["eval", f"target={untied_target_dir}", f"output_dir={out}",
+                          f"trace_cache_dir={tmp_path}/traces", "method=eagle3", f"checkpoint={checkpoint}",
+                          "limit=1", "max_new_tokens=12", "draft_length=3", "calibrate=false", "wandb.mode=disabled"])
+        assert code == 0, capsys.readouterr().err
+        with open(os.path.join(out, "samples.jsonl")) as f:
+            rows[name] = [json.loads(line) for line in f]
+        with open(os.path.join(out, "summary.json")) as f:
+            assert json.load(f)["run"]["checkpoint"] == checkpoint
+    assert len(rows["ours"]) == 3
+    keep = ("question_id", "mode", "text", "N", "K", "tau")
+    assert [{k: r.get(k) for k in keep} for r in rows["hf"]] == [{k: r.get(k) for k in keep} for r in rows["ours"]]

@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=None, help="the target to load (default: the one the checkpoint names)")
     ap.add_argument("--verifier", default=None, help="the target's name recorded for the engine (default: its hub "
                     "id where known, else --target)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="the tensors' dtype (default: the checkpoint's own, so the export drafts exactly as it does)")
     ap.add_argument("--speculative-tokens", type=int, default=3, help="speculators: drafts per step vLLM runs")
     args = ap.parse_args(argv)
 
@@ -33,7 +35,9 @@ def main(argv=None) -> int:
 
     def body() -> int:
         from spd.checkpoint import FORMAT, checkpoint_method, load_checkpoint, read_checkpoint_config
-        from spd.formats.eagle3 import write_head
+        import torch
+
+        from spd.formats.eagle3 import stored_dtype, write_head
         from spd.targets.loading import load_target
         from spd.targets.source import resolve_source
         from spd.targets.stages import StagedTarget
@@ -57,6 +61,7 @@ def main(argv=None) -> int:
                                 "here by that name; pass --target <its directory or .gguf file>") from None
         loaded = load_target(target)
         module = load_checkpoint(args.checkpoint, StagedTarget(loaded.model, 1), loaded)
+        module = module.to(getattr(torch, args.dtype) if args.dtype else stored_dtype(args.checkpoint))
         verifier = args.verifier or KNOWN_VERIFIERS.get(loaded.name, target)
         write_head(module, args.format, args.out, loaded.model.config,
                    loaded.model.get_input_embeddings().weight, verifier, args.speculative_tokens)

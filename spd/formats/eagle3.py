@@ -237,6 +237,17 @@ def weights_file(path: str) -> str:
     raise UserError(f"head {path!r} has no model.safetensors (or pytorch_model.bin); it is not a complete head")
 
 
+def stored_dtype(path: str) -> torch.dtype:
+    """The dtype a checkpoint's (or a head's) fc weight is stored in."""
+    from safetensors import safe_open
+
+    weights = weights_file(path)   # this suite's checkpoints use the same file name
+    if not weights.endswith(".safetensors"):
+        return read_tensors(path)["fc.weight"].dtype
+    with safe_open(weights, "pt") as f:
+        return f.get_tensor("fc.weight").dtype
+
+
 def read_tensors(path: str) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
