@@ -18,6 +18,9 @@ import argparse
 import json
 import sys
 import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -37,6 +40,7 @@ from spd.eagle3_module import Eagle3Module
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.device_chain import DeviceChainDecoder
 from spd.runtime.device_pipeline import DevicePipelineDecoder
+from spd.runtime.device_step import Graphed
 from spd.runtime.stages import reference_kind, stage_executor
 from spd.runtime.streams import StreamStages
 from spd.sampling import SamplingParams
@@ -49,12 +53,6 @@ GREEDY = SamplingParams()
 SPD_ROWS = {"spd_local_eager": "local", "spd_local_graphs": "graphs", "spd_streams_eager": "streams",
             "spd_streams_graphs": "streams_graphs"}
 AR_ROWS = {None: "suite_ar_eager", "fixed": "suite_ar_fixed_eager", "graphs": "suite_ar_graphs"}
-# whole-target rows checked against the eager AR: the device step (spd.runtime.device_step) and the lookup chain
-CHAIN_ROWS = ("suite_ar_device_eager", "suite_ar_device_graphs", "suite_ar_device_compiled", "lookup_chain",
-              "lookup_device_graphs", "lookup_device_compiled", "default_device_graphs", "default_device_compiled",
-              "eagle3_device_graphs", "eagle3_tree_device_graphs", "spd_device_graphs", "spd_lookup_device_graphs",
-              "selfdraft_chain", "selfdraft_device_graphs",
-              "spd_device_compiled")
 COMPILED = ("suite_ar_device_compiled", "lookup_device_compiled", "default_device_compiled", "spd_device_compiled")
 LOOKUP_K, SUFFIX_K, EAGLE3_K = 7, 15, 5     # the methods' draft lengths (spd.methods)
 SELFDRAFT_K = METHODS["selfdraft"].draft_length
@@ -81,54 +79,149 @@ def timed(device, fn) -> tuple[list[int], float]:
     return tokens, time.perf_counter() - start
 
 
-def hf_rows(model, prompts, max_new, device, compile_static: bool, eos, deadline: float | None = None,
-            only: frozenset[str] | None = None, rows: dict | None = None, saved=lambda: None) -> dict:
-    """deadline (time.time()): rows not started by then are marked skipped; only: the rows to run (None: all).
-    Each row goes into `rows` and `saved()` runs as it finishes: a step killed while compiling keeps the others."""
-    rows = {} if rows is None else rows
-    kinds = [("hf_dynamic", {})]
-    if compile_static:
-        kinds.append(("hf_static_compile", {"cache_implementation": "static"}))
-    for name, extra in kinds:
-        if only is not None and name not in only:
-            rows[name] = {"skipped": "not asked"}
-            continue
-        if not compile and name.endswith("_compiled"):
-            rows[name] = {"skipped": "compile off"}
-            continue
-        if deadline is not None and time.time() > deadline:
-            rows[name] = {"skipped": "time box"}
-            continue
+# What a row costs before and while it is timed, by kind, to skip (with the estimate recorded) a row the time left
+# cannot hold: (seconds for each step built — a bucket captured or compiled, a static cache's new prompt length —,
+# seconds a token). CUDA: the H200 runs (docs/gpu.md): eager ~30 ms a token, a graph's replay ~6 ms, a capture ~2 s,
+# Inductor 15-40 s a compile, transformers' static cache ~22 s a new length; CPU: the tiny rehearsal target's.
+COSTS = {"cuda": {"eager": (0.0, 0.030), "graphs": (2.0, 0.008), "compiled": (40.0, 0.006), "hf": (0.0, 0.040),
+                  "hf_compile": (22.0, 0.004)},
+         "cpu": {"eager": (0.0, 0.010), "graphs": (0.0, 0.010), "compiled": (20.0, 0.010), "hf": (0.0, 0.010),
+                 "hf_compile": (2.0, 0.010)}}
 
-        def run(ids):
-            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new, do_sample=False,
-                                 eos_token_id=list(eos) or None, pad_token_id=0, **extra)
-            return out[0, len(ids):].tolist()
-        try:
-            # A static cache makes `generate` compile its own decode step (mode reduce-overhead) on CUDA; wrapping
-            # model.forward by hand as well (the H200 runs before 2026-11-27 16:09) compiled twice and read CUDA-graph
-            # outputs a later replay had overwritten.
-            # Every prompt is run once untimed: a static cache is as long as prompt + max_new, so each new prompt
-            # length compiles (and captures) again -- the H200 run of 2026-11-27 21:24 timed those compilations (4.4
-            # tokens/s). The first calls' seconds are kept apart as what a user meets on a new length.
-            tokens, seconds, first = 0, 0.0, 0.0
-            for ids in prompts:
-                _, s = timed(device, lambda: run(ids))
-                out, s2 = timed(device, lambda: run(ids))
-                tokens, seconds, first = tokens + len(out), seconds + s2, first + s
-            rows[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                          "first_call_seconds": first}
-            if extra:   # transformers skips compilation silently where its criteria fail (e.g. CPU)
-                rows[name]["compiled"] = hasattr(model, "_compiled_call")
-        except Exception as e:   # a row that fails keeps the others (the H200 run of 2026-11-27: inductor's graphs)
-            rows[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+
+@dataclass
+class RowSpec:
+    """One row: `run(ids)` decodes a prompt greedily; `kind` prices it (COSTS); `builds` how many steps it builds
+    (buckets, or prompt lengths); `reference` the row whose outputs it must equal (None: it is not checked)."""
+    name: str
+    kind: str
+    run: Callable[[list[int]], list[int]]
+    builds: int = 1
+    reference: str | None = "suite_ar_fixed_eager"
+    compiled: bool = False
+    stats: list | None = None        # a pipeline's decode stats, appended by `run` (L'acc = n * N / K)
+    n: int = 1
+    extra: Callable[[], dict] | None = None
+
+
+def estimate_s(spec: RowSpec, prompts, max_new: int, device: torch.device) -> float:
+    """Seconds the row is expected to take: its builds, and every prompt decoded twice (the verdict's untimed pass,
+    which also captures and compiles, then the timed one)."""
+    setup, per_token = COSTS["cuda" if device.type == "cuda" else "cpu"][spec.kind]
+    return setup * spec.builds * (len({len(p) for p in prompts}) if spec.kind == "hf_compile" else 1) + \
+        2 * per_token * max_new * len(prompts)
+
+
+def first_difference(out: list[int], ref: list[int]) -> int | None:
+    if out == ref:
+        return None
+    return next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+
+
+def verdict(outputs: list[list[int]], references: list[list[int]], prompts, margin_of) -> dict:
+    """Greedy output against the reference, prompt by prompt: where it first differs, both tokens there and the
+    target's top-2 margin after the reference's prefix. Only exact ties (margin 0) may differ: "ties"; any other
+    difference: "invalid"."""
+    differences = []
+    for i, (out, ref, ids) in enumerate(zip(outputs, references, prompts)):
+        at = first_difference(out, ref)
+        if at is None:
+            continue
+        margin = margin_of(ids + ref[:at]) if at < len(ref) else None
+        differences.append({"prompt": i, "position": at, "row_tokens": out[at: at + 3], "ar_tokens": ref[at: at + 3],
+                            "top2_margin": margin, "exact_tie": margin == 0.0})
+    status = "equal" if not differences else "ties" if all(d["exact_tie"] for d in differences) else "invalid"
+    return {"verdict": status, "ar_match": len(prompts) - len(differences), "prompts": len(prompts),
+            "differences": differences}
+
+
+def run_rows(specs: list[RowSpec], prompts, max_new: int, device, rows: dict, saved=lambda: None,
+             deadline: float | None = None, only: frozenset[str] | None = None, compile: bool = True,
+             margin_of=None, outputs: dict | None = None) -> dict:
+    """Every row under one guard, in order: skipped (with the reason) when not asked, when compile is off for a
+    compiled row, when `rows` already holds its result (a resumed run), or when the time left before `deadline`
+    cannot hold its estimate; otherwise each prompt decoded untimed (the verdict against its reference, and every
+    capture and compile the timed pass will need), then timed. An exception is the row's result. `saved()` runs
+    after every row, so a killed step keeps every row it finished."""
+    outputs = {} if outputs is None else outputs
+    for spec in specs:
+        if only is not None and spec.name not in only:
+            rows[spec.name] = {"skipped": "not asked"}
+        elif not compile and spec.compiled:
+            rows[spec.name] = {"skipped": "compile off"}
+        elif spec.name in rows and ("tokens_per_s" in rows[spec.name] or "error" in rows[spec.name]):
+            rows[spec.name]["resumed"] = True        # measured by an earlier call: kept as it was
+            continue
+        else:
+            need = estimate_s(spec, prompts, max_new, device)
+            left = None if deadline is None else deadline - time.time()
+            if left is not None and left < need:
+                rows[spec.name] = {"skipped": "time box", "estimate_s": round(need, 1), "left_s": round(left, 1)}
+            else:
+                rows[spec.name] = measure(spec, prompts, device, margin_of, outputs)
         saved()
     return rows
 
 
+def measure(spec: RowSpec, prompts, device, margin_of, outputs: dict) -> dict:
+    try:
+        warm, builds_before = [], Graphed.builds
+        tokens, seconds, first, timed_builds, mine = 0, 0.0, 0.0, 0, []
+        for ids in prompts:
+            # the untimed pass first: the same prompt runs the same buckets and the same cache length, so every
+            # capture and compile the timed pass needs happens here (a user pays them once, at start-up)
+            out, s = timed(device, lambda: spec.run(ids))
+            before = Graphed.builds
+            again, s2 = timed(device, lambda: spec.run(ids))
+            timed_builds += Graphed.builds - before
+            warm.append(out)
+            mine.append(again)
+            tokens, seconds, first = tokens + len(again), seconds + s2, first + s
+        row = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+               "first_call_seconds": first, "steps_built": Graphed.builds - builds_before,
+               "steps_built_while_timed": timed_builds, "repeatable": warm == mine}
+        outputs[spec.name] = warm
+        if spec.reference is not None and spec.reference in outputs:
+            row.update(verdict(warm, outputs[spec.reference], prompts, margin_of or (lambda ids: None)))
+            row["reference"] = spec.reference
+        if spec.stats:
+            stats = spec.stats[len(spec.stats) // 2:]       # the timed passes' (each prompt ran twice)
+            N, K = sum(s.N for s in stats), sum(s.K for s in stats)
+            row["eal"] = N / K * spec.n if K else None
+        if spec.extra:
+            row.update(spec.extra())
+        return row
+    except Exception as e:   # a row that fails keeps the others (the H200 run of 2026-11-27: inductor's graphs)
+        return {"error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-4000:]}
+
+
+def hf_rows(model, prompts, max_new, device, compile_static: bool, eos, deadline: float | None = None,
+            only: frozenset[str] | None = None, rows: dict | None = None, saved=lambda: None,
+            margin_of=None, outputs: dict | None = None) -> dict:
+    """transformers' generate: dynamic cache, and static cache + its own torch.compile (`compile_static`), under
+    run_rows's guard, checked against the suite's fixed-shape AR where `outputs` holds it."""
+    rows = {} if rows is None else rows
+
+    def row(name, kind, **extra):
+        def run(ids):
+            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new, do_sample=False,
+                                 eos_token_id=list(eos) or None, pad_token_id=0, **extra)
+            return out[0, len(ids):].tolist()
+        # transformers skips compilation silently where its criteria fail (e.g. CPU): say whether it compiled
+        return RowSpec(name, kind, run, compiled=bool(extra),
+                       extra=(lambda: {"compiled": hasattr(model, "_compiled_call")}) if extra else None)
+    # A static cache makes `generate` compile its own decode step (mode reduce-overhead) on CUDA; wrapping
+    # model.forward by hand as well (the H200 runs before 2026-11-27 16:09) compiled twice and read CUDA-graph outputs
+    # a later replay had overwritten. Its cache is as long as prompt + max_new, so each new prompt length compiles
+    # again: run_rows's untimed pass of each prompt holds those (the H200 run of 2026-11-27 21:24 timed them).
+    specs = [row("hf_dynamic", "hf"), row("hf_static_compile", "hf_compile", cache_implementation="static")]
+    return run_rows(specs, prompts, max_new, device, rows, saved, deadline, only, compile_static, margin_of, outputs)
+
+
 def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
-               only: frozenset[str] | None = None, compile: bool = True, eagle3=None) -> tuple[dict, dict]:
-    """deadline (time.time()): rows not started by then are marked skipped; only: the rows to run (None: all);
+               only: frozenset[str] | None = None, compile: bool = True, eagle3=None, rows: dict | None = None,
+               saved=lambda: None, outputs: dict | None = None) -> tuple[dict, dict]:
+    """The suite's rows under run_rows's guard (see there), the compiled ones last; rows: a resumed run's rows (kept);
     compile: False skips the rows through torch.compile (minutes of compilation on a CPU). eagle3: an EAGLE-3
     module for the whole target (None: an untrained one)."""
     staged, eos = session.staged, session.eos_ids
@@ -170,60 +263,49 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
               # ... with the context lookup in front of the module (draft_source=lookup+module)
               "spd_lookup_device_graphs": DevicePipelineDecoder(staged, session.module, eos, cuda_graphs=True,
                                                                 lookup=(min_n, max_n))}
-    runs = {
-        "suite_ar_eager": lambda ids: ar_eager.generate(ids, request).token_ids,
-        # the device-step rows first: they are what a short box must not miss
-        **{name: (lambda ids, d=decoder: d.generate(ids, request).token_ids) for name, decoder in chains.items()},
-        "suite_ar_fixed_eager": lambda ids: ar_fixed.generate(ids, request).token_ids,
-        "suite_ar_graphs": lambda ids: ar_graphs.generate(ids, request).token_ids,
-    }
+
+    def decoding(decoder):
+        return lambda ids: decoder.generate(ids, request).token_ids
+
+    def kind_of(name: str) -> str:
+        return "compiled" if name in COMPILED else "graphs" if name.endswith("_graphs") or "_device_" in name \
+            else "eager"
+
+    # the fixed-shape AR first: every other row's verdict is against its outputs (the same dtype, the same step kind
+    # as the device step); the device-step rows next, the compiled ones last (minutes of compilation each)
+    specs = [RowSpec("suite_ar_fixed_eager", "eager", decoding(ar_fixed), reference=None),
+             RowSpec("suite_ar_eager", "eager", decoding(ar_eager)),
+             RowSpec("suite_ar_graphs", "graphs", decoding(ar_graphs))]
+    for name, decoder in chains.items():
+        specs.append(RowSpec(name, kind_of(name), decoding(decoder), builds=len(getattr(decoder, "buckets", [1])),
+                             compiled=name in COMPILED,
+                             extra=lambda d=decoder: {"tau_last_prompt": getattr(d.stats, "tau", None)
+                                                      or getattr(d.stats, "eal", None)}))
     executors = {name: stage_executor(kind, staged) for name, kind in SPD_ROWS.items()}
-    stats = {}
     for name, ex in executors.items():
         decoder = build_decoder(PIPELINE, staged, eos, session.drafter(True), stages=ex)
-        stats[name] = []
+        stats = []
 
-        def run(ids, decoder=decoder, name=name):
+        def run(ids, decoder=decoder, stats=stats):
             out = decoder.generate(ids, request)
-            stats[name].append(out.stats)
+            stats.append(out.stats)
             return out.token_ids
-        runs[name] = run
-    rows, outputs = {}, {}
-    for name, run in runs.items():
-        if only is not None and name not in only:
-            rows[name] = {"skipped": "not asked"}
-            continue
-        if not compile and name in COMPILED:
-            rows[name] = {"skipped": "compile off"}
-            continue
-        if deadline is not None and time.time() > deadline:
-            rows[name] = {"skipped": "time box"}
-            continue
-        run(prompts[0])                                    # warm-up (graph capture)
-        stats.get(name, []).clear()
-        tokens, seconds, outputs[name] = 0, 0.0, []
-        for ids in prompts:
-            out, s = timed(device, lambda: run(ids))
-            tokens, seconds = tokens + len(out), seconds + s
-            outputs[name].append(out)
-        rows[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-        if name in stats:
-            N = sum(s.N for s in stats[name])
-            K = sum(s.K for s in stats[name])
-            rows[name]["eal"] = N / K * staged.n if K else None
-    for name in CHAIN_ROWS:  # lossless: greedy = the eager AR, token for token
-        if name in outputs and "suite_ar_eager" in outputs:
-            rows[name]["ar_match"] = sum(a == b for a, b in zip(outputs[name], outputs["suite_ar_eager"]))
-            rows[name]["prompts"] = len(prompts)
-            stats = chains[name].stats
-            rows[name]["tau_last_prompt"] = getattr(stats, "tau", None) or getattr(stats, "eal", None)
-    for name in executors:   # lossless: each SPD row against the suite's AR with the same kind of step
-        reference = outputs.get(AR_ROWS[reference_kind(SPD_ROWS[name])])
-        if name not in outputs or reference is None:
-            continue
-        rows[name]["ar_match"] = sum(a == b for a, b in zip(outputs[name], reference))
-        rows[name]["prompts"] = len(prompts)
+        # lossless: each SPD row against the suite's AR with the same kind of step
+        specs.append(RowSpec(name, "graphs" if "graphs" in name else "eager", run, stats=stats, n=staged.n,
+                             reference=AR_ROWS[reference_kind(SPD_ROWS[name])]))
+    specs.sort(key=lambda spec: spec.compiled)       # stable: the compiled rows last, each group in its order
+    rows = {} if rows is None else rows
+    run_rows(specs, prompts, max_new, device, rows, saved, deadline, only, compile,
+             lambda ids: top2(whole, ids)[0], outputs)
     return rows, executors
+
+
+def top2(staged_whole: StagedTarget, ids: list[int]) -> tuple[float, float]:
+    """The target's top-2 logit gap after `ids` (how near a tie the greedy choice there was) and its top logit."""
+    with torch.no_grad():
+        hidden, _ = staged_whole.forward_all(torch.tensor([ids], device=staged_whole.device), None)
+        top = torch.topk(staged_whole.logits(hidden[0, -1]).float(), 2).values
+    return float(top[0] - top[1]), float(top[0])
 
 
 def capture_of(session) -> frozenset[int]:
@@ -291,10 +373,12 @@ def main() -> int:
         if args.eagle3_checkpoint:
             whole = StagedTarget(session.loaded.model, 1)
             eagle3 = load_checkpoint(args.eagle3_checkpoint, whole, session.loaded)
+        outputs = {}
         rows, executors = suite_rows(session, prompts, args.max_new_tokens, device, compile=not args.no_compile,
-                                     eagle3=eagle3)
-        rows.update(hf_rows(session.loaded.model, prompts, args.max_new_tokens, device, not args.no_compile,
-                            session.eos_ids))
+                                     eagle3=eagle3, outputs=outputs)
+        whole = StagedTarget(session.loaded.model, 1)
+        hf_rows(session.loaded.model, prompts, args.max_new_tokens, device, not args.no_compile, session.eos_ids,
+                rows=rows, margin_of=lambda ids: top2(whole, ids)[0], outputs=outputs)
         roofline = result["copy_bandwidth_bytes_per_s"] / weight_bytes
         for row in rows.values():
             if "tokens_per_s" in row:            # a skipped row has none

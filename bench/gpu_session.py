@@ -236,6 +236,7 @@ class GpuRun(Training):
         return {"device": self.args.device, "target": target, "spd_checkpoint": spd_checkpoint, "data": data,
                 "stamp": self.session["stamp"],   # a second call on the same machine writes beside the first
                 "rows": self.args.rows.split(",") if self.args.rows else None,   # None: every row
+                "resume": os.path.abspath(self.args.resume) if getattr(self.args, "resume", None) else None,
                 "work": self.work, "out": self.out, "dtypes": ["float32", "bfloat16"],
                 # sized for eager decoding at ~30 ms a token on a GPU (Python-bound; docs/results.md "On a GPU")
                 "correctness": {"prompts": 3 if dry else 2, "max_new_tokens": 12 if dry else 24},
@@ -320,6 +321,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stash", default="/tmp/spd_gpu_stash", help="where carried parts wait for the others")
     ap.add_argument("--work", default=None, help="scratch directory (default: beside --out)")
     ap.add_argument("--skip", default="", help="steps left out, e.g. correctness,speed (a second call that only trains)")
+    ap.add_argument("--resume", default=None, metavar="SESSION_JSON",
+                    help="an earlier call's session.json: its speed rows are kept, only the others run")
     ap.add_argument("--rows", default="",
                     help="correctness and speed rows to run, e.g. lookup_chain,hf_dynamic (default: all; a run can "
                          "measure only what earlier runs left unmeasured)")

@@ -20,6 +20,7 @@ import traceback
 
 import torch
 
+from bench.gpu import top2 as gpu_top2
 from spd.config import GenerateConfig, load_config
 from spd.decoding import Request
 from spd.engine import build_decoder
@@ -145,14 +146,6 @@ def asked(plan: dict) -> frozenset[str] | None:
     return frozenset(plan["rows"]) if plan.get("rows") is not None else None
 
 
-def top2(staged_whole: StagedTarget, ids: list[int]) -> tuple[float, float]:
-    """The target's top-2 logit gap after `ids` (how near a tie the greedy choice there was) and its top logit."""
-    with torch.no_grad():
-        hidden, _ = staged_whole.forward_all(torch.tensor([ids], device=staged_whole.device), None)
-        top = torch.topk(staged_whole.logits(hidden[0, -1]).float(), 2).values
-    return float(top[0] - top[1]), float(top[0])
-
-
 def near_tie(margin: float, top: float, dtype: str) -> bool:
     """Within 8 roundings of the top logit in this dtype: two kernels that sum in another order may flip it."""
     return margin <= 8 * torch.finfo(getattr(torch, dtype)).eps * max(1.0, abs(top))
@@ -185,7 +178,7 @@ def decode_row(plan: dict, dtype: str, keys: list[str], executor: str | None, wi
             equal += 1
         else:
             at = next((j for j, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), min(len(ref), len(out.token_ids)))
-            margin, top = top2(whole, ids + ref[:at]) if at < len(ref) else (None, None)
+            margin, top = gpu_top2(whole, ids + ref[:at]) if at < len(ref) else (None, None)
             diverged.append({"prompt": i, "position": at, "decoded": out.token_ids[at: at + 3], "ar": ref[at: at + 3],
                              "ar_top2_margin": margin, "near_tie": margin is not None and near_tie(margin, top, dtype)})
         t1 = decoder.generate(ids, Request(max_new, SAMPLED, seed=i))
@@ -208,11 +201,14 @@ def step_correctness(plan: dict, deadline: float, result: Result) -> None:
 # --- speed ---------------------------------------------------------------------------------------------------
 
 def step_speed(plan: dict, deadline: float, result: Result) -> None:
+    """bench/gpu.py's rows, each saved the moment it ends; rows an earlier call measured (plan["resume"]: its
+    session.json) are kept and not run again."""
     from bench import gpu
 
     _share_loaded_targets()
     cfg = plan["speed"]
     device = torch.device(plan["device"])
+    earlier = resumed_runs(plan.get("resume"))
     result.data["copy_bandwidth_bytes_per_s"] = gpu.copy_bandwidth(device, mib=cfg.get("copy_mib", 512))
     for dtype in cfg["dtypes"]:
         session = session_for(plan, dtype, ["method=spd", f"checkpoint={plan['spd_checkpoint']}"])
@@ -220,25 +216,40 @@ def step_speed(plan: dict, deadline: float, result: Result) -> None:
         weight_bytes = sum(p.numel() * p.element_size() for p in session.loaded.model.parameters())
         roofline = result.data["copy_bandwidth_bytes_per_s"] / weight_bytes
         run = {"weight_bytes": weight_bytes, "roofline_tokens_per_s": roofline, "n": session.staged.n,
-               "checkpoint": session.spec.module.checkpoint, "prompts": len(prompts), "max_new_tokens": cfg["max_new_tokens"]}
+               "checkpoint": session.spec.module.checkpoint, "prompts": len(prompts), "max_new_tokens": cfg["max_new_tokens"],
+               "rows": dict(earlier.get(dtype, {}).get("rows", {}))}
         result.data.setdefault("runs", {})[dtype] = run
-        only = asked(plan)
-        rows, executors = gpu.suite_rows(session, prompts, cfg["max_new_tokens"], device, deadline=deadline,
-                                         only=only, compile=cfg["compile"])
-        run["rows"] = rows
-        result.save()
-        if time.time() < deadline and "spd_streams_graphs" in executors:
+        rows = run["rows"]
+
+        def saved():
+            for row in rows.values():
+                if "tokens_per_s" in row:
+                    row["fraction_of_roofline"] = row["tokens_per_s"] / roofline
+            result.save()
+            done = [k for k, v in rows.items() if "tokens_per_s" in v or "error" in v]
+            print(f"[speed] {dtype}: {len(done)} rows saved", flush=True)
+        only, outputs = asked(plan), {}
+        _, executors = gpu.suite_rows(session, prompts, cfg["max_new_tokens"], device, deadline=deadline,
+                                      only=only, compile=cfg["compile"], rows=rows, saved=saved, outputs=outputs)
+        whole = StagedTarget(session.loaded.model, 1)
+        gpu.hf_rows(session.loaded.model, prompts, cfg["max_new_tokens"], device, cfg["compile"], session.eos_ids,
+                    deadline=deadline, only=only, rows=rows, saved=saved,
+                    margin_of=lambda ids: gpu.top2(whole, ids)[0], outputs=outputs)
+        if time.time() < deadline and "spd_streams_graphs" in executors and "stage_overlap" not in run:
             run["stage_overlap"] = gpu.stage_overlap(executors["spd_streams_graphs"], session.staged, prompts[0],
                                                      device, gpu.capture_of(session))
             result.save()
-        gpu.hf_rows(session.loaded.model, prompts, cfg["max_new_tokens"], device, cfg["compile"], session.eos_ids,
-                    deadline=deadline, only=only, rows=rows, saved=result.save)
-        for row in rows.values():
-            if "tokens_per_s" in row:
-                row["fraction_of_roofline"] = row["tokens_per_s"] / roofline
-        result.save()
         print(f"[speed] {dtype}: roofline {roofline:.0f} tok/s; " + ", ".join(
             f"{k} {v['tokens_per_s']:.1f}" for k, v in rows.items() if "tokens_per_s" in v), flush=True)
+
+
+def resumed_runs(path: str | None) -> dict:
+    """The speed step's runs in an earlier call's session.json (its rows are kept), or none."""
+    if not path:
+        return {}
+    with open(path) as f:
+        session = json.load(f)
+    return (session.get("steps", {}).get("speed") or {}).get("runs", {})
 
 
 # --- eval ----------------------------------------------------------------------------------------------------

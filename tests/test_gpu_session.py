@@ -111,7 +111,7 @@ def test_a_later_run_runs_only_the_rows_it_names():
     rows = gpu.hf_rows(Refusing(), [[1, 2]], 4, torch.device("cpu"), True, frozenset(),
                        only=frozenset({"hf_dynamic"}), saved=lambda: saved.append(1))
     assert rows["hf_static_compile"] == {"skipped": "not asked"}
-    assert rows["hf_dynamic"]["error"].startswith("RuntimeError: accessing tensor output") and saved == [1]
+    assert rows["hf_dynamic"]["error"].startswith("RuntimeError: accessing tensor output") and saved == [1, 1]
 
 
 def test_hf_rows_time_each_prompt_after_its_own_warm_up():
@@ -216,3 +216,69 @@ def test_a_run_trains_eagle3_and_brings_it_home(tmp_path):
     module = home / "outputs" / "gpu" / session["stamp"] / "eagle3"
     assert json.loads((module / "config.json").read_text())["method"] == "eagle3"
     assert (module / "model.safetensors").is_file()
+
+
+def test_a_rehearsal_keeps_every_row_through_a_failure_a_short_box_and_a_resume(tmp_path, monkeypatch):
+    """bench/gpu.py's rows on CPU: a row made to fail records its error, rows the box cannot hold are skipped with
+    their estimate, every other row is measured and in the JSON the moment it ends; the untimed pass builds every
+    step (nothing is captured or compiled while timed) and gives the verdict against the fixed-shape AR; a second
+    call keeps the saved rows and runs none of them again."""
+    import time
+
+    from bench import gpu
+    from spd.config import GenerateConfig, load_config
+    from spd.runtime.device_chain import DeviceChainDecoder
+    from spd.session import open_session
+
+    class Failing(gpu.SelfDraftDrafter):
+        def start(self, *args, **kwargs):
+            raise RuntimeError("a row made to fail")
+    monkeypatch.setattr(gpu, "SelfDraftDrafter", Failing)
+    session = open_session(load_config(GenerateConfig, None, ["target=tiny-llama", "method=spd", "checkpoint=random",
+                                                              "n=3"]))
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    path = tmp_path / "speed.json"
+    rows, seen = {}, []
+
+    def saved():
+        path.write_text(json.dumps(rows))
+        seen.append(len(rows))
+    # a box too short for the compiled rows (last): priced at 1,000 s a compile, a 600 s box cannot hold them
+    monkeypatch.setitem(gpu.COSTS, "cpu", {**gpu.COSTS["cpu"], "compiled": (1000.0, 0.01)})
+    gpu.suite_rows(session, prompts, 6, torch.device("cpu"), deadline=time.time() + 600, compile=True, rows=rows,
+                   saved=saved)
+    on_disk = json.loads(path.read_text())
+    assert on_disk.keys() == rows.keys() and seen == list(range(1, len(rows) + 1))    # saved after every row
+    failed = {k for k, v in on_disk.items() if "error" in v}
+    assert failed == {"selfdraft_chain", "selfdraft_device_graphs"}
+    assert all("a row made to fail" in on_disk[k]["error"] for k in failed)
+    skipped = {k: v for k, v in on_disk.items() if "skipped" in v}
+    assert set(skipped) == set(gpu.COMPILED) and all(v["skipped"] == "time box" and v["estimate_s"] > v["left_s"]
+                                                     for v in skipped.values())
+    measured = {k: v for k, v in on_disk.items() if "tokens_per_s" in v}
+    assert len(measured) == len(rows) - len(failed) - len(skipped) >= 15
+    for name, row in measured.items():
+        assert row["steps_built_while_timed"] == 0 and row["repeatable"], name
+        if name != "suite_ar_fixed_eager":
+            assert row["verdict"] == "equal" and row["ar_match"] == 2, (name, row)
+    assert measured["suite_ar_device_graphs"]["steps_built"] >= 1       # built in the untimed pass
+    # a second call resumes: the saved rows are kept, nothing decodes again
+    calls = []
+    monkeypatch.setattr(DeviceChainDecoder, "generate", lambda *a, **k: calls.append(1))
+    again = json.loads(path.read_text())
+    gpu.suite_rows(session, prompts, 6, torch.device("cpu"), compile=False, rows=again)
+    assert not calls and all(again[k].get("resumed") for k in measured) and \
+        all(again[k] == {"skipped": "compile off"} for k in gpu.COMPILED)
+
+
+def test_a_verdict_tells_exact_ties_from_mismatches():
+    from bench.gpu import verdict
+
+    ref, prompts = [[1, 2, 3], [4, 5, 6]], [[0], [0]]
+    margins = {(0, 1, 2): 0.0, (0, 4): 0.25}
+    assert verdict(ref, ref, prompts, lambda ids: 1.0)["verdict"] == "equal"
+    tie = verdict([[1, 2, 9], [4, 5, 6]], ref, prompts, lambda ids: margins[tuple(ids)])
+    assert tie["verdict"] == "ties" and tie["differences"] == [
+        {"prompt": 0, "position": 2, "row_tokens": [9], "ar_tokens": [3], "top2_margin": 0.0, "exact_tie": True}]
+    bad = verdict([[1, 2, 9], [4, 7, 6]], ref, prompts, lambda ids: margins[tuple(ids)])
+    assert bad["verdict"] == "invalid" and bad["ar_match"] == 0 and bad["differences"][1]["top2_margin"] == 0.25

@@ -96,6 +96,9 @@ class Graphed:
     """A step replayed as one CUDA graph: `step()` captured on the first call, `mutable()` the tensors a step writes
     that the next one reads (restored after the warm-ups)."""
 
+    builds = 0   # steps run for the first time, every instance counted: what captures (CUDA) or compiles a step,
+                 # so a benchmark can show that none happened while it timed
+
     def replay(self) -> torch.Tensor:
         """The step as one CUDA graph: captured on the first call (after warm-up runs on a side stream, which also
         advance the state: the capture's own run is undone by restoring it), then replayed."""
@@ -138,6 +141,13 @@ class Graphed:
                 with plain_products(model):
                     return compiled()
             self.run = run
+        ready = self.run
+
+        def first():
+            Graphed.builds += 1
+            self.run = ready
+            return ready()
+        self.run = first
 
     def restore(self, saved: list[torch.Tensor]) -> None:
         for tensor, value in zip(self.mutable(), saved):
