@@ -294,6 +294,8 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
         specs.append(RowSpec(name, "graphs" if "graphs" in name else "eager", run, stats=stats, n=staged.n,
                              reference=AR_ROWS[reference_kind(SPD_ROWS[name])]))
     specs.sort(key=lambda spec: spec.compiled)       # stable: the compiled rows last, each group in its order
+    if only is not None:   # a row asked for brings the reference its verdict reads
+        only = only | {spec.reference for spec in specs if spec.name in only and spec.reference}
     rows = {} if rows is None else rows
     run_rows(specs, prompts, max_new, device, rows, saved, deadline, only, compile,
              lambda ids: top2(whole, ids)[0], outputs)

@@ -140,7 +140,9 @@ def write_head(module, fmt: str, out: str, target_config, embedding: torch.Tenso
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o755)       # mkdtemp's 0700 (and the files' 0600) would hide the head from an engine's user
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o644)
         if os.path.isdir(out):
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -17,7 +17,7 @@ import torch
 
 from spd.sampling import SamplingParams, warp
 from spd.targets.fixed_step import WARMUP_RUNS
-from spd.targets.linears import plain_products
+from spd.targets.linears import plain_products, swapped_linears
 from spd.targets.stages import StagedTarget
 
 
@@ -135,10 +135,11 @@ class Graphed:
             limits.accumulated_recompile_limit = max(limits.accumulated_recompile_limit, 4096)
             compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=compile)
             model = self.target.model
+            swapped = swapped_linears(model)    # once: a walk of every module would cost each step
 
             def run():
                 # the suite's own CPU products are an extension call the compiler cannot trace: F.linear inside
-                with plain_products(model):
+                with plain_products(model, swapped):
                     return compiled()
             self.run = run
         ready = self.run
