@@ -17,7 +17,11 @@ from torch.utils.checkpoint import checkpoint
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (rotate-half convention of the Llama/Qwen3/Gemma3 families). x [B, H, S, hd], cos/sin [B, S, hd]."""
+    """RoPE (rotate-half convention of the Llama/Qwen3/Gemma3/Qwen3.5 families). x [B, H, S, hd], cos/sin
+    [B, S, r]: the first r dims of each head rotate (Qwen3.5 rotates a quarter of them), the rest pass."""
+    if cos.shape[-1] < x.shape[-1]:
+        turned = cos.shape[-1]
+        return torch.cat([rotate(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -28,6 +32,19 @@ def _heads(proj: nn.Linear, x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """[B, S, d] -> [B, H, S, head_dim]."""
     b, s, _ = x.shape
     return proj(x).view(b, s, -1, head_dim).transpose(1, 2)
+
+
+def queries(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q [B, H, S, hd] of rows x [B, S, d_in], and for a gated attention (Qwen3.5: q_proj gives each head its
+    query and an output gate side by side) the gate [B, S, H * hd] the attention's output is multiplied by through
+    a sigmoid; None for the other families."""
+    b, s, _ = x.shape
+    out = attn.q_proj(x)
+    heads = attn.config.num_attention_heads
+    if out.shape[-1] != 2 * heads * attn.head_dim:
+        return out.view(b, s, -1, attn.head_dim).transpose(1, 2), None
+    q, gate = out.view(b, s, heads, 2 * attn.head_dim).chunk(2, dim=-1)
+    return q.transpose(1, 2), gate.reshape(b, s, -1)
 
 
 def project_kv(layer: nn.Module, x_normed: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +134,7 @@ def layer_forward(
     """One decoder layer of the target's family with memory-row attention. Returns [B, Q, d]."""
     attn = layer.self_attn
     x = layer.input_layernorm(hidden)
-    q = _heads(attn.q_proj, x, attn.head_dim)
+    q, gate = queries(attn, x)
     if hasattr(attn, "q_norm"):
         q = attn.q_norm(q)
     q = rotate(q, cos, sin)
@@ -129,14 +146,19 @@ def layer_forward(
         own_v = torch.cat([own_v, extra_v], dim=3)
         own_mask = torch.cat([torch.ones_like(extra_mask[..., :1]), extra_mask], dim=-1)
     return layer_output(layer, hidden, attend(q, shared_k, shared_v, shared_mask, own_k, own_v, own_mask,
-                                              attn.scaling))
+                                              attn.scaling), gate)
 
 
-def layer_output(layer: nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """The rest of a decoder layer after attention: output projection, residual, MLP (Gemma's sandwich norms too).
-    hidden [B, Q, d] is the layer's residual input, attended [B, H, Q, hd]. Returns [B, Q, d]."""
+def layer_output(layer: nn.Module, hidden: torch.Tensor, attended: torch.Tensor,
+                 gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The rest of a decoder layer after attention: output gate (Qwen3.5), output projection, residual, MLP (Gemma's
+    sandwich norms too). hidden [B, Q, d] is the layer's residual input, attended [B, H, Q, hd], gate [B, Q, H * hd]
+    or None. Returns [B, Q, d]."""
     b, _, nq, _ = attended.shape
-    out = layer.self_attn.o_proj(attended.transpose(1, 2).reshape(b, nq, -1))
+    attended = attended.transpose(1, 2).reshape(b, nq, -1)
+    if gate is not None:
+        attended = attended * torch.sigmoid(gate)
+    out = layer.self_attn.o_proj(attended)
     if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: sandwich norms around attention and MLP
         hidden = hidden + layer.post_attention_layernorm(out)
         return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))

@@ -17,7 +17,7 @@ import inspect
 import torch
 from torch import nn
 
-from spd.attention import _heads, attend, layer_output, rotate
+from spd.attention import _heads, attend, layer_output, queries, rotate
 from spd.draft_head import DraftHead
 from spd.targets.stages import StagedTarget
 
@@ -109,18 +109,20 @@ class Eagle3Module(DraftHead, nn.Module):
         return self.rotary(like, positions)
 
     def project(self, embedding: torch.Tensor, h: torch.Tensor, cos, sin):
-        """q [B, H, S, hd], k and v [B, H_kv, S, hd] of rows (embedding, h) [B, S, d] each."""
+        """q [B, H, S, hd], k and v [B, H_kv, S, hd] of rows (embedding, h) [B, S, d] each, and the output gate
+        [B, S, H * hd] of a gated attention (Qwen3.5; else None)."""
         attn = self.layer.self_attn
         x = torch.cat([self.embed_norm(embedding), self.hidden_norm(h)], dim=-1)
-        q, k, v = (_heads(p, x, attn.head_dim) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, gate = queries(attn, x)
+        k, v = (_heads(p, x, attn.head_dim) for p in (attn.k_proj, attn.v_proj))
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v, gate
 
-    def finish(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def finish(self, h: torch.Tensor, attended: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output (pre-norm) [B, S, d] from its residual input h and attention output [B, H, S, hd]:
         the rest of the target family's decoder layer, exactly as the speculation module runs it."""
-        return layer_output(self.layer, h, attended)
+        return layer_output(self.layer, h, attended, gate)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., V_draft] from pre-norm outputs h [..., d]."""
@@ -154,7 +156,7 @@ class Eagle3Module(DraftHead, nn.Module):
             e = torch.zeros_like(emb)
             e[:, : n_pos - 1 - j] = emb[:, 1 + j:]
             cos, sin = self.rope((idx + j).expand(b, n_pos), f)
-            q, k, v = self.project(e, h, cos, sin)
+            q, k, v, gate = self.project(e, h, cos, sin)
             if j == 0:
                 shared_k, shared_v = k, v
                 none = k.new_zeros(*k.shape[:3], 0, k.shape[-1])                    # [B, H_kv, N, 0, hd]
@@ -165,7 +167,7 @@ class Eagle3Module(DraftHead, nn.Module):
                 # the step-0 key of row i itself is in the shared block; steps 1..j at row i are own keys
                 attended = attend(q, shared_k, shared_v, causal, torch.cat(own_k, 3), torch.cat(own_v, 3), None,
                                   scaling)
-            h = self.finish(h, attended)
+            h = self.finish(h, attended, gate)
             outputs.append(self.logits(h))
         return outputs
 

@@ -27,6 +27,7 @@ from spd.targets.loaded import DTYPES
 from spd.targets.loading import LoadedTarget, load_target
 from spd.retrieval import open_datastore
 from spd.targets.row_costs import cached_row_costs
+from spd.targets.source import is_hybrid, resolve_source, text_config_of
 from spd.targets.weight_cache import load_parts, materialize
 from spd.targets.stages import StagedTarget
 
@@ -108,6 +109,24 @@ def check_device(device: str) -> None:
         raise UserError(f"device={device!r}: MPS is not available on this machine; use device=cpu")
 
 
+def check_hybrid(spec: DecodeSpec) -> None:
+    """A hybrid target (Qwen3.5: linear-attention layers beside attention) keeps its linear layers' states in the
+    growing per-sequence cache; the fixed-shape steps have no place for them. Refused before the model loads."""
+    rt = spec.runtime
+    fixed = runtime_named(rt.name).device_step or runtime_named(rt.name).cuda or rt.cuda_graphs
+    if not is_hybrid(resolve_source(spec.target)):
+        return
+    model_type = text_config_of(resolve_source(spec.target)).get("model_type", "qwen3_5_text")
+    if model_type not in ("qwen3_5", "qwen3_5_text"):
+        raise UserError(f"target {spec.target!r} is a {model_type} hybrid; the suite runs Qwen3.5's linear-attention "
+                        "layers (Gated DeltaNet), not this family's")
+    if fixed:
+        what = "cuda_graphs=true" if rt.cuda_graphs and not runtime_named(rt.name).device_step else f"runtime={rt.name}"
+        raise UserError(f"{what} runs fixed-shape steps, which keep no linear-attention states, and target "
+                        f"{spec.target!r} is a hybrid (Gated DeltaNet layers); use runtime=local or "
+                        "runtime=distributed without cuda_graphs")
+
+
 def open_session(cfg) -> Session:
     """Everything a decoding command needs; `cfg` has passed its schema's checks (spd.config.load_config), or is
     any object with the decoding keys (spd.spec.DecodeKeys)."""
@@ -116,6 +135,7 @@ def open_session(cfg) -> Session:
     check_device(rt.device)
     sampling_params(spec.sampling)
     wanted = spec.method
+    check_hybrid(spec)
     # the lookup, the suffix statistics, PipeDec's draft model: nothing to load from a checkpoint
     moduleless = wanted is not None and METHODS[wanted].decoder != AR and not METHODS[wanted].trained
     if moduleless and spec.module.checkpoint not in (None, "random"):

@@ -23,6 +23,8 @@ from spd.tree import DraftTree
 from spd.sampling import Proposal
 from test_lossless_sampling import ALPHA, LENGTH, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
 
+pytestmark = pytest.mark.attention_only   # fixed-shape steps / batched sequences: a hybrid is refused them
+
 
 def test_ragged_rows_equal_each_sequence_alone(family_model):
     """A step, a chain and a tree of three sequences in one forward: each sequence's states equal its own forward."""

@@ -15,7 +15,7 @@ def trained_like(staged, seed):
     """A module with real acceptance: selector FCs and the target's last layers copied in."""
     module = SpeculationModule.from_target(staged, 1, seed=seed)
     module.init_selectors()
-    module.init_layers_from([staged.layers[-1]])
+    module.init_layers_from([staged.layers[staged.attention_near(-1)]])
     return module.eval()
 
 

@@ -14,7 +14,7 @@ from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import PipelineDecoder
 from spd.targets.kv_cache import LayerKVCache
 from spd.targets.stages import StagedTarget
-from spd.targets.tiny import FAMILIES, tiny_model
+from spd.targets.tiny import FAMILIES, HYBRIDS, tiny_model
 
 from helpers import count_kept_children, RankedDrafter, ar_run, prompt
 
@@ -83,7 +83,10 @@ def test_greedy_lookup_module_trees_equal_plain_decoding(family, method, kept_ch
     out = PipelineDecoder(staged, LookupThenModule(ranked, 2, 4), frozenset(), 4).generate(ids, Request(40))
     assert out.token_ids == ar_run(model, ids, 40).token_ids
     sources = out.stats.sources                                 # source -> [verified, accepted]
-    assert sources["lookup"][0] > sources["lookup"][1] > 0 and sources["module"][0] > 0, sources
+    # the tiny hybrid settles into a cycle within a few tokens, where a lookup is never wrong: its rejected
+    # lookup children are exercised on the attention families
+    lookup_rejected = sources["lookup"][0] > sources["lookup"][1] or family in HYBRIDS
+    assert lookup_rejected and sources["lookup"][1] > 0 and sources["module"][0] > 0, sources
     assert None in kept_children and any(k is not None and k >= 1 for k in kept_children)
 
 
@@ -115,11 +118,10 @@ class CheckedStages(LocalStages):
                     continue
                 fresh = LayerKVCache(self.target.num_layers)
                 self.target.forward_all(torch.tensor([seq]), fresh)
-                for layer in layers:
-                    k, v = self.cache.view(layer)
-                    k0, v0 = fresh.view(layer)
-                    torch.testing.assert_close(k[:, :, slot], k0[:, :, -1], atol=1e-5, rtol=1e-4)
-                    torch.testing.assert_close(v[:, :, slot], v0[:, :, -1], atol=1e-5, rtol=1e-4)
+                for layer in (layer for layer in layers if self.cache.holds(layer, slot)):
+                    # K/V rows, or a linear layer's states after the row (its last `rollback` positions)
+                    for kept, want in zip(self.cache.memory(layer, slot), fresh.memory(layer)):
+                        torch.testing.assert_close(kept, want, atol=1e-5, rtol=1e-4)
             self.checked += 1
 
 

@@ -51,7 +51,7 @@ class Eagle3Drafter(ChainDrafter):
         if positions is None:
             positions = torch.arange(start, start + h.shape[1], device=h.device)
         cos, sin = m.rope(positions.view(1, -1), h)
-        q, k, v = m.project(embedding, h, cos, sin)
+        q, k, v, gate = m.project(embedding, h, cos, sin)
         keys, values = self.kv.update(k, v, 0)
         s, total = h.shape[1], keys.shape[2]
         if visible is None:
@@ -59,7 +59,7 @@ class Eagle3Drafter(ChainDrafter):
                 (total - s + torch.arange(s, device=h.device)).view(-1, 1)
         none = k.new_zeros(*k.shape[:3], 0, k.shape[-1])
         out = m.finish(h, attend_block(q, keys, values, visible.unsqueeze(0), none, none, None,
-                                       m.layer.self_attn.scaling))
+                                       m.layer.self_attn.scaling), gate)
         return out
 
     @torch.no_grad()

@@ -67,7 +67,7 @@ class Eagle3DeviceDrafter:
         position). Returns the layer's outputs [1, r, d]."""
         m = self.module
         cos, sin = m.rope(positions.view(1, -1), h)
-        q, k, v = m.project(embedding, h, cos, sin)
+        q, k, v, gate = m.project(embedding, h, cos, sin)
         slots = positions if slots is None else slots
         self.keys.index_copy_(2, slots, k)
         self.values.index_copy_(2, slots, v)
@@ -75,7 +75,7 @@ class Eagle3DeviceDrafter:
             visible = self.slots.view(1, -1) <= positions.view(-1, 1)                  # [r, S]
         none = k.new_zeros(*k.shape[:3], 0, k.shape[-1])
         return m.finish(h, attend_block(q, self.keys, self.values, visible.unsqueeze(0), none, none, None,
-                                        m.layer.self_attn.scaling))
+                                        m.layer.self_attn.scaling), gate)
 
     def _log_q(self, h: torch.Tensor) -> torch.Tensor:
         """log q over the target's vocabulary [r, V] for the rows h [1, r, d] (as spd.sampling.children_of_rows)."""

@@ -8,17 +8,25 @@ cache is static: each layer's buffers are allocated once, zeroed, at that length
 written (so a stage allocates only its own layers), never grow, and a crop only changes a length. A fixed-shape
 step (`spd.targets.fixed_step`, what a CUDA graph captures) sets `write_at`, a position tensor: writes then land at
 those positions and every read returns the whole buffer, whose rows past a query's position its mask hides.
+
+A hybrid target's linear-attention layers (Qwen3.5's Gated DeltaNet) carry a conv state and a recurrent state that
+have absorbed every token they saw, so they cannot be truncated: the cache keeps each such layer's states *as of*
+the last `rollback` positions in a preallocated ring (`spd.targets.linear_states`), and a rollback reads the state
+of the position it returns to; `spd.targets.gated_delta` runs those layers' rows against the ring.
 """
 
 from __future__ import annotations
 
 import torch
 
+from spd.targets.linear_states import ROLLBACK, LinearStates
+
 
 class LayerKVCache:
     """Preallocated K/V buffers, one pair per target layer, each with its own length (stages fill at different times)."""
 
-    def __init__(self, num_layers: int, initial_capacity: int = 256, max_length: int | None = None):
+    def __init__(self, num_layers: int, initial_capacity: int = 256, max_length: int | None = None,
+                 rollback: int = ROLLBACK):
         self.num_layers = num_layers
         self.max_length = max_length
         self._capacity = max_length or initial_capacity
@@ -26,6 +34,7 @@ class LayerKVCache:
         self._values: list[torch.Tensor | None] = [None] * num_layers
         self.lengths = [0] * num_layers
         self.write_at: torch.Tensor | None = None   # [T] positions of a fixed-shape step's rows
+        self.linear = LinearStates(self.lengths, rollback)   # a hybrid's linear layers (none for attention-only)
 
     @property
     def static(self) -> bool:
@@ -72,7 +81,14 @@ class LayerKVCache:
 
     def crop(self, length: int) -> None:
         """Forget every position >= length in every layer (rollback to the verified prefix)."""
-        self.lengths = [min(cur, length) for cur in self.lengths]
+        for layer, cur in enumerate(self.lengths):
+            self._set_length(layer, min(cur, length))
+
+    def _set_length(self, layer: int, length: int) -> None:
+        if self.linear.conv[layer] is not None:
+            self.linear.set_length(layer, length)     # a linear layer returns only to a position it kept
+        else:
+            self.lengths[layer] = length
 
     def keep(self, start: int, slots: list[int], layers: range | None = None) -> None:
         """Keep, after the first `start` rows, only the rows at `slots` (ascending, each >= start), moved down to
@@ -80,6 +96,10 @@ class LayerKVCache:
         they keep, so nothing is re-rotated. layers: only these (one pipeline stage's; default all)."""
         count = len(slots)
         layers = range(self.num_layers) if layers is None else layers
+        for layer in self.linear.layers():
+            if layer in layers:            # a tree's path picks its rows' states
+                self.linear.keep(layer, start, slots)
+        layers = [layer for layer in layers if self.linear.conv[layer] is None]
         if slots == list(range(start, start + count)):
             for layer in layers:           # a chain's path: nothing moves
                 self.lengths[layer] = min(self.lengths[layer], start + count)
@@ -99,10 +119,27 @@ class LayerKVCache:
     def move(self, slots: torch.Tensor, sources: torch.Tensor) -> None:
         """Every layer's rows at `sources` [r] copied to `slots` [r] (device tensors: no value read back), read
         before any is written: a device step's accepted tree path moved down to contiguous slots."""
+        self.linear.refuse("move a device step's tree rows")
         for keys, values in zip(self._keys, self._values):
             if keys is not None:
                 keys.index_copy_(2, slots, keys.index_select(2, sources))
                 values.index_copy_(2, slots, values.index_select(2, sources))
+
+    def holds(self, layer: int, slot: int) -> bool:
+        """Whether `memory(layer, slot)` can answer: every written row of an attention layer; a linear layer's last
+        `rollback` positions and its pending rows."""
+        if self.linear.conv[layer] is not None:
+            return self.linear.holds(layer, slot)
+        return slot < self.lengths[layer]
+
+    def memory(self, layer: int, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a layer holds of position `slot` (default its last): an attention layer's key and value rows there
+        [B, H_kv, head_dim]; a linear-attention layer's conv window and recurrent state after it, which carry every
+        row before it too. What a rollback must leave as a fresh prefill of the same tokens would."""
+        slot = self.lengths[layer] - 1 if slot is None else slot
+        if self.linear.conv[layer] is not None:
+            return self.linear.after(layer, slot)
+        return self._keys[layer][:, :, slot], self._values[layer][:, :, slot]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +51,18 @@ def reduced_fingerprints(model: torch.nn.Module) -> dict[str, str]:
     if next(model.parameters()).dtype != torch.float32:
         return {}
     return {name: weights_fingerprint(model, dtype) for name, dtype in REDUCED.items()}
+
+
+def note_language_model(source: Source) -> None:
+    """A multimodal checkpoint (Qwen3.5's released layout) is decoded as its language model: say so."""
+    if not source.directory or source.gguf_file:
+        return
+    with open(os.path.join(source.directory, "config.json")) as f:
+        config = json.load(f)
+    if "text_config" in config and "vision_config" in config:
+        kind = (config.get("architectures") or ["a multimodal model"])[0]
+        print(f"target {source.name!r}: {kind} checkpoint; its language model decodes, the vision tower is not "
+              "loaded", file=sys.stderr)
 
 
 def read_source(source: Source, dtype: torch.dtype) -> LoadedTarget:

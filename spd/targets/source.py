@@ -6,6 +6,7 @@ torch, so a bad target= is refused before anything heavy is imported."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 
@@ -56,3 +57,21 @@ def resolve_source(spec: str) -> Source:
     files = tuple(sorted(os.path.join(directory, f) for f in os.listdir(directory)
                          if os.path.isfile(os.path.join(directory, f))))
     return Source(os.path.basename(os.path.normpath(spec)), directory, None, files)
+
+
+def text_config_of(source: Source) -> dict:
+    """The language model's config.json fields (a multimodal checkpoint's `text_config`), read without torch; {}
+    for a GGUF file or a tiny target."""
+    if source.gguf_file or not source.directory:
+        return {}
+    with open(os.path.join(source.directory, "config.json")) as f:
+        config = json.load(f)
+    return config.get("text_config") or config
+
+
+def is_hybrid(source: Source) -> bool:
+    """Whether the target mixes linear-attention layers (Qwen3.5's Gated DeltaNet) with attention: what the runtimes
+    that cannot keep those layers' states refuse before a model loads."""
+    if source.name.startswith("tiny-"):
+        return source.name == "tiny-qwen3_5"
+    return "linear_attention" in (text_config_of(source).get("layer_types") or ())

@@ -14,8 +14,10 @@ import torch
 from transformers import PreTrainedModel
 
 from spd.layout import stage_bounds
-from spd.targets import gqa_attention, invariant_attention, panel, prepacked
+from spd.targets import gated_delta, gqa_attention, invariant_attention, panel, prepacked
 from spd.targets.kv_cache import LayerKVCache
+
+LINEAR = "linear_attention"   # a hybrid's Gated DeltaNet layers (Qwen3.5): a conv and a recurrent state, no K/V
 
 
 class StagedTarget:
@@ -29,6 +31,9 @@ class StagedTarget:
         self.n = n
         self.bounds = stage_bounds(self.num_layers, n, explicit_bounds)
         self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers)
+        self.hybrid = LINEAR in self.layer_types
+        if self.hybrid:
+            gated_delta.rowwise(model)      # one arithmetic at every row count, each row on its own path
         self.sliding_window = getattr(self.config, "sliding_window", None)
         rope = self.decoder.rotary_emb
         self._rope_takes_type = "layer_type" in inspect.signature(rope.forward).parameters
@@ -60,6 +65,13 @@ class StagedTarget:
         self.panels = not plain_products and panel.wanted(self.device, self.dtype) and panel.panels_invariant(shapes)
         if self.panels:
             panel.use_panels(model)
+
+    def attention_near(self, index: int) -> int:
+        """The full-attention layer nearest to layer `index` (negative: from the end), the earlier on a tie: where a
+        draft layer built from the target's attention layer class (spd.module) takes its starting weights."""
+        index = index % self.num_layers
+        attention = [i for i, kind in enumerate(self.layer_types) if kind != LINEAR]
+        return min(attention, key=lambda i: (abs(i - index), i))
 
     @staticmethod
     def even_bounds(num_layers: int, n: int) -> list[int]:
@@ -160,8 +172,22 @@ class StagedTarget:
         # read back only on the sliced path, the one that needs it (a host sync on CUDA)
         key_len = int(positions[-1]) + 1 if mask_keys is None and visible is None and ragged is None else None
         extra = {} if ragged is None else {"ragged": ragged}
+        parents = None      # a draft tree's structure, as a linear-attention layer reads it
         for index in range(start, end):
             layer_type = self.layer_types[index]
+            if layer_type == LINEAR:
+                # a Gated DeltaNet layer: no positions and no mask — a row's past is its parent's state (the row
+                # before it, or its tree parent), kept in the cache's ring (spd.targets.gated_delta)
+                if mask_keys is not None or ragged is not None or getattr(cache, "write_at", None) is not None:
+                    raise ValueError("a linear-attention layer runs one sequence's rows over a growing cache: no "
+                                     "fixed-shape step or ragged batch")
+                if visible is not None and parents is None:
+                    parents = gated_delta.parents_of(visible[0], positions.numel())
+                hidden = self.layers[index](hidden, position_embeddings=None, attention_mask=None, cache=cache,
+                                            parents=parents)
+                if index + 1 in capture:
+                    captured[index + 1] = hidden
+                continue
             if layer_type not in rope:
                 rope[layer_type] = self._position_embeddings(hidden, positions, layer_type)
                 if ragged is not None:

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3_5TextConfig, Qwen3Config
 
-FAMILIES = ("llama", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen3", "gemma3", "qwen3_5")
+HYBRIDS = ("qwen3_5",)      # linear-attention layers beside attention (spd.targets.linear_states)
+
+
+def hybrid_layer_types(num_layers: int, full_first: bool = False) -> list[str]:
+    """Qwen3.5's pattern: three Gated DeltaNet (linear-attention) layers, then one full-attention layer; full_first
+    puts a full-attention layer at index 0 (a stage that starts with attention)."""
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+    if full_first:
+        types[0] = "full_attention"
+    return types
 
 
 def tiny_config(family: str, num_layers: int = 10, vocab_size: int = 128, hidden_size: int = 32,
-                max_position_embeddings: int = 512, tied: bool = True, head_dim: int = 8):
+                max_position_embeddings: int = 512, tied: bool = True, head_dim: int = 8, full_first: bool = False):
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                   max_position_embeddings=max_position_embeddings, eos_token_id=vocab_size - 1, bos_token_id=0, pad_token_id=0,
@@ -23,6 +33,12 @@ def tiny_config(family: str, num_layers: int = 10, vocab_size: int = 128, hidden
         return Gemma3TextConfig(**common, sliding_window=8, query_pre_attn_scalar=head_dim,
                                 layer_types=["sliding_attention" if (i + 1) % 3 else "full_attention"
                                              for i in range(num_layers)])
+    if family == "qwen3_5":
+        # A hybrid: Gated DeltaNet layers (conv + recurrent state) with gated full attention every fourth layer. At
+        # 10 layers and n = 3 the stage bounds [0, 4, 7, 10] fall inside a run of linear layers.
+        return Qwen3_5TextConfig(**common, layer_types=hybrid_layer_types(num_layers, full_first),
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                 linear_value_head_dim=8, linear_conv_kernel_dim=4)
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
 
 

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.initialization import no_init_weights
 
 from spd.errors import UserError
-from spd.targets.loaded import LoadedTarget, read_source
+from spd.targets.loaded import LoadedTarget, note_language_model, read_source
 from spd.targets.source import Source, resolve_source
 
 FORMAT = 2
@@ -105,6 +105,7 @@ def materialize(spec: str, dtype: torch.dtype = torch.float32) -> str:
     """The verified cache directory of `spec` in `dtype`, written from the source the first time (and again if the
     copy on disk is damaged)."""
     source = resolve_source(spec)
+    note_language_model(source)
     parent = os.path.join(cache_root(), "targets")
     path = os.path.join(parent, cache_key(source, dtype))
     if os.path.isdir(path):

@@ -17,7 +17,7 @@ from spd.errors import UserError
 from spd.layout import needed_layers, sample_occupancy
 from spd.module import SpeculationModule
 from spd.module_init import init_previous_token_head
-from spd.targets.stages import StagedTarget
+from spd.targets.stages import LINEAR, StagedTarget
 from spd.train.evaluate import decode_heldout, evaluate
 from spd.train.objective import kd_loss, ttt_loss
 
@@ -46,6 +46,11 @@ class PipelinedObjective:
             if len(m.init_layers) != m.module_layers or not all(0 <= i < L for i in m.init_layers):
                 raise UserError(f"model.init_layers={list(m.init_layers)} needs {m.module_layers} "
                                 f"target layer indices in 0..{L - 1}")
+            linear = [i for i in m.init_layers if staged.layer_types[i] == LINEAR]
+            if linear:
+                attention = [i for i, kind in enumerate(staged.layer_types) if kind != LINEAR]
+                raise UserError(f"model.init_layers={list(m.init_layers)}: layer(s) {linear} of this hybrid target "
+                                f"are linear attention, and the module's layers attend; pick from {attention}")
             module.init_layers_from([staged.layers[i] for i in m.init_layers])
         if m.init_attention == "previous":
             init_previous_token_head(module)
