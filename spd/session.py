@@ -27,6 +27,7 @@ from spd.targets.loaded import DTYPES
 from spd.targets.loading import LoadedTarget, load_target
 from spd.retrieval import open_datastore
 from spd.targets.row_costs import cached_row_costs
+from spd.targets.linear_states import ROLLBACK
 from spd.targets.source import is_hybrid, resolve_source, text_config_of
 from spd.targets.weight_cache import load_parts, materialize
 from spd.targets.stages import StagedTarget
@@ -120,6 +121,11 @@ def check_hybrid(spec: DecodeSpec) -> None:
     if model_type not in ("qwen3_5", "qwen3_5_text"):
         raise UserError(f"target {spec.target!r} is a {model_type} hybrid; the suite runs Qwen3.5's linear-attention "
                         "layers (Gated DeltaNet), not this family's")
+    deepest = max(spec.stages.n or 0, spec.draft_length or 0)
+    if deepest > ROLLBACK:
+        raise UserError(f"n / draft_length {deepest}: a hybrid target's linear-attention layers keep their states for "
+                        f"the last {ROLLBACK} positions, so a step can roll back at most that far; use {ROLLBACK} "
+                        "or fewer")
     if fixed:
         what = "cuda_graphs=true" if rt.cuda_graphs and not runtime_named(rt.name).device_step else f"runtime={rt.name}"
         raise UserError(f"{what} runs fixed-shape steps, which keep no linear-attention states, and target "

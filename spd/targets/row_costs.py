@@ -64,7 +64,7 @@ def measure_row_costs(staged: StagedTarget, max_rows: int, context: int = 256,
     device = staged.device
     generator = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(staged.config.vocab_size, (1, context + max_rows), generator=generator).to(device)
-    cache = staged.new_cache(context + max_rows)
+    cache = staged.new_cache(context + max_rows, rollback=max_rows)
     staged.forward_all(ids[:, :context], cache, 0)
 
     def forward(rows: int, weight_first: bool) -> None:

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from spd.layout import stage_bounds
 from spd.targets import gated_delta, gqa_attention, invariant_attention, panel, prepacked
 from spd.targets.kv_cache import LayerKVCache
+from spd.targets.linear_states import ROLLBACK
 
 LINEAR = "linear_attention"   # a hybrid's Gated DeltaNet layers (Qwen3.5): a conv and a recurrent state, no K/V
 
@@ -92,9 +93,10 @@ class StagedTarget:
     def dtype(self) -> torch.dtype:
         return self._materialised().dtype
 
-    def new_cache(self, max_length: int | None = None) -> LayerKVCache:
-        """max_length: a static cache of that many positions (None: one that grows, for unknown lengths)."""
-        return LayerKVCache(self.num_layers, max_length=max_length)
+    def new_cache(self, max_length: int | None = None, rollback: int = ROLLBACK) -> LayerKVCache:
+        """max_length: a static cache of that many positions (None: one that grows, for unknown lengths).
+        rollback: how far back a hybrid's linear-attention layers can return (spd.targets.linear_states)."""
+        return LayerKVCache(self.num_layers, max_length=max_length, rollback=rollback)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T] -> H^0 [B, T, d]."""

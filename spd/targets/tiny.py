@@ -35,7 +35,7 @@ def tiny_config(family: str, num_layers: int = 10, vocab_size: int = 128, hidden
                                              for i in range(num_layers)])
     if family == "qwen3_5":
         # A hybrid: Gated DeltaNet layers (conv + recurrent state) with gated full attention every fourth layer. At
-        # 10 layers and n = 3 the stage bounds [0, 4, 7, 10] fall inside a run of linear layers.
+        # 10 layers and n = 5 the stage bounds 2 and 6 cut runs of linear layers.
         return Qwen3_5TextConfig(**common, layer_types=hybrid_layer_types(num_layers, full_first),
                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                                  linear_value_head_dim=8, linear_conv_kernel_dim=4)

@@ -1,0 +1,241 @@
+"""Hybrid targets (Qwen3.5: Gated DeltaNet layers beside gated attention): one arithmetic at every row count, states
+after a rollback equal to a fresh prefill's, both directory layouts through the CLI decoding = AR, the runtimes that
+keep no linear-attention states refusing a hybrid in one line, and training and evaluation on a hybrid teacher.
+
+Every method × the local runtime (trees included) runs on the hybrid through the `family_model` tests
+(tests/conftest.py); this file holds what only a hybrid has."""
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+from helpers import ar_run, prompt
+from launch import run_python
+from spd.cli import main
+from spd.targets.kv_cache import LayerKVCache
+from spd.targets.stages import LINEAR, StagedTarget
+from spd.targets.tiny import tiny_model, tiny_target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return StagedTarget(tiny_model("qwen3_5"), 3)
+
+
+def linear_layers(staged):
+    return [i for i, kind in enumerate(staged.layer_types) if kind == LINEAR]
+
+
+def test_the_tiny_hybrids_have_the_layouts_the_stages_need(hybrid):
+    assert hybrid.hybrid and hybrid.layer_types[0] == LINEAR and hybrid.layer_types[3] == "full_attention"
+    five = StagedTarget(hybrid.model, 5)        # bounds [0, 2, 4, 6, 8, 10]: 2 and 6 cut runs of linear layers
+    assert any(five.layer_types[b - 1] == five.layer_types[b] == LINEAR for b in five.bounds[1:-1])
+    first = StagedTarget(tiny_model("qwen3_5", full_first=True), 3)
+    assert first.layer_types[0] == "full_attention" and first.hybrid
+
+
+def test_a_linear_layer_gives_a_row_the_same_bits_in_any_forward(hybrid):
+    """Rows fed one at a time (AR) and together (a verification) leave each linear layer's output and states
+    bitwise equal, where the layer's input is the same (the first layer reads the embedding)."""
+    ids = torch.tensor([prompt(1, 14)])
+    one = hybrid.new_cache()
+    hybrid.forward_all(ids[:, :6], one)
+    alone = [hybrid.forward_all(ids[:, p: p + 1], one, p, capture={1})[1][1] for p in range(6, 14)]
+    many = hybrid.new_cache()
+    hybrid.forward_all(ids[:, :6], many)
+    together = hybrid.forward_all(ids[:, 6:], many, 6, capture={1})[1][1]
+    assert torch.equal(torch.cat(alone, 1), together)
+    assert all(torch.equal(a, b) for a, b in zip(one.memory(0), many.memory(0)))
+    for layer in linear_layers(hybrid):     # deeper layers read attention outputs: float32 rounding apart
+        for a, b in zip(one.memory(layer), many.memory(layer)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_transformers_forward_agrees(hybrid):
+    ids = torch.tensor([prompt(2, 16)])
+    with torch.no_grad():
+        reference = hybrid.model(ids).logits[0]
+    hidden, _ = hybrid.forward_all(ids, hybrid.new_cache())
+    torch.testing.assert_close(hybrid.logits(hidden[0]), reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kept", [0, 1, 3, 6])
+def test_a_rollback_leaves_the_states_of_a_fresh_prefill(hybrid, kept):
+    """Six drafts verified in one forward, `kept` of them accepted: every layer's conv window and recurrent state
+    (and K/V) equal a fresh prefill of the prompt and the kept drafts; the next token decodes the same from both."""
+    p, drafts = prompt(3, 10), [5, 9, 33, 2, 71, 40]
+    cache = hybrid.new_cache()
+    hybrid.forward_all(torch.tensor([p]), cache)
+    hybrid.forward_all(torch.tensor([drafts]), cache, len(p))
+    cache.crop(len(p) + kept)
+    fresh = hybrid.new_cache()
+    hybrid.forward_all(torch.tensor([p + drafts[:kept]]), fresh)
+    for layer in range(hybrid.num_layers):
+        for after, want in zip(cache.memory(layer), fresh.memory(layer)):
+            if layer == 0:
+                assert torch.equal(after, want)
+            else:
+                torch.testing.assert_close(after, want, atol=1e-5, rtol=1e-5)
+    nxt, _ = hybrid.forward_all(torch.tensor([[7]]), cache, len(p) + kept)
+    want, _ = hybrid.forward_all(torch.tensor([[7]]), fresh, len(p) + kept)
+    torch.testing.assert_close(nxt, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_rollback_beyond_the_kept_positions_is_refused(hybrid):
+    cache = LayerKVCache(hybrid.num_layers, rollback=4)
+    hybrid.forward_all(torch.tensor([prompt(4, 8)]), cache)
+    hybrid.forward_all(torch.tensor([[1, 2, 3, 4, 5, 6]]), cache, 8)
+    cache.crop(10)                                    # 4 back: still held
+    with pytest.raises(ValueError, match="keeps its states for the last 4"):
+        cache.crop(5)
+
+
+def test_tree_rows_see_their_own_paths(hybrid):
+    """A tree forward (siblings side by side) gives each node the logits of its own path decoded as a chain."""
+    from spd.tree import DraftTree
+    from spd.sampling import Proposal
+
+    p = prompt(5, 9)
+    tree = DraftTree.chain(0, [Proposal(t) for t in (4, 8)])
+    tree.add(0, Proposal(11))                        # a sibling of node 1, under node 0
+    tree.add(2, Proposal(13))
+    cache = hybrid.new_cache()
+    hybrid.forward_all(torch.tensor([p]), cache)
+    hidden, _ = hybrid.forward_all(torch.tensor([tree.tokens()]), cache, len(p), offsets=torch.tensor(tree.depths()),
+                                   visible=tree.visibility())
+    for node in range(len(tree)):
+        path = [tree.token(i) for i in tree.path(node)]
+        chain, _ = hybrid.forward_all(torch.tensor([p + path]), hybrid.new_cache())
+        torch.testing.assert_close(hidden[0, node], chain[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def save_multimodal(path, model, tokenizer):
+    """The released Qwen3.5 layout: Qwen3_5ForConditionalGeneration, the language model under
+    model.language_model, a vision tower beside it."""
+    config = Qwen3_5Config(text_config=model.config.to_dict(),
+                           vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                              out_hidden_size=model.config.hidden_size, patch_size=4,
+                                              temporal_patch_size=1, spatial_merge_size=1))
+    whole = Qwen3_5ForConditionalGeneration(config)
+    whole.model.language_model.load_state_dict(model.model.state_dict())
+    whole.lm_head.load_state_dict(model.lm_head.state_dict())
+    whole.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory):
+    model, tokenizer = tiny_target("qwen3_5", tied=False)
+    text, multimodal = tmp_path_factory.mktemp("qwen3_5_text"), tmp_path_factory.mktemp("qwen3_5_vl")
+    model.save_pretrained(text)
+    tokenizer.save_pretrained(text)
+    save_multimodal(multimodal, model, tokenizer)
+    return str(text), str(multimodal)
+
+
+def generate(capsys, *args):
+    code = main(["generate", "prompt=What is 12*7?", "max_new_tokens=20", "json=true", *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)["token_ids"], err
+
+
+@pytest.mark.parametrize("layout", ["text", "multimodal"])
+def test_both_directory_layouts_decode_like_ar(capsys, hybrid_dirs, layout):
+    target = hybrid_dirs[layout == "multimodal"]
+    ar, err = generate(capsys, f"target={target}", "method=ar")
+    assert ("vision tower is not loaded" in err) == (layout == "multimodal")
+    for method in (["method=spd", "n=3"], ["method=eagle3"], []):     # [] = the default (trees of suffix drafts)
+        tokens, _ = generate(capsys, f"target={target}", *method)
+        assert tokens == ar, method
+
+
+def test_stage_processes_decode_like_ar(capsys, hybrid_dirs):
+    ar, _ = generate(capsys, f"target={hybrid_dirs[0]}", "method=ar")
+    tokens, _ = generate(capsys, f"target={hybrid_dirs[0]}", "method=spd", "n=3", "runtime=distributed")
+    assert tokens == ar
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["runtime=device"], "runtime=device runs fixed-shape steps"),
+    (["method=lookup", "draft_length=40"], "keep their states for the last 32"),
+])
+def test_what_a_hybrid_cannot_run_is_refused_in_one_line(capsys, args, needle):
+    code = main(["generate", "target=tiny-qwen3_5", "prompt=hi", "max_new_tokens=4", *args])
+    _, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_another_family_of_hybrid_is_refused_before_it_loads(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+                                                     "layer_types": ["linear_attention", "full_attention"]}))
+    code = main(["generate", f"target={tmp_path}", "prompt=hi", "max_new_tokens=4"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "qwen3_next hybrid" in err and len(err.strip().splitlines()) == 1, err
+
+
+ENV = {**os.environ, "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("method", ["spd", "ppsd", "spd_output_state", "eagle3"])
+def test_a_hybrid_teacher_trains_each_method_and_eval_scores_it(capsys, tmp_path, method):
+    out = tmp_path / "run"
+    proc = run_python([os.path.join(ROOT, "train", "run.py"), "--config",
+                       os.path.join(ROOT, "configs", "train", "debug_qwen3_5.yaml"), f"output_dir={out}",
+                       f"data.path={os.path.join(ROOT, 'data', 'debug_conversations.jsonl')}", f"method={method}",
+                       "optim.steps=8", "eval_decodes=1"], env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert ckpt["method"] == method and ckpt["training"]["steps"] == 8
+    if method in ("spd", "eagle3"):         # eval records AR traces of the hybrid and scores the module on them
+        code = main(["eval", "target=tiny-qwen3_5", f"checkpoint={out / 'checkpoint'}", f"output_dir={tmp_path / 'eval'}",
+                     f"trace_cache_dir={tmp_path / 'traces'}", "max_new_tokens=8", "limit=1", "wandb.mode=disabled"])
+        _, err = capsys.readouterr()
+        assert code == 0, err
+        rows = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+        assert len(rows) == 3 and all(row["ar_match"] for row in rows if row.get("ar_match") is not None)
+
+
+def test_teacher_features_equal_the_pipelines(hybrid):
+    """The trainer's batch forward (transformers' chunked linear attention, no cache) and the decode's row-by-row
+    stages give every depth's hidden states within float32 rounding: the training layout holds on a hybrid."""
+    ids = torch.tensor([prompt(6, 20)])
+    layers = set(range(hybrid.num_layers + 1))
+    _, batch = hybrid.forward_all(ids, None, capture=layers)
+    _, decode = hybrid.forward_all(ids, hybrid.new_cache(), capture=layers)
+    for layer in layers:
+        torch.testing.assert_close(batch[layer], decode[layer], atol=1e-5, rtol=1e-5)
+    assert ar_run(hybrid.model, prompt(6, 10), 12).token_ids   # and the reference loop decodes
+
+
+@pytest.fixture(scope="module")
+def small_hybrid():
+    # linear, linear, linear, attention; untied, so that its next-token distributions spread (8 outcomes at top_k=2)
+    return tiny_model("qwen3_5", seed=0, num_layers=4, vocab_size=16, tied=False)
+
+
+@pytest.mark.slow
+def test_spd_samples_the_hybrids_distribution(small_hybrid):
+    from test_lossless_sampling import ALPHA, PARAMS, SHORT, chi2_pvalue, exact_distribution, sample_spd
+
+    dist = exact_distribution(small_hybrid, PARAMS)
+    counts, rollbacks = sample_spd(small_hybrid, n=2, samples=SHORT, seed=0)
+    assert rollbacks > SHORT * 0.2          # rejections, and so rollbacks of the linear layers' states, were common
+    assert chi2_pvalue(counts, dist, SHORT) > ALPHA
+
+
+@pytest.mark.slow
+def test_a_broken_verifier_is_caught_on_the_hybrid(small_hybrid, monkeypatch):
+    """The same test's power on the hybrid: accepting every draft (sampling from q, not p) fails it."""
+    import spd.sampling
+    from test_lossless_sampling import ALPHA, PARAMS, chi2_pvalue, exact_distribution, sample_spd
+
+    monkeypatch.setattr(spd.sampling, "verify_sampled", lambda draft, p, q, g: (True, draft))
+    dist = exact_distribution(small_hybrid, PARAMS)
+    counts, _ = sample_spd(small_hybrid, n=2, samples=1500, seed=1)
+    assert chi2_pvalue(counts, dist, 1500) < ALPHA
