@@ -1,13 +1,15 @@
 """Decoding speed against the hardware limit: tokens/s of HF `generate` (dynamic cache; static cache +
 `torch.compile`), this suite's AR (eager; fixed-shape steps as CUDA graphs; the device step eager, as one CUDA graph, and
 compiled), the lookup chain (today's loop; the device step as one CUDA graph, and compiled) and greedy SPD (runtime=local eager,
-local with graphs, runtime=streams with graphs off and on), every figure from one run, beside the bandwidth
+local with graphs, runtime=streams with graphs off and on), a hybrid target's AR and SPD (a random Qwen3.5 at
+the 4B's shape, `hybrid_rows`), every figure from one run, beside the bandwidth
 roofline: weight bytes read per token over the copy bandwidth measured here. Every SPD row is checked token for
 token against the suite's AR in the same dtype and the same step kind (eager or fixed-shape).
 Then each stage's step timed alone and all stages launched together on their streams: whether they overlap.
 
     python -m bench.gpu --device cuda --dtypes bfloat16,float32 --limit 20 --max-new-tokens 128
-    python -m bench.gpu --device cpu --dtypes float32 --limit 1 --max-new-tokens 8 --no-compile   # a smoke run
+    python -m bench.gpu --device cpu --dtypes float32 --limit 1 --max-new-tokens 8 --no-compile --hybrid-layers 4
+                                                                                               # a smoke run
 On CPU there are no graphs and no streams: the graph rows run the same fixed-shape steps eagerly.
 Writes docs/results/gpu_<device>_<dtypes>.json.
 """
@@ -302,6 +304,51 @@ def suite_rows(session, prompts, max_new, device, deadline: float | None = None,
     return rows, executors
 
 
+def hybrid_rows(prompts, max_new, device, dtype: torch.dtype, deadline: float | None = None,
+                only: frozenset[str] | None = None, rows: dict | None = None, saved=lambda: None, n: int = 4,
+                shape: dict | None = None) -> dict:
+    """A hybrid target (Qwen3.5 at the 4B's shape, bench.hybrid_state.SHAPE_4B, random weights built in memory:
+    no hub here) on the runtime a hybrid decodes on (eager, the local stages: fixed-shape steps keep no
+    linear-attention states): AR, and SPD with n stages at a fixed trace — the oracle drafts AR's own tokens while
+    a random module's compute runs, so K = N + n - 2 and the row times the pipeline full. shape: config fields that
+    replace the 4B's (a CPU rehearsal's small hybrid)."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from bench.hybrid_state import SHAPE_4B
+    from spd.drafters.reference import ReferenceDrafter
+    from spd.drafters.spd_module import ModuleDrafter
+    from spd.module import SpeculationModule
+    from spd.runtime.pipeline import PipelineDecoder
+
+    config = Qwen3_5TextConfig(**{**SHAPE_4B, **(shape or {})})
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
+    staged, whole = StagedTarget(model, n), StagedTarget(model, 1)
+    ar = build_decoder(AR, whole, frozenset())
+    module = SpeculationModule.from_target(staged, 1)
+    request, continuation, stats = Request(max_new, GREEDY), {}, []
+
+    def run_ar(ids):
+        continuation[tuple(ids)] = ar.generate(ids, request).token_ids
+        return continuation[tuple(ids)]
+
+    def run_spd(ids):
+        drafter = ReferenceDrafter(list(ids) + continuation[tuple(ids)], config.vocab_size,
+                                   inner=ModuleDrafter(module))
+        out = PipelineDecoder(staged, drafter, frozenset()).generate(ids, request)
+        stats.append(out.stats)
+        return out.token_ids
+    specs = [RowSpec("hybrid_ar_eager", "eager", run_ar, reference=None),
+             RowSpec("hybrid_spd_eager", "eager", run_spd, stats=stats, n=n, reference="hybrid_ar_eager")]
+    if only is not None and "hybrid_spd_eager" in only:
+        only = only | {"hybrid_ar_eager"}
+    rows = {} if rows is None else rows
+    run_rows(specs, prompts, max_new, device, rows, saved, deadline, only,
+             margin_of=lambda ids: top2(whole, ids)[0])
+    return rows
+
+
 def top2(staged_whole: StagedTarget, ids: list[int]) -> tuple[float, float]:
     """The target's top-2 logit gap after `ids` (how near a tie the greedy choice there was) and its top logit."""
     with torch.no_grad():
@@ -359,6 +406,8 @@ def main() -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip HF static cache + torch.compile")
     ap.add_argument("--eagle3-checkpoint", default=None, help="an EAGLE-3 module for eagle3_device_graphs (default: "
                     "an untrained one: the step's cost at tau ~ 1)")
+    ap.add_argument("--no-hybrid", action="store_true", help="skip the hybrid target's rows (a random Qwen3.5)")
+    ap.add_argument("--hybrid-layers", type=int, default=None, help="the hybrid's layers (default the 4B's 32)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -381,6 +430,9 @@ def main() -> int:
         whole = StagedTarget(session.loaded.model, 1)
         hf_rows(session.loaded.model, prompts, args.max_new_tokens, device, not args.no_compile, session.eos_ids,
                 rows=rows, margin_of=lambda ids: top2(whole, ids)[0], outputs=outputs)
+        if not args.no_hybrid:
+            hybrid_rows(prompts, args.max_new_tokens, device, getattr(torch, dtype), rows=rows,
+                        shape={"num_hidden_layers": args.hybrid_layers} if args.hybrid_layers else None)
         roofline = result["copy_bandwidth_bytes_per_s"] / weight_bytes
         for row in rows.values():
             if "tokens_per_s" in row:            # a skipped row has none

@@ -50,6 +50,9 @@ REPO = os.path.dirname(HERE)
 # seconds per step: (GPU run, dry run). The train box is whatever is left of --minutes after the others.
 # The H200 run of 2026-11-26 (docs/results.md) trained a whole epoch of the extract in 218 s but ran out of box in
 # correctness (14 of 24 rows ran) and speed (6 of 9): the boxes moved from training to them.
+DRY_HYBRID = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+              "linear_value_head_dim": 16, "intermediate_size": 128}
 BOXES = {"setup": (36, 150), "correctness": (140, 120), "speed": (100, 90), "eval": (45, 90)}
 RESERVE_S = (10, 10)           # packing the results at the end
 MIN_TRAIN_S = (180, 20)
@@ -241,7 +244,9 @@ class GpuRun(Training):
                 # sized for eager decoding at ~30 ms a token on a GPU (Python-bound; docs/results.md "On a GPU")
                 "correctness": {"prompts": 3 if dry else 2, "max_new_tokens": 12 if dry else 24},
                 "speed": {"dtypes": ["float32"] if dry else ["bfloat16"], "prompts_per_set": 1,
-                          "max_new_tokens": 8 if dry else 64, "compile": not dry, "copy_mib": 8 if dry else 512},
+                          "max_new_tokens": 8 if dry else 64, "compile": not dry, "copy_mib": 8 if dry else 512,
+                          # the hybrid's rows: a random Qwen3.5 at the 4B's shape; a rehearsal's a small one
+                          "hybrid_shape": DRY_HYBRID if dry else None},
                 "eval": {"limit": 1 if dry else 2, "max_new_tokens": 16 if dry else 128}}
 
     # --- the run -------------------------------------------------------------------------------------------

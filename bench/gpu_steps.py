@@ -235,6 +235,8 @@ def step_speed(plan: dict, deadline: float, result: Result) -> None:
         gpu.hf_rows(session.loaded.model, prompts, cfg["max_new_tokens"], device, cfg["compile"], session.eos_ids,
                     deadline=deadline, only=only, rows=rows, saved=saved,
                     margin_of=lambda ids: gpu.top2(whole, ids)[0], outputs=outputs)
+        gpu.hybrid_rows(prompts, cfg["max_new_tokens"], device, getattr(torch, dtype), deadline=deadline, only=only,
+                        rows=rows, saved=saved, shape=cfg.get("hybrid_shape"))
         if time.time() < deadline and "spd_streams_graphs" in executors and "stage_overlap" not in run:
             run["stage_overlap"] = gpu.stage_overlap(executors["spd_streams_graphs"], session.staged, prompts[0],
                                                      device, gpu.capture_of(session))
