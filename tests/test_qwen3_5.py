@@ -239,3 +239,34 @@ def test_a_broken_verifier_is_caught_on_the_hybrid(small_hybrid, monkeypatch):
     dist = exact_distribution(small_hybrid, PARAMS)
     counts, _ = sample_spd(small_hybrid, n=2, samples=1500, seed=1)
     assert chi2_pvalue(counts, dist, 1500) < ALPHA
+
+
+@pytest.mark.parametrize("kind", ["ar", "spd", "suffix_tree", "lookup_chain"])
+def test_a_reused_decoder_decodes_as_a_fresh_one(kind):
+    """Generations of growing and shrinking prompts on one decoder (a chat's turns, a server's requests) each give
+    what a fresh decoder gives: a new prompt leaves no state of the last one in the linear layers."""
+    from spd.drafters.lookup import LookupDrafter
+    from spd.drafters.spd_module import ModuleDrafter
+    from spd.drafters.suffix import SuffixDrafter
+    from spd.decoding import Request
+    from spd.engine import build_decoder
+    from spd.methods import AR, CHAIN, PIPELINE
+    from spd.module import SpeculationModule
+
+    model = tiny_model("qwen3_5", tied=False)
+
+    def fresh():
+        staged = StagedTarget(model, 3 if kind == "spd" else 1)
+        if kind == "ar":
+            return build_decoder(AR, staged, frozenset())
+        if kind == "spd":
+            return build_decoder(PIPELINE, staged, frozenset(),
+                                 ModuleDrafter(SpeculationModule.from_target(staged, 1, seed=1)))
+        if kind == "suffix_tree":
+            return build_decoder(CHAIN, staged, frozenset(), SuffixDrafter(), draft_length=8, width=4, tree_nodes=12)
+        return build_decoder(CHAIN, staged, frozenset(), LookupDrafter(1, 4), draft_length=5)
+    reused = fresh()
+    first = prompt(7, 12)
+    answer = reused.generate(first, Request(16)).token_ids
+    for ids in (first + answer + prompt(8, 5), prompt(9, 6), prompt(10, 40)):   # a second turn, shorter, longer
+        assert reused.generate(ids, Request(16)).token_ids == fresh().generate(ids, Request(16)).token_ids

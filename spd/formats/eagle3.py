@@ -56,7 +56,7 @@ def engine_keys(layout: str) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------------ export
 def expressible(module, layout: str) -> None:
     """Refuse, naming the field, a module the engines' Llama layer cannot hold (a Qwen3 layer's q/k norms, Gemma's
-    sandwich norms, biases, another activation)."""
+    sandwich norms, Qwen3.5's output gate and (1 + w) norms, biases, another activation)."""
     known = set(engine_keys(layout)) | set(UNUSED) | {"draft_to_target"}
     extra = sorted(k for k in module.state_dict() if k not in known)
     if extra:
@@ -66,7 +66,11 @@ def expressible(module, layout: str) -> None:
     act = getattr(module.config, "hidden_act", "silu")
     if act != "silu":
         raise UserError(f"hidden_act={act!r} has no place in the {layout} layout (its draft layer is Llama's, silu)")
-    if type(module.norm).__name__ != "LlamaRMSNorm" and "Gemma" in type(module.norm).__name__:
+    attn = module.layer.self_attn
+    if attn.q_proj.out_features == 2 * attn.config.num_attention_heads * attn.head_dim:
+        raise UserError(f"the module's gated attention (Qwen3.5: q_proj gives each head an output gate) has no place "
+                        f"in the {layout} layout (its draft layer is Llama's)")
+    if any(family in type(module.norm).__name__ for family in ("Gemma", "Qwen3_5")):
         raise UserError(f"the module's (1 + w) RMSNorm has no place in the {layout} layout (Llama's norm scales by w)")
     fused = list(module.fused)
     if fused != sorted(set(fused)) or fused[0] != 2:
