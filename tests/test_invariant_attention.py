@@ -18,7 +18,7 @@ from spd.sampling import Proposal, SamplingParams
 from spd.targets import invariant_attention
 from spd.targets.invariant_attention import row_invariant_attention
 from spd.targets.stages import StagedTarget
-from spd.targets.tiny import FAMILIES, tiny_model
+from spd.targets.tiny import FAMILIES, HYBRIDS, tiny_model
 from spd.tree import DraftTree
 from test_suffix import CPU_LIKE
 
@@ -28,7 +28,9 @@ BF16 = torch.bfloat16
 def bf16_model(family: str, seed: int = 0, tied: bool = False):
     """Wide enough that this CPU's bfloat16 products are one kernel at every row count (a 32-wide one is not:
     `test_a_target_whose_products_are_not_invariant_keeps_sdpa`). Untied, its answers depend on the whole context."""
-    return tiny_model(family, seed=seed, tied=tied, hidden_size=256, head_dim=64).to(BF16)
+    # the hybrid's linear layers: projections of the widths the other families' layers have (256 -> 128, 256, 512)
+    linear = {"linear": (32, 4, 128, 2)} if family in HYBRIDS else {}
+    return tiny_model(family, seed=seed, tied=tied, hidden_size=256, head_dim=64, **linear).to(BF16)
 
 
 @pytest.mark.parametrize("d_in,d_out", [(32, 64), (576, 1536), (1536, 576), (576, 49152 // 8)])

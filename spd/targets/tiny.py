@@ -19,7 +19,9 @@ def hybrid_layer_types(num_layers: int, full_first: bool = False) -> list[str]:
 
 
 def tiny_config(family: str, num_layers: int = 10, vocab_size: int = 128, hidden_size: int = 32,
-                max_position_embeddings: int = 512, tied: bool = True, head_dim: int = 8, full_first: bool = False):
+                max_position_embeddings: int = 512, tied: bool = True, head_dim: int = 8, full_first: bool = False,
+                linear: tuple[int, int, int, int] = (2, 8, 4, 8)):
+    """linear: a hybrid's Gated DeltaNet heads (key heads, key head dim, value heads, value head dim)."""
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                   max_position_embeddings=max_position_embeddings, eos_token_id=vocab_size - 1, bos_token_id=0, pad_token_id=0,
@@ -36,9 +38,10 @@ def tiny_config(family: str, num_layers: int = 10, vocab_size: int = 128, hidden
     if family == "qwen3_5":
         # A hybrid: Gated DeltaNet layers (conv + recurrent state) with gated full attention every fourth layer. At
         # 10 layers and n = 5 the stage bounds 2 and 6 cut runs of linear layers.
+        key_heads, key_dim, value_heads, value_dim = linear
         return Qwen3_5TextConfig(**common, layer_types=hybrid_layer_types(num_layers, full_first),
-                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                                 linear_value_head_dim=8, linear_conv_kernel_dim=4)
+                                 linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
+                                 linear_key_head_dim=key_dim, linear_value_head_dim=value_dim, linear_conv_kernel_dim=4)
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
 
 
