@@ -107,16 +107,14 @@ class Engine:
     def batch_decoder(self, max_batch: int, method: str | None = None) -> BatchDecoder | SeedDecoder | None:
         """Many requests decoded together with this engine's method (or `method`, e.g. "ar" for a server's
         per-request baseline): in this process, or a pipelined method's sequences in the stage processes
-        (runtime=distributed); None where the stages run as fixed-shape steps (streams, cuda_graphs), AR would
-        relay through stage processes, or the target is a hybrid (one request at a time there)."""
+        (runtime=distributed); None where the stages run as fixed-shape steps (streams, cuda_graphs) or AR would
+        relay through stage processes (one request at a time there)."""
         s, tree = self.session, self.session.spec.tree
         method = method or s.spec.method
         kind = METHODS[method].decoder
         new_drafter = None if kind == AR else s.drafter
-        if kind == SEGMENTS or s.staged.hybrid:
-            # FlowSpec's segments decode one request at a time; so does a hybrid target (Qwen3.5), whose
-            # linear-attention states the one-sequence cache keeps
-            return None
+        if kind == SEGMENTS:
+            return None             # FlowSpec's segments decode one request at a time
         if runtime(s.spec.runtime.name).processes and kind == PIPELINE:
             return SeedDecoder(self.stages, new_drafter, s.eos_ids, tree.width, max_batch, tree.children,
                                METHODS[method].spine)

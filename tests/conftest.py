@@ -21,7 +21,7 @@ from spd.targets.tiny import FAMILIES, HYBRIDS, tiny_model  # noqa: E402
 
 def pytest_generate_tests(metafunc):
     """family_model runs every tiny family, the hybrid too, except in tests marked attention_only: the fixed-shape
-    steps and batched sequences refuse a hybrid before any model loads (tests/test_qwen3_5.py checks the refusal)."""
+    steps refuse a hybrid before any model loads (tests/test_qwen3_5.py checks the refusal)."""
     if "family_model" in metafunc.fixturenames:
         attention_only = metafunc.definition.get_closest_marker("attention_only") is not None
         families = [f for f in FAMILIES if not (attention_only and f in HYBRIDS)]

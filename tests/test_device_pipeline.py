@@ -14,7 +14,7 @@ from spd.targets.tiny import tiny_model
 from test_device_step import SAMPLED, HostReads, answer_counts
 from test_lossless_sampling import ALPHA, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
 
-pytestmark = pytest.mark.attention_only   # fixed-shape steps / batched sequences: a hybrid is refused them
+pytestmark = pytest.mark.attention_only   # the device step runs fixed shapes: a hybrid is refused it
 
 
 @pytest.mark.parametrize("method,n", [("spd", 1), ("spd", 3), ("ppsd", 2), ("spd_output_state", 2)])

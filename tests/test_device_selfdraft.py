@@ -20,7 +20,7 @@ from test_device_step import SAMPLED, HostReads, keep_argmax_drafts
 from test_lossless_sampling import ALPHA, PARAMS, SHORT, chi2_pvalue, exact_distribution, sample_chain
 from test_selfdraft import junk_corpus
 
-pytestmark = pytest.mark.attention_only   # fixed-shape steps / batched sequences: a hybrid is refused them
+pytestmark = pytest.mark.attention_only   # the device step runs fixed shapes: a hybrid is refused it
 
 
 def drafter(vocab: int, corpus: bool = False, **options) -> SelfDraftDrafter:

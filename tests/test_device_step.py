@@ -18,7 +18,7 @@ from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
 from test_lossless_sampling import ALPHA, LENGTH, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
 
-pytestmark = pytest.mark.attention_only   # fixed-shape steps / batched sequences: a hybrid is refused them
+pytestmark = pytest.mark.attention_only   # the device step runs fixed shapes: a hybrid is refused it
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
 

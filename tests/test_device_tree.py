@@ -21,7 +21,7 @@ from spd.targets.tiny import tiny_model
 from test_device_step import SAMPLED, HostReads, answer_counts, keep_argmax_drafts
 from test_lossless_sampling import ALPHA, PARAMS, SHORT, chi2_pvalue, exact_distribution
 
-pytestmark = pytest.mark.attention_only   # fixed-shape steps / batched sequences: a hybrid is refused them
+pytestmark = pytest.mark.attention_only   # the device step runs fixed shapes: a hybrid is refused it
 
 
 def tree_decoder(target, drafter=SuffixDrafter, width=4, budget=12, compile=None):

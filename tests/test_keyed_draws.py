@@ -236,7 +236,6 @@ def test_sampled_chains_and_trees_decode_what_keyed_ar_samples(family_model, unt
         assert kept > 20 and missed > 20, (name, kept, missed)
 
 
-@pytest.mark.attention_only
 def test_a_batch_samples_what_each_request_samples_alone(family_model):
     _, model = family_model
     staged = StagedTarget(model, 1)

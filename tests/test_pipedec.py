@@ -205,7 +205,6 @@ def test_reuse_equals_fresh(family_model):
         assert again.token_ids == fresh.token_ids and again.stats.as_dict() == fresh.stats.as_dict()
 
 
-@pytest.mark.attention_only
 def test_sequences_sharing_the_stages_decode_as_each_would_alone(family_model):
     """SEED's schedule (generate prompts_file=, serve): PipeDec's sequences share one pipeline, each with its own
     draft model cache; each one's tokens and statistics equal its solo decode."""

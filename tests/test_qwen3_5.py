@@ -270,3 +270,18 @@ def test_a_reused_decoder_decodes_as_a_fresh_one(kind):
     answer = reused.generate(first, Request(16)).token_ids
     for ids in (first + answer + prompt(8, 5), prompt(9, 6), prompt(10, 40)):   # a second turn, shorter, longer
         assert reused.generate(ids, Request(16)).token_ids == fresh().generate(ids, Request(16)).token_ids
+
+
+def test_requests_batched_together_decode_as_each_alone(capsys, hybrid_dirs, tmp_path):
+    """max_batch > 1: the rows of several sequences in one forward, each running its linear layers' rows against its
+    own states — in this process (chains, SPD's shared stages) and over stage processes."""
+    texts = ["What is 12*7?", "Write a function that adds two numbers.", "The quick brown fox jumps."]
+    (tmp_path / "prompts.txt").write_text("\n".join(texts) + "\n")
+    target = f"target={hybrid_dirs[0]}"
+    alone = [generate(capsys, target, f"prompt={text}", "method=ar")[0] for text in texts]
+    for method in (["method=spd", "n=3"], ["method=spd", "n=3", "runtime=distributed"], ["method=suffix"]):
+        code = main(["generate", target, f"prompts_file={tmp_path / 'prompts.txt'}", "max_batch=3",
+                     "max_new_tokens=20", "json=true", *method])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert [json.loads(line)["token_ids"] for line in out.splitlines() if line.strip()] == alone, method

@@ -11,7 +11,6 @@ are scored against the target's own tokens and the pipeline's timing is replayed
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -62,12 +61,6 @@ def record_greedy_traces(staged: StagedTarget, prompts: list[list[int]], max_new
     (index, trace, seconds from admission to its last token) as each finishes. The tokens equal the one-at-a-time
     recording up to the rounding of wider matrix products (a difference can only start at a near-tie)."""
     capture = frozenset(layers)
-    if staged.hybrid:           # a hybrid's linear-attention states are kept for one sequence at a time
-        for index, ids in enumerate(prompts):
-            start = time.perf_counter()
-            trace = record_greedy_trace(staged, ids, max_new_tokens, eos_ids, sorted(capture))
-            yield index, trace, time.perf_counter() - start
-        return
     decoder = build_batch_decoder(AR, staged, eos_ids, max_batch=batch_size, capture=capture)
     records = []
 

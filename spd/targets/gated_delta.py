@@ -16,6 +16,8 @@ pass, transformers' own generate) runs transformers' own forward, chunked and fa
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -61,45 +63,56 @@ def parents_of(visible: torch.Tensor, rows: int) -> list[int]:
 
 class RowwiseMixin:
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
-        """hidden_states [B, T, d] -> [B, T, d]; `cache`: a LayerKVCache whose `linear` ring holds this layer's
-        states (None: start from zeros and keep nothing, a training forward). kwargs["parents"]: each row's parent
-        row (-1: the cache's state), a draft tree's structure; default a chain. Another cache (transformers' own
-        generate) gets transformers' own forward."""
-        if cache is None or not hasattr(cache, "linear"):
+        """hidden_states [B, T, d] -> [B, T, d] against the states `cache.linear_groups` names: one sequence's
+        cache (a LayerKVCache), or each sequence of a ragged forward its own (spd.targets.ragged).
+        kwargs["parents"]: each row's parent's cache position, a draft tree's structure; default a chain."""
+        if cache is None or not hasattr(cache, "linear_groups"):
             # no cache: a training batch (teacher features need no bitwise match with a decode, and transformers'
             # chunked algorithm is many times faster over long rows); another cache: transformers' own generate
             return super().forward(hidden_states, cache=cache, attention_mask=attention_mask)
-        return step_rows(self, hidden_states, cache.linear, kwargs.get("parents"))
+        return step_rows(self, hidden_states, cache.linear_groups(hidden_states.shape[1], kwargs.get("parents")))
 
 
-def step_rows(layer, hidden: torch.Tensor, states: LinearStates, parents: list[int] | None) -> torch.Tensor:
-    """hidden [B, T, d] -> [B, T, d]. parents: each row's parent as a cache position (None: a chain, each row after
-    the one before it)."""
-    batch, rows, _ = hidden.shape
+class Group(NamedTuple):
+    """Rows lo..hi-1 of a forward: one sequence's, run against its states (parents: cache positions, or None for a
+    chain)."""
+    states: LinearStates
+    parents: list[int] | None
+    lo: int
+    hi: int
+
+
+def step_rows(layer, hidden: torch.Tensor, groups: list[Group]) -> torch.Tensor:
+    """hidden [B, T, d] -> [B, T, d]: the projections over every row at once, then each group's rows one at a time
+    from its own states."""
+    batch = hidden.shape[0]
     mixed = layer.in_proj_qkv(hidden)                       # [B, T, C]: the convolution's inputs
     gate = layer.in_proj_z(hidden)                          # [B, T, value_dim]
     beta_in = layer.in_proj_b(hidden)                       # [B, T, H_v]
     decay_in = layer.in_proj_a(hidden)                      # [B, T, H_v]
     weight = layer.conv1d.weight.squeeze(1)                 # [C, kernel]
     idx = layer.layer_idx
-    first = states.lengths[idx]                             # the cache position of this forward's first row
-    if parents is None:
-        parents = list(range(first - 1, first + rows - 1))
     zeros = (mixed.new_zeros(batch, mixed.shape[-1], layer.conv_kernel_size),
              mixed.new_zeros(batch, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, dtype=torch.float32))
-    windows, recurrents, outs = [], [], []
-    for row, parent in enumerate(parents):
-        if parent >= first:                                 # a row of this forward
-            before = windows[parent - first], recurrents[parent - first]
-        else:
-            before = states.after(idx, parent)
-        window_before, state_before = zeros if before[0] is None else before
-        window = torch.cat([window_before[:, :, 1:], mixed[:, row].unsqueeze(-1)], dim=-1)   # [B, C, kernel]
-        out, state = _one_row(layer, window, weight, state_before, gate[:, row], beta_in[:, row], decay_in[:, row])
-        windows.append(window)
-        recurrents.append(state)
-        outs.append(out)
-    states.add(idx, parents, windows, recurrents)
+    outs = []
+    for states, parents, lo, hi in groups:
+        first = states.lengths[idx]                         # the cache position of the group's first row
+        if parents is None:
+            parents = list(range(first - 1, first + hi - lo - 1))
+        windows, recurrents = [], []
+        for row, parent in zip(range(lo, hi), parents):
+            if parent >= first:                             # a row of this forward
+                before = windows[parent - first], recurrents[parent - first]
+            else:
+                before = states.after(idx, parent)
+            window_before, state_before = zeros if before[0] is None else before
+            window = torch.cat([window_before[:, :, 1:], mixed[:, row].unsqueeze(-1)], dim=-1)   # [B, C, kernel]
+            out, state = _one_row(layer, window, weight, state_before, gate[:, row], beta_in[:, row],
+                                  decay_in[:, row])
+            windows.append(window)
+            recurrents.append(state)
+            outs.append(out)
+        states.add(idx, parents, windows, recurrents)
     return layer.out_proj(torch.stack(outs, dim=1))         # [B, T, d]
 
 

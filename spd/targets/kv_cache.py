@@ -125,6 +125,13 @@ class LayerKVCache:
                 keys.index_copy_(2, slots, keys.index_select(2, sources))
                 values.index_copy_(2, slots, values.index_select(2, sources))
 
+    def linear_groups(self, rows: int, parents: list[int] | None):
+        """A linear-attention layer's rows of a forward and the states they run against: all of them, this cache's
+        (spd.targets.gated_delta)."""
+        from spd.targets.gated_delta import Group
+
+        return [Group(self.linear, parents, 0, rows)]
+
     def holds(self, layer: int, slot: int) -> bool:
         """Whether `memory(layer, slot)` can answer: every written row of an attention layer; a linear layer's last
         `rollback` positions and its pending rows."""

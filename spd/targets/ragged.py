@@ -27,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from spd.targets import invariant_attention
 from spd.targets.gqa_attention import packed_gqa_attention
 from spd.targets.invariant_attention import row_invariant_attention
+from spd.targets.gated_delta import Group, parents_of
 from spd.targets.kv_cache import LayerKVCache
 from spd.targets.stages import StagedTarget
 
@@ -69,6 +70,12 @@ class RaggedCache:
         self.masks: dict[str, list[torch.Tensor | None]] = {
             layer_type: [segment_mask(target, s, first_layer, layer_type) for s in segments]
             for layer_type in set(target.layer_types)}
+
+    def linear_groups(self, rows: int, parents=None) -> list[Group]:
+        """A hybrid's linear-attention layers: each sequence's rows against its own cache's states, a tree's rows
+        each from its parent's (spd.targets.gated_delta)."""
+        return [Group(s.cache.linear, None if s.visible is None else parents_of(s.visible[0], hi - lo), lo, hi)
+                for s, lo, hi in zip(self.segments, self.bounds, self.bounds[1:])]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value [1, H_kv, R, hd] of every row; returns them unchanged (the kernel reads `views`)."""

@@ -179,10 +179,9 @@ class StagedTarget:
             layer_type = self.layer_types[index]
             if layer_type == LINEAR:
                 # a Gated DeltaNet layer: no positions and no mask — a row's past is its parent's state (the row
-                # before it, or its tree parent), kept in the cache's ring (spd.targets.gated_delta)
-                if mask_keys is not None or ragged is not None or getattr(cache, "write_at", None) is not None:
-                    raise ValueError("a linear-attention layer runs one sequence's rows over a growing cache: no "
-                                     "fixed-shape step or ragged batch")
+                # before it, or its tree parent), kept in its sequence's cache (spd.targets.gated_delta)
+                if mask_keys is not None or getattr(cache, "write_at", None) is not None:
+                    raise ValueError("a linear-attention layer runs over a growing cache: no fixed-shape step")
                 if visible is not None and parents is None:
                     parents = gated_delta.parents_of(visible[0], positions.numel())
                 hidden = self.layers[index](hidden, position_embeddings=None, attention_mask=None, cache=cache,
