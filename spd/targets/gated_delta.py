@@ -16,12 +16,10 @@ pass, transformers' own generate) runs transformers' own forward, chunked and fa
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
-from spd.targets.linear_states import LinearStates
+from spd.targets.linear_states import Group
 
 
 PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
@@ -71,15 +69,6 @@ class RowwiseMixin:
             # chunked algorithm is many times faster over long rows); another cache: transformers' own generate
             return super().forward(hidden_states, cache=cache, attention_mask=attention_mask)
         return step_rows(self, hidden_states, cache.linear_groups(hidden_states.shape[1], kwargs.get("parents")))
-
-
-class Group(NamedTuple):
-    """Rows lo..hi-1 of a forward: one sequence's, run against its states (parents: cache positions, or None for a
-    chain)."""
-    states: LinearStates
-    parents: list[int] | None
-    lo: int
-    hi: int
 
 
 def step_rows(layer, hidden: torch.Tensor, groups: list[Group]) -> torch.Tensor:

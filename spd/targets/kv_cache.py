@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from spd.targets.linear_states import ROLLBACK, LinearStates
+from spd.targets.linear_states import ROLLBACK, Group, LinearStates
 
 
 class LayerKVCache:
@@ -128,8 +128,6 @@ class LayerKVCache:
     def linear_groups(self, rows: int, parents: list[int] | None):
         """A linear-attention layer's rows of a forward and the states they run against: all of them, this cache's
         (spd.targets.gated_delta)."""
-        from spd.targets.gated_delta import Group
-
         return [Group(self.linear, parents, 0, rows)]
 
     def holds(self, layer: int, slot: int) -> bool:

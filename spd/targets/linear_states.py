@@ -27,6 +27,15 @@ class Row(NamedTuple):
     state: torch.Tensor         # [B, H, d_k, d_v] the recurrent state after this row
 
 
+class Group(NamedTuple):
+    """Rows lo..hi-1 of a forward: one sequence's, run against its states (parents: cache positions, or None for a
+    chain; spd.targets.gated_delta)."""
+    states: "LinearStates"
+    parents: list[int] | None
+    lo: int
+    hi: int
+
+
 class LinearStates:
     def __init__(self, lengths: list[int], rollback: int = ROLLBACK):
         self.lengths = lengths          # the owning cache's per-layer lengths (shared, updated in place)

@@ -27,8 +27,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from spd.targets import invariant_attention
 from spd.targets.gqa_attention import packed_gqa_attention
 from spd.targets.invariant_attention import row_invariant_attention
-from spd.targets.gated_delta import Group, parents_of
+from spd.targets.gated_delta import parents_of
 from spd.targets.kv_cache import LayerKVCache
+from spd.targets.linear_states import Group
 from spd.targets.stages import StagedTarget
 
 KERNEL = "spd_ragged"
