@@ -28,7 +28,7 @@ from spd.targets.loading import LoadedTarget, load_target
 from spd.retrieval import open_datastore
 from spd.targets.row_costs import cached_row_costs
 from spd.targets.linear_states import ROLLBACK
-from spd.targets.source import is_hybrid, resolve_source, text_config_of
+from spd.targets.source import hybrid_family, resolve_source
 from spd.targets.weight_cache import load_parts, materialize
 from spd.targets.stages import StagedTarget
 
@@ -113,21 +113,20 @@ def check_device(device: str) -> None:
 def check_hybrid(spec: DecodeSpec) -> None:
     """A hybrid target (Qwen3.5: linear-attention layers beside attention) keeps its linear layers' states in the
     growing per-sequence cache; the fixed-shape steps have no place for them. Refused before the model loads."""
-    rt = spec.runtime
-    fixed = runtime_named(rt.name).device_step or runtime_named(rt.name).cuda or rt.cuda_graphs
-    if not is_hybrid(resolve_source(spec.target)):
+    family = hybrid_family(resolve_source(spec.target))
+    if family is None:
         return
-    model_type = text_config_of(resolve_source(spec.target)).get("model_type", "qwen3_5_text")
-    if model_type not in ("qwen3_5", "qwen3_5_text"):
-        raise UserError(f"target {spec.target!r} is a {model_type} hybrid; the suite runs Qwen3.5's linear-attention "
+    if family not in ("qwen3_5", "qwen3_5_text"):
+        raise UserError(f"target {spec.target!r} is a {family} hybrid; the suite runs Qwen3.5's linear-attention "
                         "layers (Gated DeltaNet), not this family's")
     deepest = max(spec.stages.n or 0, spec.draft_length or 0)
     if deepest > ROLLBACK:
         raise UserError(f"n / draft_length {deepest}: a hybrid target's linear-attention layers keep their states for "
                         f"the last {ROLLBACK} positions, so a step can roll back at most that far; use {ROLLBACK} "
                         "or fewer")
-    if fixed:
-        what = "cuda_graphs=true" if rt.cuda_graphs and not runtime_named(rt.name).device_step else f"runtime={rt.name}"
+    rt, named = spec.runtime, runtime_named(spec.runtime.name)
+    if named.device_step or named.cuda or rt.cuda_graphs:
+        what = "cuda_graphs=true" if rt.cuda_graphs and not named.device_step else f"runtime={rt.name}"
         raise UserError(f"{what} runs fixed-shape steps, which keep no linear-attention states, and target "
                         f"{spec.target!r} is a hybrid (Gated DeltaNet layers); use runtime=local or "
                         "runtime=distributed without cuda_graphs")

@@ -64,6 +64,7 @@ class RaggedCache:
         for segment in segments:
             self.bounds.append(self.bounds[-1] + len(segment.positions))
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._linear_groups: list[Group] | None = None
         # each segment attends with the target's own kernel (spd.targets.invariant_attention where row-invariant)
         self.attend = row_invariant_attention if target.row_invariant else \
             packed_gqa_attention if target.packed_gqa else sdpa_attention_forward
@@ -74,9 +75,12 @@ class RaggedCache:
 
     def linear_groups(self, rows: int, parents=None) -> list[Group]:
         """A hybrid's linear-attention layers: each sequence's rows against its own cache's states, a tree's rows
-        each from its parent's (spd.targets.gated_delta)."""
-        return [Group(s.cache.linear, None if s.visible is None else parents_of(s.visible[0], hi - lo), lo, hi)
+        each from its parent's (spd.targets.gated_delta). The same for every layer of the forward: made once."""
+        if self._linear_groups is None:
+            self._linear_groups = [
+                Group(s.cache.linear, None if s.visible is None else parents_of(s.visible[0], hi - lo), lo, hi)
                 for s, lo, hi in zip(self.segments, self.bounds, self.bounds[1:])]
+        return self._linear_groups
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value [1, H_kv, R, hd] of every row; returns them unchanged (the kernel reads `views`)."""

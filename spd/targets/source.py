@@ -59,19 +59,16 @@ def resolve_source(spec: str) -> Source:
     return Source(os.path.basename(os.path.normpath(spec)), directory, None, files)
 
 
-def text_config_of(source: Source) -> dict:
-    """The language model's config.json fields (a multimodal checkpoint's `text_config`), read without torch; {}
-    for a GGUF file or a tiny target."""
+def hybrid_family(source: Source) -> str | None:
+    """The model type of a target that mixes linear-attention layers (Qwen3.5's Gated DeltaNet) with attention, read
+    from its config.json without torch; None for any other target (a GGUF file, an attention-only model)."""
+    if source.name.startswith("tiny-"):
+        return "qwen3_5_text" if source.name == "tiny-qwen3_5" else None
     if source.gguf_file or not source.directory:
-        return {}
+        return None
     with open(os.path.join(source.directory, "config.json")) as f:
         config = json.load(f)
-    return config.get("text_config") or config
-
-
-def is_hybrid(source: Source) -> bool:
-    """Whether the target mixes linear-attention layers (Qwen3.5's Gated DeltaNet) with attention: what the runtimes
-    that cannot keep those layers' states refuse before a model loads."""
-    if source.name.startswith("tiny-"):
-        return source.name == "tiny-qwen3_5"
-    return "linear_attention" in (text_config_of(source).get("layer_types") or ())
+    text = config.get("text_config") or config          # a multimodal checkpoint's language model
+    if "linear_attention" not in (text.get("layer_types") or ()):
+        return None
+    return text.get("model_type") or config.get("model_type") or "unknown"
