@@ -94,13 +94,18 @@ class LinearStates:
     def keep(self, layer: int, start: int, slots: list[int]) -> None:
         """Keep, after the first `start` positions, only the rows at `slots` (ascending), moved down to start,
         start + 1, ...: a draft tree's accepted path or kept subtree."""
+        if slots == list(range(start, start + len(slots))):      # nothing moves: the rows keep their parents
+            self.set_length(layer, min(self.lengths[layer], start + len(slots)))
+            return
         moved = {old: start + i for i, old in enumerate(slots)}
         rows = []
         for old in slots:
             window, state = self.after(layer, old)
-            parent = self.pending[layer][old - self.base[layer]].parent if old >= self.base[layer] else old - 1
-            # a row read from the ring is copied: the ring slot it sits in may be rewritten below
-            rows.append(Row(moved.get(parent, parent), window.clone(), state.clone()))
+            if old >= self.base[layer]:
+                parent = self.pending[layer][old - self.base[layer]].parent
+            else:       # read from the ring: copied, as the slot it sits in may be rewritten below
+                parent, window, state = old - 1, window.clone(), state.clone()
+            rows.append(Row(moved.get(parent, parent), window, state))
         self.set_length(layer, start)
         if rows:
             self.pending[layer].extend(rows)
