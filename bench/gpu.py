@@ -308,10 +308,10 @@ def hybrid_rows(prompts, max_new, device, dtype: torch.dtype, deadline: float | 
                 only: frozenset[str] | None = None, rows: dict | None = None, saved=lambda: None, n: int = 4,
                 shape: dict | None = None) -> dict:
     """A hybrid target (Qwen3.5 at the 4B's shape, bench.hybrid_state.SHAPE_4B, random weights built in memory:
-    no hub here) on the runtime a hybrid decodes on (eager, the local stages: fixed-shape steps keep no
-    linear-attention states): AR, and SPD with n stages at a fixed trace — the oracle drafts AR's own tokens while
-    a random module's compute runs, so K = N + n - 2 and the row times the pipeline full. shape: config fields that
-    replace the 4B's (a CPU rehearsal's small hybrid)."""
+    no hub here): AR eager and through the device step (its linear-attention states indexed by position, one CUDA
+    graph), and SPD with n stages at a fixed trace — the oracle drafts AR's own tokens while a random module's
+    compute runs, so K = N + n - 2 and the row times the pipeline full. shape: config fields that replace the 4B's
+    (a CPU rehearsal's small hybrid)."""
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
     from bench.hybrid_state import SHAPE_4B
@@ -339,9 +339,12 @@ def hybrid_rows(prompts, max_new, device, dtype: torch.dtype, deadline: float | 
         out = PipelineDecoder(staged, drafter, frozenset()).generate(ids, request)
         stats.append(out.stats)
         return out.token_ids
+    device_ar = DeviceChainDecoder(whole, frozenset(), cuda_graphs=True)
     specs = [RowSpec("hybrid_ar_eager", "eager", run_ar, reference=None),
+             RowSpec("hybrid_ar_device_graphs", "graphs", lambda ids: device_ar.generate(ids, request).token_ids,
+                     reference="hybrid_ar_eager"),
              RowSpec("hybrid_spd_eager", "eager", run_spd, stats=stats, n=n, reference="hybrid_ar_eager")]
-    if only is not None and "hybrid_spd_eager" in only:
+    if only is not None and only & {"hybrid_spd_eager", "hybrid_ar_device_graphs"}:
         only = only | {"hybrid_ar_eager"}
     rows = {} if rows is None else rows
     run_rows(specs, prompts, max_new, device, rows, saved, deadline, only,

@@ -13,6 +13,7 @@ import torch
 from spd.metrics import ChainStats, DecodeStats
 from spd.sampling import KeyedDraws, SamplingParams
 from spd.targets.kv_cache import LayerKVCache
+from spd.targets.linear_states import ROLLBACK
 from spd.targets.stages import StagedTarget
 
 
@@ -71,14 +72,16 @@ class Decoder(ABC):
 
 
 def prefill(target: StagedTarget, prompt_ids: list[int], capture=frozenset(), max_length: int | None = None,
-            cache: LayerKVCache | None = None):
+            cache: LayerKVCache | None = None, rollback: int = ROLLBACK):
     """All layers over the prompt in one batched pass into a fresh cache (static when max_length is given), or into
     `cache` emptied, when that static cache is long enough (its buffers, and graphs captured on them, stay valid).
+    rollback: positions a hybrid's linear-attention layers keep (a step's rows, at least).
     Returns (cache, H^L [1, P, d], {l: H^l [1, P, d]})."""
-    if cache is not None and cache.static and max_length is not None and cache.max_length >= max_length:
+    if cache is not None and cache.static and max_length is not None and cache.max_length >= max_length \
+            and cache.linear.slots > rollback:
         cache.crop(0)
     else:
-        cache = target.new_cache(max_length)
+        cache = target.new_cache(max_length, rollback)
     ids = torch.tensor([prompt_ids], device=target.device)
     hidden, captured = target.forward_all(ids, cache, 0, capture)
     return cache, hidden, captured

@@ -111,8 +111,9 @@ def check_device(device: str) -> None:
 
 
 def check_hybrid(spec: DecodeSpec) -> None:
-    """A hybrid target (Qwen3.5: linear-attention layers beside attention) keeps its linear layers' states in the
-    growing per-sequence cache; the fixed-shape steps have no place for them. Refused before the model loads."""
+    """A hybrid target (Qwen3.5: linear-attention layers beside attention) keeps its linear layers' states for a
+    bounded number of positions (spd.targets.linear_states): another hybrid family, or a step deeper than that, is
+    refused before the model loads."""
     family = hybrid_family(resolve_source(spec.target))
     if family is None:
         return
@@ -124,12 +125,6 @@ def check_hybrid(spec: DecodeSpec) -> None:
         raise UserError(f"n / draft_length {deepest}: a hybrid target's linear-attention layers keep their states for "
                         f"the last {ROLLBACK} positions, so a step can roll back at most that far; use {ROLLBACK} "
                         "or fewer")
-    rt, named = spec.runtime, runtime_named(spec.runtime.name)
-    if named.device_step or named.cuda or rt.cuda_graphs:
-        what = "cuda_graphs=true" if rt.cuda_graphs and not named.device_step else f"runtime={rt.name}"
-        raise UserError(f"{what} runs fixed-shape steps, which keep no linear-attention states, and target "
-                        f"{spec.target!r} is a hybrid (Gated DeltaNet layers); use runtime=local or "
-                        "runtime=distributed without cuda_graphs")
 
 
 def open_session(cfg) -> Session:

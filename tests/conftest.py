@@ -16,16 +16,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
-from spd.targets.tiny import FAMILIES, HYBRIDS, tiny_model  # noqa: E402
+from spd.targets.tiny import FAMILIES, tiny_model  # noqa: E402
 
 
 def pytest_generate_tests(metafunc):
-    """family_model runs every tiny family, the hybrid too, except in tests marked attention_only: the fixed-shape
-    steps refuse a hybrid before any model loads (tests/test_qwen3_5.py checks the refusal)."""
+    """family_model runs every tiny family, the hybrid (Qwen3.5) among them."""
     if "family_model" in metafunc.fixturenames:
-        attention_only = metafunc.definition.get_closest_marker("attention_only") is not None
-        families = [f for f in FAMILIES if not (attention_only and f in HYBRIDS)]
-        metafunc.parametrize("family_model", families, indirect=True, scope="session")
+        metafunc.parametrize("family_model", FAMILIES, indirect=True, scope="session")
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from spd.targets.tiny import tiny_model
 from test_device_step import SAMPLED, HostReads, answer_counts
 from test_lossless_sampling import ALPHA, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
 
-pytestmark = pytest.mark.attention_only   # the device step runs fixed shapes: a hybrid is refused it
+
 
 
 @pytest.mark.parametrize("method,n", [("spd", 1), ("spd", 3), ("ppsd", 2), ("spd_output_state", 2)])
@@ -97,8 +97,10 @@ def test_the_pipeline_samples_the_target_distribution(small_vocab_model, monkeyp
 
 @pytest.mark.parametrize("lookup", [None, (2, 8)], ids=["module", "lookup+module"])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_the_step_compiles_whole_and_reads_nothing_back(params, lookup):
-    target = tiny_model("llama", num_layers=4)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_the_step_compiles_whole_and_reads_nothing_back(params, lookup, family):
+    """A hybrid's stages too: each stage's linear-attention row reads the states after the position before it."""
+    target = tiny_model(family, num_layers=4)
     p = prompt(5, vocab=target.config.vocab_size) * 2
     eager, staged, module = spd_run(target, 3, p, 1)
     request = Request(24, params, 1)

@@ -20,7 +20,7 @@ from test_device_step import SAMPLED, HostReads, keep_argmax_drafts
 from test_lossless_sampling import ALPHA, PARAMS, SHORT, chi2_pvalue, exact_distribution, sample_chain
 from test_selfdraft import junk_corpus
 
-pytestmark = pytest.mark.attention_only   # the device step runs fixed shapes: a hybrid is refused it
+
 
 
 def drafter(vocab: int, corpus: bool = False, **options) -> SelfDraftDrafter:
@@ -99,8 +99,10 @@ def test_the_device_selfdraft_samples_the_target_distribution(monkeypatch):
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_the_step_compiles_whole_and_reads_nothing_back(params):
-    target = tiny_model("llama", num_layers=2)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_the_step_compiles_whole_and_reads_nothing_back(params, family):
+    """A hybrid's branch rows follow their branch's rows through the linear-attention layers."""
+    target = tiny_model(family, num_layers={"llama": 2, "qwen3_5": 4}[family])
     vocab = target.config.vocab_size
     p = prompt(5, vocab=vocab)
     request = Request(24, params, 1)

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import GREEDY, ar_run, prompt
-from spd.decoding import Request
+from spd.decoding import Request, prefill
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.suffix import SuffixDrafter
 from spd.runtime.device_chain import DeviceChainDecoder
@@ -18,9 +18,10 @@ from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
 from test_lossless_sampling import ALPHA, LENGTH, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
 
-pytestmark = pytest.mark.attention_only   # the device step runs fixed shapes: a hybrid is refused it
+
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
+LAYERS = {"llama": 2, "qwen3_5": 4}     # the hybrid's: three linear-attention layers, then attention
 
 
 def decoder(target, k, compile=None, drafter=LookupDrafter):
@@ -130,10 +131,13 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_a_step_reads_nothing_back(params):
-    staged = StagedTarget(tiny_model("llama", num_layers=2), 1)
-    state = StepState(staged, staged.new_cache(64), 5, params)
+def test_a_step_reads_nothing_back(params, family):
+    """A hybrid's linear-attention rows too: their states are read and written by position tensors."""
+    staged = StagedTarget(tiny_model(family, num_layers=LAYERS[family]), 1)
+    cache, _, _ = prefill(staged, prompt(10, vocab=staged.config.vocab_size), max_length=64)
+    state = StepState(staged, cache, 5, params)
     step = DeviceStep(staged, state, 5)
     state.tokens.copy_(torch.tensor([5, 9, 3, 5, 9]))
     state.drafts.fill_(4)
@@ -145,9 +149,10 @@ def test_a_step_reads_nothing_back(params):
     assert 1 <= int(out[0]) <= 5
 
 
-def test_a_decode_reads_one_buffer_a_cycle(monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_decode_reads_one_buffer_a_cycle(monkeypatch, family):
     """Greedy, the lookup's chain: after the prefill, no value is read back but the one buffer a cycle."""
-    target = tiny_model("llama", num_layers=2)
+    target = tiny_model(family, num_layers=LAYERS[family])
     device = decoder(target, 4)
     buffers = []
     real_zeros = torch.zeros
@@ -168,11 +173,12 @@ def test_a_decode_reads_one_buffer_a_cycle(monkeypatch):
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("k", [0, 4])
-def test_the_step_compiles_whole(params, k):
+@pytest.mark.parametrize("k, family", [(0, "llama"), (4, "llama"), (4, "qwen3_5")])
+def test_the_step_compiles_whole(params, k, family):
     """torch.compile(fullgraph=True) traces the whole step: a graph break (a host read, a data-dependent shape)
-    would raise. aot_eager traces without generating code, which the inductor test below does once."""
-    target = tiny_model("llama", num_layers=2)
+    would raise. aot_eager traces without generating code, which the inductor test below does once. The hybrid's
+    linear-attention rows compile too."""
+    target = tiny_model(family, num_layers=LAYERS[family])
     p = prompt(5, vocab=target.config.vocab_size)
     request = Request(24, params, 1)
     assert decoder(target, k, compile="aot_eager").generate(p, request).token_ids == \

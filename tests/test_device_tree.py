@@ -21,7 +21,7 @@ from spd.targets.tiny import tiny_model
 from test_device_step import SAMPLED, HostReads, answer_counts, keep_argmax_drafts
 from test_lossless_sampling import ALPHA, PARAMS, SHORT, chi2_pvalue, exact_distribution
 
-pytestmark = pytest.mark.attention_only   # the device step runs fixed shapes: a hybrid is refused it
+
 
 
 def tree_decoder(target, drafter=SuffixDrafter, width=4, budget=12, compile=None):
@@ -197,10 +197,12 @@ def test_the_eagle3_tree_samples_the_target_distribution(small_vocab_model, monk
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("kind", ["tree", "eagle3", "eagle3_tree"])
-def test_the_step_compiles_whole_and_reads_nothing_back(params, kind):
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_the_step_compiles_whole_and_reads_nothing_back(params, kind, family):
     """torch.compile(fullgraph=True) traces the tree's and EAGLE-3's whole step (a graph break would raise), and an
-    eager step reads no value back (the decoder's one read a cycle happens after it)."""
-    target = tiny_model("llama", num_layers=2)
+    eager step reads no value back (the decoder's one read a cycle happens after it); on the hybrid, each tree
+    row's linear-attention states follow its parent's by position tensors."""
+    target = tiny_model(family, num_layers={"llama": 2, "qwen3_5": 4}[family])
     p = prompt(5, vocab=target.config.vocab_size)
     request = Request(24, params, 1)
     make = {"tree": lambda c: tree_decoder(target, lookup, 2, 6, c),

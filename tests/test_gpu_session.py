@@ -54,6 +54,7 @@ def test_dry_run_goes_through_every_step(dry_run):
     assert steps["speed"]["runs"]["float32"]["stage_overlap"]["together_s"] > 0
     hybrid = speed["hybrid_spd_eager"]           # a random Qwen3.5: the oracle keeps the pipeline full
     assert speed["hybrid_ar_eager"]["tokens_per_s"] > 0 and hybrid["verdict"] == "equal" and hybrid["eal"] > 1
+    assert speed["hybrid_ar_device_graphs"]["verdict"] == "equal"      # its states by position, on the device step
     train = steps["train_n5"]
     assert train["stopped_by_box"] and train["rc"] == 130 and train["steps_done"] >= 2     # SIGINT saved it
     assert train["probe"]["tokens_per_s"] > 0 and train["planned_steps"] >= 2

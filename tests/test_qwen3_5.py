@@ -1,8 +1,9 @@
 """Hybrid targets (Qwen3.5: Gated DeltaNet layers beside gated attention): one arithmetic at every row count, states
-after a rollback equal to a fresh prefill's, both directory layouts through the CLI decoding = AR, the runtimes that
-keep no linear-attention states refusing a hybrid in one line, and training and evaluation on a hybrid teacher.
+after a rollback equal to a fresh prefill's (the device step's too), both directory layouts through the CLI decoding =
+AR, the fixed-shape runtimes = AR, what a hybrid cannot run refused in one line, and training and evaluation on a
+hybrid teacher.
 
-Every method × the local runtime (trees included) runs on the hybrid through the `family_model` tests
+Every method × runtime (trees and the device step included) runs on the hybrid through the `family_model` tests
 (tests/conftest.py); this file holds what only a hybrid has."""
 
 import json
@@ -12,9 +13,12 @@ import pytest
 import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-from helpers import ar_run, prompt
+from helpers import GREEDY, ar_run, prompt
 from launch import run_python
 from spd.cli import main
+from spd.decoding import Request
+from spd.drafters.suffix import SuffixDrafter
+from spd.runtime.device_chain import DeviceChainDecoder
 from spd.targets.kv_cache import LayerKVCache
 from spd.targets.stages import LINEAR, StagedTarget
 from spd.targets.tiny import tiny_model, tiny_target
@@ -114,6 +118,38 @@ def test_tree_rows_see_their_own_paths(hybrid):
         torch.testing.assert_close(hidden[0, node], chain[0, -1], atol=1e-5, rtol=1e-5)
 
 
+def test_the_device_tree_leaves_the_states_of_a_fresh_prefill(hybrid, monkeypatch):
+    """The device step (fixed shapes, states read and written by position tensors, an accepted path off the first
+    branch moved down): after every cycle, each linear layer's states after the last verified position equal a
+    fresh prefill's of the verified tokens, and the output is AR's."""
+    model = hybrid.model
+    staged = StagedTarget(model, 1)
+    device = DeviceChainDecoder(staged, frozenset(), SuffixDrafter(), 6, width=4, budget=12)
+    read, checked = DeviceChainDecoder.read, []
+
+    def checked_read(self, state, host):
+        values = read(self, state, host)
+        fed = int(state.position)
+        fresh = staged.new_cache()
+        staged.forward_all(torch.tensor([reference[:fed]]), fresh)
+        linear = state.cache.linear
+        ring = linear.ring_index(torch.tensor([fed - 1]))
+        for layer in linear_layers(staged):
+            for kept, want in zip(linear.rows(layer), fresh.memory(layer)):
+                torch.testing.assert_close(kept[ring][0], want, atol=1e-5, rtol=1e-5)
+        checked.append(fed)
+        return values
+    monkeypatch.setattr(DeviceChainDecoder, "read", checked_read)
+    rejected = 0
+    for seed in (70, 71):
+        p = prompt(seed, 8) * 3                   # repeats: the suffix drafter's trees find continuations
+        reference = p + ar_run(model, p, 40).token_ids
+        out = device.generate(p, Request(24, GREEDY))
+        assert p + out.token_ids == reference[: len(p) + 24]
+        rejected += out.stats.drafted - out.stats.accepted
+    assert rejected > 0 and len(checked) >= 6
+
+
 def save_multimodal(path, model, tokenizer):
     """The released Qwen3.5 layout: Qwen3_5ForConditionalGeneration, the language model under
     model.language_model, a vision tower beside it."""
@@ -155,6 +191,16 @@ def test_both_directory_layouts_decode_like_ar(capsys, hybrid_dirs, layout):
         assert tokens == ar, method
 
 
+@pytest.mark.parametrize("args", [["method=spd", "n=3", "runtime=device"],
+                                  ["method=eagle3", "runtime=device", "W=2"]], ids=["spd", "eagle3-tree"])
+def test_the_fixed_shape_runtimes_decode_like_ar(capsys, hybrid_dirs, args):
+    """The device step keeps the linear layers' states by position (compiled whole: tests/test_device_*.py; the
+    fixed-shape stage executors that CUDA graphs and streams capture: tests/test_static_cache.py)."""
+    ar, _ = generate(capsys, f"target={hybrid_dirs[0]}", "method=ar")
+    tokens, _ = generate(capsys, f"target={hybrid_dirs[0]}", *args)
+    assert tokens == ar
+
+
 def test_stage_processes_decode_like_ar(capsys, hybrid_dirs):
     ar, _ = generate(capsys, f"target={hybrid_dirs[0]}", "method=ar")
     tokens, _ = generate(capsys, f"target={hybrid_dirs[0]}", "method=spd", "n=3", "runtime=distributed")
@@ -162,7 +208,6 @@ def test_stage_processes_decode_like_ar(capsys, hybrid_dirs):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["runtime=device"], "runtime=device runs fixed-shape steps"),
     (["method=lookup", "draft_length=40"], "keep their states for the last 32"),
 ])
 def test_what_a_hybrid_cannot_run_is_refused_in_one_line(capsys, args, needle):

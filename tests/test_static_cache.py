@@ -66,7 +66,6 @@ def test_prefill_refills_a_long_enough_static_cache_in_place(family_model):
     assert longer is not cache                      # too short: new buffers (and new graphs)
 
 
-@pytest.mark.attention_only
 def test_fixed_step_matches_the_sliced_step(family_model):
     """The whole-buffer step under a position mask computes what the sliced step does (to rounding)."""
     _, model = family_model
@@ -91,7 +90,6 @@ def test_fixed_step_matches_the_sliced_step(family_model):
         assert fixed.lengths[0] == sliced.lengths[0] == pos + 1
 
 
-@pytest.mark.attention_only
 @pytest.mark.parametrize("executor", [GraphStages, StreamStages])
 @pytest.mark.parametrize("n", [1, 3])
 def test_fixed_shape_executors_decode_like_ar(family_model, executor, n):

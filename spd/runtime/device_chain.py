@@ -13,6 +13,7 @@ from spd.drafters.base import ChainDrafter
 from spd.metrics import ChainStats
 from spd.runtime.device_step import BUCKET, ROWS, DeviceStep, StepState, gumbel
 from spd.sampling import SamplingParams
+from spd.targets.linear_states import ROLLBACK
 from spd.targets.stages import StagedTarget
 
 
@@ -63,7 +64,9 @@ class DeviceChainDecoder(Decoder):
         ahead = self.budget + 1 + (self.side.rows if self.side is not None else 0)
         length = -(-context_length(len(prompt_ids), request.max_new_tokens, ahead) // BUCKET) * BUCKET
         capture = frozenset(self.device_drafter.layers_needed()) if self.device_drafter else frozenset()
-        cache, hidden, captured = prefill(target, prompt_ids, capture, length, self.state and self.state.cache)
+        # a hybrid's linear layers keep the states of every row a step writes (spd.targets.linear_states)
+        cache, hidden, captured = prefill(target, prompt_ids, capture, length, self.state and self.state.cache,
+                                          max(ROLLBACK, ahead))
         logits = target.logits(hidden[0, -1])                                          # [V]
         draws = None if params.greedy else request.draws(generator, logits.shape[-1])
         state = self.state_for(cache, params)

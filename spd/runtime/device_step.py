@@ -178,6 +178,17 @@ class DeviceStep(Graphed):
         self.run_rows = self.rows if self.side is None else \
             torch.cat([self.rows, state.tree_rows + torch.arange(self.side.rows, device=device)])   # [r + S]
         self.span = torch.arange(len(self.run_rows), device=device)                    # [n] the cache slots'
+        # a side row's parent, where a linear-attention layer reads its states: the nearest earlier side row it
+        # sees, else the root (in the forward's row order; spd.targets.gated_delta's rule for trees)
+        self.side_parents = None
+        if self.side is not None:
+            seen = self.side.visible().cpu()
+            self.side_parents = torch.tensor([max((rows + j for j in range(k) if seen[k, j]), default=0)
+                                              for k in range(self.side.rows)], device=device)   # [S]
+        slots = state.cache.linear.slots
+        if target.hybrid and len(self.run_rows) >= slots:
+            raise ValueError(f"a step of {len(self.run_rows)} rows, but the cache's linear-attention layers keep "
+                             f"{slots - 1} positions; allocate it with a larger rollback")
         self.choose_runner(cuda_graph and target.device.type == "cuda", compile)
 
     def mutable(self) -> list[torch.Tensor]:
@@ -210,6 +221,11 @@ class DeviceStep(Graphed):
         target, state, n = self.target, self.state, len(tokens)
         state.cache.write_at = state.position + self.span                              # [n] slots, node order
         h0 = target.embed(tokens.view(1, -1))                                          # [1, n, d]
+        if self.tree and target.hybrid:      # a linear-attention row follows its tree parent (the root: the position
+            parents = state.parent[: len(self.rows)]                                   # before it)
+            if self.side_parents is not None:
+                parents = torch.cat([parents, self.side_parents])                      # [n]
+            state.cache.parent_at = torch.where(self.span == 0, state.position - 1, state.position + parents)
         try:
             if not self.tree:
                 positions = state.position + self.rows                                 # [n]
@@ -225,7 +241,7 @@ class DeviceStep(Graphed):
                 hidden, captured = target.run_layers(h0, positions, 0, target.num_layers, state.cache,
                                                      self.capture, visible=(visible, keys))
         finally:
-            state.cache.write_at = None
+            state.cache.write_at = state.cache.parent_at = None
         if 0 in self.capture:
             captured[0] = h0
         return hidden, captured

@@ -76,6 +76,5 @@ class FixedStep:
             captured = {layer: h.clone() for layer, h in captured.items()}
         else:
             hidden, captured, logits = self._run()
-        for layer in range(self.start, self.end):   # what an eager step after this one appends after
-            self.cache.lengths[layer] = position + 1
+        self.cache.written(range(self.start, self.end), position + 1)   # what an eager step appends after
         return hidden, captured, logits

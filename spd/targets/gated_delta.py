@@ -68,17 +68,23 @@ class RowwiseMixin:
             # no cache: a training batch (teacher features need no bitwise match with a decode, and transformers'
             # chunked algorithm is many times faster over long rows); another cache: transformers' own generate
             return super().forward(hidden_states, cache=cache, attention_mask=attention_mask)
+        if getattr(cache, "write_at", None) is not None:      # a fixed-shape step: positions as tensors
+            parents = cache.parent_at if cache.parent_at is not None else cache.write_at - 1
+            return step_fixed(self, hidden_states, cache.linear, cache.write_at, parents)
         return step_rows(self, hidden_states, cache.linear_groups(hidden_states.shape[1], kwargs.get("parents")))
+
+
+def _project(layer, hidden: torch.Tensor):
+    """The projections over every row at once: the convolution's inputs [B, T, C], the output gate [B, T, value_dim],
+    the write strength's and the decay's inputs [B, T, H_v] each."""
+    return layer.in_proj_qkv(hidden), layer.in_proj_z(hidden), layer.in_proj_b(hidden), layer.in_proj_a(hidden)
 
 
 def step_rows(layer, hidden: torch.Tensor, groups: list[Group]) -> torch.Tensor:
     """hidden [B, T, d] -> [B, T, d]: the projections over every row at once, then each group's rows one at a time
     from its own states."""
     batch = hidden.shape[0]
-    mixed = layer.in_proj_qkv(hidden)                       # [B, T, C]: the convolution's inputs
-    gate = layer.in_proj_z(hidden)                          # [B, T, value_dim]
-    beta_in = layer.in_proj_b(hidden)                       # [B, T, H_v]
-    decay_in = layer.in_proj_a(hidden)                      # [B, T, H_v]
+    mixed, gate, beta_in, decay_in = _project(layer, hidden)
     weight = layer.conv1d.weight.squeeze(1)                 # [C, kernel]
     idx = layer.layer_idx
     zeros = (mixed.new_zeros(batch, mixed.shape[-1], layer.conv_kernel_size),
@@ -102,6 +108,26 @@ def step_rows(layer, hidden: torch.Tensor, groups: list[Group]) -> torch.Tensor:
             recurrents.append(state)
             outs.append(out)
         states.add(idx, parents, windows, recurrents)
+    return layer.out_proj(torch.stack(outs, dim=1))         # [B, T, d]
+
+
+def step_fixed(layer, hidden: torch.Tensor, states, write_at: torch.Tensor, parent_at: torch.Tensor) -> torch.Tensor:
+    """hidden [B, T, d] -> [B, T, d] with fixed shapes and no value read back: row i starts from the states after
+    position parent_at[i] and leaves its own after write_at[i], both in the ring (spd.targets.linear_states), one row
+    after another so that a row can follow one of this forward's. The same arithmetic as step_rows, row for row."""
+    mixed, gate, beta_in, decay_in = _project(layer, hidden)
+    weight = layer.conv1d.weight.squeeze(1)                 # [C, kernel]
+    conv, recurrent = states.rows(layer.layer_idx)          # [slots + 2, B, C, kernel], [slots + 2, B, H_v, d_k, d_v]
+    write, read = states.ring_index(write_at), states.ring_index(parent_at)     # [T], [T]
+    outs = []
+    for row in range(hidden.shape[1]):
+        window_before = conv.index_select(0, read[row: row + 1])[0]                           # [B, C, kernel]
+        state_before = recurrent.index_select(0, read[row: row + 1])[0]                       # [B, H_v, d_k, d_v]
+        window = torch.cat([window_before[:, :, 1:], mixed[:, row].unsqueeze(-1)], dim=-1)
+        out, state = _one_row(layer, window, weight, state_before, gate[:, row], beta_in[:, row], decay_in[:, row])
+        conv.index_copy_(0, write[row: row + 1], window.unsqueeze(0))
+        recurrent.index_copy_(0, write[row: row + 1], state.unsqueeze(0))
+        outs.append(out)
     return layer.out_proj(torch.stack(outs, dim=1))         # [B, T, d]
 
 

@@ -12,7 +12,9 @@ those positions and every read returns the whole buffer, whose rows past a query
 A hybrid target's linear-attention layers (Qwen3.5's Gated DeltaNet) carry a conv state and a recurrent state that
 have absorbed every token they saw, so they cannot be truncated: the cache keeps each such layer's states *as of*
 the last `rollback` positions in a preallocated ring (`spd.targets.linear_states`), and a rollback reads the state
-of the position it returns to; `spd.targets.gated_delta` runs those layers' rows against the ring.
+of the position it returns to; `spd.targets.gated_delta` runs those layers' rows against the ring. A fixed-shape
+step's linear rows read their parents' states (`parent_at`, or the position before) and write their own at
+`write_at`, in the ring.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ class LayerKVCache:
         self._values: list[torch.Tensor | None] = [None] * num_layers
         self.lengths = [0] * num_layers
         self.write_at: torch.Tensor | None = None   # [T] positions of a fixed-shape step's rows
-        self.linear = LinearStates(self.lengths, rollback)   # a hybrid's linear layers (none for attention-only)
+        # [T] the positions of those rows' parents where they are a tree (default: the position before each)
+        self.parent_at: torch.Tensor | None = None
+        self.linear = LinearStates(self.lengths, rollback, max_length)   # a hybrid's linear layers (none for
+                                                                         # attention-only)
 
     @property
     def static(self) -> bool:
@@ -84,6 +89,14 @@ class LayerKVCache:
         for layer, cur in enumerate(self.lengths):
             self._set_length(layer, min(cur, length))
 
+    def written(self, layers: range, length: int) -> None:
+        """A fixed-shape step wrote `layers` up to `length`: what an eager step after it appends after."""
+        for layer in layers:
+            if self.linear.conv[layer] is not None:
+                self.linear.written(layer, length)
+            else:
+                self.lengths[layer] = length
+
     def _set_length(self, layer: int, length: int) -> None:
         if self.linear.conv[layer] is not None:
             self.linear.set_length(layer, length)     # a linear layer returns only to a position it kept
@@ -119,7 +132,7 @@ class LayerKVCache:
     def move(self, slots: torch.Tensor, sources: torch.Tensor) -> None:
         """Every layer's rows at `sources` [r] copied to `slots` [r] (device tensors: no value read back), read
         before any is written: a device step's accepted tree path moved down to contiguous slots."""
-        self.linear.refuse("move a device step's tree rows")
+        self.linear.move(slots, sources)
         for keys, values in zip(self._keys, self._values):
             if keys is not None:
                 keys.index_copy_(2, slots, keys.index_select(2, sources))

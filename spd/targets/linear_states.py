@@ -10,6 +10,12 @@ The rows themselves run through `spd.targets.gated_delta`, one at a time, from t
 go straight into the ring. A draft tree's rows (and a pipeline's trees in flight, whose nodes hang off nodes an
 earlier forward wrote) wait as pending rows, each with its parent's position, until `keep` names the path or
 subtree that stays: its rows move down like attention rows, and those that form a chain from the ring's end join it.
+
+A fixed-shape step (a CUDA graph's unit, spd.targets.fixed_step, spd.runtime.device_step) reads and writes the ring
+by position tensors instead (`ring_index`): a row reads its parent's slot and writes its own, so a rollback is the
+position alone, as it is for attention rows. Two rows past the ring serve it: a scratch row that writes at the
+cache's last position land in (an idle pipeline stage's, whose state no row ever follows), and a row of zeros, the
+state before a sequence's first token.
 """
 
 from __future__ import annotations
@@ -37,12 +43,15 @@ class Group(NamedTuple):
 
 
 class LinearStates:
-    def __init__(self, lengths: list[int], rollback: int = ROLLBACK):
+    def __init__(self, lengths: list[int], rollback: int = ROLLBACK, max_length: int | None = None):
         self.lengths = lengths          # the owning cache's per-layer lengths (shared, updated in place)
         self.slots = rollback + 1
+        self.max_length = max_length    # a static cache's positions (fixed-shape steps need one)
         num_layers = len(lengths)
-        self.conv: list[torch.Tensor | None] = [None] * num_layers        # each [slots, B, C, kernel]
-        self.recurrent: list[torch.Tensor | None] = [None] * num_layers   # each [slots, B, H, d_k, d_v] float32
+        # each [slots + 2, B, C, kernel] and [slots + 2, B, H, d_k, d_v] float32: the ring, then the scratch and
+        # the zero rows a fixed-shape step indexes
+        self.conv: list[torch.Tensor | None] = [None] * num_layers
+        self.recurrent: list[torch.Tensor | None] = [None] * num_layers
         self.base = [0] * num_layers    # positions settled into the ring; the rows past it are pending
         self.pending: list[list[Row]] = [[] for _ in range(num_layers)]
 
@@ -70,8 +79,8 @@ class LinearStates:
     def add(self, layer: int, parents: list[int], windows: list[torch.Tensor], states: list[torch.Tensor]) -> None:
         """A forward's rows, appended at the layer's length, each after the row at its parent's position."""
         if self.conv[layer] is None:
-            self.conv[layer] = windows[0].new_zeros(self.slots, *windows[0].shape)
-            self.recurrent[layer] = states[0].new_zeros(self.slots, *states[0].shape)
+            self.conv[layer] = windows[0].new_zeros(self.slots + 2, *windows[0].shape)
+            self.recurrent[layer] = states[0].new_zeros(self.slots + 2, *states[0].shape)
         self.pending[layer].extend(map(Row, parents, windows, states))
         self._settle(layer)
 
@@ -124,6 +133,35 @@ class LinearStates:
             self.pending[layer].clear()
         self.lengths[layer] = self.base[layer] + len(self.pending[layer])
 
-    def refuse(self, what: str) -> None:
-        if self.layers():
-            raise ValueError(f"cannot {what} in a linear-attention layer (its state follows one path of tokens)")
+    def ring_index(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [T] (device) -> the ring rows holding the states after them, as tensor ops: slot (p + 1) mod
+        slots; the scratch row for the cache's last position (no row follows it: an idle stage writes there); the
+        zero row for -1 (before the first token)."""
+        ring = (positions + 1) % self.slots
+        ring = torch.where(positions >= self.max_length - 1, self.slots, ring)
+        return torch.where(positions < 0, self.slots + 1, ring)
+
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's ring as a fixed-shape step reads and writes it: (conv [slots + 2, B, C, kernel], recurrent
+        [slots + 2, B, H, d_k, d_v])."""
+        if self.conv[layer] is None:
+            raise ValueError("a fixed-shape step continues a prefill: a linear-attention layer has no states yet")
+        if self.max_length is None:
+            raise ValueError("a fixed-shape step needs a static cache (new_cache(max_length=...))")
+        return self.conv[layer], self.recurrent[layer]
+
+    def written(self, layer: int, length: int) -> None:
+        """A fixed-shape step wrote the layer's states up to `length` straight into the ring."""
+        self.pending[layer].clear()
+        self.base[layer] = length
+        self.lengths[layer] = length
+
+    def move(self, slots: torch.Tensor, sources: torch.Tensor) -> None:
+        """The states after positions `sources` [r] copied to those after `slots` [r] in every layer (device tensors:
+        a device step's accepted tree path), read before any is written."""
+        if not self.layers():
+            return
+        to, read = self.ring_index(slots), self.ring_index(sources)
+        for layer in self.layers():
+            for ring in (self.conv[layer], self.recurrent[layer]):
+                ring.index_copy_(0, to, ring.index_select(0, read))

@@ -180,9 +180,9 @@ class StagedTarget:
             if layer_type == LINEAR:
                 # a Gated DeltaNet layer: no positions and no mask — a row's past is its parent's state (the row
                 # before it, or its tree parent), kept in its sequence's cache (spd.targets.gated_delta)
-                if mask_keys is not None or getattr(cache, "write_at", None) is not None:
-                    raise ValueError("a linear-attention layer runs over a growing cache: no fixed-shape step")
-                if visible is not None and parents is None:
+                # (a fixed-shape step's rows name their parents by position tensors, the cache's parent_at)
+                fixed = getattr(cache, "write_at", None) is not None
+                if visible is not None and parents is None and not fixed:
                     parents = gated_delta.parents_of(visible[0], positions.numel())
                 hidden = self.layers[index](hidden, position_embeddings=None, attention_mask=None, cache=cache,
                                             parents=parents)
