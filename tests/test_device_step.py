@@ -199,3 +199,48 @@ def test_the_step_compiled_by_inductor_equals_ar():
     p = prompt(6, vocab=target.config.vocab_size)
     assert decoder(target, 4, compile="inductor").generate(p, Request(24, GREEDY)).token_ids == \
         ar_run(target, p, 24).token_ids
+
+
+def test_the_graph_captures_the_compiled_step(monkeypatch):
+    """compile= and cuda_graph= together: the compiled step's warm-ups (which compile it), then its capture into the
+    given pool, then replays — the order recorded through stand-ins for the CUDA calls a CPU lacks."""
+    from contextlib import contextmanager, nullcontext
+
+    events = []
+
+    class Graph:
+        def replay(self):
+            events.append("replay")
+
+    @contextmanager
+    def graph(_, pool=None):
+        events.append(("capture", pool))
+        yield
+        events.append("captured")
+
+    class Stream:
+        def __init__(self, *_):
+            pass
+
+        def wait_stream(self, _):
+            pass
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda _: nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda _: nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda _=None: Stream())
+    staged = StagedTarget(tiny_model("llama", num_layers=2), 1)
+    cache, _, _ = prefill(staged, prompt(10, vocab=staged.config.vocab_size), max_length=64)
+    state = StepState(staged, cache, 5, GREEDY)
+    step = DeviceStep(staged, state, 5)
+    step.choose_runner(True, "aot_eager", pool="the decoder's pool")
+    compiled = step.body
+    assert compiled != step.step                                  # the compiled function is what runs
+    step.body = lambda: (events.append("compiled step"), compiled())[1]
+    state.position.fill_(10)
+    for _ in range(3):
+        step.run()
+    assert events == ["compiled step", "compiled step", ("capture", "the decoder's pool"), "compiled step",
+                      "captured", "replay", "replay", "replay"]
+    assert int(state.position) == 10                              # warm-ups and capture undone; the replays ran nothing

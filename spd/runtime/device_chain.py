@@ -51,8 +51,10 @@ class DeviceChainDecoder(Decoder):
         length bucket or sampling setting)."""
         if self.state is None or self.state.cache is not cache or self.state.params != params:
             self.state = StepState(self.target, cache, self.budget + 1, params, self.side)
+            # every bucket's graph in one memory pool: one bucket replays at a time, its outputs in the state
+            pool = torch.cuda.graph_pool_handle() if self.cuda_graphs and self.target.device.type == "cuda" else None
             self.steps = {rows: DeviceStep(self.target, self.state, rows, self.compile, self.cuda_graphs,
-                                           tree=self.width > 1 and rows > 2, drafter=self.device_drafter)
+                                           tree=self.width > 1 and rows > 2, drafter=self.device_drafter, pool=pool)
                           for rows in self.buckets}
         return self.state
 

@@ -93,15 +93,18 @@ class StepState:
 
 
 class Graphed:
-    """A step replayed as one CUDA graph: `step()` captured on the first call, `mutable()` the tensors a step writes
-    that the next one reads (restored after the warm-ups)."""
+    """A step run eagerly, through torch.compile, or replayed as one CUDA graph — of the compiled step where both are
+    asked for (SGLang's graph runner: Inductor generates the kernels, the suite's graph removes their launches).
+    `body()` is the step as it runs (compiled or not), `mutable()` the tensors a step writes that the next one reads
+    (restored after the warm-ups). Every bucket of a decoder captures into the decoder's one memory pool."""
 
     builds = 0   # steps run for the first time, every instance counted: what captures (CUDA) or compiles a step,
                  # so a benchmark can show that none happened while it timed
 
     def replay(self) -> torch.Tensor:
-        """The step as one CUDA graph: captured on the first call (after warm-up runs on a side stream, which also
-        advance the state: the capture's own run is undone by restoring it), then replayed."""
+        """The body as one CUDA graph: captured on the first call (after warm-up runs on a side stream, which compile
+        a compiled body and also advance the state: the capture's own run is undone by restoring it), then
+        replayed."""
         if self.graph is None:
             device = self.target.device
             saved = [t.clone() for t in self.mutable()]
@@ -111,22 +114,20 @@ class Graphed:
                 with torch.cuda.stream(side):
                     for _ in range(WARMUP_RUNS):
                         self.restore(saved)
-                        self.step()
+                        self.body()
                 torch.cuda.current_stream(device).wait_stream(side)
                 self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    self.step()
+                with torch.cuda.graph(self.graph, pool=self.pool):
+                    self.body()
             self.restore(saved)     # capturing ran nothing; the warm-ups' writes are undone here
         self.graph.replay()
         return self.out_buffer()
 
-    def choose_runner(self, graph: bool, compile: str | None) -> None:
-        """self.run: the step eagerly, replayed as a CUDA graph (`graph`), or through torch.compile(fullgraph=True)
-        with the `compile` backend."""
-        self.run = self.step
-        if graph:
-            self.graph = None
-            self.run = self.replay
+    def choose_runner(self, graph: bool, compile: str | None, pool=None) -> None:
+        """self.run: the step eagerly, through torch.compile(fullgraph=True) with the `compile` backend (Inductor's
+        default mode: its kernels, no graphs of its own), and replayed as a CUDA graph (`graph`) of whichever of the
+        two it is. pool: the memory pool the graph captures into (torch.cuda.graph_pool_handle(), one a decoder)."""
+        self.body, self.pool = self.step, pool
         if compile:
             # every step object (a bucket of a decoder) is its own cache entry on the one `step` code; past the
             # default limit of 8 a ninth would be a hard failure under fullgraph, so the limit follows the count
@@ -137,12 +138,13 @@ class Graphed:
             model = self.target.model
             swapped = swapped_linears(model)    # once: a walk of every module would cost each step
 
-            def run():
+            def body():
                 # the suite's own CPU products are an extension call the compiler cannot trace: F.linear inside
                 with plain_products(model, swapped):
                     return compiled()
-            self.run = run
-        ready = self.run
+            self.body = body
+        self.graph = None
+        ready = self.replay if graph else self.body
 
         def first():
             Graphed.builds += 1
@@ -165,10 +167,10 @@ class DeviceStep(Graphed):
     drafter: a device drafter (`update`, `draft`: tensors in, tensors out) that writes the next cycle's drafts."""
 
     def __init__(self, target: StagedTarget, state: StepState, rows: int, compile: str | None = None,
-                 cuda_graph: bool = False, tree: bool = False, drafter=None):
+                 cuda_graph: bool = False, tree: bool = False, drafter=None, pool=None):
         """compile: a torch.compile backend ("inductor"; "aot_eager" traces the same whole graph without generating
-        code), None: eager. cuda_graph: on CUDA, the step captured once as a CUDA graph and replayed (elsewhere it
-        runs eagerly, the twin the tests check)."""
+        code), None: eager. cuda_graph: on CUDA, the (compiled) step captured once as a CUDA graph, into `pool`, and
+        replayed (elsewhere it runs eagerly, the twin the tests check)."""
         self.target, self.state, self.params = target, state, state.params
         self.tree, self.drafter, self.side = tree or state.side is not None, drafter, state.side
         self.capture = frozenset(drafter.layers_needed()) if drafter is not None else frozenset()
@@ -189,7 +191,7 @@ class DeviceStep(Graphed):
         if target.hybrid and len(self.run_rows) >= slots:
             raise ValueError(f"a step of {len(self.run_rows)} rows, but the cache's linear-attention layers keep "
                              f"{slots - 1} positions; allocate it with a larger rollback")
-        self.choose_runner(cuda_graph and target.device.type == "cuda", compile)
+        self.choose_runner(cuda_graph and target.device.type == "cuda", compile, pool)
 
     def mutable(self) -> list[torch.Tensor]:
         """Not the caches: their rows past the position are hidden, and a warm-up's writes at or before it hold
