@@ -86,7 +86,6 @@ class KeyedDraws:
 
     def __init__(self, key: int, vocab: int):
         self.key, self.vocab = key, vocab
-        self.generator = torch.Generator()
         self.cache: dict[int, torch.Tensor] = {}
         self.drawn: dict[int, float] = {}   # position -> the target's p of the token drawn there (read by drafters)
 
@@ -101,8 +100,7 @@ class KeyedDraws:
         if u is None:
             if len(self.cache) >= self.KEEP:
                 del self.cache[min(self.cache)]
-            self.generator.manual_seed(_splitmix64(self.key ^ _splitmix64(position)))
-            u = self.cache[position] = torch.rand(self.vocab, dtype=torch.float64, generator=self.generator)
+            u = self.cache[position] = keyed_uniforms(torch.tensor(self.key), torch.tensor([position]), self.vocab)[0]
         return u
 
     def uniform(self, position: int, token: int) -> float:
@@ -123,12 +121,36 @@ class KeyedDraws:
         return self.drawn.get(position, float("nan"))
 
 
-def _splitmix64(x: int) -> int:
-    """A 64-bit mix (SplitMix64's finaliser): keys and positions that differ a little give unrelated seeds."""
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
+def _signed(x: int) -> int:
+    """An unsigned 64-bit constant as the int64 with its bits (tensors hold int64; + and * wrap the same way)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+GAMMA = _signed(0x9E3779B97F4A7C15)     # SplitMix64's increment and multipliers
+MIX1, MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x >> bits as an unsigned 64-bit shift (torch shifts int64 arithmetically: the sign bits are masked off)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors (the uint64 bits): nearby inputs give unrelated outputs."""
+    x = (x ^ _shift(x, 30)) * MIX1
+    x = (x ^ _shift(x, 27)) * MIX2
+    return x ^ _shift(x, 31)
+
+
+def keyed_uniforms(key: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The uniforms u_t [len(positions), vocab] (float64 in [0, 1)) of a request's `key` [] (int64) at `positions`
+    [r] (int64), a counter-based hash of (key, t, token) alone: SplitMix64 seeded by mix(key ^ mix(t)), its i-th
+    output's top 53 bits for token i. Tensor ops only, so a device step computes in place the bits the host draws
+    (no copy a step), and a draw never depends on which positions were drawn before it."""
+    seed = _mix((key ^ _mix(positions + GAMMA)) + GAMMA)                              # [r]
+    index = torch.arange(1, vocab + 1, device=positions.device, dtype=torch.int64)   # [V]
+    state = seed.view(-1, 1) + index.view(1, -1) * GAMMA                             # [r, V]
+    return _shift(_mix(state), 11).double() * 2.0 ** -53
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,

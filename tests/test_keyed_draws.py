@@ -18,6 +18,7 @@ from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
 from spd.sampling import KeyedDraws, Proposal, SamplingParams, warp
 from spd.targets.stages import StagedTarget
+from spd.targets.tiny import tiny_model
 from spd.tree import DraftTree
 from test_lossless_sampling import ALPHA, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
 from test_suffix import CPU_LIKE
@@ -73,6 +74,51 @@ def test_the_noise_is_a_function_of_key_and_position():
         KeyedDraws.of(Request(4, seed=4).generator("cpu"), 10).key
 
 
+def splitmix64(x: int) -> int:
+    """SplitMix64's finaliser on Python integers, as unsigned 64-bit arithmetic: the reference the tensors match."""
+    mask = (1 << 64) - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
+@pytest.mark.parametrize("key", [0, 7, 2 ** 62 - 1])
+def test_the_uniforms_are_splitmix64_bit_for_bit(key):
+    """The tensor hash (int64 tensors standing for uint64) equals SplitMix64 on Python integers, every bit."""
+    gamma, mask = 0x9E3779B97F4A7C15, (1 << 64) - 1
+    for position in (0, 5, 1 << 40):
+        seed = splitmix64(((key ^ splitmix64((position + gamma) & mask)) + gamma) & mask)
+        want = [(splitmix64((seed + i * gamma) & mask) >> 11) * 2.0 ** -53 for i in range(1, 301)]
+        assert KeyedDraws(key, 300).uniforms(position).tolist() == want
+
+
+def test_a_step_draws_the_hosts_noise_on_the_device(monkeypatch):
+    """The device step computes each row's Gumbel noise from the request's key and its position tensor: bitwise the
+    noise of the host's draws at those positions (chain rows and tree rows by depth), with nothing copied in."""
+    from spd.decoding import prefill
+    from spd.runtime import device_step
+    from spd.runtime.device_step import DeviceStep, StepState
+
+    seen = []
+    real = device_step.choose
+    monkeypatch.setattr(device_step, "choose", lambda logits, params, noise: (seen.append(noise), real(logits, params, noise))[1])
+    staged = StagedTarget(tiny_model("llama", num_layers=2), 1)
+    vocab = staged.config.vocab_size
+    cache, _, _ = prefill(staged, prompt(10, vocab=vocab), max_length=64)
+    draws = KeyedDraws(123456789, vocab)
+    for tree in (False, True):
+        state = StepState(staged, cache, 5, SamplingParams(temperature=1.0))
+        step = DeviceStep(staged, state, 5, tree=tree)
+        state.key.fill_(draws.key)
+        state.position.fill_(10)
+        state.depth.copy_(torch.tensor([0, 1, 1, 2, 3]) if tree else torch.arange(5))
+        state.parent.copy_(torch.tensor([0, 0, 0, 1, 3]) if tree else (torch.arange(5) - 1).clamp(min=0))
+        step.run()
+        depths = [0, 1, 1, 2, 3] if tree else range(5)
+        host = -torch.log(-torch.log(torch.stack([draws.uniforms(11 + d) for d in depths])))
+        assert torch.equal(seen[-1], host)
+
+
 def test_the_cache_forgets_the_oldest_positions():
     draws = KeyedDraws(1, 10)
     first = draws.uniforms(0).clone()
@@ -94,7 +140,6 @@ def test_a_draw_keeps_to_the_support_and_follows_the_noise():
 
 @pytest.mark.slow
 def test_keyed_ar_samples_the_target_distribution():
-    from spd.targets.tiny import tiny_model
 
     model = tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
     dist = exact_distribution(model, PARAMS)
@@ -250,7 +295,6 @@ def test_a_batch_samples_what_each_request_samples_alone(family_model):
 
 
 def test_an_unseeded_request_is_free():
-    from spd.targets.tiny import tiny_model
 
     model = tiny_model("llama", seed=3, num_layers=2, vocab_size=16)
     # this model's likeliest 6 tokens under PARAMS come up ~55% of the time, so 8 runs all agreed ~1% of the time

@@ -11,7 +11,7 @@ import torch
 from spd.decoding import Decoder, Request, context_length, is_final, prefill
 from spd.drafters.base import ChainDrafter
 from spd.metrics import ChainStats
-from spd.runtime.device_step import BUCKET, ROWS, DeviceStep, StepState, gumbel
+from spd.runtime.device_step import BUCKET, ROWS, DeviceStep, StepState, choose, gumbel
 from spd.sampling import SamplingParams
 from spd.targets.linear_states import ROLLBACK
 from spd.targets.stages import StagedTarget
@@ -76,8 +76,10 @@ class DeviceChainDecoder(Decoder):
         host = torch.zeros(len(state.out), dtype=torch.float64, pin_memory=target.device.type == "cuda")
         # the first token from the prefill's last row, by the same rule as every later one
         if draws is not None:
-            state.noise[:1].copy_(gumbel(draws, len(prompt_ids), 1))
-        state.tokens[:1] = self.steps[self.buckets[0]].choose(logits.view(1, -1))
+            state.key.fill_(draws.key)
+        noise = None if draws is None else gumbel(state.key, torch.tensor([len(prompt_ids)], device=target.device),
+                                                   state.vocab)
+        state.tokens[:1] = choose(logits.view(1, -1), params, noise)
         top2 = logits.float().topk(2).values
         state.out[0], state.out[1], state.out[2] = 1, top2[0] - top2[1], state.tokens[0]
         if self.device_drafter is not None:
@@ -117,11 +119,6 @@ class DeviceChainDecoder(Decoder):
                 if self.steps[rows].tree:
                     state.set_tree(tree, rows)
                 state.drafts.fill_(drafted)
-                deepest = max(tree.depths())
-            else:
-                deepest = min(self.k, rows - 1)
-            if draws is not None:     # the noise is known before the target reads the rows (after the root's position)
-                state.noise[: deepest + 1].copy_(gumbel(draws, len(tokens), deepest + 1), non_blocking=True)
             self.steps[rows].run()
             values = self.read(state, host)
             stats.cycles += 1

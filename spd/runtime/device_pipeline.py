@@ -57,11 +57,11 @@ class DevicePipelineStep(Graphed):
         # count, margin, token, t, a, held, and the newest token in flight (a host-side lookup extends its context)
         self.out = torch.zeros(7, dtype=torch.float64, device=device)
         # draft_source=lookup+module: the context lookup's draft for the next position, where it found one (the
-        # decoder writes both before the step, as it writes the noise)
+        # decoder writes both before the step)
         self.lookup = torch.zeros(1, dtype=torch.long, device=device)                 # [1]
         self.looked = torch.zeros((), dtype=torch.bool, device=device)                 # []
-        self.noise = None if params.greedy else \
-            torch.zeros(1, target.model.config.vocab_size, dtype=torch.float64, device=device)   # [1, V]
+        self.key = torch.zeros((), dtype=torch.long, device=device)                    # [] sampling: the request's
+        self.vocab = target.model.config.vocab_size
         attn = module.layers[0].self_attn
         kv_heads = attn.k_proj.out_features // attn.head_dim
         self.memory = [(torch.zeros(1, kv_heads, S, attn.head_dim, device=device, dtype=target.dtype),
@@ -181,7 +181,10 @@ class DevicePipelineStep(Graphed):
                 main.wait_stream(stream)
         # the token leaving the last stage (a = n) gives the target's choice for the next-oldest position
         logits = target.logits(outputs[-1].view(1, -1))                                # [1, V]
-        chosen = choose(logits, self.params, self.noise)                               # [1]
+        # sampled: the keyed noise of the position the exiting token chooses, the next-oldest's (computed here, so
+        # nothing is copied in a step; where nothing exits it goes unused)
+        noise = None if self.params.greedy else gumbel(self.key, (self.t - n + 2).view(1), self.vocab)   # [1, V]
+        chosen = choose(logits, self.params, noise)                                    # [1]
         exiting = self.a == n                                                          # []
         candidate = self.tokens[n - 2: n - 1] if n > 1 else draft                      # [1]
         held, chosen = self.settle(logits, chosen, candidate)                          # [], [1]
@@ -237,9 +240,11 @@ class DevicePipelineDecoder(Decoder):
         if self.step is None or self.step.cache is not cache or self.step.params != params:
             self.step = DevicePipelineStep(target, self.module, cache, params, self.compile, self.cuda_graphs)
         step = self.step
+        noise = None
         if draws is not None:
-            step.noise.copy_(gumbel(draws, len(prompt_ids), 1))
-        first = choose(logits.view(1, -1), params, step.noise)                         # [1]
+            step.key.fill_(draws.key)
+            noise = gumbel(step.key, torch.tensor([len(prompt_ids)], device=target.device), step.vocab)   # [1, V]
+        first = choose(logits.view(1, -1), params, noise)                              # [1]
         step.start(prompt_ids, captured, first)
         stats = self.stats = DecodeStats(n=n)
         host = torch.zeros(7, dtype=torch.float64, pin_memory=target.device.type == "cuda")
@@ -253,8 +258,6 @@ class DevicePipelineDecoder(Decoder):
         if is_final(token, stats.N, request.max_new_tokens, self.eos_ids):
             return
         while True:
-            if draws is not None and a == n:      # the position the exiting token chooses: the next-oldest's
-                step.noise.copy_(gumbel(draws, t - n + 2, 1), non_blocking=True)
             if index is not None:
                 matched, start = index.match()
                 step.looked.fill_(bool(matched))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from spd.sampling import SamplingParams, warp
+from spd.sampling import SamplingParams, keyed_uniforms, warp
 from spd.targets.fixed_step import WARMUP_RUNS
 from spd.targets.linears import plain_products, swapped_linears
 from spd.targets.stages import StagedTarget
@@ -25,10 +25,11 @@ BUCKET = 512     # positions: a static cache's length is a multiple of this
 ROWS = (1, 2, 4, 8, 16, 32)   # rows a step runs: a cycle's drafts are padded up to the next of these
 
 
-def gumbel(draws, position: int, rows: int) -> torch.Tensor:
-    """The keyed Gumbel noise -log(-log u) of `rows` positions from `position` on [rows, V] (float64, host): what
-    KeyedDraws.sample adds to log p there."""
-    return -torch.log(-torch.log(torch.stack([draws.uniforms(position + j) for j in range(rows)])))
+def gumbel(key: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The keyed Gumbel noise -log(-log u) [r, V] (float64) of the request's `key` [] at `positions` [r], computed
+    where they are (spd.sampling.keyed_uniforms): inside a step, from its position tensor, the bits KeyedDraws.sample
+    adds to log p there, and nothing copied to the device a step."""
+    return -torch.log(-torch.log(keyed_uniforms(key, positions, vocab)))
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None) -> torch.Tensor:
@@ -44,9 +45,9 @@ def choose(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | N
 class StepState:
     """What every step of one cache shares, in device tensors: `tokens` [R] (the root, then its drafts), `drafts` []
     (how many of tokens[1:] are real; the rest are padding that is never kept), `position` [] (the root's position),
-    a tree's `depth` [R], `parent` [R] and `ancestors` [R, R] (row i sees row j: j is i or above it), `noise` [R, V]
-    (sampling: the Gumbel noise of the positions after the root's, by depth: a row at depth d chooses with
-    noise[d]), `out` [R + 2] (what the host reads: the count c
+    a tree's `depth` [R], `parent` [R] and `ancestors` [R, R] (row i sees row j: j is i or above it), `key` []
+    (sampling: the request's key; a row at depth d chooses position root + 1 + d with that position's keyed noise,
+    computed inside the step), `out` [R + 2] (what the host reads: the count c
     of verified tokens, the target's margin where it chose the last of them, the verified tokens; float64 holds
     token ids exactly). side: a drafter's side rows (Self-Draft's branches, spd.drafters.selfdraft_device), S more
     rows after the tree's R (tokens, depth, parent and ancestors are then [R + S]): each sees the root and the side
@@ -68,9 +69,8 @@ class StepState:
         self.ancestors = torch.ones(rows, rows, device=device).tril().bool()           # [R, R]
         self.out = torch.zeros(rows + 2, dtype=torch.float64, device=device)           # [R+2]
         self.mask_keys = torch.arange(cache.max_length, device=device).view(1, -1)     # [1, S]
-        vocab = target.model.config.vocab_size
-        self.noise = None if params.greedy else \
-            torch.zeros(tree, vocab, dtype=torch.float64, device=device)              # [R, V]
+        self.vocab = target.model.config.vocab_size
+        self.key = torch.zeros((), dtype=torch.long, device=device)                    # []
         if side is not None:      # the side rows' shape never changes: set once (no parent: never a draft)
             self.depth[tree:].copy_(side.offsets())
             self.ancestors[tree:] = False
@@ -203,10 +203,12 @@ class DeviceStep(Graphed):
         return [state.tokens, state.position] + drafted + shape
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        noise = self.state.noise
-        if self.tree and noise is not None:     # the noise is the position's: each row's from its depth
-            noise = noise.index_select(0, self.state.depth[: len(self.rows)])
-        return choose(logits, self.params, noise)
+        state = self.state
+        if self.params.greedy:
+            return choose(logits, self.params, None)
+        # the noise is the position's: each row chooses the position after its own (a tree row's from its depth)
+        offsets = state.depth[: len(self.rows)] if self.tree else self.rows                          # [r]
+        return choose(logits, self.params, gumbel(state.key, state.position + 1 + offsets, state.vocab))
 
     def layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The forward's rows: tokens [n], depth [n] and ancestors [n, n] (n = r, or r + S with side rows)."""
