@@ -244,3 +244,54 @@ def test_the_graph_captures_the_compiled_step(monkeypatch):
     assert events == ["compiled step", "compiled step", ("capture", "the decoder's pool"), "compiled step",
                       "captured", "replay", "replay", "replay"]
     assert int(state.position) == 10                              # warm-ups and capture undone; the replays ran nothing
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_ar_launches_the_next_cycle_before_it_reads_the_last(monkeypatch, params):
+    """Where nothing drafts on the host (AR here), cycle k + 1 is launched before cycle k's values are read (two
+    host slots, alternating), and the output is still AR's; a decode launches at most one cycle it does not read."""
+    target = tiny_model("llama", num_layers=2)
+    p = prompt(8, vocab=target.config.vocab_size)
+    order = []
+    launch, collect = DeviceChainDecoder.launch, DeviceChainDecoder.collect
+    monkeypatch.setattr(DeviceChainDecoder, "launch",
+                        lambda self, *a: (order.append(("launch", a[-1])), launch(self, *a))[1])
+    monkeypatch.setattr(DeviceChainDecoder, "collect",
+                        lambda self, host, slot: (order.append(("read", slot)), collect(self, host, slot))[1])
+    out = decoder(target, 0).generate(p, Request(12, params, 1))
+    assert out.token_ids == ar_run(target, p, 12, params, seed=1).token_ids
+    assert order[:5] == [("launch", 0), ("launch", 1), ("read", 0), ("launch", 0), ("read", 1)]
+    reads = [slot for kind, slot in order if kind == "read"]
+    assert len(reads) == 11 and reads == [i % 2 for i in range(11)]
+    assert len(order) - len(reads) <= len(reads) + 1
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5), SamplingParams(1.3, top_p=0.8),
+                                    SamplingParams(0.9, top_k=40, top_p=0.6), SamplingParams(1.0, top_k=1000)])
+def test_the_settings_as_tensors_warp_bit_for_bit(params):
+    """The device step's warp (settings read from tensors) gives spd.sampling.warp's bits, ties included."""
+    from spd.runtime.device_step import DeviceSampling
+    from spd.sampling import warp
+
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)) * 4
+    logits[1, :50] = logits[1, 0]                          # a tie across the top-k and top-p thresholds
+    sampling = DeviceSampling(torch.device("cpu"), SamplingParams(0.5, top_k=3))
+    sampling.set(params)                                   # refilled, as for a new request
+    for row in logits:
+        assert torch.equal(sampling.warp(row), warp(row, params))
+
+
+def test_a_new_requests_settings_reuse_the_built_steps():
+    """Another temperature, top-k or top-p refills the state's tensors: the same steps (nothing built again) serve
+    it, and each request's output is AR's keyed draws under its own settings."""
+    from spd.runtime.device_step import Graphed
+
+    target = tiny_model("llama", num_layers=2)
+    p = prompt(9, vocab=target.config.vocab_size)
+    device = decoder(target, 4)
+    device.generate(p, Request(16, SAMPLED, 1))
+    steps, built = dict(device.steps), Graphed.builds
+    for params in (SamplingParams(0.7, top_k=5), SamplingParams(1.2, top_p=0.5), SAMPLED):
+        assert device.generate(p, Request(16, params, 2)).token_ids == ar_run(target, p, 16, params, seed=2).token_ids
+        assert device.steps == steps
+    assert Graphed.builds == built

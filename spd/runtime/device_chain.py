@@ -48,8 +48,10 @@ class DeviceChainDecoder(Decoder):
 
     def state_for(self, cache, params: SamplingParams) -> StepState:
         """The shared state over this cache, and its steps (built, and compiled, again only for a new cache
-        length bucket or sampling setting)."""
-        if self.state is None or self.state.cache is not cache or self.state.params != params:
+        length bucket, or greedy against sampled: other sampling settings refill the state's tensors)."""
+        if self.state is not None and self.state.cache is cache and self.state.sampling.greedy == params.greedy:
+            self.state.sampling.set(params)
+        else:
             self.state = StepState(self.target, cache, self.budget + 1, params, self.side)
             # every bucket's graph in one memory pool: one bucket replays at a time, its outputs in the state
             pool = torch.cuda.graph_pool_handle() if self.cuda_graphs and self.target.device.type == "cuda" else None
@@ -73,7 +75,10 @@ class DeviceChainDecoder(Decoder):
         draws = None if params.greedy else request.draws(generator, logits.shape[-1])
         state = self.state_for(cache, params)
         state.position.fill_(len(prompt_ids))
-        host = torch.zeros(len(state.out), dtype=torch.float64, pin_memory=target.device.type == "cuda")
+        # two host slots (pinned on CUDA): where nothing drafts on the host (AR, a device drafter) the next cycle is
+        # launched before the previous one's values are read, so the device never waits on the host's read
+        host = torch.zeros(2, len(state.out), dtype=torch.float64, pin_memory=target.device.type == "cuda")
+        overlap, pending, self.events = self.drafter is None, None, [None, None]
         # the first token from the prefill's last row, by the same rule as every later one
         if draws is not None:
             state.key.fill_(draws.key)
@@ -86,7 +91,7 @@ class DeviceChainDecoder(Decoder):
             self.device_drafter.start(cache.max_length, captured, prompt_ids, state.tokens[:1], state.tokens[1:],
                                       self.k, self.width, state if self.width > 1 else None)
             state.drafts.fill_(self.budget)
-        values = self.read(state, host)
+        values = self.read(state, host[0])
         tokens = list(prompt_ids)
         stats = self.stats = ChainStats(m=self.k)
         while True:
@@ -119,8 +124,17 @@ class DeviceChainDecoder(Decoder):
                 if self.steps[rows].tree:
                     state.set_tree(tree, rows)
                 state.drafts.fill_(drafted)
-            self.steps[rows].run()
-            values = self.read(state, host)
+            step = self.steps[rows]
+            if not overlap:
+                step.run()
+                values = self.read(state, host[0])
+            else:
+                if pending is None:
+                    pending = self.launch(step, state, host, 0)
+                # the cycle after: it yields at least one token more unless this one ends the request
+                later = self.launch(step, state, host, 1 - pending) if stats.N + 1 < request.max_new_tokens else None
+                values = self.collect(host, pending)
+                pending = later
             stats.cycles += 1
             stats.drafted += drafted
             stats.drafting_cycles += bool(drafted)
@@ -133,3 +147,19 @@ class DeviceChainDecoder(Decoder):
         if host.is_pinned():
             torch.cuda.current_stream(self.target.device).synchronize()
         return host.tolist()
+
+    def launch(self, step: DeviceStep, state: StepState, host: torch.Tensor, slot: int) -> int:
+        """A cycle run and its `out` sent to host[slot] without waiting (on CUDA an event marks the copy's end; the
+        next replay, queued after the copy on the same stream, cannot overwrite `out` before it is read)."""
+        step.run()
+        host[slot].copy_(state.out, non_blocking=True)
+        if host.is_pinned():
+            self.events[slot] = torch.cuda.Event()
+            self.events[slot].record(torch.cuda.current_stream(self.target.device))
+        return slot
+
+    def collect(self, host: torch.Tensor, slot: int) -> list[float]:
+        """A launched cycle's values, once its copy has landed."""
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        return host[slot].tolist()

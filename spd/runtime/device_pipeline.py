@@ -24,7 +24,7 @@ from spd.decoding import Decoder, Request, context_length, is_final, prefill
 from spd.drafters.lookup import NgramIndex
 from spd.metrics import DecodeStats
 from spd.module import SpeculationModule
-from spd.runtime.device_step import BUCKET, Graphed, choose, gumbel
+from spd.runtime.device_step import BUCKET, DeviceSampling, Graphed, choose, gumbel
 from spd.sampling import SamplingParams
 from spd.targets.stages import StagedTarget
 
@@ -38,7 +38,8 @@ class DevicePipelineStep(Graphed):
         if target.bounds != module.bounds:
             raise ValueError(f"the module is for stage bounds {module.bounds}, the target runs {target.bounds}")
         device, d, n = target.device, target.config.hidden_size, target.n
-        self.target, self.module, self.cache, self.params, self.n = target, module, cache, params, n
+        self.target, self.module, self.cache, self.n = target, module, cache, n
+        self.sampling = DeviceSampling(device, params)     # refilled for a new request's settings
         self.plan = module.plan
         self.layers = module.plan.needed_layers(target.bounds)                         # H^l the features read
         self.column = {layer: i for i, layer in enumerate(self.layers)}
@@ -183,8 +184,8 @@ class DevicePipelineStep(Graphed):
         logits = target.logits(outputs[-1].view(1, -1))                                # [1, V]
         # sampled: the keyed noise of the position the exiting token chooses, the next-oldest's (computed here, so
         # nothing is copied in a step; where nothing exits it goes unused)
-        noise = None if self.params.greedy else gumbel(self.key, (self.t - n + 2).view(1), self.vocab)   # [1, V]
-        chosen = choose(logits, self.params, noise)                                    # [1]
+        noise = None if self.sampling.greedy else gumbel(self.key, (self.t - n + 2).view(1), self.vocab)   # [1, V]
+        chosen = choose(logits, self.sampling, noise)                                  # [1]
         exiting = self.a == n                                                          # []
         candidate = self.tokens[n - 2: n - 1] if n > 1 else draft                      # [1]
         held, chosen = self.settle(logits, chosen, candidate)                          # [], [1]
@@ -237,7 +238,9 @@ class DevicePipelineDecoder(Decoder):
                                           self.step and self.step.cache)
         logits = target.logits(hidden[0, -1])                                          # [V]
         draws = None if params.greedy else request.draws(generator, logits.shape[-1])
-        if self.step is None or self.step.cache is not cache or self.step.params != params:
+        if self.step is not None and self.step.cache is cache and self.step.sampling.greedy == params.greedy:
+            self.step.sampling.set(params)       # the built (compiled, captured) step serves the new settings
+        else:
             self.step = DevicePipelineStep(target, self.module, cache, params, self.compile, self.cuda_graphs)
         step = self.step
         noise = None

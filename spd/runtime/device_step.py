@@ -32,13 +32,47 @@ def gumbel(key: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tens
     return -torch.log(-torch.log(keyed_uniforms(key, positions, vocab)))
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None) -> torch.Tensor:
+class DeviceSampling:
+    """A request's sampling settings as device tensors, so that a step built (captured, compiled) for one setting
+    serves every other: a new request refills them (`set`); only greedy against sampled is another step."""
+
+    def __init__(self, device: torch.device, params: SamplingParams):
+        self.greedy = params.greedy
+        # float32, as warp's Python scalars act on float32 logits: the same roundings, the same bits
+        self.temperature = torch.ones((), device=device)                               # []
+        self.top_k = torch.zeros((), dtype=torch.long, device=device)                  # []
+        self.top_p = torch.ones((), device=device)                                     # []
+        self.set(params)
+
+    def set(self, params: SamplingParams) -> None:
+        if params.greedy != self.greedy:
+            raise ValueError("a greedy step cannot sample (nor a sampling one decode greedily): build another")
+        if not params.greedy:
+            self.temperature.fill_(params.temperature)
+            self.top_k.fill_(params.top_k)
+            self.top_p.fill_(params.top_p)
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] -> probabilities [V]: spd.sampling.warp with the settings read from tensors, bit for bit
+        (top-k's threshold is the k-th value of the sorted row; an off filter keeps every logit)."""
+        x = logits.float() / self.temperature
+        vocab = x.shape[-1]
+        kth = torch.sort(x, descending=True).values.gather(0, (self.top_k - 1).clamp(0, vocab - 1).view(1))[0]
+        x = x.masked_fill((self.top_k > 0) & (self.top_k < vocab) & (x < kth), float("-inf"))
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = (torch.cumsum(probs, dim=-1) - probs >= self.top_p) & (self.top_p < 1.0)
+        return torch.softmax(x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf"))), dim=-1)
+
+
+def choose(logits: torch.Tensor, params: SamplingParams | DeviceSampling, noise: torch.Tensor | None) -> torch.Tensor:
     """logits [r, V] -> the target's token after each row [r]: its argmax (ties to the lowest id, as
     spd.sampling.greedy_token), or the keyed draw argmax(log p + g) over warp's support (KeyedDraws.sample), with
     g the rows' noise [>= r, V]."""
     if params.greedy:
         return logits.argmax(-1)
-    probs = torch.stack([warp(row, params) for row in logits.unbind(0)]).double()        # [r, V]
+    shape = params.warp if isinstance(params, DeviceSampling) else (lambda row: warp(row, params))
+    probs = torch.stack([shape(row) for row in logits.unbind(0)]).double()             # [r, V]
     return torch.where(probs > 0, probs.log() + noise[: len(logits)], float("-inf")).argmax(-1)
 
 
@@ -58,7 +92,8 @@ class StepState:
         if not cache.static:
             raise ValueError("a device step needs a static cache (new_cache(max_length=...))")
         device = target.device
-        self.cache, self.params, self.side, self.tree_rows = cache, params, side, rows
+        self.cache, self.side, self.tree_rows = cache, side, rows
+        self.sampling = DeviceSampling(target.device, params)
         tree = rows
         rows += side.rows if side is not None else 0
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)               # [R]
@@ -171,7 +206,7 @@ class DeviceStep(Graphed):
         """compile: a torch.compile backend ("inductor"; "aot_eager" traces the same whole graph without generating
         code), None: eager. cuda_graph: on CUDA, the (compiled) step captured once as a CUDA graph, into `pool`, and
         replayed (elsewhere it runs eagerly, the twin the tests check)."""
-        self.target, self.state, self.params = target, state, state.params
+        self.target, self.state = target, state
         self.tree, self.drafter, self.side = tree or state.side is not None, drafter, state.side
         self.capture = frozenset(drafter.layers_needed()) if drafter is not None else frozenset()
         device = target.device
@@ -204,11 +239,11 @@ class DeviceStep(Graphed):
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         state = self.state
-        if self.params.greedy:
-            return choose(logits, self.params, None)
+        if state.sampling.greedy:
+            return choose(logits, state.sampling, None)
         # the noise is the position's: each row chooses the position after its own (a tree row's from its depth)
         offsets = state.depth[: len(self.rows)] if self.tree else self.rows                          # [r]
-        return choose(logits, self.params, gumbel(state.key, state.position + 1 + offsets, state.vocab))
+        return choose(logits, state.sampling, gumbel(state.key, state.position + 1 + offsets, state.vocab))
 
     def layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The forward's rows: tokens [n], depth [n] and ancestors [n, n] (n = r, or r + S with side rows)."""
