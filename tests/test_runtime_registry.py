@@ -147,7 +147,7 @@ def test_the_device_runtime_takes_the_methods_that_have_a_step(overrides, needle
 @pytest.mark.parametrize("keys,kind", [(["method=lookup"], "host"), (["method=ar"], "none"),
                                        (["method=suffix", "W=4"], "host"), (["method=eagle3"], "device"),
                                        (["method=eagle3", "W=3", "tree_nodes=8"], "device"),
-                                       (["method=selfdraft", "branches=3", "branch_length=3"], "host"),
+                                       (["method=selfdraft", "branches=3", "branch_length=3", "corpus_ngrams=false"], "host"),
                                        (["method=spd", "n=2"], "pipeline"),
                                        (["method=spd", "n=2", "draft_source=lookup+module"], "pipeline")])
 def test_runtime_device_decodes_through_the_device_step(tiny_target_dir, keys, kind):
