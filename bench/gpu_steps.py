@@ -322,9 +322,19 @@ def step_export(plan: dict, checkpoint: str, name: str, result: Result) -> None:
 
 
 def step_tiny(plan: dict) -> None:
+    """The dry run's random target, and an untrained n = 5 module for it in the shape the continued training asks
+    for (its stand-in for the shipped module)."""
+    from spd.checkpoint import save_checkpoint
+    from spd.module import SpeculationModule
+    from spd.targets.loading import load_target
+    from spd.targets.stages import StagedTarget
     from spd.targets.tiny import save_tiny_target
 
     save_tiny_target(plan["target"], "llama", seed=0)
+    loaded = load_target(plan["target"])
+    module = SpeculationModule.from_target(StagedTarget(loaded.model, 5), 1, seed=0, feature_norm="standard",
+                                           fc_bias=True)
+    save_checkpoint(module, loaded, plan["continue"]["n5"], {"step": 0, "train_tokens": 0})
 
 
 def main(argv=None) -> int:

@@ -37,6 +37,9 @@ class Training:
     def train_keys(self, name: str) -> list[str]:
         keys = [f"data.path={self.plan['data']}", f"model.target={self.plan['target']}", "wandb.mode=disabled",
                 "overwrite=true"] + ([f"model.n={name[1:]}"] if name[1:].isdigit() else [])   # n2, n5; eagle3
+        continued = (self.plan.get("continue") or {}).get(name)
+        if continued:
+            keys.append(f"init_from={continued}")
         if self.dry:
             keys += ["model.draft_vocab=0", "deepspeed.batch_size=2", "deepspeed.micro_batch=2",
                      "data.max_length=256", "data.heldout=2", "eval_decodes=1", "eval_new_tokens=8",
@@ -45,10 +48,12 @@ class Training:
 
     def train(self, name: str, box: float) -> dict:
         """Probe, plan, train until the box ends (SIGINT: the trainer saves), exporting every checkpoint."""
-        record = self.session["steps"][f"train_{name}"] = {"status": "running", "box_s": box}
+        continued = (self.plan.get("continue") or {}).get(name)
+        record = self.session["steps"][f"train_{name}"] = {"status": "running", "box_s": box, "continues": continued}
         started = time.time()
         deadline = started + box
-        config = os.path.join(REPO, "configs", "train", f"gpu_{name}.yaml")
+        # n = 5 continues a trained module's distillation (its own recipe, a new lr cycle); the others start afresh
+        config = os.path.join(REPO, "configs", "train", f"gpu_{name}{'_continue' if continued else ''}.yaml")
         run_py = os.path.join(REPO, "train", "run.py")
         probe_dir = os.path.join(self.work, f"probe_{name}")
         probe_steps = 4 if self.dry else self.args.probe_steps

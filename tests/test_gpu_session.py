@@ -58,6 +58,7 @@ def test_dry_run_goes_through_every_step(dry_run):
     train = steps["train_n5"]
     assert train["stopped_by_box"] and train["rc"] == 130 and train["steps_done"] >= 2     # SIGINT saved it
     assert train["probe"]["tokens_per_s"] > 0 and train["planned_steps"] >= 2
+    assert train["continues"].endswith("tiny_module_n5") and f"init_from={train['continues']}" in train["command"]
     evals = {r["label"]: r for r in steps["eval"]["rows"]}
     assert set(evals) == {"random_n5", "gpu_n5"} and all(r["status"] == "ok" for r in evals.values())
     assert all(1 <= r["eal_pooled"] <= 5 and r["samples"] == 3 for r in evals.values())
@@ -79,7 +80,11 @@ def test_unpack_rebuilds_the_trained_module(dry_run, tmp_path):
     got = load_file(module / "model.safetensors")
     trained = float16_state(load_file(root / "work" / "train_n5" / "checkpoint" / "model.safetensors"))
     assert got.keys() == trained.keys() and all(torch.equal(got[k], trained[k]) for k in got)
-    assert json.loads((module / "config.json").read_text())["n"] == 5
+    config = json.loads((module / "config.json").read_text())
+    assert config["n"] == 5
+    # the training continued the carried module: its steps and tokens count on from that module's
+    assert config["training"]["continued_from"]["path"].endswith("tiny_module_n5")
+    assert config["step"] == config["training"]["continued_from"]["step"] + session["steps"]["train_n5"]["steps_done"]
     assert (tmp_path / "docs" / "results" / "gpu" / session["stamp"] / "session.json").is_file()
 
 

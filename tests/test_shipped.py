@@ -115,6 +115,19 @@ def test_ship_script_halves_the_weights_and_records_provenance(tmp_path, monkeyp
     with torch.no_grad():
         torch.testing.assert_close(again(hidden, torch.tensor([2])), module(hidden, torch.tensor([2])),
                                    atol=2e-2, rtol=2e-2)
+    # --if-better: a module re-ships only on a higher L'acc measured the same way
+    for value, shipped_after in ((1.4, 1.5), (1.6, 1.6)):
+        (tmp_path / "acc2.json").write_text(json.dumps({"eal_pooled": value, "eal_per_dataset": {"gsm8k": value},
+                                                        "limit": 20, "max_new_tokens": 128}))
+        assert ship.main([str(tmp_path / "ckpt"), "tiny-n3", "--measured", str(tmp_path / "acc2.json"),
+                          "--measured-command", "python -m bench.acceptance ...", "--if-better"]) == 0
+        (shipped,) = spd.shipped.shipped_modules()
+        assert shipped["provenance"]["measured"]["eal_pooled"] == shipped_after
+    (tmp_path / "acc3.json").write_text(json.dumps({"eal_pooled": 9.0, "eal_per_dataset": {}, "limit": 5,
+                                                    "max_new_tokens": 128}))
+    with pytest.raises(SystemExit, match="not comparable"):
+        ship.main([str(tmp_path / "ckpt"), "tiny-n3", "--measured", str(tmp_path / "acc3.json"),
+                   "--measured-command", "x", "--if-better"])
 
 
 def test_ship_records_eagle3s_tau_from_an_eval_summary(tmp_path):

@@ -235,3 +235,34 @@ def test_json_lines_with_unicode_line_separators_inside_strings_load(tmp_path):
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     convs = load_conversations(str(path), 10)
     assert len(convs) == 3 and convs[0][0]["content"] == "a\u2028b\u0085c 0"
+
+
+def test_a_run_continues_a_trained_module(tmp_path):
+    """init_from=: the module's weights, draft vocabulary and standardisation start the run; steps and tokens count
+    on (and a shape the module does not have, or a path that is no module, is refused in one line)."""
+    keys = ("model.draft_vocab=64", "model.feature_norm=standard", "eval_decodes=0")
+    first = tmp_path / "first"
+    run_train(first, "optim.steps=3", *keys)
+    before = json.loads((first / "checkpoint" / "config.json").read_text())
+    # an lr of ~0 keeps the weights where they started: the continued run's start is the module itself
+    still = tmp_path / "still"
+    run_train(still, f"init_from={first / 'checkpoint'}", "optim.steps=1", "optim.lr=1e-30", "optim.warmup_steps=0",
+              *keys)
+    for name, tensor in weights(first).items():
+        torch.testing.assert_close(weights(still)[name], tensor, atol=1e-6, rtol=0, msg=name)
+    on = tmp_path / "on"
+    run_train(on, f"init_from={first / 'checkpoint'}", "optim.steps=2", *keys)
+    after = json.loads((on / "checkpoint" / "config.json").read_text())
+    assert after["step"] == before["step"] + 2 == 5
+    assert after["train_tokens"] > before["train_tokens"] > 0
+    assert after["training"]["continued_from"]["step"] == 3
+    assert after["training"]["continued_from"]["train_tokens"] == before["train_tokens"]
+    assert torch.equal(weights(on)["draft_to_target"], weights(first)["draft_to_target"])
+    assert torch.equal(weights(on)["feature_scale"], weights(first)["feature_scale"])
+    assert not torch.equal(weights(on)["head.weight"], weights(first)["head.weight"])   # it trained
+    for extra, needle in (((f"init_from={first / 'checkpoint'}", "model.n=2"), "n=3"),
+                          ((f"init_from={first / 'checkpoint'}", "model.fc_bias=true"), "model.fc_bias=true"),
+                          (("init_from=no-such-module",), "neither a checkpoint directory")):
+        proc = run_train(tmp_path / "bad", *keys, *extra, check=False)
+        assert proc.returncode == 2 and needle in proc.stderr.strip().splitlines()[-1], proc.stderr[-1500:]
+        assert "Traceback" not in proc.stderr and not (tmp_path / "bad").exists()

@@ -30,12 +30,34 @@ def measured_of(path: str, command: str) -> dict:
     raise SystemExit(f"ship.py: error: {path} is neither a bench/acceptance.py result nor an eval summary.json")
 
 
+def better_than_shipped(measured: dict, shipped_dir: str) -> tuple[bool, str]:
+    """(ship?, why): a new module replaces a shipped one only on a higher L'acc (tau for EAGLE-3) measured the same
+    way, so a re-ship is always an improvement on the number the docs quote."""
+    path = os.path.join(shipped_dir, "config.json")
+    if not os.path.isfile(path):
+        return True, f"nothing shipped at {shipped_dir}: shipping"
+    with open(path) as f:
+        before = (json.load(f).get("provenance") or {}).get("measured") or {}
+    metric = "eal_pooled" if "eal_pooled" in measured else "tau_pooled"
+    same = ("samples", "max_new_tokens", "temperature", "limit")
+    differ = [k for k in same if k in measured and k in before and measured[k] != before[k]]
+    if metric not in before or differ:
+        raise SystemExit(f"ship.py: error: the shipped module's measurement is not comparable with --measured "
+                         f"({', '.join(differ) or metric + ' missing'}); measure both the same way")
+    if measured[metric] > before[metric]:
+        return True, f"{metric} {measured[metric]:.4f} beats the shipped {before[metric]:.4f}: shipping"
+    return False, f"not shipped: {metric} {measured[metric]:.4f} does not beat the shipped {before[metric]:.4f}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="train/ship.py")
     ap.add_argument("checkpoint")
     ap.add_argument("name", help="directory name under spd/assets/modules/")
     ap.add_argument("--measured", required=True, help="JSON of the module's measured L'acc")
     ap.add_argument("--measured-command", required=True, help="the command that wrote --measured")
+    ap.add_argument("--if-better", action="store_true",
+                    help="ship only if --measured beats what the module shipped as NAME measured, on the same "
+                         "evaluation (samples, tokens, temperature); otherwise say why and leave it")
     args = ap.parse_args(argv)
 
     from safetensors.torch import load_file, save_file
@@ -48,9 +70,15 @@ def main(argv=None) -> int:
     training = config.get("training") or {}
     state = load_file(os.path.join(args.checkpoint, "model.safetensors"))
     small = float16_state(state)
+    measured = measured_of(args.measured, args.measured_command)
+    if args.if_better:
+        verdict = better_than_shipped(measured, os.path.join(SHIPPED_DIR, args.name))
+        print(verdict[1])
+        if not verdict[0]:
+            return 0
     config["provenance"] = {"command": training.get("command"), "data_sha256": training.get("data_sha256"),
                             "train_tokens": config.get("train_tokens"), "steps": config.get("step"),
-                            "measured": measured_of(args.measured, args.measured_command)}
+                            "measured": measured}
     os.makedirs(SHIPPED_DIR, exist_ok=True)
     dest = os.path.join(SHIPPED_DIR, args.name)
     tmp = tempfile.mkdtemp(prefix=".tmp-ship-", dir=SHIPPED_DIR)

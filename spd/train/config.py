@@ -101,6 +101,9 @@ class TrainConfig:
     output_dir: str = "outputs/train"   # config.json, metrics.jsonl, checkpoint/, ds_state/ (the resumable state)
     seed: int = 0
     resume: bool = False                # continue the run in output_dir from its ds_state/ (Ctrl-C, SIGTERM save one)
+    # continue a trained module's distillation (a checkpoint directory or a shipped module's name, e.g. smollm2-n5):
+    # its weights, draft vocabulary and feature standardisation start the run; its steps and tokens count on
+    init_from: Optional[str] = None
     log_every: int = 1
     eval_every: int = 0                 # 0 = only at the end
     eval_decodes: int = 4               # greedy decodes for the L'acc estimate

@@ -26,6 +26,7 @@ from spd.errors import UserError
 from spd.module import SpeculationModule
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
+from spd.train.continuation import load_continued
 from spd.train.data import load_conversations, tokenize_conversations
 from spd.train.feature_cache import build_or_load
 from spd.train.regenerate import regenerate, regenerated_path
@@ -229,13 +230,16 @@ def prepare(cfg, log):
     train_convs = [convs[i] for i in order[cfg.data.heldout:]]
     train = tokenize_conversations(loaded.tokenizer, train_convs, cfg.data.max_length, log)
     held = tokenize_conversations(loaded.tokenizer, held_convs, cfg.data.max_length, log) if held_convs else []
+    objective = objective_for(cfg)
+    if cfg.init_from:      # the module's own draft vocabulary and standardisation come with it
+        module, continued = load_continued(cfg, staged, loaded)
+        return loaded, staged, train, held, held_convs, module.draft_to_target, module, objective, continued
     draft = None
     if cfg.model.draft_vocab:
         draft = build_draft_vocab(train, cfg.model.draft_vocab, loaded.model.config.vocab_size).to(staged.device)
-    objective = objective_for(cfg)
     module = objective.build(staged, draft, lambda: feature_samples(staged, train[: cfg.model.feature_norm_examples],
                                                                     objective.layers(staged)))
-    return loaded, staged, train, held, held_convs, draft, module, objective
+    return loaded, staged, train, held, held_convs, draft, module, objective, None
 
 
 def train(cfg) -> dict:
@@ -256,7 +260,9 @@ def _train(cfg, rank: int, world: int) -> dict:
     ds_config = deepspeed_config(cfg, world)
     weights = list(cfg.occupancy_weights) if cfg.occupancy_weights else None
     torch.manual_seed(cfg.seed)
-    loaded, staged, train_set, held, held_convs, draft, module, objective = prepare(cfg, log)
+    loaded, staged, train_set, held, held_convs, draft, module, objective, continued = prepare(cfg, log)
+    # a continued run counts on from the module's steps and tokens, and its data order starts where they stopped
+    prior_steps, prior_tokens = (continued.step, continued.tokens) if continued else (0, 0)
     layers = objective.layers(staged)
     outside = [l for l in cfg.teacher_cache_layers if not 0 <= l <= staged.num_layers]
     if outside:
@@ -279,7 +285,7 @@ def _train(cfg, rank: int, world: int) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(cfg.optim.warmup_steps, cfg.optim.steps))
     engine, optimizer, _, scheduler = deepspeed.initialize(model=module, optimizer=optimizer,
                                                            lr_scheduler=scheduler, config=ds_config)
-    start, tokens_seen = 0, 0
+    start, tokens_seen = 0, prior_tokens
     ds_dir = os.path.join(out_dir, DS_STATE)
     if cfg.resume:
         _, client = engine.load_checkpoint(ds_dir)
@@ -313,14 +319,15 @@ def _train(cfg, rank: int, world: int) -> dict:
                           "init_fc": cfg.model.init_fc, "init_layers": resolved["model"]["init_layers"],
                           "feature_norm": cfg.model.feature_norm, "fc_bias": cfg.model.fc_bias,
                           "init_attention": cfg.model.init_attention,
-                          "occupancy_weights": weights, "lr": cfg.optim.lr}}
+                          "occupancy_weights": weights, "lr": cfg.optim.lr,
+                          **({"continued_from": continued.record()} if continued else {})}}
     def save(done: int, tokens_done: int) -> None:
         engine.save_checkpoint(ds_dir, tag=f"step{done}", client_state={"step": done, "tokens_seen": tokens_done})
         if rank == 0:
             for old in os.listdir(ds_dir):  # keep only the state `latest` points to (optimizer state is large)
                 if old.startswith("step") and old != f"step{done}":
                     shutil.rmtree(os.path.join(ds_dir, old), ignore_errors=True)
-            meta = {**extra, "step": done, "train_tokens": tokens_done}
+            meta = {**extra, "step": prior_steps + done, "train_tokens": tokens_done}
             save_checkpoint(module, loaded, os.path.join(out_dir, "checkpoint"), meta)
             if cfg.keep_checkpoints:
                 save_checkpoint(module, loaded, os.path.join(out_dir, "checkpoints", f"step-{done:05d}"), meta)
@@ -332,9 +339,9 @@ def _train(cfg, rank: int, world: int) -> dict:
         for step in bar:
             t0 = time.perf_counter()
             losses, agree, groups, tokens, excluded = [], [], {}, 0, 0
-            occ_gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + rank)
+            occ_gen = torch.Generator().manual_seed(cfg.seed * 7919 + (prior_steps + step) * 31 + rank)
             tokens_before = tokens_seen
-            for micro, idx in enumerate(micro_batches(len(train_set), cfg.seed, step, rank, world,
+            for micro, idx in enumerate(micro_batches(len(train_set), cfg.seed, prior_steps + step, rank, world,
                                                       cfg.deepspeed.micro_batch, cfg.deepspeed.accumulation)):
                 if micro and stop.agreed(world):   # stopped inside a step: save the last whole one, drop this one
                     save(step, tokens_before)
