@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -297,7 +298,7 @@ def load_config(schema: type, path: str | None, overrides: list[str], text: dict
         first = str(exc).splitlines()[0]
         if "not in struct" in first or "Key '" in first and "not" in first:
             raise UserError(f"{unknown_key(schema, str(key))}; valid keys: {', '.join(base.keys())}") from None
-        raise UserError(f"bad value for config key {key!r}: {first}") from None
+        raise UserError(wrong_type(base, str(key), first) or f"bad value for config key {key!r}: {first}") from None
     except ValueError as exc:  # overrides that cannot stack, e.g. a=[x] then a.b=: a key below a list's
         raise UserError(f"{_mistyped(base, overrides)}: no override can set a key inside a list value "
                         f"({str(exc).splitlines()[0]})") from None
@@ -329,6 +330,23 @@ def resolve_seed(cfg) -> None:
         import secrets
 
         cfg.seed = secrets.randbelow(2 ** 31) if cfg.temperature > 0 else 0
+
+
+KINDS = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false"}
+
+
+def wrong_type(base, key: str, message: str) -> str | None:
+    """A value of the wrong type, in the suite's words: what the key takes and its default (OmegaConf's own message
+    names Python types), or None for any other error."""
+    found = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", message) or \
+        re.search(r"Value '(.*)' is not a valid (bool)", message)
+    if not found:
+        return None
+    kind = KINDS.get(found[2], "true or false" if found[2] == "bool" else found[2].lower())
+    default = OmegaConf.select(base, key)
+    shown = json.dumps(default) if isinstance(default, bool) else default
+    return f"{key}={found[1]} is not {kind}; give {kind}" + (f", e.g. {key}={shown} (its default)"
+                                                               if default is not None else "")
 
 
 def _mistyped(base, overrides: list[str]) -> str:

@@ -2,8 +2,10 @@
 bench/wallclock.py measured for this kind of device and temperature regime (greedy or sampled; docs/speed-cpu.md).
 
 Torch-free: it is read before any model loads. Any key that describes an SPD pipeline or a module (method=,
-checkpoint=, n=, stage_bounds=, runtime=, draft_source=, ...) on the command line, or set away from its default in
-a YAML file, means the user chose, and nothing is changed: `runtime=local` alone decodes with SPD, the reference.
+checkpoint=, n=, stage_bounds=, draft_source=, ...) on the command line, or set away from its default in a YAML
+file, means the user chose, and nothing is changed. A runtime is not a method: `runtime=device` alone runs the default
+method on the device step, and where the default cannot run on the runtime asked for, the command is refused in one
+line naming the methods that can.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4, "datastore": "answers+
            "cuda": {"greedy": {"method": "ar", "cuda_graphs": True}, "sampled": {"method": "ar", "cuda_graphs": True}}}
 
 # keys that ask for SPD's pipeline or a module: a user who sets one of them gets what they asked for
-CHOOSING_KEYS = ("method", "checkpoint", "n", "stage_bounds", "runtime", "draft_source", "module_layers",
-                 "module_cache", "cuda_graphs", "threads_per_stage", "controller")
+CHOOSING_KEYS = ("method", "checkpoint", "n", "stage_bounds", "draft_source", "module_layers",
+                 "module_cache", "threads_per_stage", "controller")
 
 
 def device_type(device: str) -> str:
@@ -51,7 +53,36 @@ def apply_fastest_default(cfg, schema: type, overrides: list[str]) -> bool:
     from omegaconf import OmegaConf, read_write
 
     given = {word.split("=", 1)[0] for word in overrides}
-    chosen = fastest_default(cfg, OmegaConf.structured(schema), given)
+    defaults = OmegaConf.structured(schema)
+    chosen = fastest_default(cfg, defaults, given)
+    if chosen and cfg.runtime != defaults.runtime:
+        refuse_if_unrunnable(cfg, chosen, defaults)
     with read_write(cfg):
         cfg.update(chosen)
     return bool(chosen)
+
+
+def refuse_if_unrunnable(cfg, chosen: dict, defaults) -> None:
+    """The default method, on the runtime the user asked for, passes the decoding checks, or the command is refused
+    naming the methods that run there (as the user would give them: method= alone)."""
+    from omegaconf import OmegaConf
+
+    from spd.config import check_decoding
+    from spd.errors import UserError
+    from spd.methods import DECODING_METHODS
+
+    def passes(keys: dict) -> bool:
+        trial = OmegaConf.merge(cfg, keys)
+        try:
+            check_decoding(trial)
+        except UserError:
+            return False
+        return True
+
+    if passes(chosen):
+        return
+    plain = {key: defaults[key] for key in chosen}       # the fastest row's other keys back at their defaults
+    runs = [name for name in DECODING_METHODS if passes({**plain, "method": name})]
+    what = " ".join(f"{key}={value}" for key, value in chosen.items())
+    raise UserError(f"runtime={cfg.runtime} cannot run the default method here ({what}); add method= one of "
+                    f"{', '.join(runs) or 'none'}")

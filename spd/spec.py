@@ -76,9 +76,12 @@ class SharedKeys:
     dtype: Optional[str] = None          # float32 | bfloat16 | float16: the target's and the module's weights
                                          # (None: bfloat16 on CUDA, float32 elsewhere, the reference)
     device: str = "cpu"                  # cpu | cuda | cuda:N | mps
-    runtime: str = "local"               # local (stages one after another, the reference) | distributed |
-                                         # streams (one CUDA stream per stage, launched together; CUDA only)
-    cuda_graphs: bool = False            # each stage's one-token step replayed as a CUDA graph (CUDA only)
+    runtime: str = "local"               # local (stages one after another, the reference) | distributed (a process
+                                         # per stage) | streams (one CUDA stream per stage, launched together; CUDA
+                                         # only) | device (each cycle one fixed-shape step on the device, no host
+                                         # read inside). A runtime never changes the method
+    cuda_graphs: bool = False            # each stage's one-token step (runtime=device: the whole step) replayed as a
+                                         # CUDA graph (CUDA only)
     compile: bool = False                # runtime=device: the step through torch.compile (fullgraph, inductor)
     threads_per_stage: Optional[int] = None  # distributed: intra-op threads per process (None: cores // processes)
     controller: str = "auto"             # distributed: own_process (n + 1 processes) | first_stage (the controller

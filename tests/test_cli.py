@@ -166,7 +166,8 @@ def test_lookup_inside_the_pipeline_decodes_what_ar_decodes(capsys, tiny_target_
 
 def test_the_default_is_the_fastest_measured_here_and_any_choosing_key_overrides_it(capsys, tiny_target_dir, tmp_path):
     """No key chooses: spd.fastest's configuration for a CPU and the temperature regime, named as the default; the YAML file
-    shipped for generate chooses nothing either. A key that asks for SPD (n=, checkpoint=, runtime=, ...) gets SPD."""
+    shipped for generate chooses nothing either. A key that asks for SPD (n=, checkpoint=, ...) gets SPD; a runtime is
+    not a method: runtime=device runs the default on the device step, runtime=distributed (pipelines only) is refused."""
     from spd.fastest import FASTEST
 
     common = [f"target={tiny_target_dir}", "prompt=What is 12*7?", "max_new_tokens=30"]
@@ -184,8 +185,17 @@ def test_the_default_is_the_fastest_measured_here_and_any_choosing_key_overrides
     assert code == 0 and json.loads(out)["method"] == FASTEST["cpu"]["sampled"]["method"]
     assert main(["generate", "--config", "configs/infer/generate.yaml", *common, "json=true"]) == 0
     assert json.loads(capsys.readouterr().out)["default"] is True
-    for key in ("n=3", "runtime=local", "checkpoint=random", "method=spd", "draft_source=lookup+module"):
-        code, out, _ = run(capsys, *common, key, "json=true")     # runtime=local: SPD's reference runtime
+    for key in ("runtime=local", "runtime=device"):
+        code, out, _ = run(capsys, *common, key, "json=true")
+        chosen = json.loads(out)
+        assert code == 0 and chosen["method"] == greedy["method"] and chosen["default"] is True, key
+        assert chosen["token_ids"] == ar["token_ids"]
+    code, _, err = run(capsys, *common, "runtime=distributed")
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"spd-infer: error: runtime=distributed cannot run the default method here (method={greedy['method']} "
+        f"W={greedy['W']}); add method= one of spd, ppsd, spd_output_state, pipedec, flowspec, ar")
+    for key in ("n=3", "checkpoint=random", "method=spd", "draft_source=lookup+module"):
+        code, out, _ = run(capsys, *common, key, "json=true")
         chosen = json.loads(out)
         assert code == 0 and chosen["method"] == "spd" and chosen["default"] is False, key
         assert chosen["token_ids"] == ar["token_ids"]

@@ -65,6 +65,10 @@ def test_help_lists_every_method_from_the_registry(capsys, command):
     text = " ".join(capsys.readouterr().out.split())
     assert " | ".join(DECODING_METHODS) in text
     assert "flowspec" in text
+    from spd.runtime import RUNTIMES
+
+    runtime_line = text.split(" runtime ", 1)[1].split(" cuda_graphs ", 1)[0]
+    assert all(name in runtime_line for name in RUNTIMES), runtime_line
 
 
 def test_trainer_help_lists_the_trained_methods(capsys):
@@ -125,6 +129,18 @@ def test_an_unknown_key_suggests_the_nearest(capsys, argv, needle):
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], lines
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["serve", "port=abc"], "port=abc is not a whole number; give a whole number, e.g. port=8000 (its default)"),
+    (["generate", "temperature=hot", "Hi"], "temperature=hot is not a number; give a number, e.g. temperature=0.0 "
+                                            "(its default)"),
+    (["generate", "json=maybe", "Hi"], "json=maybe is not true or false; give true or false, e.g. json=false "
+                                       "(its default)"),
+])
+def test_a_value_of_the_wrong_type_is_refused_in_the_suites_words(capsys, argv, line):
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"spd-infer: error: {line}"]
 
 
 def test_did_you_mean_reaches_into_sections_and_stays_quiet_when_nothing_is_near():

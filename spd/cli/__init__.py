@@ -15,6 +15,12 @@ import warnings
 from spd.errors import UserError, run_command
 
 DECODE_COMMANDS = ("generate", "chat")  # their words are read by spd.cli.args, not argparse
+STATS_HELP = textwrap.fill(
+    "The stats line (stderr, after the text): [what decoded, its settings] N = tokens generated; a chain's cycles = "
+    "target forwards and τ = N / cycles (tokens a forward); a pipeline's K = pipeline steps, α = accepted / verified "
+    "drafts, L′acc = n·N/K (its equivalent acceptance length) and rollbacks = rejected drafts; 'accepted: datastore "
+    "0.42 (8/19)' = per draft source, the share of its verified drafts kept (kept/verified); tokens/s counts from the "
+    "prompt's arrival; seed= repeats a sampled run. docs/evaluation.md defines each measure.", 118)
 PROMPT_HELP = ("the prompt, verbatim: a positional argument, prompt=TEXT (never parsed as YAML), prompt_file=PATH, "
                "'-' or a pipe for standard input, or any text after --")
 
@@ -31,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in [("generate", "decode one prompt (the fastest lossless method here, or method= one of "
                                     f"{', '.join(DECODING_METHODS)}), streaming the text"),
                        ("chat", "a multi-turn conversation on standard input (/exit leaves, /reset starts over)")]:
-        cmd = sub.add_parser(name, help=text, description=text, schema=GenerateConfig)
+        cmd = sub.add_parser(name, help=text, description=text, schema=GenerateConfig, epilog=STATS_HELP)
         cmd.add_argument("--config", default=None, help="YAML config (configs/infer/generate.yaml)")
         cmd.add_argument("words", nargs="*", metavar="key=value | PROMPT",
                          help="config overrides (e.g. n=5 max_new_tokens=64); " +

@@ -99,8 +99,9 @@ class KeysParser(argparse.ArgumentParser):
             kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(*args, **kwargs)
         self.schema = schema
+        self.notes = self.epilog          # a command's own notes, after its keys
 
     def format_help(self) -> str:
-        if self.schema is not None and self.epilog is None:
-            self.epilog = keys_epilog(self.schema)
+        if self.schema is not None:
+            self.epilog = keys_epilog(self.schema) + (f"\n\n{self.notes}" if self.notes else "")
         return super().format_help()

@@ -17,7 +17,8 @@ class EvalConfig(DecodeKeys):
     """`spd-infer eval`: the decoding keys (spd.spec.DecodeKeys, the protocol's defaults above), what to score and
     where the results go."""
     datasets: List[str] = field(default_factory=lambda: ["mt_bench", "gsm8k", "humaneval"])  # first turns, in order
-    limit: Optional[int] = None         # the first `limit` prompts of each dataset; None = all 80
+    limit: Optional[int] = None         # the first `limit` prompts of each data set (limit=2: 2 of MT-Bench, 2 of
+                                        # GSM8K, 2 of HumanEval); None = all 80 of each
     exact_trace: bool = False           # T=0: run the step-by-step runtime instead of the exact fast evaluator
     ar_baseline: bool = True            # runtime samples: also decode with plain AR (lossless check + tokens/s)
     calibrate: bool = True              # measure stage/module/head/verify times for the measured-cost speedup
