@@ -29,7 +29,7 @@ from spd.drafters.hybrid import LookupThenModule
 from spd.drafters.spd_module import ModuleDrafter
 from spd.engine import build_decoder
 from spd.eval.traces import TraceCache
-from spd.eval.fast import fast_greedy_stats
+from spd.eval.fast_trace import fast_greedy_stats
 from spd.methods import DRAFT_SOURCES, LOOKUP_MODULE, PIPELINE
 from spd.module import SpeculationModule
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from spd.attention import memory_kv, rotate
 from spd.eval.output import write_json
 from spd.checkpoint import load_checkpoint, read_checkpoint_config
-from spd.eval.fast import GreedyTrace, fast_greedy_stats
+from spd.eval.fast import GreedyTrace
+from spd.eval.fast_trace import fast_greedy_stats
 from spd.layout import needed_layers
 from spd.metrics import pooled_eal
 from spd.targets.loading import load_target

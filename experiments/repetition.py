@@ -30,7 +30,7 @@ from spd.eval.config import EvalConfig
 from spd.eval.harness import prompt_seed
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
-from spd.eval.fast import fast_greedy_stats
+from spd.eval.fast_trace import fast_greedy_stats
 from spd.eval.fast_chain import fast_lookup_stats
 from spd.methods import METHODS
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions

@@ -93,7 +93,7 @@ class Method:
 # (spd.drafters.suffix_eagle3).
 MODULE, LOOKUP_MODULE, SUFFIX, LOOKUP, SUFFIX_MODULE = "module", "lookup+module", "suffix", "lookup", "suffix+module"
 
-_PIPELINED = dict(module="speculation", sources=(MODULE, LOOKUP_MODULE), fast_evaluator="spd.eval.fast:fast_pipeline_eval",
+_PIPELINED = dict(module="speculation", sources=(MODULE, LOOKUP_MODULE), fast_evaluator="spd.eval.fast_trace:fast_pipeline_eval",
                   drafter="spd.drafters.hybrid:pipelined_drafter", objective="spd.train.methods:PipelinedObjective",
                   device_step=True)
 

@@ -13,7 +13,8 @@ from spd.drafters.hybrid import LookupThenModule
 from spd.drafters.lookup import NgramIndex
 from spd.drafters.reference import ReferenceDrafter
 from spd.drafters.spd_module import ModuleDrafter
-from spd.eval.fast import fast_greedy_stats, record_greedy_trace
+from spd.eval.fast import record_greedy_trace
+from spd.eval.fast_trace import fast_greedy_stats
 from spd.module import SpeculationModule
 from spd.pricing import SourcePricer
 from spd.runtime.pipeline import PipelineDecoder

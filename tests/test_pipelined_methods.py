@@ -8,7 +8,8 @@ from helpers import GREEDY, ar_run, prompt, spd_run
 from spd.decoding import Request
 from spd.drafters.spd_module import ModuleDrafter
 from spd.eval.calibrate import formula_speedup, step_time
-from spd.eval.fast import fast_greedy_stats, record_greedy_trace
+from spd.eval.fast import record_greedy_trace
+from spd.eval.fast_trace import fast_greedy_stats
 from spd.layout import PLANS, depth, plan_for
 from spd.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder

@@ -116,7 +116,8 @@ def test_the_default_drafts_from_the_datastores_and_decodes_what_ar_decodes(caps
 
 
 def test_fast_evaluator_matches_runtime_on_smollm2(smollm2):
-    from spd.eval.fast import fast_greedy_stats, record_greedy_trace
+    from spd.eval.fast import record_greedy_trace
+    from spd.eval.fast_trace import fast_greedy_stats
 
     staged = StagedTarget(smollm2.model, 5)
     eos = eos_ids_of(smollm2.model.config, smollm2.tokenizer)

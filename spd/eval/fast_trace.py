@@ -1,8 +1,11 @@
-"""Exact greedy replays of FlowSpec and PipeDec: their own decoding loops (spd.runtime.segments, spd.runtime.pipeline)
-over `TraceStages`, an executor that runs no target but reads what the target would choose from its cached greedy
-trace (spd.eval.fast.GreedyTrace). The loop, the schedule, the drafter, every prune and flush are the runtime's; only
-the stages are replaced, so the replay's steps, acceptances and tokens are the runtime's wherever the pipeline's
-forwards choose the trace's tokens (their near-ties are counted, as for the other replays).
+"""Exact greedy replays of the pipelined methods — SPD and its variants, PipeDec, FlowSpec: their own decoding loops
+(spd.runtime.pipeline, spd.runtime.segments) over `TraceStages`, an executor that runs no target but reads what the
+target would choose from its cached greedy trace (spd.eval.fast.GreedyTrace). The loop, the schedule, the drafter,
+every prune and flush are the runtime's; only the stages are replaced, so the replay's steps, acceptances and tokens
+are the runtime's wherever the pipeline's forwards choose the trace's tokens (their near-ties are counted, as for the
+other replays). SPD's module drafts from a table computed in n batched passes over the trace (`module_drafts`): at
+every (occupancy, position) what it drafts when every token in flight is the target's own, which are the only steps
+whose draft is ever verified.
 
 A node's logits choose the trace's next token when its path from the verified context is the trace's; a node off
 the trace is never a frontier (only verified nodes are), so what it would choose is never read.
@@ -10,13 +13,20 @@ the trace is never a frontier (only verified nodes are), so what it would choose
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from spd.decoding import Request
+from spd.drafters.base import Drafter, WrappedDrafter
+from spd.drafters.hybrid import LookupThenModule
 from spd.eval.fast import GreedyTrace
+from spd.methods import LOOKUP_MODULE
+from spd.module import SpeculationModule
 from spd.runtime.executor import StageExecutor, StepOutput
 from spd.runtime.pipeline import PipelineDecoder
 from spd.runtime.segments import SegmentPipelineDecoder
+from spd.sampling import Proposal
 
 OFF_TRACE = -1    # an exiting node off the trace: a token no child can be
 
@@ -107,3 +117,81 @@ def fast_pipedec_eval(trace: GreedyTrace, *, make_drafter, n: int, width: int, c
     trace."""
     stages = TraceStages(trace, n, vocab)
     return replay(PipelineDecoder(stages, make_drafter(), frozenset(), width, children, spine=False), trace)
+
+
+@torch.no_grad()
+def module_drafts(module: SpeculationModule, trace: GreedyTrace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft token ids [n, T] and the module's top-2 margins [n, T] for every (occupancy a = row + 1, position t)."""
+    n = module.n
+    feats = {k: f.expand(n, -1, -1) for k, f in module.features(trace.hidden).items()}
+    logits = module.forward_layout(feats, torch.arange(1, n + 1)).float()   # [n, T, V']
+    top2 = torch.topk(logits, 2, dim=-1)
+    drafts = top2.indices[..., 0]
+    if module.draft_to_target is not None:
+        drafts = module.draft_to_target[drafts]
+    return drafts, top2.values[..., 0] - top2.values[..., 1]
+
+
+class TableDrafter(Drafter):
+    """The module's greedy drafts read from `module_drafts`' table at (the step's occupancy, its position); past the
+    trace's end (drafts no verification reaches) a token no target chooses."""
+
+    def __init__(self, drafts: torch.Tensor, length: int):
+        self.drafts, self.length = drafts.tolist(), length      # [n][T]; length: prompt + generated tokens
+
+    def layers_needed(self, bounds):
+        return []
+
+    def start(self, prompt_hidden, prompt_ids):
+        pass
+
+    def draft(self, view, propose) -> Proposal:
+        token = self.drafts[view.occupancy - 1][view.t] if view.t + 1 < self.length else OFF_TRACE
+        return Proposal(token, source="module")
+
+    def finalize(self, pos, hidden):
+        pass
+
+
+class Decisive(WrappedDrafter):
+    """Counts the *decisive* steps by occupancy — those whose draft is verified, because every token in flight is
+    the target's own — and reports each of their drafts' verdicts (on_settle(pos, accepted, source)): a decisive
+    draft is kept iff it is the trace's token."""
+
+    def __init__(self, inner: Drafter, sequence: list[int], on_settle=None):
+        super().__init__(inner)
+        self.sequence, self.on_settle = sequence, on_settle
+        self.decisive: Counter = Counter()
+
+    def draft(self, view, propose):
+        proposal = self.inner.draft(view, propose)
+        seq = self.sequence
+        if view.t + 1 < len(seq) and all(item.token == seq[item.pos] for item in view.in_flight):
+            self.decisive[view.occupancy] += 1
+            if self.on_settle:
+                self.on_settle(view.t + 1, proposal.token == seq[view.t + 1], proposal.source)
+        return proposal
+
+
+def fast_greedy_stats(module: SpeculationModule, trace: GreedyTrace, lookup: tuple[int, int] | None = None,
+                      on_settle=None, priced: bool = False) -> dict:
+    """N, K, L'acc, rollbacks of greedy SPD with `module` (SPD's own loop over the trace), plus the occupancy of its
+    decisive steps and the smallest module margin that could decide a draft. lookup: (shortest, longest n-gram) for
+    draft_source=lookup+module, the runtime's own drafter in front of the module's table (priced: spd.pricing)."""
+    drafts, margins = module_drafts(module, trace)
+    sequence = list(trace.prompt_ids) + list(trace.tokens)
+    drafter: Drafter = TableDrafter(drafts, len(sequence))
+    if lookup is not None:
+        drafter = LookupThenModule(drafter, *lookup, priced=priced)
+    observed = Decisive(drafter, sequence, on_settle)
+    out = replay(PipelineDecoder(TraceStages(trace, module.n, max(sequence) + 1), observed, frozenset()), trace)
+    return {**out, "decisive_occupancy": dict(sorted(observed.decisive.items())),
+            "min_module_margin": float(margins.min()) if margins.numel() else None}
+
+
+def fast_pipeline_eval(trace: GreedyTrace, *, module: SpeculationModule, draft_source: str,
+                       ngrams: tuple[int, int], source_pricing: bool = False) -> dict:
+    """A pipelined method's exact greedy replay (spd.methods): the module's drafts, the lookup's in front of them
+    where draft_source says so (source_pricing: where it is predicted likelier kept)."""
+    return fast_greedy_stats(module, trace, ngrams if draft_source == LOOKUP_MODULE else None,
+                             priced=source_pricing)
