@@ -65,8 +65,8 @@ def local_spd_decoders(args, stack: contextlib.ExitStack) -> dict[float, list[tu
     for width in args.widths:
         cfg = load_config(GenerateConfig, None, [f"target={args.target}", "method=spd", "runtime=local", f"W={width}"])
         session = open_session(cfg)
-        stages = stack.enter_context(open_stages(session.staged, cfg, session.drafter().layers_needed(
-            session.staged.bounds), session.caches.cache_dir))
+        stages = stack.enter_context(open_stages(session.staged, session.spec.runtime, session.drafter().layers_needed(
+            session.staged.bounds), session.caches.cache_dir, width))
         for temperature in args.temperatures:
             decoder = build_decoder(PIPELINE, session.staged, session.eos_ids, session.drafter(), stages=stages,
                                     width=session.spec.tree.width)

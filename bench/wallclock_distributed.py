@@ -79,7 +79,8 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model, c
             "balance": probe.caches.balance}
     rows = []
     capture = session.drafter().layers_needed(bounds)
-    with open_stages(session.staged, cfg, capture, session.caches.cache_dir) as stages:
+    with open_stages(session.staged, session.spec.runtime, capture, session.caches.cache_dir,
+                     session.spec.tree.width) as stages:
         messages = stages.time_messages()
         comm = {"message_us_per_step_median": statistics.median(messages) * 1e6,
                 "message_us_per_step_p90": sorted(messages)[int(0.9 * len(messages))] * 1e6}

@@ -20,7 +20,7 @@ from spd.runtime.executor import StageExecutor
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.seed import SeedDecoder
 from spd.runtime.segments import SegmentPipelineDecoder
-from spd.runtime.stages import open_stages
+from spd.runtime.stages import open_stages, sequences_together
 from spd.targets.stages import StagedTarget
 from spd.sampling import SamplingParams
 from spd.session import Session, open_session
@@ -78,7 +78,7 @@ def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder
                                   spec.draft_length or 1, "inductor" if spec.runtime.compile else None,
                                   spec.runtime.cuda_graphs, width=tree.width,
                                   budget=tree.nodes if tree.width > 1 else None, device_drafter=inside)
-    if kind == AR and eager_reference(cfg):
+    if kind == AR and eager_reference(spec.runtime):
         stages = None            # the plain loop; elsewhere AR relays through the same fixed-shape or remote steps
     return build_decoder(kind, s.staged, s.eos_ids, drafter, stages=stages, width=tree.width,
                          draft_length=spec.draft_length, tree_nodes=tree.nodes, children=tree.children,
@@ -118,7 +118,7 @@ class Engine:
         if runtime(s.spec.runtime.name).processes and kind == PIPELINE:
             return SeedDecoder(self.stages, new_drafter, s.eos_ids, tree.width, max_batch, tree.children,
                                METHODS[method].spine)
-        if not eager_reference(self.cfg):
+        if not eager_reference(s.spec.runtime):
             return None
         return build_batch_decoder(kind, s.staged, s.eos_ids, new_drafter, max_batch=max_batch, width=tree.width,
                                    draft_length=s.spec.draft_length, tree_nodes=tree.nodes, children=tree.children,
@@ -170,8 +170,8 @@ def open_engine(cfg, default: bool = False, session: Session | None = None):
     capture = drafter.layers_needed(session.staged.bounds) if drafter else []
     # the control rows carry a flight of n * width nodes: FlowSpec's, S a stage and as many verified in one walk
     segments = METHODS[spec.method].decoder == SEGMENTS
-    with open_stages(session.staged, cfg, capture, session.caches.cache_dir,
-                     2 * spec.tree.segment if segments else spec.tree.width) as stages:
+    with open_stages(session.staged, spec.runtime, capture, session.caches.cache_dir,
+                     2 * spec.tree.segment if segments else spec.tree.width, sequences_together(cfg)) as stages:
         yield Engine(cfg, session, stages, drafter, default)
 
 

@@ -17,13 +17,15 @@ from spd.targets.stages import StagedTarget
 GREEDY = SamplingParams()
 
 
-def distributed_cfg(**overrides):
-    """The keys `open_stages` reads for runtime=distributed: one thread per stage process, on this machine."""
-    from types import SimpleNamespace
+def distributed_runtime(**overrides):
+    """runtime=distributed's options as `open_stages` takes them (spd.spec.RuntimeOptions): one thread per stage
+    process, on this machine."""
+    from spd.spec import DistributedOptions, RuntimeOptions
 
-    base = dict(runtime="distributed", threads_per_stage=1, dtype="float32", device="cpu", timeout_s=20.0, W=1,
-                controller="auto", master_addr="127.0.0.1", master_port=0)
-    return SimpleNamespace(**{**base, **overrides})
+    distributed = dict(threads_per_stage=1, controller="auto", master_addr="127.0.0.1", master_port=0, timeout_s=20.0)
+    distributed.update({k: v for k, v in overrides.items() if k in distributed})
+    return RuntimeOptions(name="distributed", device="cpu", dtype="float32", cuda_graphs=False, compile=False,
+                          distributed=DistributedOptions(**distributed))
 
 
 def ended_on_rejection(result) -> bool:

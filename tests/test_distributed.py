@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from helpers import GREEDY, RankedDrafter, ScriptedDrafter, ar_run, controller_parts, distributed_cfg, ended_on_rejection, prompt
+from helpers import GREEDY, RankedDrafter, ScriptedDrafter, ar_run, controller_parts, distributed_runtime, ended_on_rejection, prompt
 from spd.ar import ARDecoder
 from spd.decoding import Request
 from spd.drafters.hybrid import with_draft_source
@@ -49,7 +49,7 @@ def test_distributed_equals_local_greedy_and_sampled(tiny, n, controller):
     runs = [(GREEDY, 0), (SAMPLED, 1), (SAMPLED, 2)]
     local = [decode(staged, params, seed) for params, seed in runs]
     parts, cache = controller_parts("tiny-llama", n)
-    with open_stages(parts, distributed_cfg(controller=controller), module_layers(n, staged), cache) as stages:
+    with open_stages(parts, distributed_runtime(controller=controller), module_layers(n, staged), cache) as stages:
         assert len(stages.processes.procs) == (n - 1 if controller == "first_stage" else n)
         remote = [decode(stages, params, seed) for params, seed in runs]   # one set of processes, several prompts
         remote_ar = PipelineARDecoder(stages, frozenset()).generate(p, Request(40, GREEDY))
@@ -74,7 +74,7 @@ def test_a_one_token_prompt_is_a_prefill_too(tiny, n, controller):
     module = SpeculationModule.from_target(staged, 1, seed=n).eval()
     p = prompt(5, length=1, vocab=tiny.model.config.vocab_size)
     parts, cache = controller_parts("tiny-llama", n)
-    with open_stages(parts, distributed_cfg(controller=controller), module_layers(n, staged), cache) as stages:
+    with open_stages(parts, distributed_runtime(controller=controller), module_layers(n, staged), cache) as stages:
         spd = PipelineDecoder(stages, ModuleDrafter(module), frozenset()).generate(p, Request(20, GREEDY))
         relayed = PipelineARDecoder(stages, frozenset()).generate(p, Request(20, GREEDY))
     assert spd.token_ids == relayed.token_ids == ar_run(tiny.model, p, 20).token_ids
@@ -95,7 +95,7 @@ def test_a_killed_stage_stops_every_process(tiny, capfd, controller):
     p = prompt(5, vocab=tiny.model.config.vocab_size)
     parts, cache = controller_parts("tiny-llama", n)
     with pytest.raises(PipelineFailure) as failure:
-        with open_stages(parts, distributed_cfg(controller=controller), module_layers(n, staged), cache) as stages:
+        with open_stages(parts, distributed_runtime(controller=controller), module_layers(n, staged), cache) as stages:
             procs = stages.processes.procs
             hosted = controller == "first_stage"
             victim = procs[0 if hosted else 1]  # stage 2 of 3
@@ -131,7 +131,7 @@ def test_distributed_draws_what_the_chi_square_tested_local_runtime_draws(tmp_pa
     module = SpeculationModule.from_target(StagedTarget(model, n), 1, seed=1).eval()  # random: many rejections
     local = PipelineDecoder(StagedTarget(model, n), ModuleDrafter(module), frozenset())
     controller, cache = controller_parts(str(tmp_path / "target"), n)
-    with open_stages(controller, distributed_cfg(controller="first_stage"), module_layers(n, controller),
+    with open_stages(controller, distributed_runtime(controller="first_stage"), module_layers(n, controller),
                      cache) as stages:   # two processes: what n = 2 runs on two cores
         remote = PipelineDecoder(stages, ModuleDrafter(module), frozenset())
         rollbacks, seen = 0, set()
@@ -166,7 +166,7 @@ def test_smollm2_n5_distributed_equals_local():
         return PipelineDecoder(stages, ModuleDrafter(module), frozenset()).generate(list(ids), Request(24, params, seed))
 
     local = [decode(staged, params, seed) for params, seed in runs]
-    with open_stages(controller, distributed_cfg(controller="own_process"), module_layers(n, staged), cache) as stages:
+    with open_stages(controller, distributed_runtime(controller="own_process"), module_layers(n, staged), cache) as stages:
         remote = [decode(stages, params, seed) for params, seed in runs]
     for mine, theirs in zip(remote, local):
         assert mine.token_ids == theirs.token_ids
@@ -199,7 +199,7 @@ def test_smollm2_reused_stage_processes_decode_like_ar():
     def decode(stages, drafter, p, params, seed):
         return PipelineDecoder(stages, drafter, frozenset()).generate(p, Request(24, params, seed))
 
-    with open_stages(controller, distributed_cfg(controller="first_stage"),
+    with open_stages(controller, distributed_runtime(controller="first_stage"),
                      ModuleDrafter(module).layers_needed(staged.bounds), cache) as stages:
         drafter = ModuleDrafter(module)
         reused = [decode(stages, drafter, *run) for run in runs]
@@ -230,7 +230,8 @@ def test_distributed_trees_equal_local(tiny, n, controller, source):
     runs = [(GREEDY, 0), (SAMPLED, 1)]
     local = [decode(staged, params, seed) for params, seed in runs]
     parts, cache = controller_parts("tiny-llama", n)
-    with open_stages(parts, distributed_cfg(controller=controller, W=4), module_layers(n, staged), cache) as stages:
+    with open_stages(parts, distributed_runtime(controller=controller), module_layers(n, staged), cache,
+                     width=4) as stages:
         remote = [decode(stages, params, seed) for params, seed in runs]
     for mine, theirs in zip(remote, local):
         assert mine.token_ids == theirs.token_ids
@@ -268,8 +269,8 @@ def test_sequences_sharing_the_stage_processes_decode_as_each_would_alone(tiny, 
                      .token_ids[6]])
     solo = [PipelineDecoder(staged, drafter(), eos, width).generate(p, r) for p, r in zip(prompts, requests)]
     parts, cache = controller_parts("tiny-llama", n)
-    cfg = distributed_cfg(controller=controller, W=width, max_batch=3)
-    with open_stages(parts, cfg, module_layers(n, staged), cache) as stages:
+    with open_stages(parts, distributed_runtime(controller=controller), module_layers(n, staged), cache, width=width,
+                     slots=3) as stages:
         seed = SeedDecoder(stages, drafter, eos, width, max_batch=3)
         tickets = [seed.submit(p, r) for p, r in zip(prompts[:3], requests[:3])]
         seed.step()
@@ -317,8 +318,8 @@ def test_smollm2_sequences_sharing_two_stage_processes_decode_as_alone():
     requests = [Request(32, GREEDY), Request(20, SamplingParams(temperature=1.0, top_k=50), 4), Request(40, GREEDY),
                 Request(24, GREEDY)]
     solo = [PipelineDecoder(staged, drafter(), frozenset()).generate(p, r) for p, r in zip(prompts, requests)]
-    with open_stages(controller, distributed_cfg(controller="first_stage", max_batch=3), module_layers(n, staged),
-                     cache) as stages:
+    with open_stages(controller, distributed_runtime(controller="first_stage"), module_layers(n, staged),
+                     cache, slots=3) as stages:
         seed = SeedDecoder(stages, drafter, frozenset(), max_batch=3)
         tickets = [seed.submit(p, r) for p, r in zip(prompts, requests)]
         seed.run()

@@ -162,7 +162,7 @@ def test_flowspec_over_stage_processes_equals_local(controller):
     """runtime=distributed: the tree and the segments' masks on the controller, the segments in the stage
     processes (each exiting node's logits, or greedy its argmax, sent back); greedy and seeded T = 1 tokens and
     every statistic equal the in-process run."""
-    from helpers import GREEDY, controller_parts, distributed_cfg
+    from helpers import GREEDY, controller_parts, distributed_runtime
     from spd.runtime.stages import open_stages
     from spd.sampling import SamplingParams
     from spd.targets.loading import load_target
@@ -178,7 +178,7 @@ def test_flowspec_over_stage_processes_equals_local(controller):
 
     local = [decode(staged, params, seed) for params, seed in runs]
     parts, cache = controller_parts("tiny-llama", n)
-    with open_stages(parts, distributed_cfg(controller=controller), [], cache, width=2 * segment) as stages:
+    with open_stages(parts, distributed_runtime(controller=controller), [], cache, width=2 * segment) as stages:
         remote = [decode(stages, params, seed) for params, seed in runs]
     for mine, theirs in zip(remote, local):
         assert mine.token_ids == theirs.token_ids

@@ -92,3 +92,16 @@ def test_the_check_sees_a_nested_import(tmp_path):
     path.write_text("def f():\n    from spd.session import open_session\n")
     assert [higher(m) for _, m in imports(str(path))] == [True]
     assert not higher("spd.sessions_of_nothing") and not higher("spd.sampling")
+
+
+def test_no_decoding_key_is_read_flat_below_the_config_layer():
+    """Below the config layer every decoding key is read from the DecodeSpec (spec.tree.width, not cfg.W): one way
+    to read a config (bench/code_counts.py counts the reads; the check sees one where there is one)."""
+    from bench.code_counts import counts, decoding_keys, flat_reads
+
+    found = counts()["flat_decoding_reads_below_config"]
+    assert found["count"] == 0, found["by_file"]
+    keys = decoding_keys()
+    assert {"W", "temperature", "runtime", "max_new_tokens"} <= keys
+    snippet = ast.parse("def f(cfg, engine):\n    return cfg.W, engine.cfg.temperature, cfg.output_dir, spec.tree\n")
+    assert sorted(flat_reads(snippet, keys)) == ["W", "temperature"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import spd.runtime.pipeline as pipeline
-from helpers import count_kept_children, eval_replay_equals_runtime, GREEDY, ar_run, controller_parts, distributed_cfg, prompt
+from helpers import count_kept_children, eval_replay_equals_runtime, GREEDY, ar_run, controller_parts, distributed_runtime, prompt
 from spd.decoding import Request
 from spd.drafters.draft_model import DraftLM, DraftModelDrafter
 from spd.runtime.pipeline import PipelineDecoder
@@ -146,7 +146,7 @@ def test_pipedec_over_stage_processes_equals_local(controller):
 
     local = [decode(staged, params, seed) for params, seed in runs]
     parts, cache = controller_parts("tiny-llama", n)
-    with open_stages(parts, distributed_cfg(controller=controller, W=4), [], cache) as stages:
+    with open_stages(parts, distributed_runtime(controller=controller), [], cache, width=4) as stages:
         remote = [decode(stages, params, seed) for params, seed in runs]
     for mine, theirs in zip(remote, local):
         assert mine.token_ids == theirs.token_ids

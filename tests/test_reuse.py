@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from helpers import GREEDY, ScriptedDrafter, ar_run, controller_parts, distributed_cfg, ended_on_rejection, prompt
+from helpers import GREEDY, ScriptedDrafter, ar_run, controller_parts, distributed_runtime, ended_on_rejection, prompt
 from spd.ar import ARDecoder
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
@@ -150,7 +150,7 @@ def distributed(tiny, untied_target_dir):
     mods = modules(staged)
     capture = sorted({layer for m in mods.values() for layer in ModuleDrafter(m).layers_needed(staged.bounds)})
     controller, cache = controller_parts(untied_target_dir, N_STAGES)
-    with open_stages(controller, distributed_cfg(), capture, cache) as stages:
+    with open_stages(controller, distributed_runtime(), capture, cache) as stages:
         yield stages, staged, mods
 
 

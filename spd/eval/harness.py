@@ -31,10 +31,11 @@ from spd.methods import DRAFTING_METHODS, LOOKUP_MODULE, METHODS, SEGMENTS, beha
 from spd.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.runtime import eager_reference, runtime
 from spd.session import Session, asks, open_session
+from spd.spec import DecodeSpec
 
 
 def validate(cfg) -> None:
-    if cfg.method is not None and cfg.method not in DRAFTING_METHODS:
+    if DecodeSpec.of(cfg).method not in (None, *DRAFTING_METHODS):
         raise UserError("method=ar drafts nothing to evaluate; eval runs a drafter (spd, ppsd, spd_output_state, "
                         "eagle3, lookup) and plain AR beside it (ar_baseline=true)")
     unknown = [ds for ds in cfg.datasets if ds not in DATASETS]
@@ -46,10 +47,11 @@ def validate(cfg) -> None:
 def uses_fast_evaluator(cfg) -> bool:
     """Greedy, in-process, eager runs are scored from cached traces; the others run the step-by-step runtime (and
     so do Self-Draft's branches beside the suffix drafter: a trace holds no branch row's logits)."""
-    evaluable = cfg.method is None or METHODS[cfg.method].fast_eval   # None: a checkpoint's module
-    evaluable = evaluable and not cfg.suffix_branches
-    return evaluable and cfg.temperature == 0 and not cfg.exact_trace and eager_reference(cfg) and (
-        cfg.W == 1 or cfg.method is not None and METHODS[cfg.method].replays_trees)
+    spec = DecodeSpec.of(cfg)
+    evaluable = spec.method is None or METHODS[spec.method].fast_eval   # None: a checkpoint's module
+    evaluable = evaluable and not spec.suffix.branches
+    return evaluable and spec.sampling.temperature == 0 and not cfg.exact_trace and eager_reference(spec.runtime) and (
+        spec.tree.width == 1 or spec.method is not None and METHODS[spec.method].replays_trees)
 
 
 def prompt_seed(seed: int, dataset: str, question_id) -> int:
@@ -96,7 +98,7 @@ def batched_samples(engine: Engine, batched, cfg, items: list):
     baseline = engine.batch_decoder(cfg.batch_size, "ar") if cfg.ar_baseline else None
     for lo in range(0, len(items), cfg.batch_size):
         chunk = items[lo: lo + cfg.batch_size]
-        seeds = [prompt_seed(cfg.seed, ds, q["question_id"]) for ds, q, _ in chunk]
+        seeds = [prompt_seed(engine.session.spec.sampling.seed, ds, q["question_id"]) for ds, q, _ in chunk]
         tickets = [batched.submit(ids, engine.request(seed=seed)) for (_, _, ids), seed in zip(chunk, seeds)]
         references = [baseline.submit(ids, engine.request(seed=seed)) for (_, _, ids), seed in zip(chunk, seeds)] \
             if baseline else []
@@ -178,7 +180,7 @@ def run_eval(cfg, log=print) -> dict:
     # plans); a chain, or a method without a module, reads what it asks for (FlowSpec, PipeDec: nothing)
     spec, tree = session.spec, session.spec.tree
     read = capture if METHODS[spec.method].chain or not METHODS[spec.method].trained else None
-    traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, cfg.max_new_tokens, read,
+    traces = TraceCache(cfg.trace_cache_dir, session.loaded, session.staged, spec.max_new_tokens, read,
                         list(cfg.trace_layers)) if fast else None
     L_s = module_layers(session.module)
     log(f"{len(work)} prompts, {len(work) - len(todo)} already done; "
@@ -193,7 +195,7 @@ def run_eval(cfg, log=print) -> dict:
             if batched is not None else None
         for ds, q in tqdm(todo, desc="eval", unit="prompt", disable=False):  # explicit: the CLI mutes other bars
             ids = chat_prompt_ids(tok, q["turns"][0])
-            seed = prompt_seed(cfg.seed, ds, q["question_id"])
+            seed = prompt_seed(spec.sampling.seed, ds, q["question_id"])
             with torch.no_grad():
                 if records is not None:
                     rec = next(records)
@@ -202,8 +204,8 @@ def run_eval(cfg, log=print) -> dict:
                         runtime_sample(engine, seed, ids)
             token_ids = rec.pop("token_ids")
             out.append({"question_id": q["question_id"], "dataset": ds, "method": spec.method, "L_s": L_s,
-                        "T": cfg.temperature, "top_k": session.params.top_k, "top_p": session.params.top_p,
-                        "seed": seed, "runtime": cfg.runtime, **rec,
+                        "T": spec.sampling.temperature, "top_k": session.params.top_k,
+                        "top_p": session.params.top_p, "seed": seed, "runtime": spec.runtime.name, **rec,
                         "text": tok.decode(token_ids, skip_special_tokens=True)})
     selected = {(ds, str(q["question_id"])) for ds, q in work}
     samples = [s for s in out.samples if (s["dataset"], str(s["question_id"])) in selected]
@@ -212,27 +214,28 @@ def run_eval(cfg, log=print) -> dict:
     # holds none (the clock is measured). EAGLE-3 needs no pipeline, so the clock also judges it directly.
     calibration = None
     chain = METHODS[spec.method].chain
-    if cfg.calibrate and runtime(cfg.runtime).reference and METHODS[spec.method].rows_vary and samples:
+    if cfg.calibrate and runtime(spec.runtime.name).reference and METHODS[spec.method].rows_vary and samples:
         calibration = rows_calibration(session, summary["overall"]["step_rows"], context_of(tok, work, samples))
-    elif cfg.calibrate and runtime(cfg.runtime).reference and session.module is not None:  # the lookup has no module to time
+    elif cfg.calibrate and runtime(spec.runtime.name).reference and session.module is not None:  # the lookup has no module to time
         calibration = calibrate_chain(session.staged, session.drafter(), session.params, spec.draft_length,
                                       width=tree.width, budget=tree.nodes) if chain else \
             calibrate(session.staged, session.module, session.params, width=tree.width)
     summary["speedup"] = speedups(summary, session.staged, session.module, calibration) if not chain else \
         chain_speedups(summary, session.staged.num_layers, spec.draft_length, calibration, L_s)
     summary["run"] = {"method": spec.method, "label": run_label(session, cfg), "n": session.staged.n, "module_layers": L_s,
-                      "temperature": cfg.temperature, "top_k": session.params.top_k, "top_p": cfg.top_p, "W": tree.width,
+                      "temperature": spec.sampling.temperature, "top_k": session.params.top_k,
+                      "top_p": session.params.top_p, "W": tree.width,
                       "tree_nodes": tree.nodes if chain and tree.width > 1 else None,
                       "draft_length": spec.draft_length if chain else None,
-                      "max_new_tokens": cfg.max_new_tokens, "checkpoint": spec.module.checkpoint,
+                      "max_new_tokens": spec.max_new_tokens, "checkpoint": spec.module.checkpoint,
                       "target": session.loaded.name, "mode": "fast" if fast else "runtime",
-                      "runtime": cfg.runtime, "stage_bounds": session.staged.bounds,
+                      "runtime": spec.runtime.name, "stage_bounds": session.staged.bounds,
                       "draft_source": spec.draft_source if METHODS[spec.method].pipelined else None,
                       "segment": tree.segment if METHODS[spec.method].decoder == SEGMENTS else None,
                       "children": tree.children, "draft_layers": session.draft_model.layers
                       if session.draft_model is not None else None}
     summary["meta"] = {"config": resolved, "git_commit": git_commit(), "machine": machine(session.staged.device),
-                       "dtype": cfg.dtype, "seed": cfg.seed, "torch": torch.__version__,
+                       "dtype": spec.runtime.dtype, "seed": spec.sampling.seed, "torch": torch.__version__,
                        "created": time.strftime("%Y-%m-%d %H:%M:%S")}
     write_json(f"{cfg.output_dir}/summary.json", summary)
     from spd.eval.report import write_report
@@ -281,7 +284,7 @@ def log_wandb(cfg, resolved: dict, summary: dict) -> None:
     run = wandb.init(mode=cfg.wandb.mode, project=cfg.wandb.project, dir=cfg.output_dir, config=resolved,
                      settings=wandb.Settings(silent=True),
                      name=cfg.wandb.name or summary["run"]["label"], job_type="eval",
-                     tags=[f"n={summary['run']['n']}", f"T={cfg.temperature:g}"])
+                     tags=[f"n={summary['run']['n']}", f"T={summary['run']['temperature']:g}"])
     metrics = {}
     for ds, figures in {**summary["datasets"], "overall": summary["overall"]}.items():
         for key in ("eal_pooled", "eal_mean_of_ratios", "alpha_pooled", "rollbacks", "N", "K", "tau_pooled", "cycles"):

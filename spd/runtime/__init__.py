@@ -18,7 +18,8 @@ from spd.errors import UserError
 class Runtime:
     name: str
     help: str                 # what it runs, after "runs" in `--help` and errors
-    # "module:function" of a context manager (staged, cfg, capture, cache_dir, width) -> StageExecutor; the
+    # "module:function" of a context manager (staged, RuntimeOptions, capture, cache_dir, width, slots) ->
+    # StageExecutor; the
     # in-process opener builds `steps` (spd.runtime.stages.EXECUTORS: eager, or as CUDA graphs)
     opener: str = "spd.runtime.stages:open_in_process"
     steps: tuple[str, str] | None = None   # in-process executor kinds without / with cuda_graphs=true
@@ -65,7 +66,7 @@ def runtime(name: str) -> Runtime:
     return RUNTIMES[name]
 
 
-def eager_reference(cfg) -> bool:
-    """The config decodes on the eager reference executor (no CUDA graphs): what the plain AR loop, the exact fast
-    evaluator, calibration and in-process batching need."""
-    return runtime(cfg.runtime).reference and not cfg.cuda_graphs
+def eager_reference(options) -> bool:
+    """A spec's runtime options (spd.spec.RuntimeOptions) decode on the eager reference executor (no CUDA graphs):
+    what the plain AR loop, the exact fast evaluator, calibration and in-process batching need."""
+    return runtime(options.name).reference and not options.cuda_graphs

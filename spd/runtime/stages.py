@@ -11,6 +11,7 @@ from spd.errors import UserError
 from spd.runtime import runtime as runtime_named
 from spd.runtime.executor import StageExecutor
 from spd.runtime.local import LocalStages
+from spd.spec import RuntimeOptions
 from spd.targets.stages import StagedTarget
 
 
@@ -90,24 +91,24 @@ def executor_kind(runtime: str, cuda_graphs: bool) -> str:
     return runtime_named(runtime).executor_kind(cuda_graphs)
 
 
-def sequences_together(cfg) -> int:
+def sequences_together(cfg) -> int:   # the command's keys (getattr: not every command has both)
     """How many sequences the stages must hold at once: the command's batch (serve and generate's `max_batch`,
     eval's `batch_size`), 1 where it has none."""
     return max(getattr(cfg, "max_batch", 1), getattr(cfg, "batch_size", 1))
 
 
 @contextmanager
-def open_stages(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | None = None,
-                width: int | None = None):
-    """Yield a StageExecutor for `staged`: the config's runtime (spd.runtime.RUNTIMES) opens it, in this process or
+def open_stages(staged: StagedTarget, options: RuntimeOptions, capture: list[int], cache_dir: str | None = None,
+                width: int = 1, slots: int = 1):
+    """Yield a StageExecutor for `staged`: the spec's runtime (spd.runtime.RUNTIMES) opens it, in this process or
     as stage processes loading `cache_dir`'s target. width: the most nodes a stage runs in a step (W; FlowSpec: its
-    segment), None: the config's W."""
-    with runtime_named(cfg.runtime).opens()(staged, cfg, capture, cache_dir, width) as executor:
+    segments' rows); slots: the sequences it holds at once (a batch)."""
+    with runtime_named(options.name).opens()(staged, options, capture, cache_dir, width, slots) as executor:
         yield executor
 
 
 @contextmanager
-def open_in_process(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | None = None,
-                    width: int | None = None):
-    """An in-process runtime's executor: its steps as the config asks (eager or CUDA graphs)."""
-    yield stage_executor(executor_kind(cfg.runtime, cfg.cuda_graphs), staged)
+def open_in_process(staged: StagedTarget, options: RuntimeOptions, capture: list[int], cache_dir: str | None = None,
+                    width: int = 1, slots: int = 1):
+    """An in-process runtime's executor: its steps as the spec asks (eager or CUDA graphs)."""
+    yield stage_executor(executor_kind(options.name, options.cuda_graphs), staged)

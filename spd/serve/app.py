@@ -31,7 +31,7 @@ class Service:
     def __init__(self, engine, worker: DecodeWorker, cfg):
         self.engine, self.worker, self.metrics, self.cfg = engine, worker, worker.metrics, cfg
         self.model = engine.session.loaded.name
-        self.aliases = {self.model, cfg.target}   # the name the model reports, and the target= it was loaded by
+        self.aliases = {self.model, engine.session.spec.target}   # the name the model reports, and the target= it was loaded by
         self.created = int(time.time())
         self.window = getattr(engine.session.loaded.model.config, "max_position_embeddings", None)
         self.vocab = engine.session.loaded.model.config.vocab_size
@@ -59,7 +59,7 @@ class Service:
         params = SamplingParams(temperature=base.temperature if body.temperature is None else body.temperature,
                                 top_k=base.top_k if body.top_k is None else max(0, body.top_k),
                                 top_p=base.top_p if body.top_p is None else body.top_p)
-        new = max_tokens if max_tokens is not None else self.cfg.max_new_tokens
+        new = max_tokens if max_tokens is not None else self.engine.session.spec.max_new_tokens
         return Request(new, params, body.seed), body.method == "ar" and method != "ar"
 
     def fit(self, ids: list[int], request: Request) -> None:
@@ -161,7 +161,7 @@ def build_app(service: Service) -> FastAPI:
         failure = service.worker.failure
         state = "failed" if failure else ("shutting_down" if service.shutting_down else "ok")
         body = {"status": state, "model": service.model, "method": service.engine.session.spec.method,
-                "runtime": service.cfg.runtime, "queue": service.worker.waiting,
+                "runtime": service.engine.session.spec.runtime.name, "queue": service.worker.waiting,
                 "running": service.worker.busy, "error": failure}
         return JSONResponse(body, status_code=200 if state == "ok" else 503)
 

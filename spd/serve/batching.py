@@ -129,7 +129,7 @@ class BatchWorker(DecodeWorker):
         self.running.clear()
         for decoder in filter(None, (self.batch, self.plain)):
             decoder.abandon()
-        if isinstance(exc, PipelineFailure) or runtime(self.engine.cfg.runtime).processes:
+        if isinstance(exc, PipelineFailure) or runtime(self.engine.session.spec.runtime.name).processes:
             self.failure = message
             if self.on_fatal:
                 self.on_fatal(message)

@@ -141,7 +141,7 @@ class DecodeWorker:
         except Exception as exc:     # noqa: BLE001 - every failure is answered, and a dead pipeline ends the server
             stream.close()
             message = f"the decode failed: {exc}".splitlines()[0]
-            fatal = isinstance(exc, PipelineFailure) or runtime(self.engine.cfg.runtime).processes
+            fatal = isinstance(exc, PipelineFailure) or runtime(self.engine.session.spec.runtime.name).processes
             job.post("error", {"status": 500, "message": message})
             if fatal:
                 self.failure = message

@@ -23,7 +23,8 @@ from spd.runtime.distributed.controller import DistributedStages
 from spd.runtime.distributed.placement import backend, gpus_apart
 from spd.runtime.distributed.protocol import Setup, world_size
 from spd.runtime.executor import StageExecutor
-from spd.runtime.stages import hosts_first_stage, launched_world, sequences_together, threads_for
+from spd.runtime.stages import hosts_first_stage, launched_world, threads_for
+from spd.spec import RuntimeOptions
 from spd.targets.stages import StagedTarget
 
 
@@ -224,25 +225,26 @@ def _gpu_hand_offs(device: str, launched: int | None, world: int) -> bool:
 
 
 @contextmanager
-def open_pipeline(staged: StagedTarget, cfg, capture: list[int], cache_dir: str | None = None,
-                  width: int | None = None):
+def open_pipeline(staged: StagedTarget, options: RuntimeOptions, capture: list[int], cache_dir: str | None = None,
+                  width: int = 1, slots: int = 1):
     """runtime=distributed: stage processes loading `cache_dir`'s target, spawned here or joined under torchrun;
     torn down on exit (gracefully unless the body raised)."""
     launched = launched_world()
-    hosted = hosts_first_stage(cfg.controller, staged.n, cfg.device, launched)
-    threads = threads_for(staged.n, cfg.threads_per_stage, hosted)
+    d = options.distributed
+    hosted = hosts_first_stage(d.controller, staged.n, options.device, launched)
+    threads = threads_for(staged.n, d.threads_per_stage, hosted)
     torch.set_num_threads(threads)
     setup = Setup(cache_dir=cache_dir, n=staged.n, bounds=staged.bounds, capture=sorted(set(capture) - {0}),
-                  dtype=cfg.dtype, device=cfg.device, threads=threads, step_timeout_s=cfg.timeout_s, hosted=hosted,
-                  width=width or cfg.W, slots=sequences_together(cfg),
-                  nccl=_gpu_hand_offs(cfg.device, launched, world_size(staged.n, hosted)))
+                  dtype=options.dtype, device=options.device, threads=threads, step_timeout_s=d.timeout_s,
+                  hosted=hosted, width=width, slots=slots,
+                  nccl=_gpu_hand_offs(options.device, launched, world_size(staged.n, hosted)))
     executor: StageExecutor | None = None
     graceful = True
     try:
         if dist.is_initialized():  # torchrun started every rank (infer/run.py)
             executor = join_launched_pipeline(staged, setup)
         else:
-            executor = start_local_pipeline(staged, setup, cfg.master_addr, cfg.master_port)
+            executor = start_local_pipeline(staged, setup, d.master_addr, d.master_port)
         yield executor
     except BaseException:
         graceful = False
