@@ -169,7 +169,8 @@ class Graphed:
             limits = torch._dynamo.config
             limits.recompile_limit = max(limits.recompile_limit, 1024)
             limits.accumulated_recompile_limit = max(limits.accumulated_recompile_limit, 4096)
-            compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=compile)
+            compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=compile,
+                                     options=compile_options(compile, self.target.device))
             model = self.target.model
             swapped = swapped_linears(model)    # once: a walk of every module would cost each step
 
@@ -194,6 +195,15 @@ class Graphed:
     def out_buffer(self) -> torch.Tensor:
         return self.state.out
 
+
+
+def compile_options(backend: str, device: torch.device) -> dict | None:
+    """Inductor's options for a step on `device`. On a CPU every kernel launch is host work, and Inductor's default
+    Python wrapper between the kernels costs as much again as they do on a small step: its C++ wrapper calls them
+    from one compiled function (the EAGLE-3 chain's host time a token 984 -> 710 us, SPD's pipeline step 1,273 ->
+    997 us, bench/overhead.py on 2 cores; compiling takes about twice as long). On CUDA the step's graph replaces
+    the wrapper altogether."""
+    return {"cpp_wrapper": True} if backend == "inductor" and device.type == "cpu" else None
 
 
 class DeviceStep(Graphed):
