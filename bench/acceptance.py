@@ -18,13 +18,13 @@ import sys
 import torch
 from tqdm import tqdm
 
-from spd.checkpoint import load_checkpoint, read_checkpoint_config
+from spd.models.checkpoint import load_checkpoint, read_checkpoint_config
 from spd.decoding import eos_ids_of
 from spd.eval.fast import GreedyTrace, record_greedy_trace
 from spd.eval.fast_trace import fast_greedy_stats
 from spd.metrics import pooled_eal
-from spd.module import SpeculationModule
-from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.models.module import SpeculationModule
+from spd.corpora.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

@@ -16,7 +16,7 @@ import torch
 from spd.decoding import Request
 from spd.engine import build_batch_decoder
 from spd.methods import AR
-from spd.prompts import chat_prompt_ids
+from spd.corpora.prompts import chat_prompt_ids
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

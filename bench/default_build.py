@@ -9,7 +9,7 @@ from spd.decoding import eos_ids_of
 from spd.drafters.suffix import Retrieval, SuffixDrafter
 from spd.engine import build_decoder
 from spd.methods import CHAIN
-from spd.retrieval import open_datastore
+from spd.corpora.retrieval import open_datastore
 from spd.targets.row_costs import cached_row_costs
 from bench.wallclock_sets import prompt_set
 

@@ -20,9 +20,9 @@ from spd.decoding import Request, eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
 from spd.engine import build_decoder
 from spd.methods import AR, PIPELINE
-from spd.module import SpeculationModule
-from spd.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.sampling import SamplingParams
+from spd.models.module import SpeculationModule
+from spd.corpora.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.verify.sampling import SamplingParams
 from spd.targets.loaded import DTYPES
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget

@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 
-from spd.sharegpt import EVERYDAY_PATH, _sharegpt_file, complete_records, normalise
+from spd.corpora.sharegpt import EVERYDAY_PATH, _sharegpt_file, complete_records, normalise
 
 
 def english(text: str) -> bool:

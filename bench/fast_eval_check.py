@@ -23,7 +23,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from spd.checkpoint import load_checkpoint, read_checkpoint_config
+from spd.models.checkpoint import load_checkpoint, read_checkpoint_config
 from spd.decoding import Request
 from spd.drafters.hybrid import LookupThenModule
 from spd.drafters.spd_module import ModuleDrafter
@@ -31,9 +31,9 @@ from spd.engine import build_decoder
 from spd.eval.traces import TraceCache
 from spd.eval.fast_trace import fast_greedy_stats
 from spd.methods import DRAFT_SOURCES, LOOKUP_MODULE, PIPELINE
-from spd.module import SpeculationModule
-from spd.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.sampling import SamplingParams
+from spd.models.module import SpeculationModule
+from spd.corpora.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.verify.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

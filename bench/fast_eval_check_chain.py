@@ -25,18 +25,18 @@ import sys
 import torch
 from tqdm import tqdm
 
-from spd.checkpoint import load_checkpoint
+from spd.models.checkpoint import load_checkpoint
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.suffix import Retrieval, SuffixDrafter
-from spd.retrieval import open_datastore
+from spd.corpora.retrieval import open_datastore
 from spd.engine import build_decoder
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
 from spd.eval.fast_chain import fast_chain_stats, fast_lookup_stats, fast_tree_stats
 from spd.methods import CHAIN
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.row_costs import cached_row_costs
 from spd.targets.stages import StagedTarget

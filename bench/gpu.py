@@ -26,26 +26,26 @@ from typing import Callable
 
 import torch
 
-from spd.checkpoint import load_checkpoint
+from spd.models.checkpoint import load_checkpoint
 from spd.config import GenerateConfig, load_config
 from spd.decoding import Request
 from spd.engine import build_decoder
 from spd.eval.harness import machine
 from spd.eval.output import write_json
 from spd.methods import AR, METHODS, PIPELINE
-from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.corpora.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.drafters.eagle3_device import Eagle3DeviceDrafter
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.selfdraft import SelfDraftDrafter
 from spd.drafters.suffix import SuffixDrafter
-from spd.eagle3_module import Eagle3Module
+from spd.models.eagle3 import Eagle3Module
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.device_chain import DeviceChainDecoder
 from spd.runtime.device_pipeline import DevicePipelineDecoder
 from spd.runtime.device_step import Graphed
 from spd.runtime.stages import reference_kind, stage_executor
 from spd.runtime.streams import StreamStages
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.session import open_session
 from spd.targets.stages import StagedTarget
 from spd.targets.timing import sync
@@ -317,7 +317,7 @@ def hybrid_rows(prompts, max_new, device, dtype: torch.dtype, deadline: float | 
     from bench.hybrid_state import SHAPE_4B
     from spd.drafters.reference import ReferenceDrafter
     from spd.drafters.spd_module import ModuleDrafter
-    from spd.module import SpeculationModule
+    from spd.models.module import SpeculationModule
     from spd.runtime.pipeline import PipelineDecoder
 
     config = Qwen3_5TextConfig(**{**SHAPE_4B, **(shape or {})})

@@ -147,7 +147,7 @@ def sharegpt_extract(dest: str, max_length: int, budget_bytes: int, log=print) -
 def build(args) -> int:
     import importlib.util
 
-    from spd.shipped import SHIPPED_DIR
+    from spd.models.shipped import SHIPPED_DIR
     from spd.targets.source import SMOLLM2_GGUF
 
     if args.continue_from and not os.path.isfile(os.path.join(args.continue_from, "config.json")):

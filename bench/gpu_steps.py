@@ -26,9 +26,9 @@ from spd.decoding import Request
 from spd.engine import build_decoder
 from spd.eval.output import write_json
 from spd.methods import AR, CHAIN, PIPELINE
-from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.corpora.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.runtime.stages import reference_kind, stage_executor
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.session import open_session
 from spd.targets.stages import StagedTarget
 
@@ -297,7 +297,7 @@ def method_of(checkpoint: str) -> str:
 def step_export(plan: dict, checkpoint: str, name: str, result: Result) -> None:
     from safetensors.torch import load_file, save_file
 
-    from spd.checkpoint import float16_state
+    from spd.models.checkpoint import float16_state
 
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
@@ -324,8 +324,8 @@ def step_export(plan: dict, checkpoint: str, name: str, result: Result) -> None:
 def step_tiny(plan: dict) -> None:
     """The dry run's random target, and an untrained n = 5 module for it in the shape the continued training asks
     for (its stand-in for the shipped module)."""
-    from spd.checkpoint import save_checkpoint
-    from spd.module import SpeculationModule
+    from spd.models.checkpoint import save_checkpoint
+    from spd.models.module import SpeculationModule
     from spd.targets.loading import load_target
     from spd.targets.stages import StagedTarget
     from spd.targets.tiny import save_tiny_target

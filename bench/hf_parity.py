@@ -23,8 +23,8 @@ from spd.decoding import Request, eos_ids_of
 from spd.drafters.reference import ReferenceDrafter
 from spd.engine import build_decoder
 from spd.methods import PIPELINE
-from spd.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.sampling import SamplingParams
+from spd.corpora.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.verify.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

@@ -26,14 +26,14 @@ from omegaconf import OmegaConf
 from spd.eval.config import EvalConfig
 from spd.eval.harness import context_of
 from spd.eval.output import write_json
-from spd.checkpoint import load_checkpoint
+from spd.models.checkpoint import load_checkpoint
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.eval.calibrate import (calibrate, calibrate_chain, chain_measured_cost_speedup, measured_cost_speedup,
                                 rows_calibration, rows_measured_cost_speedup)
 from spd.methods import METHODS
-from spd.prompts import load_questions
+from spd.corpora.prompts import load_questions
 from spd.session import open_session
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

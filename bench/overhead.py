@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from spd.ar import ARDecoder
+from spd.runtime.ar import ARDecoder
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.eagle3_device import Eagle3DeviceDrafter
@@ -33,15 +33,15 @@ from spd.drafters.lookup import LookupDrafter
 from spd.drafters.selfdraft import SelfDraftDrafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.drafters.suffix import SuffixDrafter
-from spd.eagle3_module import Eagle3Module
+from spd.models.eagle3 import Eagle3Module
 from spd.eval.output import write_json
 from spd.methods import METHODS
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.device_chain import DeviceChainDecoder
 from spd.runtime.device_pipeline import DevicePipelineDecoder
 from spd.runtime.pipeline import PipelineDecoder
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.linears import plain_products
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model

@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from spd.ar import ARDecoder
+from spd.runtime.ar import ARDecoder
 from spd.config import GenerateConfig, load_config
 from spd.decoding import Request, eos_ids_of
 from spd.engine import open_engine

@@ -36,7 +36,7 @@ from spd.drafters.selfdraft import SelfDraftDrafter, corpus_ngrams
 from spd.engine import build_decoder
 from spd.eval.output import write_json
 from spd.methods import AR, CHAIN, METHODS
-from spd.prompts import chat_prompt_ids, load_questions
+from spd.corpora.prompts import chat_prompt_ids, load_questions
 from spd.targets.loading import load_target
 from spd.targets.row_costs import _cpu_name
 from spd.targets.stages import StagedTarget

@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 
-from spd.sharegpt import _sharegpt_file, complete_records, normalise
+from spd.corpora.sharegpt import _sharegpt_file, complete_records, normalise
 from spd.train.regenerate import first_prompt
 
 

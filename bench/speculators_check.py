@@ -46,9 +46,9 @@ def venv_python(venv: str) -> str:
 
 def cases():
     """(name, loaded target, module) for each head checked."""
-    from spd.checkpoint import load_checkpoint
-    from spd.eagle3_module import Eagle3Module
-    from spd.shipped import checkpoint_for
+    from spd.models.checkpoint import load_checkpoint
+    from spd.models.eagle3 import Eagle3Module
+    from spd.models.shipped import checkpoint_for
     from spd.targets.loading import load_target
     from spd.targets.stages import StagedTarget
 

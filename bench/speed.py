@@ -24,10 +24,10 @@ from spd.drafters.spd_module import ModuleDrafter
 from spd.engine import build_decoder
 from spd.layout import needed_layers
 from spd.methods import AR, PIPELINE
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.schedule import first_step
 from spd.runtime.views import step_view
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

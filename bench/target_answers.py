@@ -1,5 +1,5 @@
 """The target's own answers as a datastore (`datastore=answers`): the default target's greedy answers to
-ShareGPT first turns that no benchmark set holds (spd.retrieval.answer_prompts: the everyday set's conversations and
+ShareGPT first turns that no benchmark set holds (spd.corpora.retrieval.answer_prompts: the everyday set's conversations and
 any that quote an eval prompt are held out), decoded many at a time (spd.runtime.batch, plain AR, float32), kept in
 chunks under --cache-dir as they finish (an interrupted or time-limited run resumes at the first missing chunk; on a
 machine without the chunks, those the packed file already holds are taken from it), and
@@ -22,12 +22,12 @@ import time
 import torch
 from tqdm import tqdm
 
-from spd.datastore import load_documents, save_documents, tokenizer_key
+from spd.corpora.datastore import load_documents, save_documents, tokenizer_key
 from spd.decoding import Request, eos_ids_of
 from spd.engine import build_batch_decoder
 from spd.methods import AR
-from spd.prompts import chat_prompt_ids
-from spd.retrieval import ANSWERS, answer_prompts, answers_path
+from spd.corpora.prompts import chat_prompt_ids
+from spd.corpora.retrieval import ANSWERS, answer_prompts, answers_path
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from spd.checkpoint import load_checkpoint, read_checkpoint_config  # noqa: E402
+from spd.models.checkpoint import load_checkpoint, read_checkpoint_config  # noqa: E402
 from spd.eval.fast import GreedyTrace
 from spd.eval.fast_trace import fast_greedy_stats  # noqa: E402
 from spd.metrics import pooled_eal  # noqa: E402

@@ -21,7 +21,7 @@ import time
 def measure(length: int, repeats: int) -> dict:
     import torch
 
-    from spd.module import SpeculationModule
+    from spd.models.module import SpeculationModule
     from spd.targets.loading import load_target
     from spd.targets.stages import StagedTarget
     from spd.train.objective import kd_loss, teacher_pass

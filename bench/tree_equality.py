@@ -34,7 +34,7 @@ from tqdm import tqdm
 from spd.config import GenerateConfig, load_config
 from spd.decoding import Request
 from spd.engine import open_engine
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 
 from bench.fast_eval_check import MARGIN, eval_prompts, finished_rows   # this folder: the fast evaluator check's helpers
 
@@ -46,8 +46,8 @@ def trace_file(trace_dir: str, dataset: str, qid) -> str:
 
 def live_trace(engine, ids: list[int], max_new_tokens: int) -> dict:
     """The target's own greedy decode of `ids` in the engine's dtype, with the top-2 logit margin of every position."""
-    from spd.ar import ARDecoder
-    from spd.sampling import top2_margin
+    from spd.runtime.ar import ARDecoder
+    from spd.verify.sampling import top2_margin
 
     margins = []
     ar = ARDecoder(engine.session.staged, engine.session.eos_ids, observe=lambda logits, _: margins.append(

@@ -45,7 +45,7 @@ from spd.session import open_session
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 from spd.drafters.suffix import Retrieval, SuffixDrafter
-from spd.retrieval import open_datastore
+from spd.corpora.retrieval import open_datastore
 from spd.targets.row_costs import cached_row_costs
 from bench.wallclock_sets import REPEAT_SPAN, prompt_set, summarise_set
 from bench.wallclock_table import markdown

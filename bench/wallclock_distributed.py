@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from spd.checkpoint import read_checkpoint_config
+from spd.models.checkpoint import read_checkpoint_config
 from spd.config import GenerateConfig, load_config
 from spd.decoding import Request
 from spd.drafters.base import Drafter, WrappedDrafter
@@ -73,7 +73,7 @@ def distributed_rows(args, prompts, n: int, kind: str, cores: int, full_model, c
                                              repeats=10)
     base = {"n": n, "bounds": kind, "stage_bounds": bounds, "threads_per_process": threads, "processes": processes,
             "controller": controller,
-            # the session drafts with the shipped module for this n and bounds when none is given (spd.shipped)
+            # the session drafts with the shipped module for this n and bounds when none is given (spd.models.shipped)
             "module": "trained" if checkpoint else "shipped" if session.spec.module.checkpoint else "untrained",
             "checkpoint": checkpoint or session.spec.module.checkpoint,
             "balance": probe.caches.balance}

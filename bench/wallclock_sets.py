@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from spd.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.sharegpt import EVERYDAY_PATH
+from spd.corpora.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.corpora.sharegpt import EVERYDAY_PATH
 
 REPEAT_SPAN = 32
 
@@ -67,7 +67,7 @@ def summarise_set(rows: list[dict], prompts, args) -> dict:
         if t == 0:  # lossless: every greedy row decodes AR's tokens (AR of its dtype)
             row["greedy_equals_ar"] = sum(mine[key] == ids for key, ids in theirs.items())
         elif row["method"] in KEYED and row.get("keyed", True) and row is not own:
-            # keyed draws: a seeded request samples AR's own tokens (spd.sampling.KeyedDraws)
+            # keyed draws: a seeded request samples AR's own tokens (spd.verify.sampling.KeyedDraws)
             row["sampled_equals_ar"] = sum(mine[key] == ids for key, ids in theirs.items())
     for row in rows:
         row.pop("outputs")

@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from spd.decoding import GenerationResult
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.linears import plain_products
 
 

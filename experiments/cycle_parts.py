@@ -30,7 +30,7 @@ from spd.eval.output import write_json
 from spd.methods import AR
 from spd.pricing import AcceptancePredictor
 from spd.runtime import chain, sequence
-from spd.sampling import KeyedDraws, greedy_token, top2_margin
+from spd.verify.sampling import KeyedDraws, greedy_token, top2_margin
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 from bench.wallclock_turns import params_for, seed_of
@@ -40,10 +40,10 @@ SECONDS: dict[str, float] = collections.defaultdict(float)
 
 def vector_ops_us(vocab: int, calls: int = 2000) -> dict[str, float]:
     """Microseconds a call, warm, over one logits vector [vocab]: torch's argmax, top-2 and max beside the suite's
-    block-maxima greedy token and top-2 margin (spd.sampling)."""
+    block-maxima greedy token and top-2 margin (spd.verify.sampling)."""
     x = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
     ops = {"torch.argmax": lambda: torch.argmax(x), "torch.topk(2)": lambda: torch.topk(x, 2), "torch.max": x.max,
-           "spd.sampling.greedy_token": lambda: greedy_token(x), "spd.sampling.top2_margin": lambda: top2_margin(x)}
+           "spd.verify.sampling.greedy_token": lambda: greedy_token(x), "spd.verify.sampling.top2_margin": lambda: top2_margin(x)}
     out = {}
     for name, op in ops.items():
         for _ in range(50):

@@ -28,9 +28,9 @@ from collections import Counter, defaultdict
 import torch
 import torch.nn.functional as F
 
-from spd.attention import memory_kv, rotate
+from spd.models.attention import memory_kv, rotate
 from spd.eval.output import write_json
-from spd.checkpoint import load_checkpoint, read_checkpoint_config
+from spd.models.checkpoint import load_checkpoint, read_checkpoint_config
 from spd.eval.fast import GreedyTrace
 from spd.eval.fast_trace import fast_greedy_stats
 from spd.layout import needed_layers

@@ -23,7 +23,7 @@ import sys
 import torch
 
 from spd.eval.output import write_json
-from spd.checkpoint import load_checkpoint, read_checkpoint_config
+from spd.models.checkpoint import load_checkpoint, read_checkpoint_config
 from spd.eval.fast import GreedyTrace
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget

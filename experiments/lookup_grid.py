@@ -28,7 +28,7 @@ from spd.config import load_config
 from spd.eval.config import EvalConfig
 from spd.eval.traces import TraceCache
 from spd.eval.fast_chain import fast_lookup_stats
-from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.corpora.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
 from spd.targets.row_costs import measure_row_costs
 from spd.eval.output import write_json

@@ -23,7 +23,7 @@ from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
 from spd.eval.fast_chain import replay
 from spd.pricing import MARGIN_EDGES, AcceptancePredictor
-from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.corpora.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
 from spd.targets.row_costs import cached_row_costs
 

@@ -21,16 +21,16 @@ from tqdm import tqdm
 from spd.config import load_config
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.suffix import Retrieval, SuffixDrafter
-from spd.retrieval import open_datastore
+from spd.corpora.retrieval import open_datastore
 from spd.eval.config import EvalConfig
 from spd.eval.output import write_json
 from spd.eval.traces import TraceCache
 from spd.eval.fast_chain import replay
-from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.corpora.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 from spd.targets.row_costs import cached_row_costs
-from spd.tree import DraftTree
+from spd.verify.tree import DraftTree
 
 
 class HindsightSuffix(SuffixDrafter):

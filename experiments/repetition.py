@@ -33,7 +33,7 @@ from spd.eval.traces import TraceCache
 from spd.eval.fast_trace import fast_greedy_stats
 from spd.eval.fast_chain import fast_lookup_stats
 from spd.methods import METHODS
-from spd.prompts import DATASETS, chat_prompt_ids, load_questions
+from spd.corpora.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
 
 from bench.wallclock_sets import repeating

@@ -3,7 +3,7 @@ prompt, as bench/wallclock.py samples) of the everyday and eval sets, and for ev
 sampling distribution p. Two measures over them:
 
 - how much of p a candidate set covers at depth 1 (a node advances with the sum of p over its deterministic
-  children, spd.sampling.settle_children): the target's own top-k (a ceiling no drafter without a forward reaches),
+  children, spd.verify.sampling.settle_children): the target's own top-k (a ceiling no drafter without a forward reaches),
   and the top-k the target produced the last time it read the same token (Token Recycling's adjacency: the
   target's recycled rows);
 - the priced replay of each drafter over the sampled answers (spd.eval.fast_chain.replay with the sampled token as
@@ -11,7 +11,7 @@ sampling distribution p. Two measures over them:
   spd.targets.row_costs): the lookup chain, the default's priced context statistics (method=suffix W = 4), and
   those statistics with recycled children added (a drafter that lives only here, told the top ids of every row
   the target verified — prompt and accepted path — as the runtime could tell it); the default also priced by the
-  noise of the keyed draws (spd.sampling.KeyedDraws), drawn from their posterior given the answer's tokens.
+  noise of the keyed draws (spd.verify.sampling.KeyedDraws), drawn from their posterior given the answer's tokens.
 
     python -m experiments.t1_sources --out docs/results/t1_sources.json
 
@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from spd.decoding import Request, eos_ids_of
-from spd.checkpoint import load_checkpoint
+from spd.models.checkpoint import load_checkpoint
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.suffix import Retrieval, SuffixDrafter, _Node
@@ -40,8 +40,8 @@ from spd.eval.output import write_json
 from spd.eval.fast_chain import replay
 from spd.methods import AR
 from spd.pricing import Evidence
-from spd.retrieval import open_datastore
-from spd.sampling import SamplingParams
+from spd.corpora.retrieval import open_datastore
+from spd.verify.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.row_costs import cached_row_costs
 from spd.targets.stages import StagedTarget

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from spd.decoding import eos_ids_of
 from spd.eval.fast import record_greedy_trace, record_greedy_traces
 from spd.layout import needed_layers
-from spd.prompts import chat_prompt_ids, load_questions
+from spd.corpora.prompts import chat_prompt_ids, load_questions
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

@@ -2,7 +2,7 @@
 
 At one tree node the target's p and the drafter's q are fixed; the node's children are q's top-W tokens (what the
 authors' code drafts). Their rule tests each child with its own coin, u * q(x) <= p(x), keeps the first that
-passes, and draws from norm(max(p - q, 0)) when none does. The suite's rule (spd.sampling.settle_children) draws
+passes, and draws from norm(max(p - q, 0)) when none does. The suite's rule (spd.verify.sampling.settle_children) draws
 x ~ p once and descends into x if it is a child, so what it emits is p by construction (tests/test_tree_sampling.py
 checks the code with a chi-square test). This script computes the authors' rule's output distribution exactly (no
 sampling) on the toy p, q of that test and on SmolLM2-sized random ones, and writes its total variation from p.

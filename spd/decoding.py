@@ -11,7 +11,7 @@ from typing import Iterator
 import torch
 
 from spd.metrics import ChainStats, DecodeStats
-from spd.sampling import KeyedDraws, SamplingParams
+from spd.verify.sampling import KeyedDraws, SamplingParams
 from spd.targets.kv_cache import LayerKVCache
 from spd.targets.linear_states import ROLLBACK
 from spd.targets.stages import StagedTarget

@@ -8,7 +8,7 @@ import sys
 from contextlib import contextmanager
 from typing import Iterator
 
-from spd.ar import ARDecoder
+from spd.runtime.ar import ARDecoder
 from spd.decoding import Decoder, GenerationResult, Request
 from spd.methods import AR, CHAIN, LOOKUP_MODULE, METHODS, PIPELINE, SEGMENTS
 from spd.runtime import eager_reference, runtime
@@ -22,7 +22,7 @@ from spd.runtime.seed import SeedDecoder
 from spd.runtime.segments import SegmentPipelineDecoder
 from spd.runtime.stages import open_stages, sequences_together
 from spd.targets.stages import StagedTarget
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.session import Session, open_session
 
 

@@ -17,7 +17,7 @@ from spd.errors import UserError
 PIPELINE, SEGMENTS, CHAIN, AR = "pipeline", "segments", "chain", "ar"
 
 # the module classes, by the name a Method's `module` and a checkpoint's config give them
-MODULE_CLASSES = {"speculation": "spd.module:SpeculationModule", "eagle3": "spd.eagle3_module:Eagle3Module"}
+MODULE_CLASSES = {"speculation": "spd.models.module:SpeculationModule", "eagle3": "spd.models.eagle3:Eagle3Module"}
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Method:
     label: str               # in tables, plots and run labels
     decoder: str             # PIPELINE (spd.runtime.pipeline), SEGMENTS (spd.runtime.segments), CHAIN
                              # (spd.runtime.chain) or AR
-    module: str | None       # a MODULE_CLASSES key: "speculation" (spd.module), "eagle3"; None: drafts without one
+    module: str | None       # a MODULE_CLASSES key: "speculation" (spd.models.module), "eagle3"; None: drafts without one
     fast_evaluator: str | None = None   # "module:function" scoring greedy eval from the target's cached traces
     draft_length: int | None = None   # a chain's drafts per target forward when draft_length= is not given
     drafter: str | None = None        # "module:function" building its drafter (keyword arguments, see Session)

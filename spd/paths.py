@@ -78,7 +78,7 @@ def refuse_authors_head(path: str) -> None:
 
 def check_checkpoint_dir(checkpoint: str | None, method: str | None = None) -> None:
     """A checkpoint= that names a directory names one that exists and holds a module's config.json: checked from
-    the config alone, before torch loads (spd.checkpoint reads and verifies the rest once the target is loaded).
+    the config alone, before torch loads (spd.models.checkpoint reads and verifies the rest once the target is loaded).
     None (the shipped module) and `random` (untrained) name none; a method that loads no module (the lookup, PipeDec)
     is left to the session, which refuses checkpoint= itself (drop it)."""
     from spd.methods import AR, METHODS
@@ -91,5 +91,5 @@ def check_checkpoint_dir(checkpoint: str | None, method: str | None = None) -> N
     if not os.path.isdir(checkpoint):
         raise UserError(f"checkpoint directory {checkpoint!r} does not exist; pass checkpoint=<dir> of a trained "
                         "module")
-    if not os.path.isfile(os.path.join(checkpoint, "config.json")):   # spd.checkpoint.CONFIG_FILE
+    if not os.path.isfile(os.path.join(checkpoint, "config.json")):   # spd.models.checkpoint.CONFIG_FILE
         raise UserError(f"checkpoint {checkpoint!r} has no config.json; it is not a module checkpoint")

@@ -11,7 +11,7 @@ from what the rows cost here and how likely each drafted node is to be kept.
   newest verified token, and of the candidate's recall). Verdicts are whatever verification decided — greedy or
   sampled — so at T = 1 it learns the sampled acceptance; the drafter judges every candidate, drafted or not, so a
   bucket priced out can win back. A sampled request's context candidates carry their recall — the target's p of the
-  token where the context that proposes it occurred before (spd.sampling.KeyedDraws.chance) — which a bucket's
+  token where the context that proposes it occurred before (spd.verify.sampling.KeyedDraws.chance) — which a bucket's
   average cannot tell apart: a token the target was sure of there against one it drew by luck.
 - `given_noise`: at T = 1 with keyed draws, a candidate's chance given the noise that will choose its position.
 - `choose`: the prefix of the candidates (best first, parents before children) that maximises expected tokens per
@@ -118,7 +118,7 @@ NOISE_SHARE = 0.35   # of a candidate's chance at T = 1, the part its own noise 
 
 
 def given_noise(chance: float, u: float, share: float = NOISE_SHARE) -> float:
-    """A deterministic candidate's chance of being the keyed draw (spd.sampling.KeyedDraws) once its own uniform u
+    """A deterministic candidate's chance of being the keyed draw (spd.verify.sampling.KeyedDraws) once its own uniform u
     at its position is known. For a token of probability p under the target the draw is x iff log p + g(x) beats
     the rest of the vocabulary, whose best score is a Gumbel at log(1 - p): P = u ** ((1 - p) / p). But `chance` is
     the predictor's — a bucket's average over candidates whose p runs from ~0 to ~1 — and the formula at the average

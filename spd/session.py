@@ -8,24 +8,24 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from spd.checkpoint import check_target, checkpoint_method, load_checkpoint, read_checkpoint_config
+from spd.models.checkpoint import check_target, checkpoint_method, load_checkpoint, read_checkpoint_config
 from spd.decoding import eos_ids_of
 from spd.drafters.base import ChainDrafter, Drafter
 from spd.drafters.draft_model import DraftLM
-from spd.eagle3_module import Eagle3Module
+from spd.models.eagle3 import Eagle3Module
 from spd.errors import UserError
 from spd.methods import AR, METHODS, MODULE, behaviour, module_class
 from spd.drafters.suffix import Retrieval, SuffixMemory
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.pricing import RowCosts
-from spd.prompts import conversation_ids
-from spd.sampling import SamplingParams
-from spd.shipped import DEFAULT_N, checkpoint_for
+from spd.corpora.prompts import conversation_ids
+from spd.verify.sampling import SamplingParams
+from spd.models.shipped import DEFAULT_N, checkpoint_for
 from spd.spec import DecodeSpec, Sampling
 from spd.runtime import runtime as runtime_named
 from spd.targets.loaded import DTYPES
 from spd.targets.loading import LoadedTarget, load_target
-from spd.retrieval import open_datastore
+from spd.corpora.retrieval import open_datastore
 from spd.targets.row_costs import cached_row_costs
 from spd.targets.linear_states import ROLLBACK
 from spd.targets.source import hybrid_family, resolve_source

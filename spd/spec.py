@@ -59,7 +59,7 @@ class SharedKeys:
                                          # too — sharegpt (built once per tokenizer, cached), answers (the target's
                                          # own, shipped), a datastore file, your own text (a .txt file, or .jsonl
                                          # of {"text": ...} lines; built once, cached), or several joined by +
-                                         # (spd.retrieval); speed only, never the output
+                                         # (spd.corpora.retrieval); speed only, never the output
     n: Optional[int] = None              # pipeline stages; None = the checkpoint's n, else 5
     stage_bounds: Any = None             # explicit inner boundaries b_1..b_{n-1}, or "balanced" (by measured cost)
     module_layers: int = 1               # L_s of a randomly initialised module

@@ -5,13 +5,13 @@ import os
 
 import torch
 
-from spd.ar import ARDecoder
+from spd.runtime.ar import ARDecoder
 from spd.decoding import Request
 from spd.drafters.base import Drafter, WrappedDrafter
 from spd.drafters.spd_module import ModuleDrafter
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.stages import StagedTarget
 
 GREEDY = SamplingParams()

@@ -14,9 +14,9 @@ import time
 import pytest
 import torch.distributed
 
-from spd.checkpoint import save_checkpoint
+from spd.models.checkpoint import save_checkpoint
 from spd.cli import main as spd_infer
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

@@ -82,8 +82,8 @@ def test_profile_times_every_layer_and_the_head():
 
 
 def test_balanced_run_reports_its_bounds_and_refuses_a_module_for_other_bounds(tmp_path):
-    from spd.checkpoint import save_checkpoint
-    from spd.module import SpeculationModule
+    from spd.models.checkpoint import save_checkpoint
+    from spd.models.module import SpeculationModule
 
     args = ["target=tiny-llama", "prompt=What is 12*7?", "max_new_tokens=8", "json=true", "n=2",
             "stage_bounds=balanced", "runtime=distributed", "threads_per_stage=1"]

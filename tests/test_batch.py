@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from helpers import GREEDY, prompt
-from spd.ar import ARDecoder
+from spd.runtime.ar import ARDecoder
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.lookup import LookupDrafter
-from spd.eagle3_module import Eagle3Module
+from spd.models.eagle3 import Eagle3Module
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
 from spd.targets.ragged import Segment, forward_segments
 from spd.targets.stages import StagedTarget
-from spd.tree import DraftTree
-from spd.sampling import Proposal
+from spd.verify.tree import DraftTree
+from spd.verify.sampling import Proposal
 from test_lossless_sampling import ALPHA, LENGTH, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
 
 
@@ -220,7 +220,7 @@ def test_generate_decodes_a_prompts_file_in_batches(capsys, tiny_target_dir, tmp
 def pipeline_drafter(staged, kind):
     from spd.drafters.hybrid import LookupThenModule
     from spd.drafters.spd_module import ModuleDrafter
-    from spd.module import SpeculationModule
+    from spd.models.module import SpeculationModule
 
     module = EAGLE.setdefault(("spd", staged), SpeculationModule.from_target(staged, 1, seed=0))   # random
     if kind == "lookup+module":

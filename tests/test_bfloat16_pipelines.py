@@ -11,7 +11,7 @@ from spd.drafters.draft_model import DraftLM, DraftModelDrafter
 from spd.drafters.hybrid import LookupThenModule
 from spd.drafters.spd_module import ModuleDrafter
 from spd.drafters.suffix import SuffixDrafter
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
 from spd.runtime.seed import SeedDecoder
 from spd.runtime.segments import SegmentPipelineDecoder

@@ -1,10 +1,10 @@
-"""spd.sampling's argmax and top-2 margin over a large CPU vocabulary read block maxima first: they must return what
+"""spd.verify.sampling's argmax and top-2 margin over a large CPU vocabulary read block maxima first: they must return what
 torch.argmax (lowest id on ties) and torch.topk return, bit for bit, ties and non-contiguous rows included."""
 
 import pytest
 import torch
 
-from spd.sampling import BLOCK, FEWEST, _blocks, greedy_token, top2_margin
+from spd.verify.sampling import BLOCK, FEWEST, _blocks, greedy_token, top2_margin
 
 
 def _reference_margin(x: torch.Tensor) -> float:

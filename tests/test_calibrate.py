@@ -12,9 +12,9 @@ from spd.eval.calibrate import (
     step_time,
 )
 from spd.drafters.eagle3 import Eagle3Drafter
-from spd.eagle3_module import Eagle3Module
-from spd.module import SpeculationModule
-from spd.sampling import SamplingParams
+from spd.models.eagle3 import Eagle3Module
+from spd.models.module import SpeculationModule
+from spd.verify.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

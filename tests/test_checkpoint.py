@@ -3,8 +3,8 @@ import os
 
 import torch
 
-from spd.checkpoint import load_checkpoint, save_checkpoint
-from spd.module import SpeculationModule
+from spd.models.checkpoint import load_checkpoint, save_checkpoint
+from spd.models.module import SpeculationModule
 from spd.targets.loading import LoadedTarget, weights_fingerprint
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from spd.checkpoint import save_checkpoint
+from spd.models.checkpoint import save_checkpoint
 from spd.cli import main
 from spd.methods import METHODS
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import save_tiny_target
@@ -223,7 +223,7 @@ def test_the_default_keeps_the_keys_a_user_set_and_the_datastore_is_the_default_
 
 
 def test_a_checkpoint_decodes_as_the_method_it_was_trained_as(capsys, tiny_target_dir, tmp_path):
-    from spd.eagle3_module import Eagle3Module
+    from spd.models.eagle3 import Eagle3Module
 
     loaded = load_target(tiny_target_dir)
     ppsd = str(tmp_path / "ppsd")

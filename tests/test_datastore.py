@@ -1,4 +1,4 @@
-"""Drafting from a datastore (spd.datastore, datastore=): the suffix array finds what a scan of the corpus finds, the
+"""Drafting from a datastore (spd.corpora.datastore, datastore=): the suffix array finds what a scan of the corpus finds, the
 file round-trips and a wrong one is refused, a user's .txt / .jsonl text is built once per content and tokenizer (and
 refused in one line when it holds none), its candidates are their own source for the pricing, and greedy decoding with
 them is the target's own while they are drafted and kept (sampling: tests/test_lossless_sampling_chains.py)."""
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from helpers import GREEDY, ar_run, prompt
-from spd.datastore import Datastore, Stores, load_documents, save_documents
+from spd.corpora.datastore import Datastore, Stores, load_documents, save_documents
 from spd.decoding import Request
 from spd.drafters.suffix import DATASTORE, Retrieval, SuffixDrafter
 from spd.errors import UserError
@@ -56,7 +56,7 @@ def test_a_frequent_match_is_sampled_evenly_and_stops_at_a_document_end():
 
 
 def test_the_file_round_trips_and_a_wrong_one_is_refused(tmp_path):
-    from spd.retrieval import open_datastore
+    from spd.corpora.retrieval import open_datastore
 
     class Tokenizer:                   # what open_datastore reads of a tokenizer
         def __init__(self, vocab):
@@ -68,7 +68,7 @@ def test_the_file_round_trips_and_a_wrong_one_is_refused(tmp_path):
         def __len__(self):
             return len(self.vocab)
 
-    from spd.datastore import tokenizer_key
+    from spd.corpora.datastore import tokenizer_key
 
     ours, theirs = Tokenizer({"a": 0, "b": 1, "c": 2}), Tokenizer({"a": 0, "c": 1, "b": 2})
     store = Datastore.build([[0, 1, 2, 0, 1]], 3, {"tokenizer": tokenizer_key(ours)})
@@ -107,7 +107,7 @@ class CharTokenizer:
 def test_a_text_file_is_a_datastore_built_once_per_content(tmp_path, monkeypatch):
     """datastore=<file>.jsonl / .txt: the user's documents, tokenised for the target and cached by the file's bytes
     and the tokenizer; the same file is read from the cache, a changed one built again; bad files are refused."""
-    from spd.retrieval import open_datastore
+    from spd.corpora.retrieval import open_datastore
 
     monkeypatch.setenv("SPD_CACHE_DIR", str(tmp_path / "cache"))
     said: list[str] = []
@@ -170,8 +170,8 @@ def test_the_documents_file_round_trips(tmp_path, top):
 
 
 def test_the_shipped_answers_are_found_by_tokenizer_and_joined_with_plus(tmp_path, monkeypatch):
-    import spd.retrieval as retrieval
-    from spd.datastore import tokenizer_key
+    import spd.corpora.retrieval as retrieval
+    from spd.corpora.datastore import tokenizer_key
 
     class Tokenizer:
         def get_vocab(self):

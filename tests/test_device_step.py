@@ -12,7 +12,7 @@ from spd.drafters.lookup import LookupDrafter
 from spd.drafters.suffix import SuffixDrafter
 from spd.runtime.device_chain import DeviceChainDecoder
 from spd.runtime.device_step import DeviceStep, StepState
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
@@ -201,6 +201,20 @@ def test_the_step_compiled_by_inductor_equals_ar():
         ar_run(target, p, 24).token_ids
 
 
+@pytest.mark.slow
+def test_a_sampled_step_compiled_by_inductor_draws_the_eager_steps_tokens():
+    """The sampled step through Inductor (keyed noise, warp from tensors, the draw) gives the eager step's tokens over
+    128 of them; vectorised CPU kernels once chose tokens outside the vocabulary here, a different step each run."""
+    from spd.verify.sampling import SamplingParams
+
+    target = StagedTarget(tiny_model("llama", num_layers=2), 1)
+    p = prompt(5, vocab=target.config.vocab_size)
+    request = Request(128, SamplingParams(temperature=1.0), seed=3)
+    eager = DeviceChainDecoder(target, frozenset(), None, 1).generate(p, request).token_ids
+    compiled = DeviceChainDecoder(target, frozenset(), None, 1, "inductor").generate(p, request).token_ids
+    assert compiled == eager and len(set(eager)) > 10
+
+
 def test_the_graph_captures_the_compiled_step(monkeypatch):
     """compile= and cuda_graph= together: the compiled step's warm-ups (which compile it), then its capture into the
     given pool, then replays — the order recorded through stand-ins for the CUDA calls a CPU lacks."""
@@ -269,9 +283,9 @@ def test_ar_launches_the_next_cycle_before_it_reads_the_last(monkeypatch, params
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5), SamplingParams(1.3, top_p=0.8),
                                     SamplingParams(0.9, top_k=40, top_p=0.6), SamplingParams(1.0, top_k=1000)])
 def test_the_settings_as_tensors_warp_bit_for_bit(params):
-    """The device step's warp (settings read from tensors) gives spd.sampling.warp's bits, ties included."""
+    """The device step's warp (settings read from tensors) gives spd.verify.sampling.warp's bits, ties included."""
     from spd.runtime.device_step import DeviceSampling
-    from spd.sampling import warp
+    from spd.verify.sampling import warp
 
     logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)) * 4
     logits[1, :50] = logits[1, 0]                          # a tie across the top-k and top-p thresholds

@@ -12,7 +12,7 @@ from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.eagle3_device import Eagle3DeviceDrafter
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.suffix import SuffixDrafter
-from spd.eagle3_module import Eagle3Module
+from spd.models.eagle3 import Eagle3Module
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.device_chain import DeviceChainDecoder
 from spd.targets.loading import load_target
@@ -67,8 +67,8 @@ def test_a_tree_path_off_the_first_branch_is_moved_down(untied_target_dir):
         branches = True
 
         def draft_tree(self, root, m, width, budget, propose):
-            from spd.sampling import Proposal
-            from spd.tree import DraftTree
+            from spd.verify.sampling import Proposal
+            from spd.verify.tree import DraftTree
             done = len(self.tokens) - len(p)
             tree = DraftTree(root)
             truth = answer[done: done + 3]

@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from helpers import GREEDY, RankedDrafter, ScriptedDrafter, ar_run, controller_parts, distributed_runtime, ended_on_rejection, prompt
-from spd.ar import ARDecoder
+from spd.runtime.ar import ARDecoder
 from spd.decoding import Request
 from spd.drafters.hybrid import with_draft_source
 from spd.drafters.spd_module import ModuleDrafter
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.distributed.comm import PipelineFailure
 from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.stages import open_stages
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.weight_cache import load_parts
 from spd.targets.stages import StagedTarget
@@ -149,8 +149,8 @@ def test_distributed_draws_what_the_chi_square_tested_local_runtime_draws(tmp_pa
 def test_smollm2_n5_distributed_equals_local():
     """The real target, five stage processes + the controller, drafting with the shipped n = 5 module (its drafts are
     kept and rejected within a few tokens): greedy and seeded sampling, same tokens and statistics as local."""
-    from spd.checkpoint import load_checkpoint
-    from spd.shipped import checkpoint_for
+    from spd.models.checkpoint import load_checkpoint
+    from spd.models.shipped import checkpoint_for
 
     n = 5
     controller, cache = controller_parts("smollm2", n)
@@ -298,11 +298,11 @@ def test_smollm2_sequences_sharing_two_stage_processes_decode_as_alone():
     lengths, 3 at a time (the 4th joins as the first leaves), greedy beside seeded T = 1. Each sequence decodes what
     it decodes alone in this process; a greedy difference is allowed only at a near-tie (top-2 margin under 1e-4) and
     is counted — none occurred in the run that added this test."""
-    from spd.checkpoint import load_checkpoint, read_checkpoint_config
+    from spd.models.checkpoint import load_checkpoint, read_checkpoint_config
     from spd.drafters.hybrid import LookupThenModule
-    from spd.prompts import chat_prompt_ids, load_questions
+    from spd.corpora.prompts import chat_prompt_ids, load_questions
     from spd.runtime.seed import SeedDecoder
-    from spd.shipped import checkpoint_for
+    from spd.models.shipped import checkpoint_for
 
     n = 2
     path = checkpoint_for(None, "smollm2", n, None)

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from spd.checkpoint import save_checkpoint
-from spd.module import SpeculationModule
+from spd.models.checkpoint import save_checkpoint
+from spd.models.module import SpeculationModule
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 from launch import run_python

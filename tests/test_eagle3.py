@@ -7,11 +7,11 @@ import torch
 from helpers import GREEDY, ar_run, prompt
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
-from spd.eagle3_module import Eagle3Module, fused_layers
+from spd.models.eagle3 import Eagle3Module, fused_layers
 from spd.runtime.chain import ChainDecoder
 from spd.targets.stages import StagedTarget
 from spd.train.objective import TeacherBatch, collate, ttt_loss
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 
 
 def eagle(model, seed=0, draft_vocab=None, scale=None):

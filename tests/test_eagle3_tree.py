@@ -11,9 +11,9 @@ from helpers import GREEDY, ar_run, prompt
 from spd.cli import main
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
-from spd.eagle3_module import Eagle3Module
+from spd.models.eagle3 import Eagle3Module
 from spd.runtime.chain import ChainDecoder
-from spd.sampling import propose
+from spd.verify.sampling import propose
 from spd.targets.stages import StagedTarget
 
 

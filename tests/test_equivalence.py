@@ -8,9 +8,9 @@ from helpers import GREEDY, ar_run, prompt
 from spd.decoding import Request
 from spd.drafters.base import WrappedDrafter
 from spd.drafters.spd_module import ModuleDrafter
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 from spd.targets.stages import StagedTarget
 from spd.train.objective import collate, teacher_pass
 

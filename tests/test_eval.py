@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from spd.checkpoint import save_checkpoint
+from spd.models.checkpoint import save_checkpoint
 from spd.methods import METHODS
 from spd.cli import main
 from spd.eval.traces import TraceCache, trace_key
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

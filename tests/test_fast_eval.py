@@ -7,7 +7,7 @@ from spd.decoding import Request
 from spd.drafters.spd_module import ModuleDrafter
 from spd.eval.fast import record_greedy_trace
 from spd.eval.fast_trace import fast_greedy_stats
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
 from spd.targets.stages import StagedTarget
 

@@ -7,7 +7,7 @@ import torch
 from helpers import GREEDY, ar_run, prompt
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
-from spd.eagle3_module import Eagle3Module
+from spd.models.eagle3 import Eagle3Module
 from spd.eval.traces import TraceCache
 from spd.eval.fast import record_greedy_trace
 from spd.eval.fast_chain import fast_chain_stats, fast_tree_stats, replay_chain
@@ -15,7 +15,7 @@ from spd.layout import needed_layers
 from spd.runtime.chain import ChainDecoder
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 
 
 def chain_summary(stats):
@@ -111,7 +111,7 @@ class TreeTableDrafter(Eagle3Drafter):
         self.seq, self.vocab, self.g = seq, vocab, torch.Generator().manual_seed(seed)
 
     def draft_tree(self, root, m, width, budget, propose):
-        from spd.tree import DraftTree
+        from spd.verify.tree import DraftTree
 
         super().draft_tree(root, m, width, budget, propose)
         tree, parent = DraftTree(root), 0

@@ -17,9 +17,9 @@ from spd.drafters.lookup import LookupDrafter
 from spd.drafters.suffix import SuffixDrafter
 from spd.runtime.schedule import IDLE, segment_step
 from spd.runtime.segments import SegmentFlight, SegmentPipelineDecoder
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 from spd.targets.stages import StagedTarget
-from spd.tree import DraftTree
+from spd.verify.tree import DraftTree
 
 
 class NoisyTargetTrees(ChainDrafter):
@@ -164,7 +164,7 @@ def test_flowspec_over_stage_processes_equals_local(controller):
     every statistic equal the in-process run."""
     from helpers import GREEDY, controller_parts, distributed_runtime
     from spd.runtime.stages import open_stages
-    from spd.sampling import SamplingParams
+    from spd.verify.sampling import SamplingParams
     from spd.targets.loading import load_target
 
     tiny = load_target("tiny-llama")
@@ -209,7 +209,7 @@ def test_trace_replay_equals_the_runtime(family_model, n, segment, width):
 def test_reuse_equals_fresh(family_model):
     """One FlowSpec decoder (and one context drafter) across prompts that grow and shrink, greedy and T = 1: each
     generation's tokens and statistics equal a fresh decoder's."""
-    from spd.sampling import SamplingParams
+    from spd.verify.sampling import SamplingParams
 
     _, model = family_model
     reused = flowspec(model, 3, 3, 4, 2, 10, drafter=SuffixDrafter(1, 4))

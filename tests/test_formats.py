@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import GREEDY, ROOT, ar_run, prompt
-from spd.checkpoint import load_checkpoint, save_checkpoint
+from spd.models.checkpoint import load_checkpoint, save_checkpoint
 from spd.cli import main as spd_infer
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
-from spd.eagle3_module import Eagle3Module
+from spd.models.eagle3 import Eagle3Module
 from spd.errors import UserError
 from spd.formats.eagle3 import aux_ids, write_head
 from spd.runtime.chain import ChainDecoder
@@ -247,8 +247,8 @@ def test_bad_heads_are_refused_in_one_line(capsys, tmp_path, trained_dir, untied
 def test_the_shipped_head_round_trips_drafting_the_same_chains(capsys, tmp_path, fmt):
     """The shipped SmolLM2 EAGLE-3 head through train/export.py and back: the same chain drafted every cycle, greedy
     = AR, on two everyday prompts."""
-    from spd.prompts import chat_prompt_ids
-    from spd.shipped import checkpoint_for
+    from spd.corpora.prompts import chat_prompt_ids
+    from spd.models.shipped import checkpoint_for
 
     shipped = checkpoint_for(None, "smollm2", None, None, "eagle3")
     assert shipped is not None, "no EAGLE-3 head ships for the default target"

@@ -70,7 +70,7 @@ def test_dry_run_goes_through_every_step(dry_run):
 def test_unpack_rebuilds_the_trained_module(dry_run, tmp_path):
     from safetensors.torch import load_file
 
-    from spd.checkpoint import float16_state
+    from spd.models.checkpoint import float16_state
 
     root, session = dry_run
     proc = subprocess.run([sys.executable, "-m", "bench.gpu_pack", "unpack", str(root / "out")],

@@ -14,12 +14,12 @@ from spd.drafters.lookup import LookupDrafter
 from spd.drafters.suffix import SuffixDrafter
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
-from spd.sampling import Proposal, SamplingParams
+from spd.verify.sampling import Proposal, SamplingParams
 from spd.targets import invariant_attention
 from spd.targets.invariant_attention import row_invariant_attention
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import FAMILIES, HYBRIDS, tiny_model
-from spd.tree import DraftTree
+from spd.verify.tree import DraftTree
 from test_suffix import CPU_LIKE
 
 BF16 = torch.bfloat16

@@ -1,4 +1,4 @@
-"""Keyed draws (spd.sampling.KeyedDraws): at T = 1 the token at each position is the Gumbel-max draw of the
+"""Keyed draws (spd.verify.sampling.KeyedDraws): at T = 1 the token at each position is the Gumbel-max draw of the
 target's warped p with noise keyed by (the request's key, the position). So a seeded request samples the same text
 token for token whether AR decodes it or a draft-then-verify decoder does — at any width, with any drafts, with a
 drafter that reads the noise, alone or in a batch — and AR's keyed draws follow the target's distribution (the
@@ -16,10 +16,10 @@ from spd.drafters.suffix import SuffixDrafter
 from spd.pricing import NOISE_SHARE, AcceptancePredictor, Evidence, RowCosts, given_noise
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
-from spd.sampling import KeyedDraws, Proposal, SamplingParams, warp
+from spd.verify.sampling import KeyedDraws, Proposal, SamplingParams, warp
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
-from spd.tree import DraftTree
+from spd.verify.tree import DraftTree
 from test_lossless_sampling import ALPHA, PARAMS, PROMPT, SHORT, chi2_pvalue, exact_distribution
 from test_suffix import CPU_LIKE
 
@@ -327,7 +327,7 @@ def test_the_replay_settles_what_the_sampled_runtime_settles(family_model, width
     told the same draws and the target's p of each sampled token, drafts and settles exactly the runtime's cycles — the
     noise-priced drafter, which recalls those p's, included."""
     from spd.eval.fast_chain import replay
-    from spd.sampling import top2_margin
+    from spd.verify.sampling import top2_margin
 
     _, model = family_model
     staged, params = StagedTarget(model, 1), SAMPLED[0]

@@ -1,6 +1,7 @@
-"""The layering of spd/: targets, drafters and the runtime never import the session, the configs, the engine, eval,
-the server or the CLI (lower layers never import higher ones), at module level or inside a function; drafters never
-import the runtime, and targets neither. At the bottom, the names every part reads (the methods' registry, the
+"""The layering of spd/: targets, models, corpora, verification rules, drafters and the runtime never import the
+session, the configs, the engine, eval, the server or the CLI (lower layers never import higher ones), at module level
+or inside a function; drafters never import the runtime, models neither, and the bottom parts none of those. The
+names leaf's "module:attr" strings are checked as the edges they are. At the bottom, the names every part reads (the methods' registry, the
 errors, the runtimes' registry in spd/runtime/__init__.py) import no torch and nothing else from spd, so config
 checks read them before anything heavy loads."""
 
@@ -56,16 +57,65 @@ def part_imports(part: str, beyond) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("part", ["targets", "drafters", "runtime"])
+@pytest.mark.parametrize("part", ["targets", "drafters", "runtime", "models", "corpora", "verify"])
 def test_a_lower_part_imports_nothing_above_it(part):
     bad = part_imports(part, HIGHER)
     assert not bad, bad
 
 
-@pytest.mark.parametrize("part,above", [("drafters", ("spd.runtime",)), ("targets", ("spd.runtime", "spd.drafters"))])
-def test_drafters_and_targets_stay_below_the_runtime(part, above):
+# below the runtime: the drafters; below them the models; the targets, the corpora and the verification rules at the
+# bottom, each knowing none of the others' layers above it
+BELOW = [("drafters", ("spd.runtime",)), ("models", ("spd.runtime", "spd.drafters")),
+         ("targets", ("spd.runtime", "spd.drafters", "spd.models", "spd.corpora")),
+         ("corpora", ("spd.runtime", "spd.drafters", "spd.models", "spd.verify")),
+         ("verify", ("spd.runtime", "spd.drafters", "spd.models", "spd.targets", "spd.corpora"))]
+
+
+@pytest.mark.parametrize("part,above", BELOW)
+def test_each_part_stays_below_what_uses_it(part, above):
     bad = part_imports(part, above)
     assert not bad, bad
+
+
+# where each kind of behaviour the names leaf wires by "module:attr" must live
+WIRED = {"drafter": "spd.drafters", "device_drafter": "spd.drafters", "fast_evaluator": "spd.eval",
+         "objective": "spd.train", "opener": "spd.runtime"}
+
+
+def wiring() -> list[tuple[str, str, str]]:
+    """(source file, field, "module:attr") for every behaviour the leaf names by string: the methods' drafters, fast
+    evaluators and objectives, the module classes, the runtimes' openers."""
+    found = []
+    for module in NAMES + (REGISTRY,):
+        path = source(module)
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.keyword) and node.arg in WIRED and isinstance(node.value, ast.Constant):
+                found.append((module, node.arg, node.value.value))
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "MODULE_CLASSES"
+                                                    for t in node.targets):
+                found += [(module, "module", v.value) for v in node.value.values]
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
+                    node.target.id in WIRED and isinstance(node.value, ast.Constant) and node.value.value:
+                found.append((module, node.target.id, node.value.value))
+    return found
+
+
+def test_the_leafs_wiring_names_real_code_in_the_right_layer():
+    """The registry's "module:attr" strings are edges of the import graph no import statement shows: each names a
+    file that exists and defines the attribute, in the layer its field says (a drafter in spd.drafters, a module
+    class in spd.models, ...)."""
+    edges = wiring()
+    assert len(edges) >= 15 and {field for _, field, _ in edges} >= {"drafter", "fast_evaluator", "objective",
+                                                                      "module", "opener"}
+    for where, field, target in edges:
+        module, _, attr = target.partition(":")
+        assert within(module, (WIRED.get(field, "spd.models"),)), (where, field, target)
+        path = source(module)
+        assert os.path.isfile(path), (where, target)
+        names = {n.name for n in ast.parse(open(path, encoding="utf-8").read()).body
+                 if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        assert attr in names, (where, target)
 
 
 @pytest.mark.parametrize("module", NAMES + (REGISTRY,))
@@ -91,7 +141,7 @@ def test_the_check_sees_a_nested_import(tmp_path):
     path = tmp_path / "x.py"
     path.write_text("def f():\n    from spd.session import open_session\n")
     assert [higher(m) for _, m in imports(str(path))] == [True]
-    assert not higher("spd.sessions_of_nothing") and not higher("spd.sampling")
+    assert not higher("spd.sessions_of_nothing") and not higher("spd.verify.sampling")
 
 
 def test_no_decoding_key_is_read_flat_below_the_config_layer():

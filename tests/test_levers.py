@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from spd.layout import sample_occupancy
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
 
@@ -40,7 +40,7 @@ def test_occupancy_weights_policy():
 
 
 def test_feature_norm_standardises_each_read_state_and_survives_a_checkpoint(tmp_path):
-    from spd.checkpoint import load_checkpoint, save_checkpoint
+    from spd.models.checkpoint import load_checkpoint, save_checkpoint
     from spd.targets.loading import load_target
 
     loaded = load_target("tiny-llama")
@@ -73,8 +73,8 @@ def test_feature_norm_standardises_each_read_state_and_survives_a_checkpoint(tmp
 
 
 def test_previous_token_init_points_head0_at_lag_one_and_leaves_content_alone():
-    from spd.attention import memory_kv, rotate
-    from spd.module_init import init_previous_token_head
+    from spd.models.attention import memory_kv, rotate
+    from spd.models.module_init import init_previous_token_head
 
     from transformers import AutoModelForCausalLM, LlamaConfig
 

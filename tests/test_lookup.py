@@ -12,7 +12,7 @@ from spd.drafters.lookup import LookupDrafter, NgramIndex
 from spd.eval.fast import record_greedy_trace
 from spd.eval.fast_chain import fast_lookup_stats
 from spd.runtime.chain import ChainDecoder
-from spd.sampling import verify_point_mass, warp, SamplingParams
+from spd.verify.sampling import verify_point_mass, warp, SamplingParams
 from spd.targets.stages import StagedTarget
 
 

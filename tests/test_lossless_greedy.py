@@ -57,9 +57,9 @@ def test_eos_stops_both_decoders(family_model):
 def test_uneven_and_explicit_stage_bounds(family_model):
     from spd.decoding import Request
     from spd.drafters.spd_module import ModuleDrafter
-    from spd.module import SpeculationModule
+    from spd.models.module import SpeculationModule
     from spd.runtime.pipeline import PipelineDecoder
-    from spd.sampling import SamplingParams
+    from spd.verify.sampling import SamplingParams
     from spd.targets.stages import StagedTarget
 
     _, model = family_model

@@ -20,9 +20,9 @@ from scipy.stats import chisquare
 from spd.decoding import Request
 from spd.drafters.hybrid import LookupThenModule
 from spd.drafters.spd_module import ModuleDrafter
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
-from spd.sampling import SamplingParams, verify_sampled, warp
+from spd.verify.sampling import SamplingParams, verify_sampled, warp
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
 
@@ -145,9 +145,9 @@ def test_spd_sampling_matches_target_distribution(small_vocab_model):
 
 def test_a_broken_verifier_is_caught(small_vocab_model, monkeypatch):
     """Accepting every draft (sampling from q, not p) must fail the same test."""
-    import spd.sampling
+    import spd.verify.sampling
 
-    monkeypatch.setattr(spd.sampling, "verify_sampled", lambda draft, p, q, g: (True, draft))
+    monkeypatch.setattr(spd.verify.sampling, "verify_sampled", lambda draft, p, q, g: (True, draft))
     dist = exact_distribution(small_vocab_model, PARAMS)
     counts, _ = sample_spd(small_vocab_model, n=2, samples=1500, seed=1)
     assert chi2_pvalue(counts, dist, 1500) < ALPHA
@@ -182,7 +182,7 @@ def test_after_step_drafters_sample_the_target_distribution(small_vocab_model, m
 @pytest.mark.parametrize("m", [3])   # a rejection at any of 3 drafts, or all accepted and the bonus token
 def test_eagle3_chain_samples_the_target_distribution(small_vocab_model, m):
     from spd.drafters.eagle3 import Eagle3Drafter
-    from spd.eagle3_module import Eagle3Module
+    from spd.models.eagle3 import Eagle3Module
     from spd.runtime.chain import ChainDecoder
 
     dist = exact_distribution(small_vocab_model, PARAMS)
@@ -203,7 +203,7 @@ def test_eagle3_chain_samples_the_target_distribution(small_vocab_model, m):
 def test_eagle3_tree_samples_the_target_distribution(small_vocab_model):
     """W = 4: the dynamic tree's deterministic top-4 children, verified by one draw of p per node."""
     from spd.drafters.eagle3 import Eagle3Drafter
-    from spd.eagle3_module import Eagle3Module
+    from spd.models.eagle3 import Eagle3Module
     from spd.runtime.chain import ChainDecoder
 
     dist = exact_distribution(small_vocab_model, PARAMS)
@@ -320,9 +320,9 @@ def test_a_tree_verifier_that_keeps_the_first_child_is_caught(small_vocab_model,
 
 
 def test_a_lookup_in_the_pipeline_that_is_always_kept_is_caught(small_vocab_model, monkeypatch):
-    import spd.sampling
+    import spd.verify.sampling
 
-    monkeypatch.setattr(spd.sampling, "verify_point_mass", lambda draft, p, g: (True, draft))
+    monkeypatch.setattr(spd.verify.sampling, "verify_point_mass", lambda draft, p, g: (True, draft))
     dist = exact_distribution(small_vocab_model, PARAMS)
     counts, _ = sample_spd(small_vocab_model, n=2, samples=1500, seed=7, lookup=True)
     assert chi2_pvalue(counts, dist, 1500) < ALPHA
@@ -330,7 +330,7 @@ def test_a_lookup_in_the_pipeline_that_is_always_kept_is_caught(small_vocab_mode
 
 class UnkeyedRequest(Request):
     """A sampled request without keyed draws: a chain's deterministic drafts meet the point-mass rule
-    (spd.sampling.verify_point_mass, SPD's pipeline's rule for a lookup draft), drawing from the generator."""
+    (spd.verify.sampling.verify_point_mass, SPD's pipeline's rule for a lookup draft), drawing from the generator."""
 
     def draws(self, generator, vocab):
         return None

@@ -1,8 +1,8 @@
 """Sampling is lossless for the chain decoders (draft, then one target forward): the lookup chain and its trees, and
 the priced context statistics' trees — deterministic children verified by one draw of p per node, the keyed draw of
-its position (spd.sampling.KeyedDraws; that those draws are AR's own: tests/test_keyed_draws.py). The model, prompt,
+its position (spd.verify.sampling.KeyedDraws; that those draws are AR's own: tests/test_keyed_draws.py). The model, prompt,
 exact distribution and the chi-square's power are tests/test_lossless_sampling.py's. With a datastore too
-(spd.datastore): its children are deterministic as well."""
+(spd.corpora.datastore): its children are deterministic as well."""
 
 import pytest
 
@@ -31,7 +31,7 @@ def sample_lookup(model, samples, seed, width=1, verdicts=None, keyed=True):
 
 @pytest.mark.slow
 def test_lookup_chain_samples_the_target_distribution(small_vocab_model):
-    """Point-mass drafts, verified by the keyed draw at their position (spd.sampling.KeyedDraws): kept iff the draw
+    """Point-mass drafts, verified by the keyed draw at their position (spd.verify.sampling.KeyedDraws): kept iff the draw
     is the draft, else the draw is the token."""
     dist = exact_distribution(small_vocab_model, PARAMS)
     verdicts = []
@@ -45,16 +45,16 @@ def test_lookup_chain_samples_the_target_distribution(small_vocab_model):
 def test_unkeyed_lookup_chain_samples_the_target_distribution(small_vocab_model, monkeypatch):
     """A request that draws from its generator, without keyed draws (test_lossless_sampling.UnkeyedRequest):
     point-mass drafts accepted with probability p(x), else the residual p without x."""
-    import spd.sampling
+    import spd.verify.sampling
 
     verdicts = []
-    rule = spd.sampling.verify_point_mass
+    rule = spd.verify.sampling.verify_point_mass
 
     def counted(draft, p, g):
         verdicts.append(rule(draft, p, g))
         return verdicts[-1]
 
-    monkeypatch.setattr(spd.sampling, "verify_point_mass", counted)
+    monkeypatch.setattr(spd.verify.sampling, "verify_point_mass", counted)
     dist = exact_distribution(small_vocab_model, PARAMS)
     counts = sample_lookup(small_vocab_model, SHORT, seed=4, keyed=False)
     rejected = sum(not ok for ok, _ in verdicts)
@@ -126,11 +126,11 @@ def test_a_chain_tree_verifier_that_keeps_the_first_child_is_caught(small_vocab_
 
 
 def test_priced_suffix_trees_with_a_datastore_sample_the_target_distribution(small_vocab_model):
-    """The corpus's deterministic children beside the context's (spd.datastore), verified by one draw of p, on a
+    """The corpus's deterministic children beside the context's (spd.corpora.datastore), verified by one draw of p, on a
     flat curve (every candidate drafted). The corpus: the target's own samples after other prompts, so that its
     children are sometimes the draw and sometimes not."""
     from helpers import ar_run
-    from spd.datastore import Datastore
+    from spd.corpora.datastore import Datastore
     from spd.drafters.suffix import DATASTORE, Retrieval, SuffixDrafter
     from spd.runtime.chain import ChainDecoder
 

@@ -15,7 +15,7 @@ from spd.decoding import Request
 from spd.drafters.draft_model import DraftLM, DraftModelDrafter
 from spd.runtime.pipeline import PipelineDecoder
 from spd.runtime.stages import open_stages
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.kv_cache import LayerKVCache
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget

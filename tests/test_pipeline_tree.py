@@ -8,7 +8,7 @@ import torch
 import spd.runtime.pipeline as pipeline
 from spd.decoding import Request
 from spd.drafters.spd_module import ModuleDrafter
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.flight import Flight
 from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import PipelineDecoder
@@ -190,7 +190,7 @@ def test_fixed_shape_executors_run_trees_like_local():
     statistic equal LocalStages', greedy and seeded T = 1. Gemma3: its sliding window is crossed in the static
     cache too."""
     from spd.runtime.streams import StreamStages
-    from spd.sampling import SamplingParams
+    from spd.verify.sampling import SamplingParams
     from spd.targets.tiny import tiny_model
 
     family, model = "gemma3", tiny_model("gemma3")

@@ -11,7 +11,7 @@ from spd.eval.calibrate import formula_speedup, step_time
 from spd.eval.fast import record_greedy_trace
 from spd.eval.fast_trace import fast_greedy_stats
 from spd.layout import PLANS, depth, plan_for
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
 from spd.targets.stages import StagedTarget
 

@@ -101,8 +101,8 @@ def test_a_rollback_beyond_the_kept_positions_is_refused(hybrid):
 
 def test_tree_rows_see_their_own_paths(hybrid):
     """A tree forward (siblings side by side) gives each node the logits of its own path decoded as a chain."""
-    from spd.tree import DraftTree
-    from spd.sampling import Proposal
+    from spd.verify.tree import DraftTree
+    from spd.verify.sampling import Proposal
 
     p = prompt(5, 9)
     tree = DraftTree.chain(0, [Proposal(t) for t in (4, 8)])
@@ -277,10 +277,10 @@ def test_spd_samples_the_hybrids_distribution(small_hybrid):
 @pytest.mark.slow
 def test_a_broken_verifier_is_caught_on_the_hybrid(small_hybrid, monkeypatch):
     """The same test's power on the hybrid: accepting every draft (sampling from q, not p) fails it."""
-    import spd.sampling
+    import spd.verify.sampling
     from test_lossless_sampling import ALPHA, PARAMS, chi2_pvalue, exact_distribution, sample_spd
 
-    monkeypatch.setattr(spd.sampling, "verify_sampled", lambda draft, p, q, g: (True, draft))
+    monkeypatch.setattr(spd.verify.sampling, "verify_sampled", lambda draft, p, q, g: (True, draft))
     dist = exact_distribution(small_hybrid, PARAMS)
     counts, _ = sample_spd(small_hybrid, n=2, samples=1500, seed=1)
     assert chi2_pvalue(counts, dist, 1500) < ALPHA
@@ -296,7 +296,7 @@ def test_a_reused_decoder_decodes_as_a_fresh_one(kind):
     from spd.decoding import Request
     from spd.engine import build_decoder
     from spd.methods import AR, CHAIN, PIPELINE
-    from spd.module import SpeculationModule
+    from spd.models.module import SpeculationModule
 
     model = tiny_model("qwen3_5", tied=False)
 

@@ -17,19 +17,19 @@ import pytest
 import torch
 
 from helpers import GREEDY, ScriptedDrafter, ar_run, controller_parts, distributed_runtime, ended_on_rejection, prompt
-from spd.ar import ARDecoder
+from spd.runtime.ar import ARDecoder
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.spd_module import ModuleDrafter
-from spd.eagle3_module import Eagle3Module
-from spd.module import SpeculationModule
+from spd.models.eagle3 import Eagle3Module
+from spd.models.module import SpeculationModule
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.stages import open_stages
 from spd.runtime.streams import GraphStages, StreamStages
-from spd.sampling import Proposal, SamplingParams
+from spd.verify.sampling import Proposal, SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 

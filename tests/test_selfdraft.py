@@ -15,10 +15,10 @@ from spd.drafters.selfdraft import CorpusNgrams, SelfDraftDrafter, chain_drafter
 from spd.spec import DecodeKeys, DecodeSpec
 from spd.runtime.chain import ChainDecoder, side_rows_mask
 from spd.runtime.sequence import ChainSequence
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
-from spd.tree import DraftTree
+from spd.verify.tree import DraftTree
 
 
 def junk_corpus(vocab: int, size: int = 3) -> dict:
@@ -49,7 +49,7 @@ def test_branch_rows_mask_is_block_diagonal_and_sees_the_root_only():
 
 
 def tree_proposal(token):
-    from spd.sampling import Proposal
+    from spd.verify.sampling import Proposal
     return Proposal(token, source="selfdraft")
 
 

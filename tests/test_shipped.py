@@ -4,15 +4,15 @@ and decodes losslessly."""
 import pytest
 import torch
 
-from spd.ar import ARDecoder
-from spd.checkpoint import load_checkpoint, read_checkpoint_config
+from spd.runtime.ar import ARDecoder
+from spd.models.checkpoint import load_checkpoint, read_checkpoint_config
 from spd.decoding import Request
 from spd.decoding import eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
-from spd.prompts import chat_prompt_ids
+from spd.corpora.prompts import chat_prompt_ids
 from spd.runtime.pipeline import PipelineDecoder
-from spd.sampling import SamplingParams
-from spd.shipped import RANDOM, checkpoint_for, shipped_modules
+from spd.verify.sampling import SamplingParams
+from spd.models.shipped import RANDOM, checkpoint_for, shipped_modules
 from spd.targets.stages import StagedTarget
 
 SHIPPED = shipped_modules()
@@ -81,9 +81,9 @@ def test_ship_script_halves_the_weights_and_records_provenance(tmp_path, monkeyp
 
     from safetensors.torch import load_file
 
-    import spd.shipped
-    from spd.checkpoint import save_checkpoint
-    from spd.module import SpeculationModule
+    import spd.models.shipped
+    from spd.models.checkpoint import save_checkpoint
+    from spd.models.module import SpeculationModule
     from spd.targets.loading import load_target
 
     loaded = load_target("tiny-llama")
@@ -96,7 +96,7 @@ def test_ship_script_halves_the_weights_and_records_provenance(tmp_path, monkeyp
                                                                   "data_sha256": "ab" * 32}})
     (tmp_path / "acc.json").write_text(json.dumps({"eal_pooled": 1.5, "eal_per_dataset": {"gsm8k": 1.5},
                                                    "limit": 20, "max_new_tokens": 128}))
-    monkeypatch.setattr(spd.shipped, "SHIPPED_DIR", str(tmp_path / "modules"))
+    monkeypatch.setattr(spd.models.shipped, "SHIPPED_DIR", str(tmp_path / "modules"))
     spec = importlib.util.spec_from_file_location("ship", os.path.join(os.path.dirname(__file__), "..", "train",
                                                                        "ship.py"))
     ship = importlib.util.module_from_spec(spec)
@@ -107,7 +107,7 @@ def test_ship_script_halves_the_weights_and_records_provenance(tmp_path, monkeyp
     state = load_file(str(dest / "model.safetensors"))
     assert state["head.weight"].dtype == torch.float16 and state["draft_to_target"].dtype == torch.int64
     assert state["feature_shift"].dtype == torch.float32
-    (shipped,) = spd.shipped.shipped_modules()
+    (shipped,) = spd.models.shipped.shipped_modules()
     assert shipped["provenance"]["train_tokens"] == 1234 and shipped["provenance"]["measured"]["eal_pooled"] == 1.5
     assert shipped["provenance"]["command"] == "python train/run.py x=1"
     again = load_checkpoint(str(dest), staged, loaded)
@@ -121,7 +121,7 @@ def test_ship_script_halves_the_weights_and_records_provenance(tmp_path, monkeyp
                                                         "limit": 20, "max_new_tokens": 128}))
         assert ship.main([str(tmp_path / "ckpt"), "tiny-n3", "--measured", str(tmp_path / "acc2.json"),
                           "--measured-command", "python -m bench.acceptance ...", "--if-better"]) == 0
-        (shipped,) = spd.shipped.shipped_modules()
+        (shipped,) = spd.models.shipped.shipped_modules()
         assert shipped["provenance"]["measured"]["eal_pooled"] == shipped_after
     (tmp_path / "acc3.json").write_text(json.dumps({"eal_pooled": 9.0, "eal_per_dataset": {}, "limit": 5,
                                                     "max_new_tokens": 128}))

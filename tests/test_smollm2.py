@@ -5,15 +5,15 @@ import json
 import pytest
 import torch
 
-from spd.ar import ARDecoder
+from spd.runtime.ar import ARDecoder
 from spd.cli import main
 from spd.decoding import Request
 from spd.decoding import eos_ids_of
 from spd.drafters.spd_module import ModuleDrafter
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
-from spd.prompts import chat_prompt_ids, load_questions
-from spd.sampling import SamplingParams
+from spd.corpora.prompts import chat_prompt_ids, load_questions
+from spd.verify.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 
@@ -98,9 +98,9 @@ def test_the_default_drafts_from_the_datastores_and_decodes_what_ar_decodes(caps
     everyday prompt) and the ShareGPT datastore, built once into this test session's cache, draft beside the
     context's statistics, and the answer is AR's token for token (AR in the default's dtype: bfloat16 where the CPU
     has AMX, through the row-invariant attention)."""
-    from spd.datastore import load_documents, tokenizer_key
-    from spd.retrieval import answers_path
-    from spd.sharegpt import held_out_ids
+    from spd.corpora.datastore import load_documents, tokenizer_key
+    from spd.corpora.retrieval import answers_path
+    from spd.corpora.sharegpt import held_out_ids
 
     documents, meta = load_documents(answers_path(tokenizer_key(smollm2.tokenizer)))
     assert meta["target"] == smollm2.fingerprint and len(documents) == meta["answers"] == len(meta["record_ids"])
@@ -171,8 +171,8 @@ def test_many_sequences_decode_as_each_alone_on_smollm2(smollm2):
     from spd.engine import build_batch_decoder
     from spd.methods import AR, CHAIN, PIPELINE
     from spd.runtime.chain import ChainDecoder
-    from spd.checkpoint import load_checkpoint
-    from spd.shipped import checkpoint_for
+    from spd.models.checkpoint import load_checkpoint
+    from spd.models.shipped import checkpoint_for
 
     tok, eos = smollm2.tokenizer, eos_ids_of(smollm2.model.config, smollm2.tokenizer)
     questions = [q for ds in ("mt_bench", "gsm8k", "humaneval") for q in load_questions(ds)[:2]][:5]
@@ -211,9 +211,9 @@ def test_the_answers_corpus_holds_the_targets_greedy_answers_and_resumes(smollm2
     import runpy
     import sys
 
-    from spd.datastore import load_documents
-    from spd.retrieval import answer_prompts
-    from spd.sharegpt import held_out_ids
+    from spd.corpora.datastore import load_documents
+    from spd.corpora.retrieval import answer_prompts
+    from spd.corpora.sharegpt import held_out_ids
 
     script = os.path.join(os.path.dirname(__file__), "..", "bench", "target_answers.py")
     out, cache = tmp_path / "answers.safetensors", tmp_path / "cache"

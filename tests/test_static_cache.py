@@ -8,7 +8,7 @@ from helpers import GREEDY, ScriptedDrafter, ar_run, prompt
 from spd.decoding import Request
 from spd.decoding import prefill
 from spd.drafters.spd_module import ModuleDrafter
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.pipeline import PipelineARDecoder, PipelineDecoder
 from spd.runtime.streams import GraphStages, StreamStages
 from spd.targets.fixed_step import FixedStep

@@ -17,7 +17,7 @@ import spd.runtime.executor as executor_module
 import spd.runtime.local as local_module
 from spd.decoding import Request
 from spd.runtime.streams import StreamStages
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
 

@@ -14,7 +14,7 @@ from spd.drafters.suffix import SuffixDrafter
 from spd.drafters.suffix_branches import BRANCHES, SuffixBranchesDrafter
 from spd.pricing import RowCosts, choose, choose_beside
 from spd.runtime.chain import ChainDecoder
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
 

@@ -11,7 +11,7 @@ from helpers import GREEDY, ar_run, prompt
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.suffix_eagle3 import EAGLE3, SuffixEagle3Drafter
-from spd.eagle3_module import Eagle3Module
+from spd.models.eagle3 import Eagle3Module
 from spd.eval.fast import record_greedy_trace
 from spd.eval.fast_chain import fast_tree_stats
 from spd.pricing import RowCosts

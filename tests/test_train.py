@@ -38,11 +38,11 @@ def weights(out):
 
 @pytest.mark.parametrize("method", ["spd", "ppsd", "spd_output_state", "eagle3"])
 def test_debug_training_learns(tmp_path, method):
-    from spd.module import SpeculationModule
+    from spd.models.module import SpeculationModule
     from spd.targets.loading import load_target
     from spd.targets.stages import StagedTarget
     from spd.train.data import load_conversations, tokenize_conversations
-    from spd.eagle3_module import Eagle3Module
+    from spd.models.eagle3 import Eagle3Module
     from spd.train.objective import collate, kd_loss, teacher_pass, ttt_loss
 
     out = tmp_path / "run"

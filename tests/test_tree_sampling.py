@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from spd.sampling import Proposal, SamplingParams, sample, settle_children
+from spd.verify.sampling import Proposal, SamplingParams, sample, settle_children
 
 T1 = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
 DRAWS = 20000

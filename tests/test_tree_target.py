@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from helpers import prompt
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 from spd.targets.stages import StagedTarget
-from spd.tree import DraftTree
+from spd.verify.tree import DraftTree
 
 
 def random_tree(seed: int, nodes: int, vocab: int) -> DraftTree:

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     from spd.errors import UserError, run_command
 
     def body() -> int:
-        from spd.checkpoint import FORMAT, checkpoint_method, load_checkpoint, read_checkpoint_config
+        from spd.models.checkpoint import FORMAT, checkpoint_method, load_checkpoint, read_checkpoint_config
         import torch
 
         from spd.formats.eagle3 import stored_dtype, write_head

@@ -62,8 +62,8 @@ def main(argv=None) -> int:
 
     from safetensors.torch import load_file, save_file
 
-    from spd.checkpoint import float16_state
-    from spd.shipped import SHIPPED_DIR
+    from spd.models.checkpoint import float16_state
+    from spd.models.shipped import SHIPPED_DIR
 
     with open(os.path.join(args.checkpoint, "config.json")) as f:
         config = json.load(f)

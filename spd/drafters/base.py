@@ -14,8 +14,8 @@ from typing import Mapping
 
 import torch
 
-from spd.sampling import Proposal
-from spd.tree import DraftTree
+from spd.verify.sampling import Proposal
+from spd.verify.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class ChainDrafter(ABC):
         before each `draft_tree`; a drafter that prices its candidates may use it."""
 
     def sampling_draws(self, draws) -> None:
-        """The request's keyed draws (spd.sampling.KeyedDraws; None when greedy), given after `start`: the noise
+        """The request's keyed draws (spd.verify.sampling.KeyedDraws; None when greedy), given after `start`: the noise
         that will choose the token at each position, so a drafter that prices its candidates may weigh each by its
         own noise. Reading it changes no output."""
 

@@ -3,7 +3,7 @@ first stage, grows the tree in flight one layer per step.
 
 Each step the draft model runs the newest level's nodes (the tips) over its own KV cache — the verified context,
 then one row per tree node still alive, each seeing only its ancestors (the paper's "past" and "predict" caches in
-one, compacted by `spd.tree_rows.StageRows`, the rule the target's stages prune by) — and hands every tip's `c`
+one, compacted by `spd.verify.tree_rows.StageRows`, the rule the target's stages prune by) — and hands every tip's `c`
 likeliest children with their log q to the pipeline (`spd.runtime.pipeline.grow` keeps the `w` best by cumulative
 log q). It knows the tree only through its step views: the nodes on some tip's branch are alive, the oldest is
 verified; a node that fell off every branch (a rejected sibling, a branch that lost the cut) loses its row at the
@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from spd.drafters.base import Drafter, StepView
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 from spd.targets.stages import StagedTarget
-from spd.tree_rows import StageRows
+from spd.verify.tree_rows import StageRows
 
 
 class DraftLM:

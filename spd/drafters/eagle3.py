@@ -9,19 +9,19 @@ get their step-0 rows from the target's features of the verify pass.
 W > 1 grows EAGLE-2's dynamic tree (design §8): the root's W best children, then for each further depth the
 frontier's rows in one pass (each under its own ancestors), W children per frontier node, the W best of them by
 cumulative log-probability as the next frontier; finally the `budget` best nodes of all, parents first. Children
-are the top-W of q (`spd.sampling.children_of_rows`, the pipeline's rule too), deterministic, so verification keeps each with its p (`spd.sampling.settle_children`).
+are the top-W of q (`spd.verify.sampling.children_of_rows`, the pipeline's rule too), deterministic, so verification keeps each with its p (`spd.verify.sampling.settle_children`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from spd.attention import attend_block
+from spd.models.attention import attend_block
 from spd.drafters.base import ChainDrafter
-from spd.eagle3_module import Eagle3Module
-from spd.sampling import Proposal, children_of_rows
+from spd.models.eagle3 import Eagle3Module
+from spd.verify.sampling import Proposal, children_of_rows
 from spd.targets.kv_cache import LayerKVCache
-from spd.tree import DraftTree
+from spd.verify.tree import DraftTree
 
 
 class Eagle3Drafter(ChainDrafter):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from spd.attention import attend_block
-from spd.eagle3_module import Eagle3Module
+from spd.models.attention import attend_block
+from spd.models.eagle3 import Eagle3Module
 
 
 class Eagle3DeviceDrafter:
@@ -78,7 +78,7 @@ class Eagle3DeviceDrafter:
                                         m.layer.self_attn.scaling), gate)
 
     def _log_q(self, h: torch.Tensor) -> torch.Tensor:
-        """log q over the target's vocabulary [r, V] for the rows h [1, r, d] (as spd.sampling.children_of_rows)."""
+        """log q over the target's vocabulary [r, V] for the rows h [1, r, d] (as spd.verify.sampling.children_of_rows)."""
         return torch.log_softmax(self.module.target_logits(self.module.logits(h))[0].float(), -1)
 
     def update(self, hidden: dict[int, torch.Tensor], verified: torch.Tensor, kept: torch.Tensor,

@@ -6,7 +6,7 @@ learned from this request's verdicts, is at least the module's (chains; a tree's
 
 The module keeps its state either way: its memory grows as positions leave the last stage (`finalize`), which the
 lookup never skips; only its forward for the draft is saved when the lookup answers. A lookup draft is a point
-mass (q = None), verified like any other draft (spd.sampling), so the output stays the target's.
+mass (q = None), verified like any other draft (spd.verify.sampling), so the output stays the target's.
 
 In a draft tree (W > 1) each branch tip asks on its own context: the lookup's one child where the branch's context
 ends in a match, and the module's W likeliest children otherwise (one batched pass for those tips).
@@ -21,7 +21,7 @@ from spd.drafters.lookup import NgramIndex
 from spd.drafters.spd_module import ModuleDrafter
 from spd.methods import DRAFT_SOURCES, LOOKUP_MODULE, MODULE
 from spd.pricing import SourcePricer
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 from spd.spec import LookupOptions
 
 if TYPE_CHECKING:

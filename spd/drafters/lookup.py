@@ -1,7 +1,7 @@
 """Context-lookup drafts (prompt-lookup decoding; the n-gram half of Multi-Branch Self-Drafting): the next tokens
 are what followed, earlier in the context (prompt + verified tokens), the longest suffix of the context that
 occurred before. No model and no logits: each draft is a deterministic proposal (q = None), which sampled
-verification accepts with probability p(x) (spd.sampling.verify_point_mass), so the output stays the target's.
+verification accepts with probability p(x) (spd.verify.sampling.verify_point_mass), so the output stays the target's.
 
 The index is a pool of n-grams kept incrementally: appending a token adds the n-grams that end just before it, each
 mapped to where its continuation starts (the newest occurrence wins, and remembers the one it replaced), so a
@@ -10,15 +10,15 @@ lookup is one dictionary probe per n-gram size and nothing is rescanned per step
 W > 1 drafts a tree (design §8): the continuations of several earlier matches — the longest suffix's newest
 occurrences first, then shorter suffixes' — merged as a trie where they agree and branching where they do not (at
 most W children a node, `budget` nodes in all). Every candidate is deterministic, so verification keeps each with its
-p (`spd.sampling.settle_children`).
+p (`spd.verify.sampling.settle_children`).
 """
 
 from __future__ import annotations
 
 from spd.drafters.base import ChainDrafter, merged_tree
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 from spd.spec import LookupOptions
-from spd.tree import DraftTree
+from spd.verify.tree import DraftTree
 
 
 class NgramIndex:

@@ -7,7 +7,7 @@ drafter whose compute they keep, let benchmarks hold the pipeline full to time s
 from __future__ import annotations
 
 from spd.drafters.base import Drafter, StepView, WrappedDrafter
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 
 
 class _Idle(Drafter):

@@ -23,12 +23,12 @@ names the branches' only): text that repeats itself — code above all — then 
 
 Corpus cache (`corpus`, a `CorpusNgrams` or None). The paper counts n-grams over OANC, a general English corpus; OANC
 is not available here, so the suite counts them over the ShareGPT assistant turns of its own datastore
-(spd.retrieval, the first `CORPUS_TOKENS` tokens; built once per tokenizer, cached beside the datastore). Lookups
+(spd.corpora.retrieval, the first `CORPUS_TOKENS` tokens; built once per tokenizer, cached beside the datastore). Lookups
 try the longer prefix first (the two newest verified tokens), then the root alone, each list most frequent first.
 
 Candidates. The continuations keyed by the root (the newest verified token): the context cache's first, then the
 corpus's fill the remaining ones, up to `candidates` (default N), merged as a trie and verified in the same forward
-under the tree's ancestor mask; the walk (spd.runtime.sequence, `spd.sampling.settle_children`) keeps the longest
+under the tree's ancestor mask; the walk (spd.runtime.sequence, `spd.verify.sampling.settle_children`) keeps the longest
 verified path. Every candidate is deterministic (q = None) and branch predictions are argmaxes that draw no noise, so
 greedy and sampled outputs stay the target's own.
 """
@@ -45,7 +45,7 @@ import torch
 from spd.drafters.base import ChainDrafter, merged_tree
 from spd.drafters.selfdraft_device import DeviceBranches
 from spd.methods import SelfDraftKeys
-from spd.tree import DraftTree
+from spd.verify.tree import DraftTree
 
 CORPUS_TOKENS = 2_000_000     # corpus n-grams are counted over this prefix of the datastore's tokens
 CORPUS_TOP = 4                # continuations kept per key, most frequent first
@@ -111,10 +111,10 @@ class CorpusNgrams:
 
 
 def corpus_ngrams(tokenizer, vocab_size: int, gram: int, log=print) -> CorpusNgrams | None:
-    """The ShareGPT corpus cache of this tokenizer (spd.retrieval's datastore, its first CORPUS_TOKENS tokens),
+    """The ShareGPT corpus cache of this tokenizer (spd.corpora.retrieval's datastore, its first CORPUS_TOKENS tokens),
     counted once and cached as .npz beside the datastore; None where the datastore cannot be built here."""
-    from spd.datastore import tokenizer_key
-    from spd.retrieval import SHAREGPT, open_datastore
+    from spd.corpora.datastore import tokenizer_key
+    from spd.corpora.retrieval import SHAREGPT, open_datastore
     from spd.targets.weight_cache import cache_root
 
     try:

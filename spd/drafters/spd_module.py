@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from spd.drafters.base import Drafter, StepView
-from spd.module import SpeculationModule
-from spd.sampling import Proposal
+from spd.models.module import SpeculationModule
+from spd.verify.sampling import Proposal
 from spd.targets.kv_cache import LayerKVCache
 from spd.targets.ragged import few_rows_products
 

@@ -13,15 +13,15 @@ ratio where the target was as sure, by its top-2 margin at the newest verified t
 judged against the tokens the cycle verified, drafted or not; the forward carries the prefix of candidates, best
 first, that maximises expected tokens per second under this machine's row-cost profile, if that beats a plain step
 by the edge. A cycle worth nothing drafts nothing (a plain AR step). Every candidate is deterministic
-(q = None), so verification keeps each child with exactly its p (`spd.sampling.settle_children`): greedy follows
+(q = None), so verification keeps each child with exactly its p (`spd.verify.sampling.settle_children`): greedy follows
 the argmax, sampling one draw of p — at T = 1 the predictor learns the sampled acceptance. That draw is keyed
-(spd.sampling.KeyedDraws): the noise that will choose each position is known before the forward, so at T = 1 a
+(spd.verify.sampling.KeyedDraws): the noise that will choose each position is known before the forward, so at T = 1 a
 candidate is priced by its chance given its own noise (spd.pricing.given_noise) — a likely token whose noise is low
 is left out, an unlikely one whose noise is high drafted — and a context candidate by its recall too: the target's p
 of its token at the earlier occurrences that propose it, as the draws recorded it (the request's own answer; the
 prompt's tokens were not drawn and carry none).
 
-A datastore (`Retrieval`, spd.datastore: `datastore=sharegpt` in the default on a CPU) adds a second trie: the
+A datastore (`Retrieval`, spd.corpora.datastore: `datastore=sharegpt` in the default on a CPU) adds a second trie: the
 continuations of the context's longest match in a corpus, as candidates of their own source ("datastore"), priced and
 calibrated apart from the context's — kept a third to half as often, they would otherwise talk the context down.
 
@@ -35,14 +35,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spd.datastore import Datastore
+from spd.corpora.datastore import Datastore
 from spd.drafters.base import ChainDrafter
 from spd.drafters.lookup import NgramIndex
 from spd.pricing import NOISE_SHARE, AcceptancePredictor, Evidence, RowCosts, choose, given_noise
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 from spd.methods import SelfDraftKeys
 from spd.spec import LookupOptions, SuffixOptions
-from spd.tree import DraftTree
+from spd.verify.tree import DraftTree
 
 DATASTORE = "datastore"   # the source of candidates a datastore proposed
 NAN = float("nan")
@@ -63,7 +63,7 @@ class SuffixMemory:
 
 @dataclass(frozen=True)
 class Retrieval:
-    """How the drafter reads a datastore (spd.datastore): the longest match of the context's last max_n tokens (at
+    """How the drafter reads a datastore (spd.corpora.datastore): the longest match of the context's last max_n tokens (at
     least min_n), `limit` of its occurrences spread over the corpus, their next `depth` tokens. Over the 30 eval
     prompts' greedy traces a sample of 16 predicted the same speedup as 64 or 256 (docs/speed-cpu.md, "How the default drafts and prices")."""
     store: Datastore
@@ -122,7 +122,7 @@ class SuffixDrafter(ChainDrafter):
         self.recalled: list[float] = []               # per context position: the target's p of its token (NaN: unknown)
         self.last: tuple[list[_Node], list[Evidence]] | None = None   # the cycle's candidates, drafted or not
         self.margin = float("inf")                    # the target's confidence at the newest verified token
-        self.draws = None                             # sampled: the request's keyed draws (spd.sampling)
+        self.draws = None                             # sampled: the request's keyed draws (spd.verify.sampling)
         self.cycles = self.priced_out = 0             # cycles drafted, and those the pricing made plain AR steps
 
     def layers_needed(self, bounds=None) -> list[int]:

@@ -12,7 +12,7 @@ statistics' best first draft is already predicted kept at least this often (its 
 
 The module keeps one K/V row per verified position either way (spd.drafters.eagle3); only its drafting passes are
 saved where the gate holds. Every drafted node is a point mass (q = None), so verification keeps the target's
-output and its distribution (spd.sampling.settle_children).
+output and its distribution (spd.verify.sampling.settle_children).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from spd.drafters.eagle3 import Eagle3Drafter
 from spd.drafters.suffix import Retrieval, SuffixDrafter, _Node
 from spd.methods import SUFFIX_MODULE
 from spd.pricing import Evidence, RowCosts
-from spd.sampling import children_of_rows
+from spd.verify.sampling import children_of_rows
 from spd.spec import LookupOptions
 
 EAGLE3 = "eagle3"

@@ -51,10 +51,10 @@ from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import needed_layers
 from spd.engine import build_decoder
 from spd.methods import CHAIN
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.schedule import spd_step
 from spd.runtime.views import step_view
-from spd.sampling import (Proposal, SamplingParams, greedy_token, propose, propose_children, settle,
+from spd.verify.sampling import (Proposal, SamplingParams, greedy_token, propose, propose_children, settle,
                           settle_children)
 from spd.targets.stages import StagedTarget
 from spd.targets.timing import median_seconds

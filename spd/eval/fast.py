@@ -16,7 +16,7 @@ from spd.engine import build_batch_decoder, build_decoder
 from spd.methods import AR
 from spd.decoding import Request
 from spd.layout import needed_layers
-from spd.sampling import top2_margin
+from spd.verify.sampling import top2_margin
 from spd.targets.stages import StagedTarget
 
 

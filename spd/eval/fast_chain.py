@@ -26,13 +26,13 @@ import torch
 from spd.decoding import Request
 from spd.drafters.base import ChainDrafter
 from spd.drafters.lookup import LookupDrafter
-from spd.eagle3_module import Eagle3Module
+from spd.models.eagle3 import Eagle3Module
 from spd.eval.fast import GreedyTrace
 from spd.methods import SUFFIX_MODULE
 from spd.metrics import ChainStats
 from spd.runtime.sequence import ChainSequence
-from spd.sampling import BLOCK, Proposal
-from spd.tree import DraftTree
+from spd.verify.sampling import BLOCK, Proposal
+from spd.verify.tree import DraftTree
 
 
 @torch.no_grad()
@@ -169,7 +169,7 @@ def replay(drafter: ChainDrafter, prompt_ids: list[int], tokens: list[int], m: i
     them as the runtime tells it. draws: a sampled answer's keyed draws (anything with `uniform(position, token)` and
     `chance(position)`), given to the drafter after `start` as the runtime gives them; chances: the target's p of
     each sampled token (chances[i] of tokens[i]), recorded in `draws` as the runtime's draws record them
-    (spd.sampling.KeyedDraws.chance)."""
+    (spd.verify.sampling.KeyedDraws.chance)."""
     if draws is not None and chances:
         draws.drawn.update({len(prompt_ids) + i: chance for i, chance in enumerate(chances)})
     verifier = TraceVerifier(prompt_ids, tokens, hidden, margins)

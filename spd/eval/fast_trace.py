@@ -22,11 +22,11 @@ from spd.drafters.base import Drafter, WrappedDrafter
 from spd.drafters.hybrid import LookupThenModule
 from spd.eval.fast import GreedyTrace
 from spd.methods import LOOKUP_MODULE
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.executor import StageExecutor, StepOutput
 from spd.runtime.pipeline import PipelineDecoder
 from spd.runtime.segments import SegmentPipelineDecoder
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 
 OFF_TRACE = -1    # an exiting node off the trace: a token no child can be
 

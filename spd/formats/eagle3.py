@@ -226,7 +226,7 @@ def check_head_target(path: str, cfg: dict, target) -> None:
                             f"this target has {ours}; use the head's own target=")
     num_layers = config.num_hidden_layers
     if cfg["fused_layers"] is None:   # the engines' default, for this target
-        from spd.eagle3_module import fused_layers
+        from spd.models.eagle3 import fused_layers
 
         cfg["fused_layers"] = list(fused_layers(num_layers))
     bad = [k for k in cfg["fused_layers"] if not 0 <= k < num_layers]

@@ -5,7 +5,7 @@ own token at the first miss (or after the path's last node) comes free. No pipel
 drafter with nothing to propose makes the cycle a plain AR step.
 
 The walk and its statistics are one request's `ChainSequence` (spd.runtime.sequence), shared with the batched decoder.
-Verification walks down from the root, one node at a time, with `spd.sampling.settle_children`: greedy descends into
+Verification walks down from the root, one node at a time, with `spd.verify.sampling.settle_children`: greedy descends into
 the child that is the target's argmax; sampling keeps a chain's draft x ~ q with probability min(1, p(x)/q(x)) (a
 deterministic draft: p(x)) and otherwise draws from norm(max(0, p - q)), and a node with several children keeps
 each with exactly its share of p — so the output is the target's own distribution at every W.
@@ -24,7 +24,7 @@ from spd.targets import ragged
 from spd.targets.ragged import few_rows_products
 from spd.targets.row_costs import use_machine_products
 from spd.targets.stages import StagedTarget
-from spd.tree import DraftTree
+from spd.verify.tree import DraftTree
 
 
 class ChainDecoder(Decoder):

@@ -12,7 +12,7 @@ from spd.decoding import Decoder, Request, context_length, is_final, prefill
 from spd.drafters.base import ChainDrafter
 from spd.metrics import ChainStats
 from spd.runtime.device_step import BUCKET, ROWS, DeviceStep, StepState, choose, gumbel
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.linear_states import ROLLBACK
 from spd.targets.stages import StagedTarget
 

@@ -19,13 +19,13 @@ from contextlib import nullcontext
 
 import torch
 
-from spd.attention import layer_forward, memory_kv
+from spd.models.attention import layer_forward, memory_kv
 from spd.decoding import Decoder, Request, context_length, is_final, prefill
 from spd.drafters.lookup import NgramIndex
 from spd.metrics import DecodeStats
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.runtime.device_step import BUCKET, DeviceSampling, Graphed, choose, gumbel
-from spd.sampling import SamplingParams
+from spd.verify.sampling import SamplingParams
 from spd.targets.stages import StagedTarget
 
 
@@ -72,7 +72,7 @@ class DevicePipelineStep(Graphed):
         # SPD's draft reads only the step's inputs, so it runs beside the stages; a plan that drafts after the
         # step (PPSD, the output states) waits for them
         self.streams = [torch.cuda.Stream(device) for _ in range(n + 1)] if on_cuda else None
-        self.choose_runner(on_cuda, compile)
+        self.choose_runner(on_cuda, compile, greedy=self.sampling.greedy)
 
     def mutable(self) -> list[torch.Tensor]:
         return [self.t, self.a, self.tokens, self.inputs, self.store]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from spd.sampling import SamplingParams, keyed_uniforms, warp
+from spd.verify.sampling import SamplingParams, keyed_uniforms, warp
 from spd.targets.fixed_step import WARMUP_RUNS
 from spd.targets.linears import plain_products, swapped_linears
 from spd.targets.stages import StagedTarget
@@ -27,7 +27,7 @@ ROWS = (1, 2, 4, 8, 16, 32)   # rows a step runs: a cycle's drafts are padded up
 
 def gumbel(key: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """The keyed Gumbel noise -log(-log u) [r, V] (float64) of the request's `key` [] at `positions` [r], computed
-    where they are (spd.sampling.keyed_uniforms): inside a step, from its position tensor, the bits KeyedDraws.sample
+    where they are (spd.verify.sampling.keyed_uniforms): inside a step, from its position tensor, the bits KeyedDraws.sample
     adds to log p there, and nothing copied to the device a step."""
     return -torch.log(-torch.log(keyed_uniforms(key, positions, vocab)))
 
@@ -53,7 +53,7 @@ class DeviceSampling:
             self.top_p.fill_(params.top_p)
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [V] -> probabilities [V]: spd.sampling.warp with the settings read from tensors, bit for bit
+        """logits [V] -> probabilities [V]: spd.verify.sampling.warp with the settings read from tensors, bit for bit
         (top-k's threshold is the k-th value of the sorted row; an off filter keeps every logit)."""
         x = logits.float() / self.temperature
         vocab = x.shape[-1]
@@ -67,7 +67,7 @@ class DeviceSampling:
 
 def choose(logits: torch.Tensor, params: SamplingParams | DeviceSampling, noise: torch.Tensor | None) -> torch.Tensor:
     """logits [r, V] -> the target's token after each row [r]: its argmax (ties to the lowest id, as
-    spd.sampling.greedy_token), or the keyed draw argmax(log p + g) over warp's support (KeyedDraws.sample), with
+    spd.verify.sampling.greedy_token), or the keyed draw argmax(log p + g) over warp's support (KeyedDraws.sample), with
     g the rows' noise [>= r, V]."""
     if params.greedy:
         return logits.argmax(-1)
@@ -114,7 +114,7 @@ class StepState:
             side.bind(self.tokens[tree:])
 
     def set_tree(self, tree, rows: int) -> None:
-        """A context drafter's tree (spd.tree.DraftTree, parents first) as the first `rows` rows' structure;
+        """A context drafter's tree (spd.verify.tree.DraftTree, parents first) as the first `rows` rows' structure;
         padding rows sit at depth 0 under the root and see only themselves (never kept: they are not drafts)."""
         depths, parents = tree.depths(), [0, *tree.parents]
         pad = rows - len(tree)
@@ -158,7 +158,7 @@ class Graphed:
         self.graph.replay()
         return self.out_buffer()
 
-    def choose_runner(self, graph: bool, compile: str | None, pool=None) -> None:
+    def choose_runner(self, graph: bool, compile: str | None, pool=None, greedy: bool = True) -> None:
         """self.run: the step eagerly, through torch.compile(fullgraph=True) with the `compile` backend (Inductor's
         default mode: its kernels, no graphs of its own), and replayed as a CUDA graph (`graph`) of whichever of the
         two it is. pool: the memory pool the graph captures into (torch.cuda.graph_pool_handle(), one a decoder)."""
@@ -170,7 +170,7 @@ class Graphed:
             limits.recompile_limit = max(limits.recompile_limit, 1024)
             limits.accumulated_recompile_limit = max(limits.accumulated_recompile_limit, 4096)
             compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=compile,
-                                     options=compile_options(compile, self.target.device))
+                                     options=compile_options(compile, self.target.device, greedy))
             model = self.target.model
             swapped = swapped_linears(model)    # once: a walk of every module would cost each step
 
@@ -197,13 +197,17 @@ class Graphed:
 
 
 
-def compile_options(backend: str, device: torch.device) -> dict | None:
+def compile_options(backend: str, device: torch.device, greedy: bool) -> dict | None:
     """Inductor's options for a step on `device`. On a CPU every kernel launch is host work, and Inductor's default
     Python wrapper between the kernels costs as much again as they do on a small step: its C++ wrapper calls them
     from one compiled function (the EAGLE-3 chain's host time a token 984 -> 710 us, SPD's pipeline step 1,273 ->
-    997 us, bench/overhead.py on 2 cores; compiling takes about twice as long). On CUDA the step's graph replaces
-    the wrapper altogether."""
-    return {"cpp_wrapper": True} if backend == "inductor" and device.type == "cpu" else None
+    997 us, bench/overhead.py on 2 cores; compiling takes about twice as long). A sampled step is compiled without
+    vector kernels: vectorised (torch 2.13.0, CPU), it chose tokens outside the vocabulary now and then — a different
+    step each run, one thread or two — and the next step's embedding read out of bounds (a crash); scalar kernels
+    give the eager step's tokens (tests/test_device_step.py). On CUDA the step's graph replaces the wrapper."""
+    if backend != "inductor" or device.type != "cpu":
+        return None
+    return {"cpp_wrapper": True} if greedy else {"cpp_wrapper": True, "cpp.simdlen": 1}
 
 
 class DeviceStep(Graphed):
@@ -236,7 +240,7 @@ class DeviceStep(Graphed):
         if target.hybrid and len(self.run_rows) >= slots:
             raise ValueError(f"a step of {len(self.run_rows)} rows, but the cache's linear-attention layers keep "
                              f"{slots - 1} positions; allocate it with a larger rollback")
-        self.choose_runner(cuda_graph and target.device.type == "cuda", compile, pool)
+        self.choose_runner(cuda_graph and target.device.type == "cuda", compile, pool, state.sampling.greedy)
 
     def mutable(self) -> list[torch.Tensor]:
         """Not the caches: their rows past the position are hidden, and a warm-up's writes at or before it hold

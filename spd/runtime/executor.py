@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spd.runtime.flight import Flight
-from spd.tree_rows import StageRows
+from spd.verify.tree_rows import StageRows
 from spd.runtime.schedule import Step
 
 

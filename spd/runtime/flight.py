@@ -10,7 +10,7 @@ Node ids are position * W + index within the level when it entered, so for W = 1
 and a chain in flight is keyed exactly as before trees existed.
 
 `SegmentFlight` is FlowSpec's (spd.runtime.segments): a tree whose nodes enter in segments of several positions.
-Each stage's KV cache rows over either are kept by `spd.tree_rows.StageRows`; the stage processes restore either
+Each stage's KV cache rows over either are kept by `spd.verify.tree_rows.StageRows`; the stage processes restore either
 from its `structure()` as a SegmentFlight (a level is the segment keyed by its position).
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Flight:
         self.nodes: dict[int, Node] = {}
         self._levels: dict[int, list[int]] = {}
         self.spine: int | None = None     # the newest node of the branch that always grows (spd.runtime.pipeline.grow)
-        self.left = None                  # every node gone below the oldest level was verified (spd.tree_rows)
+        self.left = None                  # every node gone below the oldest level was verified (spd.verify.tree_rows)
 
     @classmethod
     def restore(cls, width: int, nodes: list[tuple[int, int, int | None]]) -> "Flight":
@@ -135,7 +135,7 @@ LEFT = -2     # a structure row's group for a verified node that left (SegmentFl
 
 class SegmentFlight:
     """The draft tree in flight or waiting to enter, by node id, with the segment each node entered in. What
-    `spd.tree_rows.StageRows` reads (`nodes`, `oldest`, `branch`) and what executors read (`level(key)`: a
+    `spd.verify.tree_rows.StageRows` reads (`nodes`, `oldest`, `branch`) and what executors read (`level(key)`: a
     segment's nodes still alive, in entering order)."""
 
     def __init__(self):
@@ -143,7 +143,7 @@ class SegmentFlight:
         self.segments: dict[int, list[int]] = {}
         self.segment_of: dict[int, int] = {}
         self.entered: set[int] = set()       # nodes whose segment entered stage 1
-        self.left: set[int] = set()          # verified nodes gone since the stages last heard (spd.tree_rows)
+        self.left: set[int] = set()          # verified nodes gone since the stages last heard (spd.verify.tree_rows)
         self._ids = 0
         self._keys = 0
 

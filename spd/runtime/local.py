@@ -13,7 +13,7 @@ import torch
 from spd.decoding import prefill
 from spd.runtime.executor import StageExecutor, StepOutput, level_mask
 from spd.runtime.flight import Flight
-from spd.tree_rows import StageRows
+from spd.verify.tree_rows import StageRows
 from spd.runtime.schedule import Step
 from spd.targets.stages import StagedTarget
 

@@ -27,7 +27,7 @@ from spd.runtime.flight import Flight
 from spd.runtime.local import LocalStages
 from spd.runtime.schedule import first_step, flushed_from, next_step, relay_step
 from spd.runtime.views import branch_view
-from spd.sampling import Proposal, next_token, propose, propose_children, settle_children
+from spd.verify.sampling import Proposal, next_token, propose, propose_children, settle_children
 from spd.targets.stages import StagedTarget
 
 

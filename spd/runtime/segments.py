@@ -4,7 +4,7 @@ of at most S nodes that flow through the pipeline's stages one segment per step.
 A round starts from the newest verified token (the tree's root, itself not yet through the target): the drafter
 grows a tree from the verified context (`ChainDrafter.draft_tree`: the context's statistics or lookup, EAGLE-3's
 module), its nodes in the drafter's order — parents first — cut into segments that enter stage 1 one per step, each
-stage running a segment's nodes at their tree positions under their ancestor mask (`spd.tree_rows`). When a segment
+stage running a segment's nodes at their tree positions under their ancestor mask (`spd.verify.tree_rows`). When a segment
 leaves the last stage, its nodes' logits are known, and the walk from the deepest verified node (the frontier)
 goes on while the frontier's logits are known: `settle_children` draws x ~ p once (greedy: the argmax); x a child
 — it is verified, every node outside its subtree is dropped from every stage, from the segments in flight and from
@@ -31,9 +31,9 @@ from spd.runtime.flight import SegmentFlight
 from spd.runtime.local import LocalStages
 from spd.runtime.pipeline import finishing
 from spd.runtime.schedule import IDLE, segment_step
-from spd.sampling import Proposal, greedy_token, next_token, settle_children, top2_margin
+from spd.verify.sampling import Proposal, greedy_token, next_token, settle_children, top2_margin
 from spd.targets.stages import StagedTarget
-from spd.tree import DraftTree
+from spd.verify.tree import DraftTree
 
 
 class SegmentPipelineDecoder(Decoder):

@@ -4,7 +4,7 @@ logits for its rows, settle). Whoever owns the forward drives it — `ChainDecod
 statistics. A sequence without a drafter drafts nothing: each cycle is a plain AR step (what a batch of AR requests
 runs).
 
-Verification walks down from the root, one node at a time, with `spd.sampling.settle_children` (spd.runtime.chain
+Verification walks down from the root, one node at a time, with `spd.verify.sampling.settle_children` (spd.runtime.chain
 says why that keeps the target's distribution at every W).
 """
 
@@ -15,9 +15,9 @@ import torch
 from spd.decoding import Request, context_length, is_final, prefill
 from spd.drafters.base import ChainDrafter
 from spd.metrics import ChainStats
-from spd.sampling import KeyedDraws, next_token, propose, settle_children, top2_margin
+from spd.verify.sampling import KeyedDraws, next_token, propose, settle_children, top2_margin
 from spd.targets.stages import StagedTarget
-from spd.tree import DraftTree
+from spd.verify.tree import DraftTree
 
 
 class ChainSequence:
@@ -34,7 +34,7 @@ class ChainSequence:
         self.drafter_layers = frozenset(drafter.layers_needed()) if drafter else frozenset()
         self.capture = self.drafter_layers | frozenset(capture)     # what every forward of this sequence keeps
         self.generator = request.generator(target.device)
-        self.draws: KeyedDraws | None = None        # sampled: the request's keyed draws (spd.sampling), from start
+        self.draws: KeyedDraws | None = None        # sampled: the request's keyed draws (spd.verify.sampling), from start
         self.stats = ChainStats(m=m)
         self.done = False
         self.cache = None

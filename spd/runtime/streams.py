@@ -17,7 +17,7 @@ import torch
 
 from spd.decoding import prefill
 from spd.runtime.local import LocalStages
-from spd.tree_rows import StageRows
+from spd.verify.tree_rows import StageRows
 from spd.runtime.schedule import Step
 from spd.runtime.executor import StepOutput
 from spd.targets.fixed_step import FixedStep

@@ -17,8 +17,8 @@ from starlette.exceptions import HTTPException
 
 from spd.decoding import Request
 from spd.errors import PipelineFailure
-from spd.prompts import conversation_ids
-from spd.sampling import SamplingParams
+from spd.corpora.prompts import conversation_ids
+from spd.verify.sampling import SamplingParams
 from spd.serve.api import ApiError, ChatBody, CompletionBody, Sampling, validation_error
 from spd.serve.worker import DecodeWorker, Job, QueueFull
 

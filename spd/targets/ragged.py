@@ -45,7 +45,7 @@ class Segment:
 
     @classmethod
     def tree(cls, cache: LayerKVCache, start: int, tree) -> "Segment":
-        """A draft tree's nodes (spd.tree.DraftTree) after `start` cached positions, as `forward_all` feeds them."""
+        """A draft tree's nodes (spd.verify.tree.DraftTree) after `start` cached positions, as `forward_all` feeds them."""
         positions = [start + depth for depth in tree.depths()]
         if tree.is_chain():
             return cls(cache, positions)

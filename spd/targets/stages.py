@@ -69,7 +69,7 @@ class StagedTarget:
 
     def attention_near(self, index: int) -> int:
         """The full-attention layer nearest to layer `index` (negative: from the end), the earlier on a tie: where a
-        draft layer built from the target's attention layer class (spd.module) takes its starting weights."""
+        draft layer built from the target's attention layer class (spd.models.module) takes its starting weights."""
         index = index % self.num_layers
         attention = [i for i, kind in enumerate(self.layer_types) if kind != LINEAR]
         return min(attention, key=lambda i: (abs(i - index), i))

@@ -13,9 +13,9 @@ import json
 import os
 from dataclasses import dataclass
 
-from spd.checkpoint import load_checkpoint, read_checkpoint_config
+from spd.models.checkpoint import load_checkpoint, read_checkpoint_config
 from spd.errors import UserError
-from spd.shipped import SHIPPED_DIR
+from spd.models.shipped import SHIPPED_DIR
 
 
 @dataclass(frozen=True)

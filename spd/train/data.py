@@ -9,7 +9,7 @@ import os
 import datasets
 
 from spd.errors import UserError
-from spd.sharegpt import SHAREGPT, _sharegpt_file, complete_records, held_out_ids, normalise
+from spd.corpora.sharegpt import SHAREGPT, _sharegpt_file, complete_records, held_out_ids, normalise
 
 
 def _sharegpt_generator(path: str):

@@ -11,7 +11,7 @@ from spd.layout import sample_occupancy
 from spd.metrics import DecodeStats, pooled_eal
 from spd.engine import build_decoder
 from spd.methods import PIPELINE
-from spd.prompts import chat_prompt_ids
+from spd.corpora.prompts import chat_prompt_ids
 from spd.train.objective import collate, kd_loss, teacher_pass
 
 

@@ -21,9 +21,9 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from spd.checkpoint import save_checkpoint
+from spd.models.checkpoint import save_checkpoint
 from spd.errors import UserError
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
 from spd.train.continuation import load_continued

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from spd.drafters.eagle3 import Eagle3Drafter
-from spd.eagle3_module import TTT_DECAY, TTT_STEPS, Eagle3Module, fused_layers
+from spd.models.eagle3 import TTT_DECAY, TTT_STEPS, Eagle3Module, fused_layers
 from spd.errors import UserError
 from spd.layout import needed_layers, sample_occupancy
-from spd.module import SpeculationModule
-from spd.module_init import init_previous_token_head
+from spd.models.module import SpeculationModule
+from spd.models.module_init import init_previous_token_head
 from spd.targets.stages import LINEAR, StagedTarget
 from spd.train.evaluate import decode_heldout, evaluate
 from spd.train.objective import kd_loss, ttt_loss

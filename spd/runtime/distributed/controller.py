@@ -33,7 +33,7 @@ from spd.runtime.distributed.protocol import (ABORT, END, MAX_ARGMAX_VOCAB, PREF
 from spd.runtime.executor import StageExecutor, StepOutput, level_mask
 from spd.runtime.distributed.slots import Slot, SlotStages, chain_flight
 from spd.runtime.flight import Flight
-from spd.tree_rows import StageRows
+from spd.verify.tree_rows import StageRows
 from spd.runtime.schedule import Step, first_step, next_step
 from spd.targets.ragged import Segment, run_rows
 from spd.targets.stages import StagedTarget

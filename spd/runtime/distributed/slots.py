@@ -11,7 +11,7 @@ import torch
 
 from spd.runtime.executor import StageExecutor, StepOutput
 from spd.runtime.flight import Flight
-from spd.tree_rows import StageRows
+from spd.verify.tree_rows import StageRows
 from spd.runtime.schedule import Step
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from spd.runtime.distributed.protocol import (ABORT, END, PREFILL, PROBE, STEP, 
                                               TAG_PAYLOAD, TAG_PREFILL, TAG_READY, Control, Setup, control_size,
                                               first_remote, parse_message, stage_capture, stage_layers)
 from spd.runtime.executor import level_mask
-from spd.tree_rows import StageRows
+from spd.verify.tree_rows import StageRows
 from spd.runtime.schedule import IDLE
 from spd.targets.ragged import Segment, exit_logits, run_rows
 from spd.targets.loaded import DTYPES

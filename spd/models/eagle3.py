@@ -17,8 +17,8 @@ import inspect
 import torch
 from torch import nn
 
-from spd.attention import _heads, attend, layer_output, queries, rotate
-from spd.draft_head import DraftHead
+from spd.models.attention import _heads, attend, layer_output, queries, rotate
+from spd.models.draft_head import DraftHead
 from spd.targets.stages import StagedTarget
 
 TTT_STEPS = 7        # unrolled steps of the training-time test

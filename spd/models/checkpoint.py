@@ -17,10 +17,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from spd.errors import UserError
-from spd.eagle3_module import Eagle3Module
+from spd.models.eagle3 import Eagle3Module
 from spd.formats.eagle3 import FORMATS, check_head_target, head_config, head_state, layout_of, weights_file
 from spd.methods import METHODS, TRAINED_METHODS, module_class
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 from spd.paths import refuse_authors_head
 from spd.targets.loaded import reduced_fingerprints
 from spd.targets.loading import LoadedTarget

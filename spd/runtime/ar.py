@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from spd.decoding import Decoder, Request, context_length, is_final, prefill
-from spd.sampling import next_token
+from spd.verify.sampling import next_token
 from spd.targets.stages import StagedTarget
 
 

@@ -1,6 +1,6 @@
 """The packaged ShareGPT file, read record by record (torch- and `datasets`-free): where it is, its complete records
 (the file is cut off), a record's turns in one shape, and the records no run may read — the everyday benchmark set's.
-Training (spd.train.data) and the ShareGPT datastore (spd.retrieval) both read it through here."""
+Training (spd.train.data) and the ShareGPT datastore (spd.corpora.retrieval) both read it through here."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def normalise(record) -> list[dict] | None:
     return out
 
 
-EVERYDAY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "eval", "everyday", "prompts.jsonl")
+EVERYDAY_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "eval", "everyday", "prompts.jsonl")
 
 
 def held_out_ids() -> frozenset[str]:

@@ -8,7 +8,7 @@ at a time (two binary searches a token, no n-gram tables), and the longest match
 what a few dictionary probes do. A continuation is what followed an occurrence in the forward corpus, read backwards
 from where the occurrence ends in the reversed one; it stops at the separator between two documents.
 
-Built from the ShareGPT conversations' assistant turns or the target's own answers (spd.retrieval), or from any token
+Built from the ShareGPT conversations' assistant turns or the target's own answers (spd.corpora.retrieval), or from any token
 sequences (`Datastore.build`); several are read in turn as one (`Stores`). The datastore only chooses what is drafted;
 verification decides what is output, so no datastore can change a decoded token (tests/test_datastore.py).
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from spd.module import SpeculationModule
+from spd.models.module import SpeculationModule
 
 
 @torch.no_grad()

@@ -14,8 +14,8 @@ import warnings
 import torch
 from torch import nn
 
-from spd.attention import layer_forward, memory_kv
-from spd.draft_head import DraftHead
+from spd.models.attention import layer_forward, memory_kv
+from spd.models.draft_head import DraftHead
 from spd.layout import plan_for
 from spd.targets.stages import StagedTarget
 
@@ -76,7 +76,7 @@ class SpeculationModule(DraftHead, nn.Module):
                                method=method)
 
     def checkpoint_fields(self, num_layers: int) -> dict:
-        """What config.json records of this module beside the target's identity (spd.checkpoint)."""
+        """What config.json records of this module beside the target's identity (spd.models.checkpoint)."""
         return {
             "n": self.n,
             "stage_bounds": self.bounds,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spd.sampling import Proposal
+from spd.verify.sampling import Proposal
 
 
 @dataclass

@@ -12,7 +12,7 @@ import os
 from spd.paths import RANDOM, read_run_config  # noqa: F401 (RANDOM: read here by the session and CLI)
 from spd.targets.source import DEFAULT_TARGET
 
-SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "assets", "modules")
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "modules")
 DEFAULT_N = 5       # the pipeline a run without n= (and without a checkpoint that has one) gets
 
 

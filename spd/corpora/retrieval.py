@@ -1,4 +1,4 @@
-"""The datastores a run can draft from (`datastore=`, spd.datastore):
+"""The datastores a run can draft from (`datastore=`, spd.corpora.datastore):
 
 - `sharegpt` — the assistant turns of the ShareGPT conversations, tokenised for the run's target and kept under
   $SPD_CACHE_DIR/datastore/<tokenizer key>.safetensors the first time (about half a minute on 2 cores for the default
@@ -10,7 +10,7 @@
 - your own text: a `.txt` file (one document) or a `.jsonl` file (one `{"text": ...}` object a line, one document
   each), tokenised for the run's target and kept under $SPD_CACHE_DIR/datastore/ keyed by the file's bytes and the
   tokenizer the first time (a changed file is built again);
-- several of these joined by `+` (`answers+sharegpt`): read in that order (spd.datastore.Stores).
+- several of these joined by `+` (`answers+sharegpt`): read in that order (spd.corpora.datastore.Stores).
 
 Held out of both corpora explicitly, as they are held out of training: the everyday benchmark set's conversations
 (every part of each), and any conversation whose user turns contain the opening of an eval prompt (none did when
@@ -26,12 +26,12 @@ import random
 import re
 import sys
 
-from spd.datastore import Datastore, Stores, load_documents, tokenizer_key
+from spd.corpora.datastore import Datastore, Stores, load_documents, tokenizer_key
 from spd.errors import UserError
 
 SHAREGPT = "sharegpt"
 ANSWERS = "answers"
-ANSWERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "datastore")
+ANSWERS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "datastore")
 MAX_PROMPT_CHARS = 2000   # the answered prompts' longest first turn (characters)
 OPENING = 80        # characters of an eval prompt (whitespace folded, lower case) that mark a conversation as its copy
 
@@ -43,8 +43,8 @@ def _folded(text: str) -> str:
 def usable_conversations(dropped: dict | None = None, log=print):
     """The ShareGPT conversations (record, turns) a datastore may read: none of the everyday set's (any part) and none
     whose user turns contain the opening of an eval prompt; `dropped` counts both."""
-    from spd.prompts import DATASETS, load_questions
-    from spd.sharegpt import _sharegpt_file, complete_records, held_out_ids, normalise
+    from spd.corpora.prompts import DATASETS, load_questions
+    from spd.corpora.sharegpt import _sharegpt_file, complete_records, held_out_ids, normalise
 
     dropped = {} if dropped is None else dropped
     dropped.update(everyday=0, eval=0)
@@ -96,7 +96,7 @@ def answers_path(key: str) -> str:
 
 def open_datastore(spec: str, tokenizer, vocab_size: int, log=_say) -> Datastore | Stores:
     """`sharegpt` (built and cached per tokenizer), `answers` (the target's own, shipped), a datastore file, or
-    several joined by `+`, read in that order (spd.datastore.Stores); refused where ids are another tokenizer's."""
+    several joined by `+`, read in that order (spd.corpora.datastore.Stores); refused where ids are another tokenizer's."""
     if "+" in spec and not os.path.isfile(spec):
         parts = spec.split("+")
         if not all(parts) or len(set(parts)) < len(parts):
@@ -199,7 +199,7 @@ def _open_one(spec: str, tokenizer, vocab_size: int, log) -> Datastore:
             documents, meta = load_documents(spec)
         except Exception:
             raise UserError(f"datastore={spec!r} is not a datastore file ({exc}); give a .txt or .jsonl file of "
-                            "text, or build one with spd.datastore.Datastore.build(...).save(path)") from None
+                            "text, or build one with spd.corpora.datastore.Datastore.build(...).save(path)") from None
         store = Datastore.build(documents, separator, meta)
     if store.meta.get("tokenizer") != key:
         raise UserError(f"datastore={spec!r} holds ids of another tokenizer than this target's; build it for this "
