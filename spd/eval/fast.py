@@ -20,6 +20,16 @@ from spd.verify.sampling import top2_margin
 from spd.targets.stages import StagedTarget
 
 
+def draft_table(logits: torch.Tensor, draft_to_target: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trained drafter's greedy drafts over a trace, from its logits [k, T, V'] (k occupancies or chain steps):
+    draft ids [k, T] in the target's vocabulary and the drafter's top-2 margins [k, T]."""
+    top2 = torch.topk(logits.float(), 2, dim=-1)
+    drafts = top2.indices[..., 0]
+    if draft_to_target is not None:
+        drafts = draft_to_target[drafts]
+    return drafts, top2.values[..., 0] - top2.values[..., 1]
+
+
 @dataclass
 class GreedyTrace:
     prompt_ids: list[int]

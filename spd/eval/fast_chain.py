@@ -27,7 +27,7 @@ from spd.decoding import Request
 from spd.drafters.base import ChainDrafter
 from spd.drafters.lookup import LookupDrafter
 from spd.models.eagle3 import Eagle3Module
-from spd.eval.fast import GreedyTrace
+from spd.eval.fast import GreedyTrace, draft_table
 from spd.methods import SUFFIX_MODULE
 from spd.metrics import ChainStats
 from spd.runtime.sequence import ChainSequence
@@ -40,12 +40,8 @@ def chain_drafts(module: Eagle3Module, trace: GreedyTrace, m: int) -> tuple[torc
     """Draft ids [m, T] (target vocabulary) and the module's top-2 margins [m, T]: entry (j, i) is the j-th draft
     of a cycle whose newest verified position is i + 1 (it predicts x_{i+2+j})."""
     hidden = {layer: trace.hidden[layer] for layer in module.layers_needed()}
-    logits = torch.stack([step[0] for step in module.forward_ttt(hidden, steps=m)]).float()  # [m, T, V']
-    top2 = torch.topk(logits, 2, dim=-1)
-    drafts = top2.indices[..., 0]
-    if module.draft_to_target is not None:
-        drafts = module.draft_to_target[drafts]
-    return drafts, top2.values[..., 0] - top2.values[..., 1]
+    logits = torch.stack([step[0] for step in module.forward_ttt(hidden, steps=m)])   # [m, T, V']
+    return draft_table(logits, module.draft_to_target)
 
 
 class PrecomputedChain(ChainDrafter):

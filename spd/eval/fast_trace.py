@@ -20,7 +20,7 @@ import torch
 from spd.decoding import Request
 from spd.drafters.base import Drafter, WrappedDrafter
 from spd.drafters.hybrid import LookupThenModule
-from spd.eval.fast import GreedyTrace
+from spd.eval.fast import GreedyTrace, draft_table
 from spd.methods import LOOKUP_MODULE
 from spd.models.module import SpeculationModule
 from spd.runtime.executor import StageExecutor, StepOutput
@@ -124,12 +124,7 @@ def module_drafts(module: SpeculationModule, trace: GreedyTrace) -> tuple[torch.
     """Draft token ids [n, T] and the module's top-2 margins [n, T] for every (occupancy a = row + 1, position t)."""
     n = module.n
     feats = {k: f.expand(n, -1, -1) for k, f in module.features(trace.hidden).items()}
-    logits = module.forward_layout(feats, torch.arange(1, n + 1)).float()   # [n, T, V']
-    top2 = torch.topk(logits, 2, dim=-1)
-    drafts = top2.indices[..., 0]
-    if module.draft_to_target is not None:
-        drafts = module.draft_to_target[drafts]
-    return drafts, top2.values[..., 0] - top2.values[..., 1]
+    return draft_table(module.forward_layout(feats, torch.arange(1, n + 1)), module.draft_to_target)   # [n, T]
 
 
 class TableDrafter(Drafter):
