@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from spd.spec import DecodeSpec
+
 import spd.runtime as runtimes
 from omegaconf import OmegaConf
 
@@ -63,10 +65,15 @@ def config(**overrides):
     return cfg
 
 
+def options(**keys):
+    """A spec's runtime options (spd.spec.RuntimeOptions), what the runtime layer reads, from config keys."""
+    return DecodeSpec.of(config(**keys)).runtime
+
+
 def test_capabilities_answer_what_the_names_used_to():
-    assert eager_reference(SimpleNamespace(runtime="local", cuda_graphs=False))
-    assert not eager_reference(SimpleNamespace(runtime="local", cuda_graphs=True))
-    assert not eager_reference(SimpleNamespace(runtime="distributed"))
+    assert eager_reference(options(runtime="local", cuda_graphs=False))
+    assert not eager_reference(options(runtime="local", cuda_graphs=True))
+    assert not eager_reference(options(runtime="distributed"))
     assert [r.name for r in RUNTIMES.values() if r.processes] == ["distributed"]
     assert [r.name for r in RUNTIMES.values() if r.cuda] == ["streams"]
     assert {r.name for r in RUNTIMES.values() if r.graphs} == {"local", "streams", "device"}
@@ -94,7 +101,7 @@ def test_a_runtime_is_one_registry_entry(monkeypatch):
     opened = []
 
     @contextmanager
-    def open_mine(staged, cfg, capture, cache_dir=None, width=None):
+    def open_mine(staged, options, capture, cache_dir=None, width=1, slots=1):
         opened.append(staged)
         yield LocalStages(staged)
 
@@ -103,14 +110,14 @@ def test_a_runtime_is_one_registry_entry(monkeypatch):
     monkeypatch.setitem(RUNTIMES, "mine", mine)
     cfg = config(runtime="mine", method="lookup")
     check_decoding(cfg)            # known, and it takes chains
-    assert not eager_reference(cfg)
+    assert not eager_reference(DecodeSpec.of(cfg).runtime)
     with pytest.raises(UserError, match="runtime=mine runs the stages in a test's own executor, eagerly"):
         check_decoding(config(runtime="mine", method="ar", cuda_graphs=True, device="cuda"))
     monkeypatch.setitem(RUNTIMES, "mine", replace(mine, chains=False))
     with pytest.raises(UserError, match="not runtime=mine"):
         check_decoding(cfg)
     staged = StagedTarget(tiny_model("llama", seed=0).eval(), 2)
-    with open_stages(staged, cfg, []) as stages:
+    with open_stages(staged, DecodeSpec.of(cfg).runtime, []) as stages:
         assert isinstance(stages, LocalStages) and opened == [staged]
 
 
@@ -118,9 +125,9 @@ def test_the_in_process_runtimes_open_their_executors():
     from spd.runtime.streams import GraphStages
 
     staged = StagedTarget(tiny_model("llama", seed=0).eval(), 2)
-    with open_stages(staged, SimpleNamespace(runtime="local", cuda_graphs=False), []) as stages:
+    with open_stages(staged, options(runtime="local", cuda_graphs=False), []) as stages:
         assert isinstance(stages, LocalStages)
-    with open_stages(staged, SimpleNamespace(runtime="local", cuda_graphs=True), []) as stages:
+    with open_stages(staged, options(runtime="local", cuda_graphs=True), []) as stages:
         assert isinstance(stages, GraphStages)     # on CPU its eager twin
 
 

@@ -152,7 +152,7 @@ def test_a_drafter_is_built_from_its_typed_options():
     assert isinstance(segments, LookupDrafter) and segments.min_n == 4
     assert bare_session(method="ar").drafter() is None
     spd = bare_session(method="spd", draft_source="lookup+module", source_pricing=True, module_cache=False)
-    spd.models.module = SimpleNamespace(plan=SimpleNamespace(after_step=False), n=2)     # what ModuleDrafter reads first
+    spd.module = SimpleNamespace(plan=SimpleNamespace(after_step=False), n=2)     # what ModuleDrafter reads first
     pipelined = spd.drafter()
     assert isinstance(pipelined, LookupThenModule) and pipelined.priced and not pipelined.inner.use_cache
     assert spd.drafter(use_cache=True).inner.use_cache

@@ -223,10 +223,12 @@ def test_the_factory_the_eval_harness_and_the_cli(capsys, tiny_target_dir):
     plain = DecodeSpec.of(DecodeKeys())
     assert type(chain_drafter(lookup=plain.lookup, suffix=plain.suffix, selfdraft=plain.options["selfdraft"], row_costs=None,
                               memory=None, retrieval=None)) is SuffixDrafter
-    keys = dict(method="suffix", temperature=0, exact_trace=False, W=4, device="cpu", runtime="local",
-                dtype=None, cuda_graphs=False, compile=False)
-    assert uses_fast_evaluator(SimpleNamespace(**keys, suffix_branches=False))
-    assert not uses_fast_evaluator(SimpleNamespace(**keys, suffix_branches=True))
+    from spd.config import load_config
+    from spd.eval.config import EvalConfig
+
+    keys = ["method=suffix", "temperature=0", "W=4"]
+    assert uses_fast_evaluator(load_config(EvalConfig, None, [*keys, "suffix_branches=false"]))
+    assert not uses_fast_evaluator(load_config(EvalConfig, None, [*keys, "suffix_branches=true"]))
     common = [f"target={tiny_target_dir}", "prompt=What is 12*7? What is 12*7?", "max_new_tokens=16", "json=true"]
     assert main(["generate", *common, "method=suffix", "W=4", "suffix_branches=true", "branches=3",
                  "branch_length=4"]) == 0
