@@ -63,7 +63,7 @@ def cases():
 
 
 def check(python: str, name: str, loaded, module, work: str) -> dict:
-    from spd.formats.eagle3 import write_head
+    from spd.models.formats.eagle3 import write_head
     from spd.targets.stages import StagedTarget
 
     module = module.float().eval()

@@ -15,7 +15,7 @@ from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
 from spd.models.eagle3 import Eagle3Module
 from spd.errors import UserError
-from spd.formats.eagle3 import aux_ids, write_head
+from spd.models.formats.eagle3 import aux_ids, write_head
 from spd.runtime.chain import ChainDecoder
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget

@@ -15,7 +15,7 @@ KNOWN_VERIFIERS = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct
 
 
 def main(argv=None) -> int:
-    from spd.formats.eagle3 import FORMATS
+    from spd.models.formats.eagle3 import FORMATS
 
     ap = argparse.ArgumentParser(prog="train/export.py", description="Write a trained EAGLE-3 head in a serving "
                                  "engine's layout.")
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
         from spd.models.checkpoint import FORMAT, checkpoint_method, load_checkpoint, read_checkpoint_config
         import torch
 
-        from spd.formats.eagle3 import stored_dtype, write_head
+        from spd.models.formats.eagle3 import stored_dtype, write_head
         from spd.targets.loading import load_target
         from spd.targets.source import resolve_source
         from spd.targets.stages import StagedTarget

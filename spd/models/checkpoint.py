@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from spd.errors import UserError
 from spd.models.eagle3 import Eagle3Module
-from spd.formats.eagle3 import FORMATS, check_head_target, head_config, head_state, layout_of, weights_file
+from spd.models.formats.eagle3 import FORMATS, check_head_target, head_config, head_state, layout_of, weights_file
 from spd.methods import METHODS, TRAINED_METHODS, module_class
 from spd.models.module import SpeculationModule
 from spd.paths import refuse_authors_head
@@ -77,7 +77,7 @@ def save_checkpoint(module: SpeculationModule, target: LoadedTarget, path: str, 
 
 
 def read_checkpoint_config(path: str) -> dict:
-    """config.json of a module checkpoint, or of an EAGLE-3 head in an engine's layout (spd.formats) translated
+    """config.json of a module checkpoint, or of an EAGLE-3 head in an engine's layout (spd.models.formats) translated
     into this suite's fields."""
     config_path = os.path.join(path, CONFIG_FILE)
     refuse_authors_head(path)

@@ -35,7 +35,7 @@ class Eagle3Module(DraftHead, nn.Module):
                  fused: tuple[int, ...] | None = None):
         super().__init__()
         d = target_config.hidden_size
-        # a head trained elsewhere may fuse other layers (spd.formats reads them from its config)
+        # a head trained elsewhere may fuse other layers (spd.models.formats reads them from its config)
         self.fused = tuple(fused) if fused is not None else fused_layers(target_config.num_hidden_layers)
         cfg = copy.deepcopy(target_config)
         cfg.num_hidden_layers = 1
@@ -65,11 +65,11 @@ class Eagle3Module(DraftHead, nn.Module):
     def from_checkpoint_config(cls, target: StagedTarget, method: str, config: dict,
                                draft_to_target: torch.Tensor | None) -> "Eagle3Module":
         """The module a checkpoint's config.json describes, its weights still to be loaded. A head read from an
-        engine's format (spd.formats) carries its own layer: the engines' Llama decoder layer at its sizes."""
+        engine's format (spd.models.formats) carries its own layer: the engines' Llama decoder layer at its sizes."""
         layer = config.get("draft_layer")
         if layer is None:
             return cls.from_target(target, draft_to_target=draft_to_target)
-        from spd.formats.layer import llama_layer_parts
+        from spd.models.formats.layer import llama_layer_parts
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)

@@ -30,7 +30,7 @@ import tempfile
 import torch
 
 from spd.errors import UserError
-from spd.formats.layer import layer_fields, read_layer_fields
+from spd.models.formats.layer import layer_fields, read_layer_fields
 
 HF, SPECULATORS = "hf", "speculators"
 FORMATS = {"sglang": HF, "vllm": HF, "speculators": SPECULATORS}   # what --format takes, and the layout it writes

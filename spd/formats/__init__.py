@@ -1,2 +1,0 @@
-"""Heads in other tools' layouts: EAGLE-3 heads as SGLang, vLLM and `speculators` load them (spd.formats.eagle3),
-and the draft layer those engines build (spd.formats.layer)."""
