@@ -11,9 +11,7 @@ or `spd-infer eval` summary JSON) says of its L'acc, with the command that measu
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 def measured_of(path: str, command: str) -> dict:
     with open(path) as f:
@@ -60,9 +58,10 @@ def main(argv=None) -> int:
                          "evaluation (samples, tokens, temperature); otherwise say why and leave it")
     args = ap.parse_args(argv)
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from spd.models.checkpoint import float16_state
+    from spd.models.weights_dir import write_weights_dir
     from spd.models.shipped import SHIPPED_DIR
 
     with open(os.path.join(args.checkpoint, "config.json")) as f:
@@ -79,22 +78,8 @@ def main(argv=None) -> int:
     config["provenance"] = {"command": training.get("command"), "data_sha256": training.get("data_sha256"),
                             "train_tokens": config.get("train_tokens"), "steps": config.get("step"),
                             "measured": measured}
-    os.makedirs(SHIPPED_DIR, exist_ok=True)
     dest = os.path.join(SHIPPED_DIR, args.name)
-    tmp = tempfile.mkdtemp(prefix=".tmp-ship-", dir=SHIPPED_DIR)
-    try:
-        save_file(small, os.path.join(tmp, "model.safetensors"), metadata={"format": config["format"]})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        os.chmod(tmp, 0o755)   # mkdtemp's 0700 would hide the module from other users of an installed copy
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), 0o644)
-        if os.path.isdir(dest):
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_weights_dir(dest, small, config, {"format": config["format"]})
     size = os.path.getsize(os.path.join(dest, "model.safetensors"))
     print(f"shipped {args.checkpoint} -> {dest} ({size / 2**20:.1f} MiB)")
     return 0

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from spd.errors import UserError
 from spd.models.eagle3 import Eagle3Module
 from spd.models.formats.eagle3 import FORMATS, check_head_target, head_config, head_state, layout_of, weights_file
 from spd.methods import METHODS, TRAINED_METHODS, module_class
 from spd.models.module import SpeculationModule
+from spd.models.weights_dir import write_weights_dir
 from spd.paths import refuse_authors_head
 from spd.targets.loaded import reduced_fingerprints
 from spd.targets.loading import LoadedTarget
@@ -55,25 +54,10 @@ def float16_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(module: SpeculationModule, target: LoadedTarget, path: str, extra: dict | None = None) -> None:
-    """Write into a temporary sibling directory, then rename over `path` (never a half-written checkpoint)."""
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=parent)
-    try:
-        state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
-        save_file(state, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": FORMAT})
-        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-            json.dump(checkpoint_config(module, target, extra), f, indent=2)
-        if os.path.isdir(path):
-            old = path + ".old"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    """Never a half-written checkpoint (spd.models.weights_dir)."""
+    state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    write_weights_dir(path, state, checkpoint_config(module, target, extra), {"format": FORMAT}, WEIGHTS_FILE,
+                      CONFIG_FILE)
 
 
 def read_checkpoint_config(path: str) -> dict:

@@ -22,10 +22,7 @@ the residual stream is the un-normed h (`norm_before_residual: false`), and the 
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 
 import torch
 
@@ -129,7 +126,7 @@ def write_head(module, fmt: str, out: str, target_config, embedding: torch.Tenso
                speculative_tokens: int = 3) -> dict:
     """Write `module` (an Eagle3Module) into `out` in `fmt` (sglang, vllm, speculators): into a temporary sibling,
     then renamed over `out`, so a refused or failed export leaves nothing. Returns the written config."""
-    from safetensors.torch import save_file
+    from spd.models.weights_dir import write_weights_dir
 
     if fmt not in FORMATS:
         raise UserError(f"format {fmt!r}: choose one of {', '.join(FORMATS)}")
@@ -137,22 +134,7 @@ def write_head(module, fmt: str, out: str, target_config, embedding: torch.Tenso
     expressible(module, layout)
     state = engine_state(module, layout, embedding)
     config = engine_config(module, layout, target_config, verifier, speculative_tokens)
-    parent = os.path.dirname(os.path.abspath(out)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
-    try:
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        os.chmod(tmp, 0o755)       # mkdtemp's 0700 (and the files' 0600) would hide the head from an engine's user
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), 0o644)
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_weights_dir(out, state, config, {"format": "pt"})
     return config
 
 
