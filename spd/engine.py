@@ -10,6 +10,7 @@ from typing import Iterator
 
 from spd.runtime.ar import ARDecoder
 from spd.decoding import Decoder, GenerationResult, Request
+from spd.drafters.base import check_contract
 from spd.methods import AR, CHAIN, LOOKUP_MODULE, METHODS, PIPELINE, SEGMENTS
 from spd.runtime import eager_reference, runtime
 from spd.runtime.batch import BatchDecoder
@@ -73,7 +74,7 @@ def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder
                                      spec.runtime.cuda_graphs, lookup)
     if runtime(spec.runtime.name).device_step:     # the config check let only methods with a device step through
         inside = METHODS[method].device_drafter
-        inside = s.build(inside) if inside else None
+        inside = check_contract(s.build(inside)) if inside else None
         return DeviceChainDecoder(s.staged, s.eos_ids, drafter if kind == CHAIN and inside is None else None,
                                   spec.draft_length or 1, "inductor" if spec.runtime.compile else None,
                                   spec.runtime.cuda_graphs, width=tree.width,

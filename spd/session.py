@@ -10,7 +10,7 @@ import torch
 
 from spd.models.checkpoint import check_target, checkpoint_method, load_checkpoint, read_checkpoint_config
 from spd.decoding import eos_ids_of
-from spd.drafters.base import ChainDrafter, Drafter
+from spd.drafters.base import Drafter, check_contract
 from spd.drafters.draft_model import DraftLM
 from spd.models.eagle3 import Eagle3Module
 from spd.errors import UserError
@@ -75,10 +75,11 @@ class Session:
         offered = self.inputs(use_cache)
         return behaviour(factory)(**{name: offered[name] for name in asks(factory)})
 
-    def drafter(self, use_cache: bool | None = None) -> Drafter | ChainDrafter | None:
-        """The method's drafter (spd.methods names its factory); None for plain AR. use_cache: None = module_cache."""
+    def drafter(self, use_cache: bool | None = None) -> Drafter | None:
+        """The method's drafter (spd.methods names its factory), checked against its declared capabilities
+        (spd.drafters.base.check_contract); None for plain AR. use_cache: None = module_cache."""
         make = METHODS[self.spec.method].drafter
-        return None if make is None else self.build(make, use_cache)
+        return None if make is None else check_contract(self.build(make, use_cache))
 
     @property
     def drafts_with(self) -> str:

@@ -97,11 +97,11 @@ class ScriptedDrafter(WrappedDrafter):
         self.inner.start(prompt_hidden, prompt_ids)
 
     @torch.no_grad()
-    def draft(self, view, propose):
+    def propose(self, view, propose):
         self.steps += 1
         if self.on_step:
             self.on_step(self.steps)
-        self.inner.draft(view, propose)
+        self.inner.propose(view, propose)
         for item in view.in_flight:
             self.seq[item.pos] = item.token
         tokens = [self.seq[pos] for pos in range(view.t + 1)]
@@ -123,8 +123,8 @@ class RankedDrafter(WrappedDrafter):
         self.inner.start(prompt_hidden, prompt_ids)
 
     @torch.no_grad()
-    def draft(self, view, propose):
-        self.inner.draft(view, propose)
+    def propose(self, view, propose):
+        self.inner.propose(view, propose)
         oldest = view.in_flight[0]          # verified: every position is the oldest in flight before it leaves
         del self.verified[oldest.pos:]
         self.verified.append(oldest.token)

@@ -241,13 +241,13 @@ def test_each_sequence_in_a_shared_pipeline_decodes_as_it_would_alone(family_mod
     from spd.targets.loading import load_target
 
     together = []
-    alone = ModuleDrafter.draft_together.__func__
+    alone = ModuleDrafter.propose_together.__func__
 
     def counted(cls, drafters, views, proposes):
         together.append(len(drafters))
         return alone(cls, drafters, views, proposes)
 
-    monkeypatch.setattr(ModuleDrafter, "draft_together", classmethod(counted))
+    monkeypatch.setattr(ModuleDrafter, "propose_together", classmethod(counted))
 
     family, model = family_model
     targets = [(family, model)] + ([("untied", load_target(untied_target_dir).model)] if family == "llama" else [])

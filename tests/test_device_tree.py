@@ -64,9 +64,8 @@ def test_a_tree_path_off_the_first_branch_is_moved_down(untied_target_dir):
 
     class Decoy(LookupDrafter):
         """Each cycle: a wrong first child, then the right continuation as the second child's branch."""
-        branches = True
-
-        def draft_tree(self, root, m, width, budget, propose):
+        def propose(self, cycle, propose):
+            root = cycle.root
             from spd.verify.sampling import Proposal
             from spd.verify.tree import DraftTree
             done = len(self.tokens) - len(p)
@@ -81,7 +80,7 @@ def test_a_tree_path_off_the_first_branch_is_moved_down(untied_target_dir):
         def start(self, hidden, tokens):
             self.tokens = list(tokens)
 
-        def verified(self, hidden, tokens):
+        def observe(self, hidden, tokens):
             self.tokens = list(tokens)
 
     device = DeviceChainDecoder(StagedTarget(target, 1), frozenset(), Decoy(), 4, width=2, budget=6)
@@ -125,17 +124,17 @@ def test_eagle3_drafts_on_the_device_what_its_host_drafter_drafts():
     host_drafter = Eagle3Drafter(module, device.target.embed)
     host = ChainDecoder(StagedTarget(target, 1), host_drafter, frozenset(), 4)
     on_device, on_host = [], []
-    draft, chain = device.device_drafter.draft, host_drafter.chain
+    draft, chain = device.device_drafter.propose, host_drafter.chain
 
-    def record_device(root, drafts, tree):
-        draft(root, drafts, tree)
-        on_device.append(drafts.tolist())
+    def record_device(root, choose=None):
+        draft(root, choose)
+        on_device.append(device.device_drafter.drafts.tolist())
 
     def record_host(m, propose):
         out = chain(m, propose)
         on_host.append([proposal.token for proposal in out])
         return out
-    device.device_drafter.draft, host_drafter.chain = record_device, record_host
+    device.device_drafter.propose, host_drafter.chain = record_device, record_host
     p = prompt(12, vocab=target.config.vocab_size)
     assert device.generate(p, Request(40, GREEDY)).token_ids == host.generate(p, Request(40, GREEDY)).token_ids
     assert device.stats.accepted_per_cycle == host.stats.accepted_per_cycle
@@ -166,17 +165,18 @@ def test_eagle3_trees_on_the_device_are_its_host_trees():
     host_drafter = Eagle3Drafter(module, device.target.embed)
     host = ChainDecoder(StagedTarget(target, 1), host_drafter, frozenset(), 4, width=3, budget=10)
     on_device, on_host = [], []
-    draft_tree, host_tree = device.device_drafter.draft_tree, host_drafter.draft_tree
+    device_tree, host_tree = device.device_drafter.propose, host_drafter.propose
 
-    def record_device(root, drafts, tree):
-        draft_tree(root, drafts, tree)
+    def record_device(root, choose=None):
+        device_tree(root, choose)
+        drafts, tree = device.device_drafter.drafts, device.device_drafter.tree
         on_device.append((drafts.tolist(), tree.parent[1: len(drafts) + 1].tolist()))
 
-    def record_host(root, m, width, budget, propose):
-        out = host_tree(root, m, width, budget, propose)
+    def record_host(cycle, propose):
+        out = host_tree(cycle, propose)
         on_host.append((out.tokens()[1:], list(out.parents)))
         return out
-    device.device_drafter.draft_tree, host_drafter.draft_tree = record_device, record_host
+    device.device_drafter.propose, host_drafter.propose = record_device, record_host
     p = prompt(12, vocab=target.config.vocab_size)
     assert device.generate(p, Request(40, GREEDY)).token_ids == host.generate(p, Request(40, GREEDY)).token_ids
     assert on_device[: len(on_host)] == on_host and len(on_host) == host.stats.cycles

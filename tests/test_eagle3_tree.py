@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers import GREEDY, ar_run, prompt
+from spd.drafters.base import Cycle
 from spd.cli import main
 from spd.decoding import Request
 from spd.drafters.eagle3 import Eagle3Drafter
@@ -50,7 +51,7 @@ def test_children_are_the_top_w_of_q_along_their_own_path(family_model, seed):
     _, model = family_model
     p = prompt(seed + 130)
     _, drafter, first = drafter_after(model, p, seed)
-    tree = drafter.draft_tree(first, 4, 3, 12, None)
+    tree = drafter.propose(Cycle(first, 4, 3, 12), None)
     assert len(tree) == 13 and max(tree.depths()) <= 4
     depths = tree.depths()
     for node in range(len(tree)):
@@ -72,7 +73,7 @@ def test_width_one_is_the_chain(family_model):
     p = prompt(140)
     _, drafter, first = drafter_after(model, p)
     chain = drafter.chain(4, lambda logits: propose(logits, GREEDY, None))
-    tree = drafter.draft_tree(first, 4, 1, 16, lambda logits: propose(logits, GREEDY, None))
+    tree = drafter.propose(Cycle(first, 4, 1, 16), lambda logits: propose(logits, GREEDY, None))
     assert tree.is_chain() and [pr.token for pr in tree.proposals] == [pr.token for pr in chain]
 
 

@@ -24,7 +24,7 @@ class RecordingDrafter(WrappedDrafter):
         self.reference, self.wrong_every = reference, wrong_every
         self.records = []
 
-    def draft(self, view, propose):
+    def propose(self, view, propose):
         t = view.t
         logits = self.inner.draft_logits(view)
         self.records.append((t, view.occupancy, [s.token for s in view.in_flight], logits))
@@ -67,7 +67,7 @@ def test_runtime_logits_equal_training_layout(family_model, n, use_cache, layers
     drafter = RecordingDrafter(ModuleDrafter(module, use_cache), reference, wrong_every=9)
     out = PipelineDecoder(staged, drafter, frozenset()).generate(p, Request(40, GREEDY))
     assert out.stats.rollbacks > 0
-    assert drafter.after_step == (method != "spd")
+    assert drafter.has("after_step") == (method != "spd")
     seen = {a for _, a, _, _ in drafter.records}
     assert seen == set(range(1, n + 1)), seen  # warm-up and steady state both visited
     # One layout pass per occupancy over the whole reference covers every step whose sequence is a prefix of it

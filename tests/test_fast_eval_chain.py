@@ -110,10 +110,11 @@ class TreeTableDrafter(Eagle3Drafter):
         super().__init__(module, embed)
         self.seq, self.vocab, self.g = seq, vocab, torch.Generator().manual_seed(seed)
 
-    def draft_tree(self, root, m, width, budget, propose):
+    def propose(self, cycle, propose):
         from spd.verify.tree import DraftTree
 
-        super().draft_tree(root, m, width, budget, propose)
+        super().propose(cycle, propose)
+        root, m, width = cycle.root, cycle.m, cycle.width
         tree, parent = DraftTree(root), 0
         for depth in range(1, m + 1):
             true = self.seq[self.rows + depth] if self.rows + depth < len(self.seq) else 0

@@ -12,7 +12,7 @@ import torch
 import spd.runtime.segments as segments
 from helpers import count_kept_children, eval_replay_equals_runtime, ar_run, prompt
 from spd.decoding import Request
-from spd.drafters.base import ChainDrafter
+from spd.drafters.base import CHAIN, TREES, Drafter
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.suffix import SuffixDrafter
 from spd.runtime.schedule import IDLE, segment_step
@@ -22,23 +22,20 @@ from spd.targets.stages import StagedTarget
 from spd.verify.tree import DraftTree
 
 
-class NoisyTargetTrees(ChainDrafter):
+class NoisyTargetTrees(Drafter):
     """Trees grown best-first from the target's own logits plus noise fixed by position: their first, later or no
     child is the target's token in turn (the tiny targets repeat themselves, which the context's drafters always
     get right)."""
 
-    branches = True
+    capabilities = frozenset({CHAIN, TREES})
 
     def __init__(self, model, scale: float = 1.5):
         self.model, self.scale = model, scale
 
-    def layers_needed(self, bounds=None):
-        return []
-
     def start(self, prompt_hidden, tokens):
         self.tokens = list(tokens)
 
-    def verified(self, hidden, tokens):
+    def observe(self, hidden, tokens):
         self.tokens = list(tokens)
 
     def _children(self, path: list[int], width: int) -> list[int]:
@@ -48,7 +45,8 @@ class NoisyTargetTrees(ChainDrafter):
         logits = logits + self.scale * logits.std() * torch.randn(logits.shape, generator=g)
         return logits.topk(width).indices.tolist()
 
-    def draft_tree(self, root, m, width, budget, propose=None):
+    def propose(self, cycle, propose=None):
+        root, m, width, budget = cycle.root, cycle.m, cycle.width, cycle.budget
         tree, frontier = DraftTree(root), [(0, [])]
         for _ in range(m):
             grown = []

@@ -10,7 +10,7 @@ import torch
 
 from helpers import ar_run, prompt
 from spd.decoding import Request
-from spd.drafters.base import ChainDrafter
+from spd.drafters.base import CHAIN, DRAWS, Cycle, Drafter
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.suffix import SuffixDrafter
 from spd.pricing import NOISE_SHARE, AcceptancePredictor, Evidence, RowCosts, given_noise
@@ -26,16 +26,15 @@ from test_suffix import CPU_LIKE
 SAMPLED = [SamplingParams(1.0, top_k=3), SamplingParams(0.8, top_k=0, top_p=0.9)]
 
 
-class Clairvoyant(ChainDrafter):
+class Clairvoyant(Drafter):
     """Drafts, m deep, what the keyed draws will choose — it runs the target itself and reads the noise — except a
     wrong token wherever the position is a multiple of 3: every draft is chosen by the noise, and cycles end on
     kept runs and on misses alike."""
 
+    capabilities = frozenset({CHAIN, DRAWS})
+
     def __init__(self, model, params: SamplingParams):
         self.model, self.params, self.draws = model, params, None
-
-    def layers_needed(self, bounds=None):
-        return []
 
     def start(self, prompt_hidden, tokens):
         self.tokens = list(tokens)
@@ -43,10 +42,11 @@ class Clairvoyant(ChainDrafter):
     def sampling_draws(self, draws):
         self.draws = draws
 
-    def verified(self, hidden, tokens):
+    def observe(self, hidden, tokens):
         self.tokens = list(tokens)
 
-    def draft_tree(self, root, m, width, budget, propose=None):
+    def propose(self, cycle, propose=None):
+        root, m, width, budget = cycle.root, cycle.m, cycle.width, cycle.budget
         seq, drafts = list(self.tokens), []
         for _ in range(m):
             with torch.no_grad():
@@ -183,7 +183,7 @@ def test_the_priced_statistics_draft_by_the_noise():
         drafter = SuffixDrafter(1, 4, RowCosts((1.0, 1.3, 1.6)))
         drafter.start(None, tokens)
         drafter.sampling_draws(Fixed(u))
-        rows[u] = len(drafter.draft_tree(tokens[-1], 2, 1, 2))
+        rows[u] = len(drafter.propose(Cycle(tokens[-1], 2, 1, 2)))
     assert rows[0.01] == 1 and rows[0.99] > 1         # low noise: a plain step; high noise: drafted
 
 
@@ -239,7 +239,7 @@ def test_a_sampled_request_prices_a_candidate_by_its_recalled_chance():
         drafter = SuffixDrafter(1, 4, RowCosts((1.0, 1.3, 1.6)))
         drafter.start(None, tokens[:3])
         drafter.sampling_draws(draws)
-        drafter.verified(None, tokens)            # the answer: drawn with the draws' chance at each position
+        drafter.observe(None, tokens)            # the answer: drawn with the draws' chance at each position
         nodes, evidence = drafter.candidates(2, 1, 2)
         assert nodes[0].token == 3 and evidence[0].match == 2     # "1 2" was followed by 3 twice
         recalled = evidence[0].recall

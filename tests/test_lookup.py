@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers import GREEDY, ar_run, prompt
+from spd.drafters.base import Cycle
 from spd.decoding import Request
 from spd.drafters.lookup import LookupDrafter, NgramIndex
 from spd.eval.fast import record_greedy_trace
@@ -54,7 +55,7 @@ def test_no_match_no_drafts():
     drafter = LookupDrafter(min_n=2, max_n=4)
     drafter.start({}, [1, 2, 3, 4])
     assert drafter.chain(5) == [] and drafter.last_match == 0
-    drafter.verified({}, [1, 2, 3, 4, 1, 2])
+    drafter.observe({}, [1, 2, 3, 4, 1, 2])
     assert [p.token for p in drafter.chain(3)] == [3, 4, 1] and drafter.last_match == 2
     assert all(p.q is None for p in drafter.chain(3))             # deterministic: a point mass when sampling
 
@@ -151,13 +152,13 @@ def test_every_earlier_match_is_found_and_truncation_forgets_them(min_n, max_n):
 def test_the_lookup_tree_branches_where_continuations_differ():
     drafter = LookupDrafter(min_n=1, max_n=4)
     drafter.start({}, [5, 1, 2, 3, 9, 1, 2, 4, 9, 1, 2])
-    tree = drafter.draft_tree(2, 3, 2, 16)
+    tree = drafter.propose(Cycle(2, 3, 2, 16))
     # "1 2" was followed by "4 9 1" (newest) and by "3 9 1": two branches under the root
     assert [tree.token(c) for c in tree.children(0)] == [4, 3]
     assert [tree.token(i) for i in tree.path(3)] == [2, 4, 9, 1]
     assert all(len(tree.children(i)) <= 2 for i in range(len(tree))) and len(tree) - 1 <= 16
-    assert len(drafter.draft_tree(2, 3, 2, 4)) == 5                # the budget caps the nodes
-    chain = drafter.draft_tree(2, 3, 1, 16)
+    assert len(drafter.propose(Cycle(2, 3, 2, 4))) == 5                # the budget caps the nodes
+    chain = drafter.propose(Cycle(2, 3, 1, 16))
     assert chain.is_chain() and [p.token for p in chain.proposals] == [4, 9, 1]
 
 

@@ -6,6 +6,7 @@ exact distribution and the chi-square's power are tests/test_lossless_sampling.p
 
 import pytest
 
+from spd.drafters.base import Cycle
 from spd.pricing import RowCosts
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
@@ -69,7 +70,7 @@ def test_lookup_tree_samples_the_target_distribution(small_vocab_model):
 
     drafter = LookupDrafter(min_n=1, max_n=2)
     drafter.start(None, PROMPT + [1])
-    assert len(drafter.draft_tree(1, 2, 4, 8).children(0)) == 2           # after a sampled "1" the root branches
+    assert len(drafter.propose(Cycle(1, 2, 4, 8)).children(0)) == 2           # after a sampled "1" the root branches
     dist = exact_distribution(small_vocab_model, PARAMS)
     verdicts = []
     counts = sample_lookup(small_vocab_model, SHORT, seed=8, width=4, verdicts=verdicts)

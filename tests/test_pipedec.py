@@ -77,10 +77,10 @@ class CheckedDraftModel(DraftModelDrafter):
         super().__init__(model)
         self.tokens, self.checked, self.pruned = tokens, 0, 0
 
-    def draft_branches(self, views, propose):
+    def propose_branches(self, views, propose):
         oldest = views[0].in_flight[0].pos
         before = {node for node, pos in getattr(self.rows, "rows", []) if pos >= oldest}
-        out = super().draft_branches(views, propose)
+        out = super().propose_branches(views, propose)
         self.pruned += bool(before - {node for node, _ in self.rows.rows})     # rows of dropped nodes left
         branch = {}
         for view in views:

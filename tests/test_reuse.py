@@ -178,9 +178,9 @@ class ScriptedChainDrafter(Eagle3Drafter):
         self.seq = list(tokens)
         super().start(prompt_hidden, tokens)
 
-    def verified(self, hidden, tokens):
+    def observe(self, hidden, tokens):
         self.seq = list(tokens)
-        super().verified(hidden, tokens)
+        super().observe(hidden, tokens)
 
     @torch.no_grad()
     def chain(self, m, choose):

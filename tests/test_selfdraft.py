@@ -82,12 +82,12 @@ def test_the_verified_text_joins_the_context_cache():
     logits = torch.zeros(3, 32)
     logits[1, 6] = 1.0
     drafter.side_logits(logits)                                   # the branch's n-gram (1, 7, 6) ...
-    drafter.verified({}, [1, 2, 3, 1, 2, 4, 1, 5])                # ... then the verified (1, 2, 4) and (1, 5) is short
+    drafter.observe({}, [1, 2, 3, 1, 2, 4, 1, 5])                # ... then the verified (1, 2, 4) and (1, 5) is short
     assert drafter.candidate_list(1) == [(2, 4), (7, 6), (2, 3)]
     assert drafter.grams_added == 2                               # the count is the branches' n-grams only
     off = SelfDraftDrafter(branches=1, branch_length=3, gram=3, verified_ngrams=False)
     off.start({}, [1, 2, 3, 1, 2])
-    off.verified({}, [1, 2, 3, 1, 2, 4, 1, 5])
+    off.observe({}, [1, 2, 3, 1, 2, 4, 1, 5])
     assert off.context == {}
 
 

@@ -6,6 +6,7 @@ what the runtime settles."""
 import pytest
 
 from helpers import GREEDY, ar_run, prompt
+from spd.drafters.base import Cycle
 from spd.decoding import Request
 from spd.drafters.suffix import SuffixDrafter, SuffixMemory
 from spd.eval.fast import record_greedy_trace
@@ -70,8 +71,8 @@ def test_a_priced_out_candidate_is_still_judged():
     drafter = SuffixDrafter(1, 4, RowCosts((1.0, 50.0, 50.0)))      # drafting never pays
     tokens = [5, 1, 2, 3, 9, 1, 2]
     drafter.start(None, tokens)
-    assert len(drafter.draft_tree(tokens[-1], 2, 1, 2)) == 1          # a plain step
-    drafter.verified({}, tokens + [3])                                # the target chose what "1 2" had continued with
+    assert len(drafter.propose(Cycle(tokens[-1], 2, 1, 2))) == 1          # a plain step
+    drafter.observe({}, tokens + [3])                                # the target chose what "1 2" had continued with
     assert drafter.priced_out == 1
     assert sum(kept for kept, _ in drafter.predictor.counts.values()) == 1   # the undrafted candidate's verdict
 
@@ -121,9 +122,9 @@ class MarginLog(SuffixDrafter):
         super().start(prompt_hidden, tokens)
         self.margins = []
 
-    def target_margin(self, margin):
-        super().target_margin(margin)
-        self.margins.append(margin)
+    def propose(self, cycle, choose=None):
+        self.margins.append(cycle.margin)
+        return super().propose(cycle, choose)
 
 
 def test_the_memory_changes_speed_not_output(untied_target_dir):

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from helpers import GREEDY, ar_run, prompt
+from spd.drafters.base import Cycle
 from spd.decoding import Request
 from spd.drafters.selfdraft import DraftBranches
 from spd.drafters.suffix import SuffixDrafter
@@ -67,20 +68,20 @@ def test_the_pricing_runs_branches_only_where_they_pay():
     tokens = [5, 1, 2, 3, 9, 1]
     free = drafter_with(FREE)
     free.start(None, tokens)
-    free.draft_tree(tokens[-1], 4, 4, 12)
+    free.propose(Cycle(tokens[-1], 4, 4, 12))
     assert free.plan == [0, 1, 2, 3] and free.side_rows() is not None
     dear = drafter_with(RowCosts(tuple(1.0 + 0.5 * r for r in range(40))))     # a row costs half a forward
     dear.start(None, tokens)
-    dear.draft_tree(tokens[-1], 4, 4, 12)
+    dear.propose(Cycle(tokens[-1], 4, 4, 12))
     assert dear.plan == [] and dear.side_rows() is None
     # rows a little dearer than free: they ride while their prior value holds, and stop once the request shows
     # they earn nothing
     cheap = drafter_with(RowCosts(tuple(1.0 + 0.005 * r for r in range(40))), prior_rows=4.0)
     cheap.start(None, tokens)
-    cheap.draft_tree(tokens[-1], 4, 4, 12)
+    cheap.propose(Cycle(tokens[-1], 4, 4, 12))
     assert cheap.plan
     cheap.rows += 400
-    cheap.draft_tree(tokens[-1], 4, 4, 12)
+    cheap.propose(Cycle(tokens[-1], 4, 4, 12))
     assert cheap.plan == []
 
 
@@ -90,13 +91,13 @@ def test_branches_least_recently_run_ride_first():
     drafter.start(None, tokens)
     ridden = []
     for _ in range(3):
-        drafter.draft_tree(tokens[-1], 4, 4, 12)
+        drafter.propose(Cycle(tokens[-1], 4, 4, 12))
         ridden.append(list(drafter.plan))
     assert ridden == [[0, 1, 2], [0, 1, 2], [0, 1, 2]]      # one token each: all fit
     drafter.lanes.branch = [[1, 2], [3, 4], [5, 6]]
-    drafter.draft_tree(tokens[-1], 4, 4, 12)
+    drafter.propose(Cycle(tokens[-1], 4, 4, 12))
     first = list(drafter.plan)
-    drafter.draft_tree(tokens[-1], 4, 4, 12)
+    drafter.propose(Cycle(tokens[-1], 4, 4, 12))
     assert first == [0] and drafter.plan == [1]              # two rows each: one a cycle, in turn
 
 

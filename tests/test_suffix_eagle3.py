@@ -81,8 +81,8 @@ def test_greedy_decodes_what_ar_decodes(family_model, width, budget, costs, dept
     family, model = family_model
     staged, drafter = make(model, costs, width=max(width, 2), depth=depth)
     drafted = []
-    grow = drafter.draft_tree
-    drafter.draft_tree = lambda *a: drafted.append(grow(*a)) or drafted[-1]
+    grow = drafter.propose
+    drafter.propose = lambda *a: drafted.append(grow(*a)) or drafted[-1]
     decoder = ChainDecoder(staged, drafter, frozenset(), 6, width, budget)
     for seed in range(3):
         p = prompt(seed + 170, vocab=model.config.vocab_size)

@@ -1,21 +1,63 @@
-"""The interfaces drafters implement. `Drafter`: a pipelined drafter (spd.runtime.pipeline) — the decoding loop
-owns the target, its caches and the in-flight tokens; a drafter says which target layers it reads and whether it
-drafts during the step (SPD) or after it (PPSD, the output-state ablation), sees the prompt's hidden states once, a
-read-only view of each step (from which it proposes the next position's token), each position as it leaves the
-last stage, and every rollback. `ChainDrafter`: a
-draft-then-verify drafter (spd.runtime.chain: EAGLE-3, the context lookup) — up to m proposals per cycle, then
-the verified sequence and the target's states for it."""
+"""The one contract every drafter implements, host or device, pipelined or draft-then-verify.
+
+A drafter has four calls — `layers_needed` (the target layers whose states it reads), `start` (a request's prompt),
+`propose` (its drafts, and where sampled their q) and `observe` (what was verified) — and says what else it can do
+in `capabilities`, a set of the names below. A runtime asks `capabilities`, never the class; `check_contract` says
+whether a drafter has every hook its capabilities promise. What `propose` is asked, and what `observe` is told,
+depends on where the drafter drafts:
+
+| declared     | propose(ask, choose)                                  | observe(hidden, tokens)                         |
+|--------------|-------------------------------------------------------|-------------------------------------------------|
+| PIPELINED    | ask: a `StepView` of the pipeline step (spd.runtime.   | a position left the last stage: tokens is the   |
+|              | pipeline); returns the next position's `Proposal`     | verified sequence through it, hidden {layer:    |
+|              | (TREES: propose's ranked children, W > 1)             | [1, 1, d]} its states                           |
+| CHAIN        | ask: a `Cycle` (the newest verified token, depth,     | a cycle settled: tokens is the verified         |
+|              | width, node budget, the target's margin); returns a   | sequence, hidden {layer: [1, S, d]} the states  |
+|              | `DraftTree` (W = 1: a chain; the root alone: no draft)| of the S positions verified since the last call |
+| DEVICE       | inside the device step, tensors in, tensors out: ask  | the cycle's states along the accepted path      |
+| (with CHAIN) | is the newest verified token [1]; the drafts go into  | {layer: [1, r, d]} and `DeviceVerified` tensors |
+|              | the buffers `bind` gave (start: tokens [P + 1])       |                                                 |
+
+`choose(logits [V]) -> Proposal` is the run's rule for a drafter that has logits (argmax, or a sample with its q; in a
+pipelined tree, the W likeliest children); a drafter without logits proposes Proposal(token, source=...), which
+verification treats as deterministic (q = None)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 
 from spd.verify.sampling import Proposal
 from spd.verify.tree import DraftTree
+
+
+# What a drafter can declare in `capabilities`, and the hooks (methods or attributes) each one promises.
+PIPELINED = "pipelined"    # drafts one token per pipeline step, beside it (spd.runtime.pipeline, seed, device_pipeline)
+CHAIN = "chain"            # drafts a tree below the newest verified token, verified in one forward (spd.runtime.chain,
+                           # batch, device_chain; FlowSpec's segments, spd.runtime.segments)
+TREES = "trees"            # proposes more than one child a node (W > 1)
+AFTER_STEP = "after_step"  # PIPELINED: reads the step's outputs, so it drafts after the step, not beside it
+ROLLBACK = "rollback"      # PIPELINED: keeps state about positions in flight, told when a rejection drops them
+BATCHED = "batched"        # PIPELINED TREES: a tree level's tips drafted in one pass
+TOGETHER = "together"      # PIPELINED: several sequences' drafters of its class draft in one pass (SEED's schedule)
+MARGIN = "margin"          # CHAIN: prices with the target's top-2 margin, so the runtime computes `Cycle.margin`
+DRAWS = "draws"            # sees a sampled request's keyed draws (spd.verify.sampling.KeyedDraws) after `start`
+SIDE_ROWS = "side_rows"    # CHAIN: rows of its own ride in the verification forward (Self-Draft's branches)
+DEVICE_SIDE = "device_side"  # SIDE_ROWS: ... as fixed rows of the device step too
+DEVICE = "device"          # drafts inside the device step (spd.runtime.device_step)
+
+HOOKS: dict[str, tuple[str, ...]] = {
+    ROLLBACK: ("rollback",),
+    BATCHED: ("propose_branches",),
+    TOGETHER: ("propose_together",),
+    DRAWS: ("sampling_draws",),
+    SIDE_ROWS: ("side_rows", "side_logits", "extra_rows"),
+    DEVICE_SIDE: ("device_side", "side_tokens", "side_predictions"),
+    DEVICE: ("bind", "mutable", "candidates"),
+}
 
 
 @dataclass(frozen=True)
@@ -31,8 +73,9 @@ class InFlight:
 
 @dataclass(frozen=True)
 class StepView:
-    """What a drafter may read of a step (it must not change any of it): at its start, or after it for a drafter
-    that runs after the step (then every token is one stage deeper and the oldest may just have left the last one)."""
+    """What a PIPELINED drafter is asked (it must not change any of it): a step at its start, or after it for a
+    drafter that drafts AFTER_STEP (then every token is one stage deeper and the oldest may just have left the last
+    one)."""
 
     t: int                               # position of the newest token (the one that entered stage 1)
     occupancy: int                       # tokens in flight when the step began, the newest included
@@ -40,134 +83,116 @@ class StepView:
     in_flight: tuple[InFlight, ...]      # oldest first; in_flight[-1].pos == t (depth 0 before the step, 1 after)
 
 
+class Cycle(NamedTuple):
+    """What a CHAIN drafter is asked each cycle: drafts below `root`, the newest verified token, as a tree, parents
+    first — depth <= m, at most `width` children a node, at most `budget` nodes besides the root."""
+
+    root: int
+    m: int
+    width: int = 1
+    budget: int = 0
+    margin: float | None = None          # the target's top-2 logit margin where it chose `root` (MARGIN drafters)
+
+
+class DeviceVerified(NamedTuple):
+    """What a DEVICE drafter observes each cycle beside the target's states of the rows along the accepted path
+    (root first): the token after each row [r], the kept drafts [] and the root's position [], as device tensors."""
+
+    tokens: torch.Tensor
+    kept: torch.Tensor
+    position: torch.Tensor
+
+
 class Drafter(ABC):
-    after_step = False   # True: draft reads the step's outputs, so it runs after the step, not beside it
-    branches = False     # True: `draft` returns whatever propose returns, so a tree step may ask for W children
-    @abstractmethod
-    def layers_needed(self, bounds: list[int]) -> list[int]:
-        """Target layers l whose H^l this drafter reads (0 = the embedding), for a pipeline with these bounds."""
+    capabilities: frozenset[str] = frozenset()
+
+    def has(self, capability: str) -> bool:
+        return capability in self.capabilities
+
+    def layers_needed(self, bounds: list[int] | None = None) -> list[int]:
+        """Target layers l whose H^l this drafter reads (0 = the embedding), for a pipeline with these bounds (a
+        CHAIN drafter runs no pipeline: bounds unused). Default: none."""
+        return []
+
+    def start(self, prompt_hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:
+        """A request begins. prompt_hidden: {layer: H^layer [1, P, d]} for the layers asked for; tokens: the prompt
+        (PIPELINED), or the prompt and the first generated token (CHAIN, DEVICE: P + 1)."""
 
     @abstractmethod
-    def start(self, prompt_hidden: dict[int, torch.Tensor], prompt_ids: list[int]) -> None:
-        """prompt_hidden: {layer: H^layer [1, P, d]} for the layers the drafter asked for."""
+    def propose(self, ask, choose):
+        """The drafts for `ask` (the table above)."""
 
     @abstractmethod
-    def draft(self, view: StepView, propose) -> Proposal:
-        """The proposal for position view.t + 1, made while the step's stages run. propose(logits [V_target]) ->
-        Proposal is the run's choice from a drafter's logits (argmax, or a sample with its q); a drafter without
-        logits returns Proposal(token, source=...) (deterministic, q = None). A drafter that `branches` returns
-        propose's result as it is: in a tree step (W > 1) that is the W best children with their log q."""
+    def observe(self, hidden, tokens) -> None:
+        """What was verified since the last call (the table above)."""
 
-    def draft_branches(self, views: list[StepView], propose) -> list:
-        """`draft` for every tip of a tree level (one view per branch, W > 1); a drafter that can batches them."""
-        return [self.draft(view, propose) for view in views]
+    def nodes(self, m: int, width: int, budget: int) -> int:
+        """CHAIN: the most nodes besides the root that propose(Cycle(root, m, width, budget)) returns."""
+        return budget if width > 1 else m
 
-    @classmethod
-    def draft_together(cls, drafters: list["Drafter"], views: list[StepView], proposes: list) -> list[Proposal]:
-        """`draft` of several sequences' drafters of this class, each on its own view with its own propose (SEED's
-        schedule: every sequence sharing a pipeline step drafts at once); a class that can batches them."""
-        return [drafter.draft(view, propose) for drafter, view, propose in zip(drafters, views, proposes)]
 
-    @abstractmethod
-    def finalize(self, pos: int, hidden: dict[int, torch.Tensor]) -> None:
-        """Position `pos` left the last stage (it is verified): its hidden states are final."""
+def check_contract(drafter: Drafter) -> Drafter:
+    """The drafter, if it has every hook its capabilities promise; else a TypeError naming what is missing."""
+    caps = drafter.capabilities
+    kinds = [kind for kind in (PIPELINED, CHAIN) if kind in caps]
+    if len(kinds) != 1:
+        raise TypeError(f"{type(drafter).__name__} must declare exactly one of {PIPELINED!r}, {CHAIN!r} in its "
+                        f"capabilities (it declares {sorted(caps)})")
+    missing = [hook for cap in caps for hook in HOOKS.get(cap, ()) if not hasattr(drafter, hook)]
+    if missing:
+        raise TypeError(f"{type(drafter).__name__} declares {sorted(caps)} but lacks {', '.join(missing)}")
+    return drafter
 
-    def on_rollback(self, length: int) -> None:
-        """Every position >= length was discarded (a rejection); only positions < length remain."""
+
+def propose_level(drafter: Drafter, views: list[StepView], choose) -> list:
+    """A PIPELINED TREES drafter's children for every tip of a tree level, in one pass where it is BATCHED."""
+    if drafter.has(BATCHED):
+        return drafter.propose_branches(views, choose)
+    return [drafter.propose(view, choose) for view in views]
+
+
+def propose_together(drafters: list[Drafter], views: list[StepView], chooses: list) -> list[Proposal]:
+    """Several sequences' PIPELINED drafters (SEED's schedule: every sequence sharing a pipeline step drafts at
+    once), each on its own view with its own choose: those of one class that drafts TOGETHER in one call."""
+    out: list = [None] * len(drafters)
+    kinds: dict[type, list[int]] = {}
+    for i, drafter in enumerate(drafters):
+        kinds.setdefault(type(drafter) if drafter.has(TOGETHER) else None, []).append(i)
+    for kind, group in kinds.items():
+        if kind is None:
+            drafted = [drafters[i].propose(views[i], chooses[i]) for i in group]
+        else:
+            drafted = kind.propose_together([drafters[i] for i in group], [views[i] for i in group],
+                                            [chooses[i] for i in group])
+        for i, proposal in zip(group, drafted):
+            out[i] = proposal
+    return out
 
 
 class WrappedDrafter(Drafter):
-    """Forwards every call to `inner`; a subclass overrides what it changes (the drafts it returns, timing, ...)."""
+    """Forwards every call to `inner` (a PIPELINED drafter) and declares what it declares, batching aside (a batched
+    pass would skip the wrapper's own `propose`); a subclass overrides what it changes (the drafts it returns,
+    timing, ...)."""
 
     def __init__(self, inner: Drafter):
         self.inner = inner
-        self.after_step = inner.after_step
-        self.branches = inner.branches
+        self.capabilities = inner.capabilities - {BATCHED, TOGETHER}
 
-    def layers_needed(self, bounds):
+    def layers_needed(self, bounds=None):
         return self.inner.layers_needed(bounds)
 
-    def start(self, prompt_hidden, prompt_ids):
-        self.inner.start(prompt_hidden, prompt_ids)
+    def start(self, prompt_hidden, tokens):
+        self.inner.start(prompt_hidden, tokens)
 
-    def draft(self, view, propose):
-        return self.inner.draft(view, propose)
+    def propose(self, ask, choose):
+        return self.inner.propose(ask, choose)
 
-    def finalize(self, pos, hidden):
-        self.inner.finalize(pos, hidden)
+    def observe(self, hidden, tokens):
+        self.inner.observe(hidden, tokens)
 
-    def on_rollback(self, length):
-        self.inner.on_rollback(length)
-
-
-class ChainDrafter(ABC):
-    """One method drafts: `draft_tree`, a chain being the tree of width 1."""
-
-    branches = False     # True: draft_tree grows trees wider than one branch (W > 1)
-    uses_margin = False  # True: it prices with the target's margin, so the runtime computes it (`target_margin`)
-    extra_rows = 0       # rows beyond the cycle's budget it may feed a forward (a wider tree, `side_rows`): the
-                         # static cache is sized for them
-
-    @abstractmethod
-    def layers_needed(self, bounds: list[int] | None = None) -> list[int]:
-        """Target layers l whose H^l this drafter reads (bounds: unused; the chain runs no pipeline)."""
-
-    @abstractmethod
-    def start(self, prompt_hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:
-        """prompt_hidden: {layer: H^layer [1, P, d]}; tokens: the prompt and the first generated token (P + 1)."""
-
-    @abstractmethod
-    def draft_tree(self, root: int, m: int, width: int, budget: int, propose) -> DraftTree:
-        """The drafts below `root` (the newest verified token) as a tree, parents first: depth <= m, at most
-        `width` children per node, at most `budget` nodes besides the root; W = 1 is a chain (`DraftTree.chain`),
-        and a tree of the root alone makes the cycle a plain AR step. propose(logits [V_target]) -> Proposal turns a
-        drafter's logits into the run's choice (argmax, or a sample with its q); a drafter without logits proposes
-        Proposal(token) (deterministic, q = None)."""
-
-    def target_margin(self, margin: float) -> None:
-        """The target's top-2 logit margin where it chose the newest verified token (its confidence there), given
-        before each `draft_tree`; a drafter that prices its candidates may use it."""
-
-    def sampling_draws(self, draws) -> None:
-        """The request's keyed draws (spd.verify.sampling.KeyedDraws; None when greedy), given after `start`: the noise
-        that will choose the token at each position, so a drafter that prices its candidates may weigh each by its
-        own noise. Reading it changes no output."""
-
-    def side_rows(self):
-        """Rows to run beside this cycle's tree in its verification forward, after the tree's nodes (Self-Draft's
-        draft branches, spd.drafters.selfdraft): None, or (tokens [R], offsets [R] (each row's position minus the
-        root's), visible [R, R] bool: which of these rows each row sees). Every side row also sees the verified
-        cache and the root (node 0, the newest verified token), never another tree node; no tree node sees a side
-        row. Their K/V never stay in the cache (the settle keeps only the accepted path's rows). Asked after
-        `draft_tree`; default none."""
-        return None
-
-    def side_logits(self, logits: torch.Tensor) -> None:
-        """The target's logits [R, V] of the rows `side_rows` gave, handed back before the cycle settles (called
-        only when those rows ran: a decoder that runs no side rows, the batched one, never calls it)."""
-
-    def device_side(self, device: torch.device):
-        """The side rows as fixed rows of the device step (spd.runtime.device_step's StepState `side`: rows,
-        offsets(), visible(), bind, start, advance, mutable), or None (default: none). The step then hands their
-        argmaxes back through `side_predictions`, and `side_tokens` gives a fresh request's rows."""
-        return None
-
-    def side_tokens(self) -> list[list[int]]:
-        """The side rows' tokens at a request's start, for device_side's `start`."""
-        raise NotImplementedError
-
-    def side_predictions(self, values: list[float]) -> None:
-        """The device step's argmax after each of device_side's rows (its read buffer's tail), before `verified`."""
-        raise NotImplementedError
-
-    def nodes(self, m: int, width: int, budget: int) -> int:
-        """The most nodes besides the root draft_tree(root, m, width, budget) returns."""
-        return budget if width > 1 else m
-
-    @abstractmethod
-    def verified(self, hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:
-        """The cycle settled: `tokens` is the whole verified sequence; hidden {layer: [1, S, d]} holds the target's
-        states of the positions verified since the last call (S of them), for the layers asked for."""
+    def rollback(self, length):
+        if self.inner.has(ROLLBACK):
+            self.inner.rollback(length)
 
 
 def merged_tree(root: int, continuations, width: int, budget: int, source: str) -> DraftTree:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from spd.drafters.base import Drafter, StepView
+from spd.drafters.base import BATCHED, PIPELINED, ROLLBACK, TREES, Drafter, StepView
 from spd.verify.sampling import Proposal
 from spd.targets.stages import StagedTarget
 from spd.verify.tree_rows import StageRows
@@ -65,13 +65,10 @@ class _Branches:
 
 
 class DraftModelDrafter(Drafter):
-    branches = True
+    capabilities = frozenset({PIPELINED, TREES, BATCHED, ROLLBACK})     # reads tokens only: no target layers
 
     def __init__(self, model: DraftLM):
         self.model = model
-
-    def layers_needed(self, bounds: list[int]) -> list[int]:
-        return []                     # tokens only
 
     def start(self, prompt_hidden, prompt_ids: list[int]) -> None:
         self.cache = self.model.new_cache()
@@ -80,10 +77,10 @@ class DraftModelDrafter(Drafter):
                    self.cache)
         self.rows = StageRows(len(prompt_ids))
 
-    def draft(self, view: StepView, propose) -> Proposal:
-        return self.draft_branches([view], propose)[0]
+    def propose(self, view: StepView, propose) -> Proposal:
+        return self.propose_branches([view], propose)[0]
 
-    def draft_branches(self, views: list[StepView], propose) -> list:
+    def propose_branches(self, views: list[StepView], propose) -> list:
         tree = _Branches(views)
         moved = self.rows.prune(tree)
         if moved is not None:
@@ -102,10 +99,10 @@ class DraftModelDrafter(Drafter):
         self.rows.append(nodes, pos)
         return [_labelled(propose(row)) for row in logits]
 
-    def finalize(self, pos, hidden) -> None:
+    def observe(self, hidden, tokens) -> None:
         """Verified rows join the base at the next step's prune."""
 
-    def on_rollback(self, length: int) -> None:
+    def rollback(self, length: int) -> None:
         self.rows.crop(length)
         self.cache.crop(length)
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 import torch
 
 from spd.models.attention import attend_block
-from spd.drafters.base import ChainDrafter
+from spd.drafters.base import CHAIN, TREES, Cycle, Drafter
 from spd.models.eagle3 import Eagle3Module
 from spd.verify.sampling import Proposal, children_of_rows
 from spd.targets.kv_cache import LayerKVCache
 from spd.verify.tree import DraftTree
 
 
-class Eagle3Drafter(ChainDrafter):
-    branches = True
+class Eagle3Drafter(Drafter):
+    capabilities = frozenset({CHAIN, TREES})
 
     def __init__(self, module: Eagle3Module, embed):
         self.module = module
@@ -40,7 +40,7 @@ class Eagle3Drafter(ChainDrafter):
         self.kv = LayerKVCache(1)
         self.rows = 0          # verified positions with a step-0 row
         self.last_h = None     # [1, 1, d] output of the newest step-0 row (it drafts the first token)
-        self.verified(prompt_hidden, tokens)
+        self.observe(prompt_hidden, tokens)
 
     def _run(self, embedding: torch.Tensor, h: torch.Tensor, start: int, positions: torch.Tensor | None = None,
              visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,7 +63,7 @@ class Eagle3Drafter(ChainDrafter):
         return out
 
     @torch.no_grad()
-    def verified(self, hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:
+    def observe(self, hidden: dict[int, torch.Tensor], tokens: list[int]) -> None:
         """Positions rows.. are verified: hidden {layer: [1, S, d]} holds their target states (S of them) and
         `tokens` the whole verified sequence (one longer: each row also reads the token after it)."""
         start = self.rows
@@ -101,7 +101,8 @@ class Eagle3Drafter(ChainDrafter):
         return self.module.target_logits(self.module.logits(h)[0])
 
     @torch.no_grad()
-    def draft_tree(self, root: int, m: int, width: int, budget: int, propose) -> DraftTree:
+    def propose(self, cycle: Cycle, propose) -> DraftTree:
+        root, m, width, budget = cycle.root, cycle.m, cycle.width, cycle.budget
         if width == 1:
             return DraftTree.chain(root, self.chain(m, propose))
         # candidates: (cumulative log q, parent candidate or -1 for the root, token, depth)

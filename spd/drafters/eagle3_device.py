@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import torch
 
+from spd.drafters.base import CHAIN, DEVICE, TREES, DeviceVerified, Drafter
 from spd.models.attention import attend_block
 from spd.models.eagle3 import Eagle3Module
 
 
-class Eagle3DeviceDrafter:
+class Eagle3DeviceDrafter(Drafter):
+    capabilities = frozenset({CHAIN, TREES, DEVICE})
+
     def __init__(self, module: Eagle3Module, embed):
         self.module = module
         self.embed = embed    # token ids [1, S] -> H^0 [1, S, d] (the target's own embedding)
         self.keys = None
         self.depth, self.width = 1, 1
+        self.drafts = self.tree = None
 
-    def layers_needed(self) -> list[int]:
+    def layers_needed(self, bounds=None) -> list[int]:
         return self.module.layers_needed()
 
     def mutable(self) -> list[torch.Tensor]:
@@ -37,15 +41,12 @@ class Eagle3DeviceDrafter:
         """A tree's candidate nodes: the root's W children, then W^2 at each further level."""
         return width + (depth - 1) * width * width
 
-    @torch.no_grad()
-    def start(self, length: int, hidden: dict[int, torch.Tensor], prompt_ids: list[int], root: torch.Tensor,
-              drafts: torch.Tensor, depth: int = 1, width: int = 1, tree=None) -> None:
-        """A static cache of `length` slots (and a tree's temporary rows past them), the prompt's step-0 rows
-        (hidden {layer: [1, P, d]}; each row also reads the token after it, the root [1] last), and the first drafts
-        written into drafts [m] (a chain), or into drafts [budget] and `tree`'s depth, parent and ancestors
-        (W > 1: `depth` levels of `width` children)."""
-        m, device = self.module, root.device
-        self.depth, self.width = depth, width
+    def bind(self, length: int, drafts: torch.Tensor, depth: int = 1, width: int = 1, tree=None) -> None:
+        """Where a request's drafts go: drafts [m] (a chain), or drafts [budget] and `tree`'s depth, parent and
+        ancestors (W > 1: `depth` levels of `width` children); a static cache of `length` slots (and a tree's
+        temporary rows past them)."""
+        m, device = self.module, drafts.device
+        self.depth, self.width, self.drafts, self.tree = depth, width, drafts, tree
         attn = m.layer.self_attn
         kv_heads = m.config.num_key_value_heads
         length += (depth - 1) * width if width > 1 else 0
@@ -55,10 +56,14 @@ class Eagle3DeviceDrafter:
             self.slots = torch.arange(length, device=device)                          # [S]
             self.last_h = torch.zeros(1, 1, m.config.hidden_size, device=device, dtype=m.fc.weight.dtype)
             self.rows = torch.zeros((), dtype=torch.long, device=device)               # [] verified step-0 rows
-        ids = torch.cat([torch.tensor(prompt_ids[1:], device=device), root]).view(1, -1)  # [1, P]
-        self.update(hidden, ids[0], torch.tensor(len(prompt_ids) - 1, device=device),
-                    torch.zeros((), dtype=torch.long, device=device))
-        self.draft(root, drafts, tree)
+
+    @torch.no_grad()
+    def start(self, prompt_hidden: dict[int, torch.Tensor], tokens: torch.Tensor) -> None:
+        """The prompt's step-0 rows (prompt_hidden {layer: [1, P, d]}; each row also reads the token after it:
+        tokens [P + 1], the prompt then the first generated token, on the device), and the first drafts."""
+        last = torch.tensor(tokens.shape[0] - 2, device=tokens.device)
+        self.observe(prompt_hidden, DeviceVerified(tokens[1:], last, torch.zeros_like(last)))
+        self.propose(tokens[-1:])
 
     def _run(self, embedding: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
              slots: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,20 +86,21 @@ class Eagle3DeviceDrafter:
         """log q over the target's vocabulary [r, V] for the rows h [1, r, d] (as spd.verify.sampling.children_of_rows)."""
         return torch.log_softmax(self.module.target_logits(self.module.logits(h))[0].float(), -1)
 
-    def update(self, hidden: dict[int, torch.Tensor], verified: torch.Tensor, kept: torch.Tensor,
-               position: torch.Tensor) -> None:
-        """The cycle's rows, root first along the accepted path (hidden {layer: [1, r, d]}), and verified [r] (the
-        token after each): step-0 rows for positions position.. (those past `kept` are hidden until rewritten);
+    def observe(self, hidden: dict[int, torch.Tensor], verified: DeviceVerified) -> None:
+        """The cycle's rows, root first along the accepted path (hidden {layer: [1, r, d]}), and the token after
+        each: step-0 rows for positions verified.position.. (those past verified.kept are hidden until rewritten);
         the newest kept row's output drafts next."""
+        verified, kept, position = verified
         r = verified.shape[0]
         positions = position + torch.arange(r, device=verified.device)                # [r]
         out = self._run(self.embed(verified.view(1, -1)), self.module.fuse(hidden), positions)   # [1, r, d]
         self.last_h.copy_(out.index_select(1, kept.view(1)))
         self.rows.copy_(position + kept + 1)
 
-    def draft(self, root: torch.Tensor, drafts: torch.Tensor, tree=None) -> None:
-        """drafts [m] <- the chain after the newest verified token root [1] (greedy in the module's own q); with a
-        `tree` (W > 1), the tree's nodes and its structure there."""
+    def propose(self, root: torch.Tensor, choose=None) -> None:
+        """The bound drafts [m] <- the chain after the newest verified token root [1] (greedy in the module's own
+        q); with a bound tree (W > 1), the tree's nodes and its structure there."""
+        drafts, tree = self.drafts, self.tree
         if tree is not None:
             return self.draft_tree(root, drafts, tree)
         h, previous = self.last_h, root                                                # [1, 1, d], [1]

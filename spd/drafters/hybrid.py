@@ -4,7 +4,7 @@ when the context — prompt, verified tokens and the drafts in flight — ends w
 (`source_pricing=true`, spd.pricing.SourcePricer): the lookup drafts only where its match's predicted acceptance,
 learned from this request's verdicts, is at least the module's (chains; a tree's branches keep the lookup first).
 
-The module keeps its state either way: its memory grows as positions leave the last stage (`finalize`), which the
+The module keeps its state either way: its memory grows as positions leave the last stage (`observe`), which the
 lookup never skips; only its forward for the draft is saved when the lookup answers. A lookup draft is a point
 mass (q = None), verified like any other draft (spd.verify.sampling), so the output stays the target's.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from spd.drafters.base import Drafter, StepView, WrappedDrafter
+from spd.drafters.base import BATCHED, ROLLBACK, TOGETHER, Drafter, StepView, WrappedDrafter, propose_level, propose_together
 from spd.drafters.lookup import NgramIndex
 from spd.drafters.spd_module import ModuleDrafter
 from spd.methods import DRAFT_SOURCES, LOOKUP_MODULE, MODULE
@@ -34,6 +34,7 @@ class LookupThenModule(WrappedDrafter):
 
     def __init__(self, module: Drafter, min_n: int = 2, max_n: int = 8, priced: bool = False):
         super().__init__(module)
+        self.capabilities = module.capabilities | {BATCHED, TOGETHER, ROLLBACK}
         self.min_n, self.max_n = min_n, max_n
         self.priced = priced
         self.pricer: SourcePricer | None = None
@@ -42,10 +43,10 @@ class LookupThenModule(WrappedDrafter):
     def module(self) -> Drafter:
         return self.inner
 
-    def start(self, prompt_hidden, prompt_ids):
-        super().start(prompt_hidden, prompt_ids)
+    def start(self, prompt_hidden, tokens):
+        super().start(prompt_hidden, tokens)
         self.index = NgramIndex(self.min_n, self.max_n)   # every position up to the newest in flight
-        self.index.extend(list(prompt_ids))
+        self.index.extend(list(tokens))
         self.pricer = SourcePricer() if self.priced else None     # each request learns its own
 
     def _lookup(self, view: StepView) -> Proposal | None:
@@ -61,29 +62,27 @@ class LookupThenModule(WrappedDrafter):
             self.pricer.drafted(view.t + 1, n or None)
         return Proposal(self.index.continuation(start, 1)[0], source="lookup") if n else None
 
-    def draft(self, view: StepView, propose) -> Proposal:
+    def propose(self, view: StepView, propose) -> Proposal:
         found = self._lookup(view)
-        return found if found is not None else self.module.draft(view, propose)
+        return found if found is not None else self.module.propose(view, propose)
 
-    def finalize(self, pos, hidden):
-        super().finalize(pos, hidden)
+    def observe(self, hidden, tokens):
+        super().observe(hidden, tokens)
         if self.pricer is not None:
-            self.pricer.finalize(pos)
+            self.pricer.finalize(len(tokens) - 1)
 
     @classmethod
-    def draft_together(cls, drafters: list["LookupThenModule"], views: list[StepView], proposes: list) -> list:
+    def propose_together(cls, drafters: list["LookupThenModule"], views: list[StepView], proposes: list) -> list:
         """Each sequence's lookup; the modules of those without a match draft together."""
         out = [drafter._lookup(view) for drafter, view in zip(drafters, views)]
         rest = [i for i, found in enumerate(out) if found is None]
         if rest:
-            inner = [drafters[i].module for i in rest]
-            kind = type(inner[0]) if all(type(d) is type(inner[0]) for d in inner) else Drafter
-            for i, proposal in zip(rest, kind.draft_together(inner, [views[i] for i in rest],
-                                                             [proposes[i] for i in rest])):
+            for i, proposal in zip(rest, propose_together([drafters[i].module for i in rest],
+                                                          [views[i] for i in rest], [proposes[i] for i in rest])):
                 out[i] = proposal
         return out
 
-    def draft_branches(self, views: list[StepView], propose) -> list:
+    def propose_branches(self, views: list[StepView], propose) -> list:
         """W > 1. Branches differ in their drafts in flight, so here the index holds only what they all share — the
         tokens before the oldest level in flight, and that level's one node (its token is settled) — and each branch
         adds its own newer tokens for its lookup, then takes them back. A lookup child scores log 1: a match is
@@ -102,12 +101,12 @@ class LookupThenModule(WrappedDrafter):
             self.index.truncate(shared.pos + 1)
         rest = [i for i, found in enumerate(children) if found is None]
         if rest:
-            for i, drafted in zip(rest, self.module.draft_branches([views[i] for i in rest], propose)):
+            for i, drafted in zip(rest, propose_level(self.module, [views[i] for i in rest], propose)):
                 children[i] = drafted
         return children
 
-    def on_rollback(self, length):
-        super().on_rollback(length)
+    def rollback(self, length):
+        super().rollback(length)
         self.index.truncate(length)
         if self.pricer is not None:
             self.pricer.rollback(length)

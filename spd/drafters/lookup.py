@@ -15,7 +15,7 @@ p (`spd.verify.sampling.settle_children`).
 
 from __future__ import annotations
 
-from spd.drafters.base import ChainDrafter, merged_tree
+from spd.drafters.base import CHAIN, TREES, Cycle, Drafter, merged_tree
 from spd.verify.sampling import Proposal
 from spd.spec import LookupOptions
 from spd.verify.tree import DraftTree
@@ -99,24 +99,21 @@ class NgramIndex:
         return out
 
 
-class LookupDrafter(ChainDrafter):
+class LookupDrafter(Drafter):
     """Up to m drafts per cycle: the continuation of the longest earlier match of the context's suffix (at least
     min_n tokens long, at most max_n are compared); no match, no drafts (the cycle is a plain AR step)."""
 
-    branches = True
+    capabilities = frozenset({CHAIN, TREES})
 
     def __init__(self, min_n: int = 2, max_n: int = 8):
         self.min_n, self.max_n = min_n, max_n
         self.last_match = 0       # length of the suffix match behind the newest drafts (0: none)
 
-    def layers_needed(self, bounds=None) -> list[int]:
-        return []
-
     def start(self, prompt_hidden, tokens) -> None:
         self.index = NgramIndex(self.min_n, self.max_n)
         self.index.extend(tokens)
 
-    def verified(self, hidden, tokens) -> None:
+    def observe(self, hidden, tokens) -> None:
         self.index.extend(tokens[len(self.index):])
 
     def chain(self, m: int) -> list[Proposal]:
@@ -125,7 +122,8 @@ class LookupDrafter(ChainDrafter):
         self.last_match = n
         return [Proposal(token, source="lookup") for token in self.index.continuation(start, m)] if n else []
 
-    def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
+    def propose(self, cycle: Cycle, choose=None) -> DraftTree:
+        root, m, width, budget = cycle.root, cycle.m, cycle.width, cycle.budget
         if width == 1:
             return DraftTree.chain(root, self.chain(m))
         self.last_match = self.index.match()[0]

@@ -6,23 +6,18 @@ drafter whose compute they keep, let benchmarks hold the pipeline full to time s
 
 from __future__ import annotations
 
-from spd.drafters.base import Drafter, StepView, WrappedDrafter
+from spd.drafters.base import PIPELINED, Drafter, StepView, WrappedDrafter
 from spd.verify.sampling import Proposal
 
 
 class _Idle(Drafter):
     """Reads nothing and drafts nothing: the inner drafter of a reference drafter that times no real one."""
+    capabilities = frozenset({PIPELINED})
 
-    def layers_needed(self, bounds):
-        return []
-
-    def start(self, prompt_hidden, prompt_ids):
-        pass
-
-    def draft(self, view, propose):
+    def propose(self, view, propose):
         return None
 
-    def finalize(self, pos, hidden):
+    def observe(self, hidden, tokens):
         pass
 
 
@@ -38,10 +33,10 @@ class ReferenceDrafter(WrappedDrafter):
         self.reference = reference
         self.vocab_size = vocab_size
         self.wrong = wrong
-        self.branches = False
+        self.capabilities = frozenset({PIPELINED}) | (self.capabilities & {"after_step", "rollback"})
 
-    def draft(self, view: StepView, propose) -> Proposal:
-        self.inner.draft(view, propose)
+    def propose(self, view: StepView, propose) -> Proposal:
+        self.inner.propose(view, propose)
         pos = view.t + 1
         right = self.reference[pos] if pos < len(self.reference) else 0
         return Proposal((right + 1) % self.vocab_size if self.wrong else right, source="reference")

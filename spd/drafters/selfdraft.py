@@ -2,7 +2,7 @@
 and no training.
 
 Draft branches. N branches (`branches`) of up to L tokens (`branch_length`) ride in every verification forward
-beside the tree being verified (ChainDrafter.side_rows, run by spd.runtime.chain.ChainDecoder.forward_tree). Each
+beside the tree being verified (the SIDE_ROWS capability's side_rows, run by spd.runtime.chain.ChainDecoder.forward_tree). Each
 branch sees the verified context (the cache and the root, the newest verified token) and its own earlier tokens only:
 block-diagonal causal masks, no branch sees another branch or a drafted node, and no drafted node sees a branch. A
 branch is the paper's "random padding" after the context: its j-th token sits at position (root's + 1 + j), right
@@ -42,7 +42,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from spd.drafters.base import ChainDrafter, merged_tree
+from spd.drafters.base import CHAIN, DEVICE_SIDE, SIDE_ROWS, TREES, Cycle, Drafter, merged_tree
 from spd.drafters.selfdraft_device import DeviceBranches
 from spd.methods import SelfDraftKeys
 from spd.verify.tree import DraftTree
@@ -157,7 +157,7 @@ class DraftBranches:
 
     def branch_rows(self, which: list[int] | None = None):
         """The rows of the branches `which` (None: all), one after another: (tokens, offsets, visible), as
-        ChainDrafter.side_rows gives them."""
+        SIDE_ROWS' side_rows gives them."""
         chosen = [self.branch[i] for i in (range(self.n) if which is None else which)]
         ids, offsets = [], []
         visible = torch.zeros(sum(map(len, chosen)), sum(map(len, chosen)), dtype=torch.bool)
@@ -201,8 +201,8 @@ class DraftBranches:
         return list(reversed(self.context.get(root, {}).items()))
 
 
-class SelfDraftDrafter(DraftBranches, ChainDrafter):
-    branches = True
+class SelfDraftDrafter(DraftBranches, Drafter):
+    capabilities = frozenset({CHAIN, TREES, SIDE_ROWS, DEVICE_SIDE})
 
     def __init__(self, branches: int = 6, branch_length: int = 6, gram: int = 4,
                  corpus: CorpusNgrams | dict | None = None, candidates: int | None = None, lru: int = 16,
@@ -215,16 +215,13 @@ class SelfDraftDrafter(DraftBranches, ChainDrafter):
         self.extra_rows = self.candidates * (gram - 1) + branches * branch_length
         self.tokens: list[int] = []
 
-    def layers_needed(self, bounds=None) -> list[int]:
-        return []
-
     def start(self, prompt_hidden, tokens) -> None:
         self.tokens = list(tokens)
         self.start_branches(self.tokens)
         self.seen = 0
         self.remember_verified()
 
-    def verified(self, hidden, tokens) -> None:
+    def observe(self, hidden, tokens) -> None:
         self.tokens = list(tokens)
         self.remember_verified()
 
@@ -269,7 +266,8 @@ class SelfDraftDrafter(DraftBranches, ChainDrafter):
                     out.append(cont)
         return out[:self.candidates]
 
-    def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
+    def propose(self, cycle: Cycle, choose=None) -> DraftTree:
+        root, m, width, budget = cycle.root, cycle.m, cycle.width, cycle.budget
         if width == 1:       # W and tree_nodes not given: every candidate may branch off the root
             width, budget = self.candidates, self.candidates * m
         return merged_tree(root, (cont[:m] for cont in self.candidate_list(root)), width, budget, "selfdraft")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from spd.drafters.base import Drafter, StepView
+from spd.drafters.base import AFTER_STEP, BATCHED, PIPELINED, ROLLBACK, TOGETHER, TREES, Drafter, StepView
 from spd.models.module import SpeculationModule
 from spd.verify.sampling import Proposal
 from spd.targets.kv_cache import LayerKVCache
@@ -14,19 +14,18 @@ from spd.targets.ragged import few_rows_products
 
 
 class ModuleDrafter(Drafter):
-    branches = True
-
     def __init__(self, module: SpeculationModule, use_cache: bool = True):
         self.module = module
         self.plan = module.plan
         self.n = module.n
-        self.after_step = self.plan.after_step
         self.use_cache = use_cache
+        self.capabilities = frozenset({PIPELINED, TREES, BATCHED, TOGETHER, ROLLBACK} | ({AFTER_STEP} if self.plan.after_step
+                                                                                else set()))
 
-    def layers_needed(self, bounds):
+    def layers_needed(self, bounds=None):
         return self.plan.needed_layers(bounds)
 
-    def start(self, prompt_hidden, prompt_ids):
+    def start(self, prompt_hidden, tokens):
         self.kv = LayerKVCache(len(self.module.layers))
         self.final_rows: list[torch.Tensor] = []  # memory rows [1, S, d] when not caching K/V
         self.num_final = 0
@@ -43,11 +42,12 @@ class ModuleDrafter(Drafter):
             self.final_rows.append(rows)
         self.num_final += count
 
-    def finalize(self, pos, hidden):
+    def observe(self, hidden, tokens):
+        pos = len(tokens) - 1
         assert pos == self.num_final, "positions must leave the pipeline in order"
         self._add_final(hidden, start=pos)
 
-    def on_rollback(self, length):
+    def rollback(self, length):
         # Rows of positions that left the pipeline are verified, all < length: nothing cached is ever discarded.
         assert self.num_final <= length
 
@@ -107,14 +107,14 @@ class ModuleDrafter(Drafter):
 
     @classmethod
     @torch.no_grad()
-    def draft_together(cls, drafters: list["ModuleDrafter"], views: list[StepView], proposes: list) -> list:
+    def propose_together(cls, drafters: list["ModuleDrafter"], views: list[StepView], proposes: list) -> list:
         """Several sequences' drafts from one module in one pass: every query sees only its own sequence's memory
         (its cached K/V and its rows in flight, laid side by side under a block mask), at its own position. One
         product per layer and one head product for all of them instead of one each (two rows cost about one here,
         spd.targets.ragged.few_rows_linear)."""
         module = drafters[0].module
         if len(drafters) == 1 or any(d.module is not module or not d.use_cache for d in drafters):
-            return super().draft_together(drafters, views, proposes)
+            return [drafter.propose(view, choose) for drafter, view, choose in zip(drafters, views, proposes)]
         layers = range(len(module.layers))
         queries, rows, positions, sees = [], [], [], []
         for drafter, view in zip(drafters, views):
@@ -141,10 +141,10 @@ class ModuleDrafter(Drafter):
             logits = module.target_logits(logits)                                        # [Q, V_target]
         return [propose(row) for propose, row in zip(proposes, logits)]
 
-    def draft(self, view: StepView, propose) -> Proposal:
+    def propose(self, view: StepView, propose) -> Proposal:
         return propose(self.draft_logits(view))
 
-    def draft_branches(self, views: list[StepView], propose) -> list:
+    def propose_branches(self, views: list[StepView], propose) -> list:
         if len(views) == 1 or not self.use_cache:
-            return super().draft_branches(views, propose)
+            return [self.propose(view, propose) for view in views]
         return [propose(logits) for logits in self.branch_logits(views)]

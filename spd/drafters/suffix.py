@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spd.corpora.datastore import Datastore
-from spd.drafters.base import ChainDrafter
+from spd.drafters.base import CHAIN, DRAWS, MARGIN, TREES, Cycle, Drafter
 from spd.drafters.lookup import NgramIndex
 from spd.pricing import NOISE_SHARE, AcceptancePredictor, Evidence, RowCosts, choose, given_noise
 from spd.verify.sampling import Proposal
@@ -103,9 +103,8 @@ def judged(nodes: list[_Node], new: list[int]) -> list[tuple[int, bool]]:
     return verdicts
 
 
-class SuffixDrafter(ChainDrafter):
-    branches = True
-    uses_margin = True
+class SuffixDrafter(Drafter):
+    capabilities = frozenset({CHAIN, TREES, MARGIN, DRAWS})
 
     def __init__(self, min_n: int = 1, max_n: int = 8, costs: RowCosts | None = None,
                  memory: SuffixMemory | None = None, enough: int = 8, max_occurrences: int = 64, edge: float = 0.1,
@@ -125,9 +124,6 @@ class SuffixDrafter(ChainDrafter):
         self.draws = None                             # sampled: the request's keyed draws (spd.verify.sampling)
         self.cycles = self.priced_out = 0             # cycles drafted, and those the pricing made plain AR steps
 
-    def layers_needed(self, bounds=None) -> list[int]:
-        return []
-
     def start(self, prompt_hidden, tokens) -> None:
         if self.memory is None:
             self.predictor = AcceptancePredictor()   # each request on its own: nothing of one decides another's drafts
@@ -138,15 +134,12 @@ class SuffixDrafter(ChainDrafter):
         self.recalled = [NAN] * len(tokens)
         self.last = None
 
-    def target_margin(self, margin: float) -> None:
-        self.margin = margin
-
     def sampling_draws(self, draws) -> None:
         self.draws = draws
         if self.recalled:
             self.recalled[-1] = self._chance(len(self.recalled) - 1)     # the first token, drawn before the draws came
 
-    def verified(self, hidden, tokens) -> None:
+    def observe(self, hidden, tokens) -> None:
         new = tokens[len(self.index):]
         if self.last is not None:
             self._learn(*self.last, new)
@@ -203,8 +196,11 @@ class SuffixDrafter(ChainDrafter):
             evidence += more_evidence
         return nodes, evidence
 
-    def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
-        nodes, evidence = self.candidates(m, width, budget)
+    def propose(self, cycle: Cycle, choose=None) -> DraftTree:
+        root, budget = cycle.root, cycle.budget
+        if cycle.margin is not None:
+            self.margin = cycle.margin
+        nodes, evidence = self.candidates(cycle.m, cycle.width, budget)
         chance = [self.predictor.predict(e) for e in evidence]
         if self.draws is not None:      # sampled: the noise that will choose each node's position is known already
             at = len(self.index.tokens) - 1             # the root's position

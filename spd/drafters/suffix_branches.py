@@ -28,6 +28,7 @@ import itertools
 
 import torch
 
+from spd.drafters.base import SIDE_ROWS
 from spd.drafters.selfdraft import DraftBranches
 from spd.drafters.suffix import SuffixDrafter, _best_first, _Node
 from spd.pricing import Evidence, choose_beside
@@ -38,6 +39,8 @@ PRIOR_ROWS = 36.0         # ... held as firmly as that many rows' worth of evide
 
 
 class SuffixBranchesDrafter(SuffixDrafter):
+    capabilities = SuffixDrafter.capabilities | {SIDE_ROWS}
+
     def __init__(self, lanes: DraftBranches, *args, prior_value: float = PRIOR_VALUE, prior_rows: float = PRIOR_ROWS,
                  **options):
         """lanes: the branches and their n-gram cache; the rest as SuffixDrafter takes them."""
@@ -105,7 +108,7 @@ class SuffixBranchesDrafter(SuffixDrafter):
         self.branch_cycles += 1
         self.branch_rows += logits.shape[0]
 
-    def verified(self, hidden, tokens) -> None:
+    def observe(self, hidden, tokens) -> None:
         if self.pending:                 # the decoder ran the tree alone: it runs no side rows
             self.runs_side_rows = self.pending = False
-        super().verified(hidden, tokens)
+        super().observe(hidden, tokens)

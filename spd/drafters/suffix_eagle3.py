@@ -45,9 +45,9 @@ class SuffixEagle3Drafter(SuffixDrafter):
         super().start(prompt_hidden, tokens)
         self.eagle.start(prompt_hidden, tokens)
 
-    def verified(self, hidden, tokens) -> None:
-        super().verified(hidden, tokens)
-        self.eagle.verified(hidden, tokens)
+    def observe(self, hidden, tokens) -> None:
+        super().observe(hidden, tokens)
+        self.eagle.observe(hidden, tokens)
 
     def rewind(self, rows: int) -> None:
         self.eagle.rewind(rows)

@@ -46,7 +46,7 @@ import dataclasses
 
 import torch
 
-from spd.drafters.base import StepView
+from spd.drafters.base import Cycle, StepView, propose_level
 from spd.drafters.spd_module import ModuleDrafter
 from spd.layout import needed_layers
 from spd.engine import build_decoder
@@ -182,7 +182,7 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
     view = step_view(steady, ids[0].tolist(), features, after=after)
 
     def draft() -> Proposal:
-        return drafter.draft(view, lambda logits: propose(logits, params, generator))   # the runtime's own draft
+        return drafter.propose(view, lambda logits: propose(logits, params, generator))   # the runtime's own draft
 
     # W > 1: W branches whose in-flight rows are all distinct (the most rows a level's batched pass can read)
     branches = [StepView(view.t, view.occupancy, view.n,
@@ -190,7 +190,7 @@ def calibrate(staged: StagedTarget, module: SpeculationModule, params: SamplingP
                 for b in range(width)]
 
     def draft_tips() -> list:             # every tip of the level drafts its W children, in one batched pass
-        return drafter.draft_branches(branches, lambda logits: propose_children(logits, width))
+        return propose_level(drafter, branches, lambda logits: propose_children(logits, width))
 
     module_s = median_seconds(draft if width == 1 else draft_tips, repeats, device)
 
@@ -233,7 +233,7 @@ def calibrate_chain(staged: StagedTarget, drafter, params: SamplingParams, m: in
     choose = lambda logits: propose(logits, params, generator)          # noqa: E731
     trees = []
     drafts_s = median_seconds(
-        lambda: trees.append(drafter.draft_tree(int(ids[0, context]), m, width, decoder.budget, choose)),
+        lambda: trees.append(drafter.propose(Cycle(int(ids[0, context]), m, width, decoder.budget), choose)),
         repeats, device)
     tree = trees[-1]
 
@@ -251,7 +251,7 @@ def calibrate_chain(staged: StagedTarget, drafter, params: SamplingParams, m: in
     hidden = verify()
     rewind()
     update_s = median_seconds(
-        lambda: drafter.verified({layer: h[:, :1] for layer, h in hidden.items()}, ids[0, : context + 2].tolist()),
+        lambda: drafter.observe({layer: h[:, :1] for layer, h in hidden.items()}, ids[0, : context + 2].tolist()),
         repeats, device, reset=lambda: drafter.rewind(context))
     cycle_s = drafts_s + verify_s + update_s
     return {"ar_token_s": ar_token_s, "drafts_s": drafts_s, "verify_s": verify_s, "update_s": update_s,
@@ -330,7 +330,8 @@ def grow_timer(drafter, context_ids: list[int], depth: int, width: int, budget: 
     """FlowSpec's draft side for `calibrate_rows`: its drafter started on context_ids (a real decode: the context's
     statistics cost what they find), growing one tree from the last token."""
     drafter.start({}, list(context_ids))
-    return lambda: drafter.draft_tree(context_ids[-1], depth, width, budget, lambda logits: Proposal(greedy_token(logits)))
+    return lambda: drafter.propose(Cycle(context_ids[-1], depth, width, budget),
+                                   lambda logits: Proposal(greedy_token(logits)))
 
 
 def rows_calibration(session, step_rows: dict[str, int], context_ids: list[int], repeats: int = 20) -> dict:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from spd.decoding import Request
-from spd.drafters.base import ChainDrafter
+from spd.drafters.base import CHAIN, Cycle, Drafter
 from spd.drafters.lookup import LookupDrafter
 from spd.models.eagle3 import Eagle3Module
 from spd.eval.fast import GreedyTrace, draft_table
@@ -44,24 +44,22 @@ def chain_drafts(module: Eagle3Module, trace: GreedyTrace, m: int) -> tuple[torc
     return draft_table(logits, module.draft_to_target)
 
 
-class PrecomputedChain(ChainDrafter):
+class PrecomputedChain(Drafter):
     """EAGLE-3's chains read from `chain_drafts`' table, so the one replay (`replay`) walks them: drafts [m, T],
     entry (j, i) the j-th draft of a cycle whose newest verified position is i + 1."""
+    capabilities = frozenset({CHAIN})
 
     def __init__(self, drafts: torch.Tensor):
         self.drafts = drafts.tolist()
 
-    def layers_needed(self, bounds=None) -> list[int]:
-        return []
-
     def start(self, prompt_hidden, tokens) -> None:
         self.newest = len(tokens) - 1
 
-    def verified(self, hidden, tokens) -> None:
+    def observe(self, hidden, tokens) -> None:
         self.newest = len(tokens) - 1
 
-    def draft_tree(self, root: int, m: int, width: int, budget: int, propose=None) -> DraftTree:
-        return DraftTree.chain(root, [Proposal(self.drafts[j][self.newest - 1]) for j in range(m)])
+    def propose(self, cycle: Cycle, choose=None) -> DraftTree:
+        return DraftTree.chain(cycle.root, [Proposal(self.drafts[j][self.newest - 1]) for j in range(cycle.m)])
 
 
 def replay_chain(m: int, prompt_ids: list[int], tokens: list[int], drafts: torch.Tensor) -> ChainStats:
@@ -151,7 +149,7 @@ class _Replayed(Request):
 
 
 @torch.no_grad()
-def replay(drafter: ChainDrafter, prompt_ids: list[int], tokens: list[int], m: int, width: int = 1,
+def replay(drafter: Drafter, prompt_ids: list[int], tokens: list[int], m: int, width: int = 1,
            budget: int | None = None, hidden: dict[int, torch.Tensor] | None = None, on_settle=None,
            margins: list[float] | None = None, draws=None, chances: list[float] | None = None) -> dict:
     """The one greedy replay of draft-then-verify decoding over the target's tokens: the runtime's own walk
@@ -188,7 +186,7 @@ def replay(drafter: ChainDrafter, prompt_ids: list[int], tokens: list[int], m: i
     return {"stats": seq.stats, "rows_per_cycle": rows}
 
 
-def fast_tree_stats(drafter: ChainDrafter, trace: GreedyTrace, m: int, width: int, budget: int) -> dict:
+def fast_tree_stats(drafter: Drafter, trace: GreedyTrace, m: int, width: int, budget: int) -> dict:
     """Greedy draft trees (W = width, `budget` nodes; EAGLE-3's dynamic tree: an `Eagle3Drafter`) replayed over the
     target's trace (`replay`)."""
     return {**replay(drafter, trace.prompt_ids, trace.tokens, m, width, budget, trace.hidden, margins=trace.margins),

@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 
 from spd.decoding import Request
-from spd.drafters.base import Drafter, WrappedDrafter
+from spd.drafters.base import PIPELINED, Drafter, WrappedDrafter
 from spd.drafters.hybrid import LookupThenModule
 from spd.eval.fast import GreedyTrace, draft_table
 from spd.methods import LOOKUP_MODULE
@@ -131,20 +131,16 @@ class TableDrafter(Drafter):
     """The module's greedy drafts read from `module_drafts`' table at (the step's occupancy, its position); past the
     trace's end (drafts no verification reaches) a token no target chooses."""
 
+    capabilities = frozenset({PIPELINED})
+
     def __init__(self, drafts: torch.Tensor, length: int):
         self.drafts, self.length = drafts.tolist(), length      # [n][T]; length: prompt + generated tokens
 
-    def layers_needed(self, bounds):
-        return []
-
-    def start(self, prompt_hidden, prompt_ids):
-        pass
-
-    def draft(self, view, propose) -> Proposal:
+    def propose(self, view, choose) -> Proposal:
         token = self.drafts[view.occupancy - 1][view.t] if view.t + 1 < self.length else OFF_TRACE
         return Proposal(token, source="module")
 
-    def finalize(self, pos, hidden):
+    def observe(self, hidden, tokens):
         pass
 
 
@@ -158,8 +154,8 @@ class Decisive(WrappedDrafter):
         self.sequence, self.on_settle = sequence, on_settle
         self.decisive: Counter = Counter()
 
-    def draft(self, view, propose):
-        proposal = self.inner.draft(view, propose)
+    def propose(self, view, choose):
+        proposal = self.inner.propose(view, choose)
         seq = self.sequence
         if view.t + 1 < len(seq) and all(item.token == seq[item.pos] for item in view.in_flight):
             self.decisive[view.occupancy] += 1

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from spd.decoding import Decoder, Request
-from spd.drafters.base import ChainDrafter
+from spd.drafters.base import Drafter
 from spd.runtime.sequence import ChainSequence
 from spd.targets.ragged import Segment, few_rows_products, forward_segments
 from spd.targets.row_costs import use_machine_products
@@ -108,7 +108,7 @@ class ManySequences(Decoder):
 
 
 class BatchDecoder(ManySequences):
-    def __init__(self, target: StagedTarget, eos_ids: frozenset[int], new_drafter: Callable[[], ChainDrafter] | None
+    def __init__(self, target: StagedTarget, eos_ids: frozenset[int], new_drafter: Callable[[], Drafter] | None
                  = None, m: int = 1, width: int = 1, budget: int | None = None, max_batch: int = 8,
                  capture=frozenset()):
         """new_drafter: a fresh drafter for each request (None: plain AR); m, width, budget: as ChainDecoder's;

@@ -18,7 +18,7 @@ from contextlib import nullcontext
 import torch
 
 from spd.decoding import Decoder, Request
-from spd.drafters.base import ChainDrafter
+from spd.drafters.base import TREES, Drafter
 from spd.runtime.sequence import ChainSequence
 from spd.targets import ragged
 from spd.targets.ragged import few_rows_products
@@ -28,12 +28,12 @@ from spd.verify.tree import DraftTree
 
 
 class ChainDecoder(Decoder):
-    def __init__(self, target: StagedTarget, drafter: ChainDrafter, eos_ids: frozenset[int], m: int,
+    def __init__(self, target: StagedTarget, drafter: Drafter, eos_ids: frozenset[int], m: int,
                  width: int = 1, budget: int | None = None):
         """width: children per node (W; 1 = a chain); budget: drafted nodes per cycle (None: m, a chain's)."""
         if m < 1:
             raise ValueError(f"m={m} draft tokens per cycle must be >= 1")
-        if width < 1 or (width > 1 and not drafter.branches):
+        if width < 1 or (width > 1 and not drafter.has(TREES)):
             raise ValueError(f"W={width}: {type(drafter).__name__} drafts chains only (W = 1)")
         self.target, self.drafter, self.eos_ids, self.m = target, drafter, eos_ids, m
         self.width, self.budget = width, budget or m
@@ -42,7 +42,7 @@ class ChainDecoder(Decoder):
 
     def forward_tree(self, tree: DraftTree, cache, fed: int, rows=None):
         """The target over every node of the tree (the root at position `fed`): (logits [T, V], captured). rows:
-        a drafter's side rows (ChainDrafter.side_rows: tokens, offsets, visible among themselves), run after the
+        a drafter's side rows (SIDE_ROWS' side_rows: tokens, offsets, visible among themselves), run after the
         tree's nodes in the same forward: each sees the cache, the root and what `visible` lets it; no tree node
         sees them. Then logits are [T + R, V] (the settle hands rows T.. back to the drafter and keeps only the
         accepted path's cache rows, so theirs never stay)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from spd.decoding import Decoder, Request, context_length, is_final, prefill
-from spd.drafters.base import ChainDrafter
+from spd.drafters.base import DEVICE_SIDE, DRAWS, MARGIN, TREES, Cycle, Drafter
 from spd.metrics import ChainStats
 from spd.runtime.device_step import BUCKET, ROWS, DeviceStep, StepState, choose, gumbel
 from spd.verify.sampling import SamplingParams
@@ -18,7 +18,7 @@ from spd.targets.stages import StagedTarget
 
 
 class DeviceChainDecoder(Decoder):
-    def __init__(self, target: StagedTarget, eos_ids: frozenset[int], drafter: ChainDrafter | None = None,
+    def __init__(self, target: StagedTarget, eos_ids: frozenset[int], drafter: Drafter | None = None,
                  k: int = 7, compile: str | None = None, cuda_graphs: bool = False, width: int = 1,
                  budget: int | None = None, device_drafter=None):
         """k: draft depth a cycle; width: children per node (W; 1 = a chain); budget: drafted nodes a cycle (W > 1;
@@ -27,14 +27,14 @@ class DeviceChainDecoder(Decoder):
         if drafter is not None and drafter.layers_needed():
             raise ValueError(f"{type(drafter).__name__} reads the target's hidden states; the device step hands a "
                              "host drafter only the verified tokens and the target's margin")
-        if width > 1 and device_drafter is None and (drafter is None or not drafter.branches):
+        if width > 1 and device_drafter is None and (drafter is None or not drafter.has(TREES)):
             raise ValueError(f"W={width}: {type(drafter).__name__} drafts chains only (W = 1)")
         self.target, self.eos_ids, self.drafter, self.device_drafter = target, eos_ids, drafter, device_drafter
         drafting = drafter is not None or device_drafter is not None
         self.k = 0 if not drafting else min(k, ROWS[-1] - 1)
         self.budget = min(budget or self.k, ROWS[-1] - 1) if width > 1 else self.k
         # a drafter's side rows (Self-Draft's branches) as fixed rows of every step; its trees as wide as it drafts
-        self.side = drafter.device_side(target.device) if drafter is not None else None
+        self.side = drafter.device_side(target.device) if drafter is not None and drafter.has(DEVICE_SIDE) else None
         if drafter is not None:
             self.budget = drafter.nodes(self.k, width, self.budget)
         if width > 1 and device_drafter is not None:    # a fixed tree: as many nodes as it has candidates at most
@@ -88,8 +88,10 @@ class DeviceChainDecoder(Decoder):
         top2 = logits.float().topk(2).values
         state.out[0], state.out[1], state.out[2] = 1, top2[0] - top2[1], state.tokens[0]
         if self.device_drafter is not None:
-            self.device_drafter.start(cache.max_length, captured, prompt_ids, state.tokens[:1], state.tokens[1:],
-                                      self.k, self.width, state if self.width > 1 else None)
+            self.device_drafter.bind(cache.max_length, state.tokens[1:], self.k, self.width,
+                                     state if self.width > 1 else None)
+            self.device_drafter.start(captured, torch.cat([torch.tensor(prompt_ids, device=target.device),
+                                                           state.tokens[:1]]))
             state.drafts.fill_(self.budget)
         values = self.read(state, host[0])
         tokens = list(prompt_ids)
@@ -109,14 +111,15 @@ class DeviceChainDecoder(Decoder):
             if self.drafter is not None:
                 if stats.N == 1:
                     self.drafter.start({}, tokens)
-                    self.drafter.sampling_draws(draws)
+                    if self.drafter.has(DRAWS):
+                        self.drafter.sampling_draws(draws)
                     if self.side is not None:
                         self.side.start(self.drafter.side_tokens())
                 else:
-                    self.drafter.verified({}, tokens)
-                if self.drafter.uses_margin:
-                    self.drafter.target_margin(margin)
-                tree = self.drafter.draft_tree(tokens[-1], self.k, self.width, self.budget, None)
+                    self.drafter.observe({}, tokens)
+                cycle = Cycle(tokens[-1], self.k, self.width, self.budget,
+                              margin if self.drafter.has(MARGIN) else None)
+                tree = self.drafter.propose(cycle, None)
                 drafted = len(tree) - 1
                 rows = next(r for r in self.buckets if r > drafted)
                 if drafted:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from spd.drafters.base import DeviceVerified
 from spd.verify.sampling import SamplingParams, keyed_uniforms, warp
 from spd.targets.fixed_step import WARMUP_RUNS
 from spd.targets.linears import plain_products, swapped_linears
@@ -213,7 +214,8 @@ def compile_options(backend: str, device: torch.device, greedy: bool) -> dict | 
 class DeviceStep(Graphed):
     """One cycle over the first `rows` rows of the shared state: a chain (contiguous positions, causal), or a tree
     (`tree`: each row at the root's position + its depth, under its ancestors, the accepted path moved down).
-    drafter: a device drafter (`update`, `draft`: tensors in, tensors out) that writes the next cycle's drafts."""
+    drafter: a DEVICE drafter (spd.drafters.base: `observe`, `propose`, tensors in, tensors out) that writes the
+    next cycle's drafts into the buffers bound to it."""
 
     def __init__(self, target: StagedTarget, state: StepState, rows: int, compile: str | None = None,
                  cuda_graph: bool = False, tree: bool = False, drafter=None, pool=None):
@@ -333,10 +335,10 @@ class DeviceStep(Graphed):
             state.out[2 + state.tree_rows:].copy_(side)
             self.side.advance(side)
         if self.drafter is not None:
-            self.drafter.update({layer: h.index_select(1, path) for layer, h in captured.items()}, verified, kept,
-                                state.position)
+            self.drafter.observe({layer: h.index_select(1, path) for layer, h in captured.items()},
+                                 DeviceVerified(verified, kept, state.position))
         state.position.add_(kept + 1)
         tokens[:1] = chosen.gather(0, best.view(1))
         if self.drafter is not None:
-            self.drafter.draft(state.tokens[:1], state.tokens[1:r], state if self.tree else None)
+            self.drafter.propose(state.tokens[:1])
         return state.out

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from spd.decoding import Decoder, Request, context_length, is_final
-from spd.drafters.base import Drafter, StepView
+from spd.drafters.base import AFTER_STEP, ROLLBACK, TREES, Drafter, StepView, propose_level
 from spd.metrics import DecodeStats
 from spd.runtime.executor import StageExecutor
 from spd.runtime.flight import Flight
@@ -87,8 +87,8 @@ class PipelineDecoder(Decoder):
         self.width = width
         self.children = children or width
         self.spine = spine
-        if width > 1 and not (self.executor.trees and drafter.branches):
-            who = type(drafter).__name__ if not drafter.branches else type(self.executor).__name__
+        if width > 1 and not (self.executor.trees and drafter.has(TREES)):
+            who = type(drafter).__name__ if not drafter.has(TREES) else type(self.executor).__name__
             raise ValueError(f"W={width}: {who} runs chains only (W = 1)")
         self.capture = frozenset(drafter.layers_needed(self.executor.bounds))
 
@@ -102,9 +102,9 @@ class PipelineDecoder(Decoder):
         """Every tip's candidate children: (tip, proposal, log q)."""
         tips = flight.level(step.t)
         if self.width == 1:
-            return [(tips[0], self.drafter.draft(branch_view(step, flight, tips[0], features, after), choose), 0.0)]
+            return [(tips[0], self.drafter.propose(branch_view(step, flight, tips[0], features, after), choose), 0.0)]
         views = [branch_view(step, flight, tip, features, after) for tip in tips]
-        drafted = self.drafter.draft_branches(views, choose)       # one batched pass where the drafter can
+        drafted = propose_level(self.drafter, views, choose)       # one batched pass where the drafter can
         return [(tip, p, lp) for tip, children in zip(tips, drafted) for p, lp in children]
 
     def _keep(self, flight: Flight, child: int, features: dict) -> bool:
@@ -128,6 +128,7 @@ class PipelineDecoder(Decoder):
                                       params.greedy)
         self.drafter.start(captured, prompt_ids)
         first = next_token(logits, params, generator)
+        verified = [*prompt_ids, first]      # what the drafter observes as positions leave the last stage
         stats.N = 1
         yield first
         done = is_final(first, stats.N, max_new, self.eos_ids)
@@ -142,6 +143,7 @@ class PipelineDecoder(Decoder):
             def choose(logits):                       # -> the likeliest children, deterministic
                 return propose_children(logits, self.children)
 
+        after_step = self.drafter.has(AFTER_STEP)
         while not done:
             t = step.t
             entering = torch.cat([features[node][0] for node in flight.level(t)], 1) if step.runs(0) else None
@@ -151,16 +153,16 @@ class PipelineDecoder(Decoder):
                 # draft below overlaps them where the stages run elsewhere (runtime=distributed)
                 yield SHARED_STEP
             stats.ran([len(flight.level(pos)) if step.runs(s) else 0 for s, pos in enumerate(step.work)])
-            if ex.shared and self.width == 1 and not self.drafter.after_step:
+            if ex.shared and self.width == 1 and not after_step:
                 (tip,) = flight.level(t)
                 proposal = yield DraftWanted(self.drafter, branch_view(step, flight, tip, features), choose)
                 options = [(tip, proposal, 0.0)]
-            elif not self.drafter.after_step:
+            elif not after_step:
                 options = self._draft(step, flight, features, choose)
             out = ex.collect()
             for node, captured in out.features.items():
                 features[node].update(captured)
-            if self.drafter.after_step:
+            if after_step:
                 options = self._draft(step, flight, features, choose, after=True)
             stats.K += 1
             grow(flight, t + 1, options, self.spine)
@@ -170,7 +172,8 @@ class PipelineDecoder(Decoder):
                 step = next_step(step, None)  # warm-up: nobody leaves the pipeline yet
                 continue
             (root,) = flight.level(step.exiting)
-            self.drafter.finalize(step.exiting, features.pop(root))
+            assert len(verified) == step.exiting + 1, "the exiting node is the newest settled token"
+            self.drafter.observe(features.pop(root), verified)
             children = flight.children(root)
             verdict = out.exit_logits if out.exit_logits is not None else out.exit_argmax
             index, token = settle_children(verdict, [flight.nodes[c].proposal for c in children], params, generator)
@@ -182,9 +185,11 @@ class PipelineDecoder(Decoder):
                 # refills from the settled token, alone at its position
                 length = flushed_from(step)
                 ex.rollback(length)
-                self.drafter.on_rollback(length)
+                if self.drafter.has(ROLLBACK):
+                    self.drafter.rollback(length)
                 features = {flight.seed(length, token): {0: ex.embed(token)}}
                 stats.restarts += index is not None
+            verified.append(token)
             yield token
             step = next_step(step, kept)
             done = is_final(token, stats.N, max_new, self.eos_ids)

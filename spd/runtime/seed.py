@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from spd.decoding import Request
-from spd.drafters.base import Drafter
+from spd.drafters.base import Drafter, propose_together
 from spd.runtime.batch import ManySequences, Ticket
 from spd.runtime.executor import StageExecutor, StepOutput
 from spd.runtime.flight import Flight
@@ -113,20 +113,6 @@ class SequenceStages(LocalStages):
         self.cache = None
 
 
-def draft_together(wanted: list[DraftWanted]) -> list:
-    """Every sequence's draft, those of one drafter class in one call (which batches where it can)."""
-    out = [None] * len(wanted)
-    kinds: dict[type, list[int]] = {}
-    for i, w in enumerate(wanted):
-        kinds.setdefault(type(w.drafter), []).append(i)
-    for kind, group in kinds.items():
-        drafted = kind.draft_together([wanted[i].drafter for i in group], [wanted[i].view for i in group],
-                                      [wanted[i].propose for i in group])
-        for i, proposal in zip(group, drafted):
-            out[i] = proposal
-    return out
-
-
 class SeedDecoder(ManySequences):
     """Up to `max_batch` requests in one SPD pipeline, FIFO admission, each decoding as it would alone. stages: the
     target, staged in this process, or the stage processes' controller (runtime=distributed, `Setup.slots` >=
@@ -201,7 +187,9 @@ class SeedDecoder(ManySequences):
                 self._finish(ticket, "cancelled")
             elif isinstance(item := self._advance(ticket), DraftWanted):
                 wanted[ticket] = item
-        for ticket, proposal in zip(wanted, draft_together(list(wanted.values()))):
+        asks = list(wanted.values())
+        drafted = propose_together([w.drafter for w in asks], [w.view for w in asks], [w.propose for w in asks])
+        for ticket, proposal in zip(wanted, drafted):
             self._advance(ticket, proposal)
         self.running = [t for t in self.running if not t.done]
         while self.waiting and len(self.running) < self.max_batch:

@@ -2,7 +2,7 @@
 of at most S nodes that flow through the pipeline's stages one segment per step.
 
 A round starts from the newest verified token (the tree's root, itself not yet through the target): the drafter
-grows a tree from the verified context (`ChainDrafter.draft_tree`: the context's statistics or lookup, EAGLE-3's
+grows a tree from the verified context (a CHAIN drafter's `propose`: the context's statistics or lookup, EAGLE-3's
 module), its nodes in the drafter's order — parents first — cut into segments that enter stage 1 one per step, each
 stage running a segment's nodes at their tree positions under their ancestor mask (`spd.verify.tree_rows`). When a segment
 leaves the last stage, its nodes' logits are known, and the walk from the deepest verified node (the frontier)
@@ -24,7 +24,7 @@ import torch
 from dataclasses import replace
 
 from spd.decoding import Decoder, Request, context_length, is_final
-from spd.drafters.base import ChainDrafter
+from spd.drafters.base import MARGIN, Cycle, Drafter
 from spd.metrics import DecodeStats
 from spd.runtime.executor import StageExecutor
 from spd.runtime.flight import SegmentFlight
@@ -37,7 +37,7 @@ from spd.verify.tree import DraftTree
 
 
 class SegmentPipelineDecoder(Decoder):
-    def __init__(self, stages: StagedTarget | StageExecutor, drafter: ChainDrafter, eos_ids: frozenset[int],
+    def __init__(self, stages: StagedTarget | StageExecutor, drafter: Drafter, eos_ids: frozenset[int],
                  segment: int, depth: int, width: int = 1, budget: int | None = None):
         """segment: S, nodes per segment; depth, width, budget: each tree the drafter grows (D, its children per
         node, N nodes besides the root)."""
@@ -60,8 +60,8 @@ class SegmentPipelineDecoder(Decoder):
     def _tree(self, root: int) -> DraftTree:
         # children are deterministic at every temperature (a drafter's argmax, its top-W, the context's tokens):
         # one draw of p verifies them (settle_children), however many trees added children to a node
-        return self.drafter.draft_tree(root, self.depth, self.width, self.budget,
-                                       lambda logits: Proposal(greedy_token(logits)))
+        return self.drafter.propose(Cycle(root, self.depth, self.width, self.budget, self.margin),
+                                    lambda logits: Proposal(greedy_token(logits)))
 
     def _decode(self, prompt_ids: list[int], request: Request):
         ex, params, stats, max_new = self.executor, request.params, self.stats, request.max_new_tokens
@@ -70,15 +70,15 @@ class SegmentPipelineDecoder(Decoder):
         extra = self.budget + self.segment + 1
         # greedy, the stages may send each exiting node's argmax alone, unless the drafter prices with the margin
         logits, captured = ex.prefill(prompt_ids, self.capture, context_length(len(prompt_ids), max_new, extra),
-                                      params.greedy and not self.drafter.uses_margin)
+                                      params.greedy and not self.drafter.has(MARGIN))
         first = next_token(logits, params, generator)
         stats.N = 1
         yield first
         done = is_final(first, stats.N, max_new, self.eos_ids)
         tokens = prompt_ids + [first]
         self.drafter.start({layer: captured[layer] for layer in self.capture}, tokens)
-        if self.drafter.uses_margin:
-            self.drafter.target_margin(top2_margin(logits))
+        # the target's margin at the newest verified token, for a drafter that prices with it
+        self.margin = top2_margin(logits) if self.drafter.has(MARGIN) else None
         flight = SegmentFlight()
         queue: list[int] = []
         features: dict[int, dict[int, torch.Tensor]] = {}   # node -> {layer: H^l [1, 1, d]}
@@ -136,9 +136,9 @@ class SegmentPipelineDecoder(Decoder):
                 verified = {layer: own[layer] for layer in self.capture}
                 pos = flight.nodes[frontier].pos
                 flight.leave(frontier)
-                self.drafter.verified(verified, tokens)
-                if self.drafter.uses_margin:
-                    self.drafter.target_margin(top2_margin(p))
+                self.drafter.observe(verified, tokens)
+                if self.drafter.has(MARGIN):
+                    self.margin = top2_margin(p)
                 yield token
                 done = is_final(token, stats.N, max_new, self.eos_ids)
                 if index is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from spd.decoding import Request, context_length, is_final, prefill
-from spd.drafters.base import ChainDrafter
+from spd.drafters.base import DRAWS, MARGIN, SIDE_ROWS, Cycle, Drafter
 from spd.metrics import ChainStats
 from spd.verify.sampling import KeyedDraws, next_token, propose, settle_children, top2_margin
 from spd.targets.stages import StagedTarget
@@ -21,7 +21,7 @@ from spd.verify.tree import DraftTree
 
 
 class ChainSequence:
-    def __init__(self, target: StagedTarget, drafter: ChainDrafter | None, eos_ids: frozenset[int],
+    def __init__(self, target: StagedTarget, drafter: Drafter | None, eos_ids: frozenset[int],
                  prompt_ids: list[int], request: Request, m: int = 1, width: int = 1, budget: int | None = None,
                  capture=frozenset(), observe=None):
         """m: draft depth per cycle; width: children per node (W); budget: drafted nodes per cycle (None: m).
@@ -40,12 +40,17 @@ class ChainSequence:
         self.cache = None
         self.tokens: list[int] = []
         self.tree: DraftTree | None = None
-        self.rows = None          # the drafter's side rows beside this cycle's tree (ChainDrafter.side_rows), or None
+        self.rows = None          # the drafter's side rows beside this cycle's tree (SIDE_ROWS' side_rows), or None
         self.fed = 0
+        self.margin: float | None = None   # the target's top-2 margin at the newest verified token (MARGIN drafters)
 
     def context_length(self) -> int:
         return context_length(len(self.prompt_ids), self.request.max_new_tokens,
-                              self.budget + self.drafter.extra_rows if self.drafter else 0)
+                              self.budget + (self.drafter.extra_rows if self.sides() else 0))
+
+    def sides(self) -> bool:
+        """The drafter has rows of its own to run beside each cycle's tree."""
+        return self.drafter is not None and self.drafter.has(SIDE_ROWS)
 
     def prefill(self) -> list[int]:
         """The prompt through the target alone (a fresh static cache); returns the first token."""
@@ -61,9 +66,10 @@ class ChainSequence:
         self.stats.N = 1
         if self.drafter:
             self.drafter.start({layer: captured[layer] for layer in self.drafter_layers}, self.tokens)
-            self.drafter.sampling_draws(self.draws)
-            if self.drafter.uses_margin:       # a top-k and a read-back each cycle: only for a drafter that uses it
-                self.drafter.target_margin(top2_margin(logits))
+            if self.drafter.has(DRAWS):
+                self.drafter.sampling_draws(self.draws)
+            if self.drafter.has(MARGIN):       # a top-k and a read-back each cycle: only for a drafter that uses it
+                self.margin = top2_margin(logits)
         self.done = is_final(token, 1, self.request.max_new_tokens, self.eos_ids)
         return [token]
 
@@ -74,9 +80,9 @@ class ChainSequence:
         if self.drafter is None:
             self.tree = DraftTree(self.tokens[-1])
         else:
-            self.tree = self.drafter.draft_tree(self.tokens[-1], self.m, self.width, self.budget,
-                                                lambda logits: propose(logits, params, generator))
-        self.rows = self.drafter.side_rows() if self.drafter else None
+            self.tree = self.drafter.propose(Cycle(self.tokens[-1], self.m, self.width, self.budget, self.margin),
+                                             lambda logits: propose(logits, params, generator))
+        self.rows = self.drafter.side_rows() if self.sides() else None
         return self.tree
 
     def settle(self, logits: torch.Tensor, captured: dict[int, torch.Tensor]) -> list[int]:
@@ -115,7 +121,7 @@ class ChainSequence:
         # the verified path's rows, at their positions; side rows sit after the tree's, so they are dropped too
         self.cache.keep(self.fed, [self.fed + node for node in path])
         if not self.done and self.drafter:
-            self.drafter.verified({layer: captured[layer][:, path] for layer in self.drafter_layers}, self.tokens)
-            if self.drafter.uses_margin:
-                self.drafter.target_margin(top2_margin(logits[chose]))
+            self.drafter.observe({layer: captured[layer][:, path] for layer in self.drafter_layers}, self.tokens)
+            if self.drafter.has(MARGIN):
+                self.margin = top2_margin(logits[chose])
         return verified
