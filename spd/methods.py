@@ -2,7 +2,7 @@
 pipeline, a draft-then-verify chain, or plain AR), which module, if any, it drafts with, and what it does — its
 drafter, its features, its exact fast evaluator, its training objective. Config checks, the session, the CLI, eval,
 reports, checkpoints and the trainer read it here, so a method is added in one place and nothing else branches on
-method names.
+method names — here, or from another package through an entry point (`installed_methods`).
 
 Torch-free: config checks read it before any model loads. Behaviour is named as "module:attribute" and imported
 when first used (`behaviour`), as vLLM's model registry names its classes."""
@@ -157,6 +157,28 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            sources=(SUFFIX, LOOKUP), fast_evaluator="spd.eval.fast_trace:fast_segment_eval", replays_trees=True),
     Method("ar", "AR", AR, None, device_step=True),
 )}
+
+ENTRY_POINTS = "spd.methods"   # the entry-point group through which another package adds a method
+
+
+def installed_methods() -> list[Method]:
+    """The methods other installed packages add: each entry point of the `spd.methods` group names a `Method` (its
+    drafter, keys and capabilities live in that package, e.g. `[project.entry-points."spd.methods"] toy =
+    "toy.registry:METHOD"`). Read once, when this registry is first imported; a name taken twice is an error."""
+    from importlib.metadata import entry_points
+
+    found: list[Method] = []
+    for point in entry_points(group=ENTRY_POINTS):
+        method = point.load()
+        if not isinstance(method, Method):
+            raise TypeError(f"entry point {point.name} = {point.value} is not an spd.methods.Method")
+        if method.name in METHODS or any(m.name == method.name for m in found):
+            raise ValueError(f"entry point {point.name}: method {method.name!r} is already registered")
+        found.append(method)
+    return found
+
+
+METHODS.update({m.name: m for m in installed_methods()})
 
 DECODING_METHODS = tuple(METHODS)
 TRAINED_METHODS = tuple(name for name, m in METHODS.items() if m.trained)
