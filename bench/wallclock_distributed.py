@@ -33,9 +33,9 @@ class TimedDrafter(WrappedDrafter):
         super().__init__(inner)
         self.seconds, self.calls = 0.0, 0
 
-    def draft(self, view, propose):
+    def propose(self, view, choose):
         start = time.perf_counter()
-        out = self.inner.draft(view, propose)
+        out = self.inner.propose(view, choose)
         self.seconds += time.perf_counter() - start
         self.calls += 1
         return out

@@ -45,8 +45,8 @@ class Recording(SuffixDrafter):
         self.verdicts: list[tuple[str, int, float, float, bool]] = []    # (source, depth, π, u, kept)
         self.priced: list[tuple[float, float]] = []                     # per candidate: (π, u)
 
-    def draft_tree(self, root, m, width, budget, propose=None):
-        tree = super().draft_tree(root, m, width, budget, propose)
+    def propose(self, cycle, choose=None):
+        tree = super().propose(cycle, choose)
         nodes, evidence = self.last
         at = len(self.index.tokens) - 1          # the root's position, as the drafter priced it
         self.priced = [(self.predictor.predict(e), self.draws.uniform(at + node.depth, node.token))

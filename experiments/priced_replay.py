@@ -41,7 +41,10 @@ class HindsightSuffix(SuffixDrafter):
         super().__init__(1, 8, costs, retrieval=retrieval)
         self.reference = reference
 
-    def draft_tree(self, root, m, width, budget, propose=None):
+    def propose(self, cycle, choose=None):
+        root, m, width, budget = cycle.root, cycle.m, cycle.width, cycle.budget
+        if cycle.margin is not None:
+            self.margin = cycle.margin
         nodes, _ = self.candidates(m, width, budget)
         start, path, parent = len(self.index), [], -1
         while start + len(path) < len(self.reference):

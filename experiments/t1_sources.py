@@ -68,9 +68,9 @@ class RecyclingSuffix(SuffixDrafter):
         self.adjacency = {}
         self._read(0, len(tokens) - 2, tokens)
 
-    def verified(self, hidden, tokens) -> None:
+    def observe(self, hidden, tokens) -> None:
         before = len(self.index)
-        super().verified(hidden, tokens)
+        super().observe(hidden, tokens)
         self._read(before - 1, len(tokens) - 2, tokens)
 
     def candidates(self, m: int, width: int, budget: int):
