@@ -164,6 +164,16 @@ def at_least(cfg, key: str, low: float, what: str = "") -> None:
         raise UserError(f"{full_key(cfg, key)}={value} must be a finite number >= {low:g}{what}")
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """A request's sampling settings, by one rule wherever they come from: a config (check_decoding) or a library
+    caller's DecodeSpec (spd.session.open_session)."""
+    for key, value, low, what in (("temperature", temperature, 0, " (0 = greedy)"), ("top_k", top_k, 0, " (0 = off)")):
+        if not (math.isfinite(value) and value >= low):
+            raise UserError(f"{key}={value} must be a finite number >= {low:g}{what}")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise UserError(f"top_p={top_p} must be in (0, 1]")
+
+
 def check_tree(cfg) -> None:
     """W > 1: which methods draft trees."""
     trees = ", ".join(name for name, m in METHODS.items() if m.decoder != AR)
@@ -247,10 +257,7 @@ def check_decoding(cfg) -> None:
         raise UserError(f"compile=true compiles the device step of {stepped}; add it, or drop compile")
     at_least(cfg, "max_new_tokens", 1, " (tokens to generate)")
     at_least(cfg, "module_layers", 1)
-    at_least(cfg, "temperature", 0, " (0 = greedy)")
-    at_least(cfg, "top_k", 0, " (0 = off)")
-    if not (math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1):
-        raise UserError(f"top_p={cfg.top_p} must be in (0, 1]")
+    check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     at_least(cfg, "seed", 0)  # and below 2**63: check_numbers
     at_least(cfg, "threads_per_stage", 1)
     if not 0 <= cfg.master_port <= 65535:

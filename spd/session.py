@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from spd.models.checkpoint import check_target, checkpoint_method, load_checkpoint, read_checkpoint_config
+from spd.config import check_sampling
 from spd.decoding import eos_ids_of
 from spd.drafters.base import Drafter, check_contract
 from spd.drafters.draft_model import DraftLM
@@ -91,13 +92,9 @@ class Session:
 
 
 def sampling_params(sampling: Sampling) -> SamplingParams:
-    """The checks a library caller's spec has not passed through spd.config."""
-    if sampling.temperature < 0:
-        raise UserError(f"temperature={sampling.temperature} must be >= 0 (0 = greedy)")
-    if not 0 < sampling.top_p <= 1:
-        raise UserError(f"top_p={sampling.top_p} must be in (0, 1]")
-    if sampling.top_k < 0:
-        raise UserError(f"top_k={sampling.top_k} must be >= 0 (0 = off)")
+    """A spec's sampling settings, checked by the config's rule (a library caller's spec has not passed through
+    spd.config)."""
+    check_sampling(sampling.temperature, sampling.top_k, sampling.top_p)
     return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
 
 

@@ -217,3 +217,20 @@ def test_trainer_ctrl_c_resume_and_metrics(tmp_path):
     again = run_python(cmd[1:] + ["overwrite=true", "optim.steps=2"], env=ENV, cwd=ROOT, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(-1.0, 0, 1.0), (1.0, -2, 1.0), (1.0, 0, 1.5)])
+def test_a_library_spec_and_a_config_are_refused_by_the_same_sampling_rule(temperature, top_k, top_p):
+    """A DecodeSpec a library caller builds skips spd.config; its sampling settings meet the config's rule, word for
+    word."""
+    from spd.config import GenerateConfig, load_config
+    from spd.errors import UserError
+    from spd.session import sampling_params
+    from spd.spec import Sampling
+
+    with pytest.raises(UserError) as from_config:
+        load_config(GenerateConfig, None, [f"temperature={temperature}", f"top_k={top_k}", f"top_p={top_p}"])
+    with pytest.raises(UserError) as from_spec:
+        sampling_params(Sampling(temperature, top_k, top_p, None))
+    assert str(from_config.value) == str(from_spec.value)
+    assert len(str(from_spec.value).splitlines()) == 1
