@@ -155,7 +155,9 @@ def test_drafted_decoding_is_ar_in_bfloat16(family, params):
             assert out.token_ids == ar_run(model, p, 48, params, seed=seed).token_ids, (family, name, seed)
             kept += out.stats.accepted
             missed += out.stats.drafted - out.stats.accepted
-    assert kept > 20 and missed > 5, (kept, missed)
+    # both verdicts, many times each; how many drafts hold follows the text the target writes, which follows the
+    # CPU's bfloat16 products (the tiny Qwen3.5 keeps 13 on an AMD EPYC, more on an Intel Xeon)
+    assert kept > 10 and missed > 5, (kept, missed)
 
 
 def test_a_bfloat16_batch_decodes_what_each_request_decodes_alone():

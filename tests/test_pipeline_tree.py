@@ -166,12 +166,12 @@ class ComparedDrafter(ModuleDrafter):
 
     compared = 0
 
-    def draft_branches(self, views, propose):
+    def propose_branches(self, views, propose):
         batched = self.branch_logits(views)
         for view, logits in zip(views, batched):
             torch.testing.assert_close(logits, self.draft_logits(view), atol=1e-5, rtol=1e-4)
         self.compared += len(views) > 1
-        return super().draft_branches(views, propose)
+        return super().propose_branches(views, propose)
 
 
 @pytest.mark.parametrize("method", ["spd", "ppsd"])
