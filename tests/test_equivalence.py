@@ -6,7 +6,7 @@ import torch
 
 from helpers import GREEDY, ar_run, prompt
 from spd.decoding import Request
-from spd.drafters.base import WrappedDrafter
+from spd.drafters.base import AFTER_STEP, WrappedDrafter
 from spd.drafters.spd_module import ModuleDrafter
 from spd.models.module import SpeculationModule
 from spd.runtime.pipeline import PipelineDecoder
@@ -67,7 +67,7 @@ def test_runtime_logits_equal_training_layout(family_model, n, use_cache, layers
     drafter = RecordingDrafter(ModuleDrafter(module, use_cache), reference, wrong_every=9)
     out = PipelineDecoder(staged, drafter, frozenset()).generate(p, Request(40, GREEDY))
     assert out.stats.rollbacks > 0
-    assert drafter.has("after_step") == (method != "spd")
+    assert drafter.has(AFTER_STEP) == (method != "spd")
     seen = {a for _, a, _, _ in drafter.records}
     assert seen == set(range(1, n + 1)), seen  # warm-up and steady state both visited
     # One layout pass per occupancy over the whole reference covers every step whose sequence is a prefix of it

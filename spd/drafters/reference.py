@@ -6,7 +6,7 @@ drafter whose compute they keep, let benchmarks hold the pipeline full to time s
 
 from __future__ import annotations
 
-from spd.drafters.base import PIPELINED, Drafter, StepView, WrappedDrafter
+from spd.drafters.base import AFTER_STEP, PIPELINED, ROLLBACK, Drafter, StepView, WrappedDrafter
 from spd.verify.sampling import Proposal
 
 
@@ -33,7 +33,7 @@ class ReferenceDrafter(WrappedDrafter):
         self.reference = reference
         self.vocab_size = vocab_size
         self.wrong = wrong
-        self.capabilities = frozenset({PIPELINED}) | (self.capabilities & {"after_step", "rollback"})
+        self.capabilities = frozenset({PIPELINED}) | (self.capabilities & {AFTER_STEP, ROLLBACK})
 
     def propose(self, view: StepView, propose) -> Proposal:
         self.inner.propose(view, propose)
