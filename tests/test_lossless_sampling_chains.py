@@ -5,6 +5,7 @@ exact distribution and the chi-square's power are tests/test_lossless_sampling.p
 (spd.corpora.datastore): its children are deterministic as well."""
 
 import pytest
+import torch
 
 from spd.drafters.base import Cycle
 from spd.pricing import RowCosts
@@ -82,7 +83,8 @@ def test_lookup_tree_samples_the_target_distribution(small_vocab_model):
 def test_a_point_mass_verifier_that_accepts_everything_is_caught(small_vocab_model, monkeypatch):
     import spd.runtime.sequence
 
-    monkeypatch.setattr(spd.runtime.sequence, "settle_children", lambda logits, children, *rest: (0, children[0].token))
+    # the deterministic drafts' verdict (spd.verify.accept) made to keep every draft
+    monkeypatch.setattr(spd.runtime.sequence, "kept_drafts", lambda drafts, choices, real=None: len(drafts))
     dist = exact_distribution(small_vocab_model, PARAMS)
     counts = sample_lookup(small_vocab_model, 1500, seed=5)
     assert chi2_pvalue(counts, dist, 1500) < ALPHA
@@ -114,13 +116,23 @@ def test_priced_suffix_trees_sample_the_target_distribution(small_vocab_model):
 def test_a_chain_tree_verifier_that_keeps_the_first_child_is_caught(small_vocab_model, monkeypatch):
     import spd.runtime.sequence
 
-    rule = spd.runtime.sequence.settle_children
+    chain_rule, tree_rule = spd.runtime.sequence.kept_drafts, spd.runtime.sequence.kept_path
 
-    def first_child(logits, children, *rest):
-        index, token = rule(logits, children, *rest)
-        return (0, children[0].token) if index is None else (index, token)
+    # the verdict made to keep, where a kept node's every child missed, its first child too
+    def first_of_chain(drafts, choices, real=None):
+        return min(int(chain_rule(drafts, choices, real)) + 1, len(drafts))
 
-    monkeypatch.setattr(spd.runtime.sequence, "settle_children", first_child)
+    def first_child(tokens, chosen, real, depth, parent, ancestors):
+        kept, best, path = tree_rule(tokens, chosen, real, depth, parent, ancestors)
+        child = next((i for i in range(len(tokens)) if int(parent[i]) == int(best) and i), None)
+        if child is None:
+            return kept, best, path
+        path = path.clone()
+        path[int(kept) + 1] = child
+        return kept + 1, torch.tensor(child), path
+
+    monkeypatch.setattr(spd.runtime.sequence, "kept_drafts", first_of_chain)
+    monkeypatch.setattr(spd.runtime.sequence, "kept_path", first_child)
     dist = exact_distribution(small_vocab_model, PARAMS)
     counts = sample_suffix(small_vocab_model, 1500, seed=10, costs=RowCosts.flat(9))   # every candidate drafted
     assert chi2_pvalue(counts, dist, 1500) < ALPHA

@@ -25,6 +25,7 @@ from spd.drafters.lookup import NgramIndex
 from spd.metrics import DecodeStats
 from spd.models.module import SpeculationModule
 from spd.runtime.device_step import BUCKET, DeviceSampling, Graphed, choose, gumbel
+from spd.verify.accept import kept_drafts
 from spd.verify.sampling import SamplingParams
 from spd.targets.stages import StagedTarget
 
@@ -156,9 +157,9 @@ class DevicePipelineStep(Graphed):
 
     @staticmethod
     def settle(logits: torch.Tensor, chosen: torch.Tensor, candidate: torch.Tensor):
-        """The verdict on the candidate draft [1]: (held [], the settled token [1]). A deterministic draft is kept
+        """The verdict on the candidate draft [1]: (held [], the settled token [1]) — spd.verify.accept's rule, kept
         exactly when it is the target's own choice there (its argmax, or AR's keyed draw)."""
-        return (chosen == candidate)[0], chosen
+        return kept_drafts(candidate, chosen) == 1, chosen
 
     def step(self) -> torch.Tensor:
         target, n = self.target, self.n

@@ -1,7 +1,8 @@
 """A draft-then-verify cycle as one function of device tensors with fixed shapes (gpt-fast's static cache, SGLang's
 on-device acceptance): the target's forward over the newest verified token and its drafts (a chain, or a tree under
 its ancestor mask), the target's own choice after every row (greedy, or the keyed Gumbel-max draw), acceptance as
-the deepest draft whose every ancestor equals the choice after its parent, the accepted path's cache rows moved
+the deepest draft whose every ancestor equals the choice after its parent (spd.verify.accept, the host loop's rule
+too), the accepted path's cache rows moved
 down to contiguous slots, and the next cycle's inputs written in place. A drafter that runs on the device (EAGLE-3's
 module, spd.drafters.eagle3_device) updates and drafts inside the same step. No drafts is plain AR.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from spd.drafters.base import DeviceVerified
+from spd.verify.accept import kept_drafts, kept_path
 from spd.verify.sampling import SamplingParams, keyed_uniforms, warp
 from spd.targets.fixed_step import WARMUP_RUNS
 from spd.targets.linears import plain_products, swapped_linears
@@ -312,17 +314,11 @@ class DeviceStep(Graphed):
         chosen = self.choose(logits)                                                   # [r]
         real = self.rows <= state.drafts                                               # [r]
         if not self.tree:
-            hit = (tokens[1:] == chosen[:-1]) & real[1:]                               # [r-1]
-            kept = torch.cumprod(hit.long(), 0).sum()                                  # [] drafts kept
+            kept = kept_drafts(tokens[1:], chosen[:-1], real[1:])                      # [] drafts kept
             best, path = kept, self.rows                                               # the path is rows 0..kept
         else:
-            depth, ancestors = state.depth[:r], state.ancestors[:r, :r]                # [r], [r, r]
-            hit = ((tokens == chosen.gather(0, state.parent[:r])) & real) | (self.rows == 0)   # [r]
-            held = ~(ancestors & ~hit.view(1, r)).any(-1)                              # [r] every ancestor hit
-            best = torch.where(held, depth, -1).argmax()                               # [] the deepest held node
-            kept = depth.gather(0, best.view(1))[0]                                    # []
-            on_path = ancestors.gather(0, best.view(1, 1).expand(1, r))[0]             # [r]
-            path = (on_path.view(r, 1) & (depth.view(r, 1) == self.rows.view(1, r))).long().argmax(0)   # [r]
+            kept, best, path = kept_path(tokens, chosen, real, state.depth[:r], state.parent[:r],
+                                         state.ancestors[:r, :r])                      # [], [], [r]
             # the path's rows to slots root + depth (past the path: the root's, hidden by the mask until rewritten)
             state.cache.move(state.position + self.rows, state.position + path)
         verified = chosen.gather(0, path)                                              # [r] tokens 0..kept

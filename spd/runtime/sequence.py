@@ -4,8 +4,10 @@ logits for its rows, settle). Whoever owns the forward drives it — `ChainDecod
 statistics. A sequence without a drafter drafts nothing: each cycle is a plain AR step (what a batch of AR requests
 runs).
 
-Verification walks down from the root, one node at a time, with `spd.verify.sampling.settle_children` (spd.runtime.chain
-says why that keeps the target's distribution at every W).
+Deterministic drafts (a context's tokens, a module's argmax, a tree's top-W children) are settled by the device step's
+rule (spd.verify.accept): the target's choice after every row — its argmax, or AR's keyed draw at that position —
+and the deepest draft whose every ancestor is its parent's choice. Drafts drawn from a q are settled node by node from
+the root with `spd.verify.sampling.settle_children` (spd.runtime.chain says why both keep the target's distribution).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from spd.decoding import Request, context_length, is_final, prefill
 from spd.drafters.base import DRAWS, MARGIN, SIDE_ROWS, Cycle, Drafter
 from spd.metrics import ChainStats
+from spd.verify.accept import greedy_choices, kept_drafts, kept_path, keyed_choices
 from spd.verify.sampling import KeyedDraws, next_token, propose, settle_children, top2_margin
 from spd.targets.stages import StagedTarget
 from spd.verify.tree import DraftTree
@@ -86,9 +89,9 @@ class ChainSequence:
         return self.tree
 
     def settle(self, logits: torch.Tensor, captured: dict[int, torch.Tensor]) -> list[int]:
-        """logits [T, V] (row i: the target's p after node i's path), captured {l: H^l [1, T, d]}: walk the tree,
+        """logits [T, V] (row i: the target's p after node i's path), captured {l: H^l [1, T, d]}: settle the tree,
         keep the verified path's cache rows, tell the drafter; returns the tokens verified this cycle."""
-        tree, stats, params, generator = self.tree, self.stats, self.request.params, self.generator
+        tree, stats = self.tree, self.stats
         if logits.shape[0] > len(tree):       # the side rows ran after the tree's (ChainDecoder.forward_tree)
             self.drafter.side_logits(logits[len(tree):])
             logits = logits[:len(tree)]
@@ -96,32 +99,71 @@ class ChainSequence:
         stats.cycles += 1
         stats.drafted += len(tree) - 1
         stats.drafting_cycles += len(tree) > 1
-        path, verified = [0], []
-        while True:
-            chose = path[-1]                  # the row whose logits choose this token
-            children = tree.children(path[-1])
+        # drafts drawn from a q (or a sampled request without keyed draws) go through rejection sampling
+        walk = any(p.q is not None for p in tree.proposals) or (not self.request.params.greedy and self.draws is None)
+        path, verified = self.walk(logits) if walk else self.verdict(logits)
+        for i, token in enumerate(verified):
+            children = tree.children(path[i])
             if children:
-                index, token = settle_children(logits[path[-1]], [tree.proposals[c - 1] for c in children],
-                                               params, generator, self.draws, len(self.tokens))
-                stats.verified(tree.proposals[children[index or 0] - 1].source, index is not None)
-            else:                             # the path's last node held: the target's next token comes free
-                if self.observe:
-                    self.observe(logits[path[-1]], {layer: h[:, path[-1:]] for layer, h in captured.items()})
-                index, token = None, next_token(logits[path[-1]], params, generator, self.draws, len(self.tokens))
+                kept = i + 1 < len(path)
+                stats.verified(tree.proposals[(path[i + 1] if kept else children[0]) - 1].source, kept)
             self.tokens.append(token)
-            verified.append(token)
             stats.N += 1
             self.done = is_final(token, stats.N, self.request.max_new_tokens, self.eos_ids)
-            if index is not None:
-                path.append(children[index])
-            if self.done or index is None:
+            if self.done:         # an end: nothing after it is verified, nor kept
+                verified, path = verified[: i + 1], path[: i + 2]
                 break
+        if self.observe and len(verified) == len(path) and not tree.children(path[-1]):
+            # the path's last node held: the target's next token came free after it (AR's every position)
+            self.observe(logits[path[-1]], {layer: h[:, path[-1:]] for layer, h in captured.items()})
         stats.accepted += len(path) - 1
         stats.accepted_per_cycle.append(len(path) - 1)
         # the verified path's rows, at their positions; side rows sit after the tree's, so they are dropped too
         self.cache.keep(self.fed, [self.fed + node for node in path])
         if not self.done and self.drafter:
             self.drafter.observe({layer: captured[layer][:, path] for layer in self.drafter_layers}, self.tokens)
-            if self.drafter.has(MARGIN):
-                self.margin = top2_margin(logits[chose])
+            if self.drafter.has(MARGIN):      # the margin where the last verified token was chosen
+                self.margin = top2_margin(logits[path[len(verified) - 1]])
         return verified
+
+    def verdict(self, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Deterministic drafts: the target's choice after every row (greedy: its argmax; sampled: AR's keyed draw
+        at that row's position), and spd.verify.accept's verdict on them — the device step's rule. Returns the kept
+        path's nodes (root first) and the verified tokens (one per path node: the kept drafts, then the choice after
+        the last)."""
+        tree, params = self.tree, self.request.params
+        depths = tree.depths()
+        if params.greedy:
+            chosen, chances = greedy_choices(logits), None                             # [T]
+        else:
+            chosen, chances = keyed_choices(logits, params, self.draws, [len(self.tokens) + d for d in depths])
+        tokens = torch.tensor(tree.tokens())                                           # [T]
+        if tree.is_chain():
+            kept = int(kept_drafts(tokens[1:], chosen[:-1]))
+            path = list(range(kept + 1))
+        else:
+            kept, _, rows = kept_path(tokens, chosen, torch.ones(len(tree), dtype=torch.bool), torch.tensor(depths),
+                                      torch.tensor([0, *tree.parents]), tree.visibility())
+            path = rows[: int(kept) + 1].tolist()
+        verified = [tree.token(node) for node in path[1:]] + [int(chosen[path[-1]])]
+        if chances is not None:       # the target's p of each verified draw, for drafters that read it (DRAWS)
+            self.draws.drawn.update((len(self.tokens) + d, chances[node]) for d, node in enumerate(path))
+        return path, verified
+
+    def walk(self, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Drafts drawn from a q: rejection sampling node by node from the root (settle_children), as `verdict`
+        returns. Every token is settled, the last one too, before the caller looks for an end."""
+        tree, params, generator = self.tree, self.request.params, self.generator
+        path, verified = [0], []
+        while True:
+            children = tree.children(path[-1])
+            position = len(self.tokens) + len(verified)
+            if not children:                  # the path's last node held: the target's next token comes free
+                verified.append(next_token(logits[path[-1]], params, generator, self.draws, position))
+                return path, verified
+            index, token = settle_children(logits[path[-1]], [tree.proposals[c - 1] for c in children], params,
+                                           generator, self.draws, position)
+            verified.append(token)
+            if index is None:
+                return path, verified
+            path.append(children[index])

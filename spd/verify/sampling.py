@@ -107,13 +107,17 @@ class KeyedDraws:
         return float(self.uniforms(position)[token])
 
     def sample(self, probs: torch.Tensor, position: int) -> int:
-        """The draw at `position` from probs [V] (warp's output)."""
+        """The draw at `position` from probs [V] (warp's output), recorded as drawn there."""
+        token, self.drawn[position] = self.draw(probs, position)
+        return token
+
+    def draw(self, probs: torch.Tensor, position: int) -> tuple[int, float]:
+        """The draw at `position` from probs [V] and its p, not recorded (a row off the verified path draws too)."""
         support = probs.nonzero().squeeze(1)                              # [S]
         u = self.uniforms(position)[support.cpu()].to(probs.device)
         p = probs[support].double()                                       # [S]
         best = int(torch.argmax(torch.log(p) - torch.log(-torch.log(u))))   # log p + Gumbel noise
-        self.drawn[position] = float(p[best])
-        return int(support[best])
+        return int(support[best]), float(p[best])
 
     def chance(self, position: int) -> float:
         """The target's (warped) p of the token drawn at `position`, NaN where nothing was drawn: how sure the target
