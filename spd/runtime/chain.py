@@ -4,11 +4,13 @@ proposes a chain of up to m tokens (W = 1) or a tree (W > 1), the whole target c
 own token at the first miss (or after the path's last node) comes free. No pipeline: the target runs unsplit. A
 drafter with nothing to propose makes the cycle a plain AR step.
 
-The walk and its statistics are one request's `ChainSequence` (spd.runtime.sequence), shared with the batched decoder.
-Verification walks down from the root, one node at a time, with `spd.verify.sampling.settle_children`: greedy descends into
-the child that is the target's argmax; sampling keeps a chain's draft x ~ q with probability min(1, p(x)/q(x)) (a
-deterministic draft: p(x)) and otherwise draws from norm(max(0, p - q)), and a node with several children keeps
-each with exactly its share of p — so the output is the target's own distribution at every W.
+The verdict and its statistics are one request's `ChainSequence` (spd.runtime.sequence), shared with the batched
+decoder. Deterministic drafts (the lookup's, the context statistics', EAGLE-3's argmax and top-W children) are kept
+along the deepest path whose every draft is the target's own choice after its parent — its argmax, or at T > 0 AR's
+keyed draw there (spd.verify.accept, the device step's rule), so a node's children are each kept with exactly their
+p. Drafts sampled from a q (EAGLE-3's chain at T > 0) keep x ~ q with probability min(1, p(x)/q(x)) and otherwise
+draw from norm(max(0, p - q)) (spd.verify.sampling.settle_children) — so the output is the target's own distribution
+at every W.
 """
 
 from __future__ import annotations

@@ -1,2 +1,3 @@
-"""What decides a draft: the sampling and verification rules (one rule for every decoder), and the draft trees
-and their cache rows."""
+"""What decides a draft: the sampling and verification rules (one rule for every decoder: `accept` for a cycle's
+deterministic drafts as tensor functions, `sampling` for drafts with a q and node by node), and the draft trees and
+their cache rows."""
