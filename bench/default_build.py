@@ -1,4 +1,4 @@
-"""The default on a CPU as bench/wallclock.py builds it — `method=suffix W=4 datastore=...`, 16 drafted nodes, depth
+"""The default on a CPU as the clock builds it — `method=suffix W=4 datastore=...`, 16 drafted nodes, depth
 15, priced with this machine's row costs — for the benches that look inside it (cycle_parts, noise_calibration)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from spd.engine import build_decoder
 from spd.methods import CHAIN
 from spd.corpora.retrieval import open_datastore
 from spd.targets.row_costs import cached_row_costs
-from bench.wallclock_sets import prompt_set
+from bench.prompt_sets import prompt_set
 
 
 def first_prompts(name: str, count: int, tokenizer) -> list[tuple[str, list[int]]]:

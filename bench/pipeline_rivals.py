@@ -31,8 +31,8 @@ from spd.engine import open_engine
 from spd.eval.output import write_json
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
-from bench.wallclock_turns import decode_all, params_for, seed_of
-from bench.wallclock_sets import prompt_set
+from bench.turns import decode_all, params_for, seed_of
+from bench.prompt_sets import prompt_set
 
 
 def method_rows(args, prompts, method: str, keys: list[str]) -> list[dict]:

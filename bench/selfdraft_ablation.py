@@ -29,7 +29,7 @@ import zlib
 import torch
 from tqdm import tqdm
 
-from bench.wallclock_turns import params_for, seed_of
+from bench.turns import params_for, seed_of
 from spd.decoding import Request, eos_ids_of
 from spd.drafters.lookup import LookupDrafter
 from spd.drafters.selfdraft import SelfDraftDrafter, corpus_ngrams

@@ -1,5 +1,5 @@
 """Where a cycle of the default goes outside the target's forward: the default on a CPU
-(`method=suffix W=4 datastore=answers+sharegpt`, priced with this machine's row costs, as bench/wallclock.py builds
+(`method=suffix W=4 datastore=answers+sharegpt`, priced with this machine's row costs, as the clock builds
 it) decodes the first prompts of a set, each right after the suite's AR on the same prompt, with `perf_counter`
 around the parts of its cycle — drafting, the verification forward, settling — and inside them around the drafter's
 and the sampler's steps; beforehand, what the vector operations of choosing a token cost over one logits vector.
@@ -33,7 +33,7 @@ from spd.runtime import chain, sequence
 from spd.verify.sampling import KeyedDraws, greedy_token, top2_margin
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
-from bench.wallclock_turns import params_for, seed_of
+from bench.turns import params_for, seed_of
 
 SECONDS: dict[str, float] = collections.defaultdict(float)
 

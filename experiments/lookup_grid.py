@@ -5,7 +5,7 @@ A CPU does not verify drafts for free (one row ~36 ms, eight rows ~1.3× that on
 it is likely right, so the shortest match that may draft (lookup_min_ngram) and the drafts per cycle (draft_length)
 trade acceptance against rows. For each pair: τ (tokens per target forward), the rows fed, and the predicted
 speedup over plain AR = (tokens × cost(1 row)) / Σ cost(rows of each cycle). The traces are the eval's cache
-(`spd-infer eval` with the same config records and reuses them). bench/wallclock.py then checks the pick by the clock.
+(`spd-infer eval` with the same config records and reuses them). bench/clock.py then checks the pick by the clock.
 
     python -m experiments.lookup_grid --limit 5 --out docs/results/lookup_grid.json
 

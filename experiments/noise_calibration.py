@@ -1,5 +1,5 @@
 """How far a candidate's own noise should move its price at T = 1: the default on a CPU
-(`method=suffix W=4 datastore=answers+sharegpt`, as bench/wallclock.py builds it) samples prompts of a set with keyed
+(`method=suffix W=4 datastore=answers+sharegpt`, as the clock builds it) samples prompts of a set with keyed
 draws, and every candidate a cycle judges (drafted or not: its parent was reached) is recorded with the predictor's
 unconditional chance π, its uniform u at its position and whether it was kept. One decode prices every share on the
 same candidates (a different share would have drafted differently and started some cycles elsewhere, so this compares
@@ -31,7 +31,7 @@ from spd.eval.output import write_json
 from spd.pricing import NOISE_SHARE, AcceptancePredictor, given_noise
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
-from bench.wallclock_turns import params_for, seed_of
+from bench.turns import params_for, seed_of
 
 BINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 

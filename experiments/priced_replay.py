@@ -2,7 +2,7 @@
 statistics at each W), its exact greedy cycles (spd.eval.fast_chain.replay) over the eval's cached 512-token
 traces, priced with this machine's row costs (spd.targets.row_costs, the profile the runtime uses): τ, rows per
 cycle, the share of cycles drafted, and the predicted speedup over AR = tokens × cost(1 row) / Σ cost(rows of each
-cycle) — on all positions and on the first --heads tokens of each answer (128 unless asked). bench/wallclock.py
+cycle) — on all positions and on the first --heads tokens of each answer (128 unless asked). bench/clock.py
 checks the winners by the clock.
 
     spd-infer eval --config configs/eval/greedy.yaml           # records the 240 traces once (the trace cache)

@@ -1,5 +1,5 @@
 """Which prior should a sampled request's acceptance predictor start from? The default on
-a CPU (`method=suffix W=4 datastore=answers+sharegpt`, as bench/wallclock.py builds it) samples prompts of a set with
+a CPU (`method=suffix W=4 datastore=answers+sharegpt`, as the clock builds it) samples prompts of a set with
 keyed draws and the greedy predictor's prior, recording, cycle by cycle, every candidate a cycle judges (its parent
 was reached; drafted or not) with its evidence, its uniform and its verdict. Then each predictor setting is replayed
 over that recording — a fresh predictor per request, each cycle's candidates predicted before its verdicts are
@@ -32,7 +32,7 @@ from spd.eval.output import write_json
 from spd.pricing import AcceptancePredictor, given_noise
 from spd.targets.loading import load_target
 from spd.targets.stages import StagedTarget
-from bench.wallclock_turns import params_for, seed_of
+from bench.turns import params_for, seed_of
 
 
 class Recording(NoiseRecording):

@@ -36,7 +36,7 @@ from spd.methods import METHODS
 from spd.corpora.prompts import DATASETS, chat_prompt_ids, load_questions
 from spd.session import open_session
 
-from bench.wallclock_sets import repeating
+from bench.prompt_sets import repeating
 
 SOURCES = ("module", "lookup+module")                  # SPD's pipelined drafts, n = the module's
 CHAIN = "lookup chain"                                  # method=lookup, the default's settings

@@ -1,5 +1,5 @@
 """Where T = 1 drafts could come from on this machine: sampled answers (the suite's AR, top-k 50, top-p 1, one seed per
-prompt, as bench/wallclock.py samples) of the everyday and eval sets, and for every answer position the target's own
+prompt, as bench/clock.py samples) of the everyday and eval sets, and for every answer position the target's own
 sampling distribution p. Two measures over them:
 
 - how much of p a candidate set covers at depth 1 (a node advances with the sum of p over its deterministic
@@ -45,7 +45,7 @@ from spd.verify.sampling import SamplingParams
 from spd.targets.loading import load_target
 from spd.targets.row_costs import cached_row_costs
 from spd.targets.stages import StagedTarget
-from bench.wallclock_sets import prompt_set
+from bench.prompt_sets import prompt_set
 
 TOP = 16             # ids and probabilities kept per row
 

@@ -1,5 +1,5 @@
 """What `spd-infer generate` and `chat` decode with when no key chooses: the fastest lossless configuration that
-bench/wallclock.py measured for this kind of device and temperature regime (greedy or sampled; docs/speed-cpu.md).
+the clock (bench/) measured for this kind of device and temperature regime (greedy or sampled; docs/speed-cpu.md).
 
 Torch-free: it is read before any model loads. Any key that describes an SPD pipeline or a module (method=,
 checkpoint=, n=, stage_bounds=, draft_source=, ...) on the command line, or set away from its default in a YAML
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from spd.targets.source import DEFAULT_TARGET
 
-# device type -> temperature regime -> the keys of the fastest lossless row. 2-core CPUs: bench/wallclock.py over the
+# device type -> temperature regime -> the keys of the fastest lossless row. 2-core CPUs: the clock over the
 # eval and everyday sets, the whole field in one run (docs/speed-cpu.md, "The whole field by the clock"): the priced
 # context statistics' trees (W = 4) with the target's own answers and ShareGPT's continuations beside them ran 2.98x /
 # 1.276x / 2.20x / 1.279x of the suite's AR (everyday T = 0, T = 1, eval T = 0, T = 1), the fastest plain decoding in

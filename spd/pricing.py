@@ -69,8 +69,8 @@ class AcceptancePredictor:
         under-predicted those they priced low 2-4x (experiments/noise_calibration.py); replaying one recording of every
         judged candidate through each setting (experiments/prior_replay.py; the same candidates, not new decodes), prior_weight 16 and
         prior_scale 0.6 fit 10 everyday answers' verdicts best (log-likelihood -0.340 against -0.365) and the 30
-        held-out MT-Bench answers' too (-0.295 against -0.317). Not the default (bench/wallclock.py
-        --prior-ab tries it): +0.7% by the clock at T = 1 on the eval set, while where drafts are kept often its heavy prior
+        held-out MT-Bench answers' too (-0.295 against -0.317). Not the default (an A/B by the
+        clock): +0.7% by the clock at T = 1 on the eval set, while where drafts are kept often its heavy prior
         learns so slowly that short requests draft little (docs/speed-cpu.md, "What was tried and did not pay")."""
         return cls(prior_weight=16.0, prior_scale=0.6)
 

@@ -189,7 +189,7 @@ def test_the_priced_statistics_draft_by_the_noise():
 
 def test_the_sampled_prior_is_lower_and_slower_and_not_the_default():
     """At T > 0 a candidate is kept with the target's p of it, not when it is the argmax: the sampled prior
-    (AcceptancePredictor.for_sampling, an A/B of bench/wallclock.py --prior-ab) starts lower and a bucket's few
+    (AcceptancePredictor.for_sampling, an A/B by the clock) starts lower and a bucket's few
     verdicts move it less; method=suffix's drafter keeps the greedy prior for every request."""
     sampled, greedy = AcceptancePredictor.for_sampling(), AcceptancePredictor()
     e = Evidence("suffix", match=4, share=0.9, support=6.0, depth=1)

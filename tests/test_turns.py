@@ -1,11 +1,11 @@
-"""bench/wallclock.py times its single-process rows taking turns on each prompt (bench/wallclock_turns.py): every
+"""The benchmarks time their rows taking turns on each prompt (bench/turns.py): every
 row decodes every prompt, the order rotates one place per prompt (so no row always runs first, after a warm-up or a
 cold cache), and each row's totals are its own prompts' results."""
 
 from spd.decoding import GenerationResult
 from spd.metrics import ChainStats
 
-from bench.wallclock_turns import decode_all, decode_interleaved
+from bench.turns import decode_all, decode_interleaved
 
 
 def test_rows_take_turns_and_keep_their_own_totals():

@@ -1,5 +1,6 @@
-"""How bench/wallclock.py (and bench/pipeline_rivals.py) sample and seed a prompt, total a row over its prompts, and how
-the rows of one field take turns on each prompt so that a machine whose speed drifts is shared by all of them."""
+"""How the benchmarks (bench/clock.py, bench/pipeline_rivals.py) sample and seed a prompt, total a row over its
+prompts, and how the rows of one field take turns on each prompt so that a machine whose speed drifts is shared by all
+of them."""
 
 from __future__ import annotations
 
@@ -88,9 +89,14 @@ def decode_interleaved(prompts, runs: list) -> list[dict]:
     per prompt, every row meets the same moments. Returns each run's Tally summary, in the order given."""
     tallies = [Tally() for _ in runs]
     for i, (key, ids) in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
-        for j in [(i + k) % len(runs) for k in range(len(runs))]:
+        for j in rotated(list(range(len(runs))), i):
             tallies[j].add(key, runs[j](key, ids))
     return [tally.summary() for tally in tallies]
+
+
+def rotated(rows: list, i: int) -> list:
+    """The order the rows take their turns on the i-th prompt: rotated one place per prompt."""
+    return rows[i % len(rows):] + rows[: i % len(rows)]
 
 
 def decode_all(prompts, run) -> dict:
