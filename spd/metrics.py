@@ -110,6 +110,14 @@ class ChainStats:
         count_source(self.sources, source, accepted)
         self.verdicts.append((self.N, source, accepted))
 
+    def cycle(self, drafted: int, accepted: int) -> None:
+        """One cycle verified `drafted` drafts and kept `accepted` of them (every decoder of chains counts here)."""
+        self.cycles += 1
+        self.drafted += drafted
+        self.drafting_cycles += drafted > 0
+        self.accepted += accepted
+        self.accepted_per_cycle.append(accepted)
+
     @property
     def tau(self) -> float | None:
         return (self.N - 1) / self.cycles if self.cycles else None

@@ -138,11 +138,7 @@ class DeviceChainDecoder(Decoder):
                 later = self.launch(step, state, host, 1 - pending) if stats.N + 1 < request.max_new_tokens else None
                 values = self.collect(host, pending)
                 pending = later
-            stats.cycles += 1
-            stats.drafted += drafted
-            stats.drafting_cycles += bool(drafted)
-            stats.accepted += int(values[0]) - 1
-            stats.accepted_per_cycle.append(int(values[0]) - 1)
+            stats.cycle(drafted, int(values[0]) - 1)
 
     def read(self, state: StepState, host: torch.Tensor) -> list[float]:
         """The cycle's one read: the state's `out` copied into the host buffer (pinned on CUDA, non-blocking)."""

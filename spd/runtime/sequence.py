@@ -96,9 +96,6 @@ class ChainSequence:
             self.drafter.side_logits(logits[len(tree):])
             logits = logits[:len(tree)]
             captured = {layer: h[:, :len(tree)] for layer, h in captured.items()}
-        stats.cycles += 1
-        stats.drafted += len(tree) - 1
-        stats.drafting_cycles += len(tree) > 1
         # drafts drawn from a q (or a sampled request without keyed draws) go through rejection sampling
         walk = any(p.q is not None for p in tree.proposals) or (not self.request.params.greedy and self.draws is None)
         path, verified = self.walk(logits) if walk else self.verdict(logits)
@@ -116,8 +113,7 @@ class ChainSequence:
         if self.observe and len(verified) == len(path) and not tree.children(path[-1]):
             # the path's last node held: the target's next token came free after it (AR's every position)
             self.observe(logits[path[-1]], {layer: h[:, path[-1:]] for layer, h in captured.items()})
-        stats.accepted += len(path) - 1
-        stats.accepted_per_cycle.append(len(path) - 1)
+        stats.cycle(len(tree) - 1, len(path) - 1)
         # the verified path's rows, at their positions; side rows sit after the tree's, so they are dropped too
         self.cache.keep(self.fed, [self.fed + node for node in path])
         if not self.done and self.drafter:
