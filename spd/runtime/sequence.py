@@ -130,7 +130,7 @@ class ChainSequence:
         tree, params = self.tree, self.request.params
         depths = tree.depths()
         if params.greedy:
-            chosen, chances = greedy_choices(logits), None                             # [T]
+            chosen, chances = greedy_choices(logits).cpu(), None                       # [T], read once a cycle
         else:
             chosen, chances = keyed_choices(logits, params, self.draws, [len(self.tokens) + d for d in depths])
         tokens = torch.tensor(tree.tokens())                                           # [T]
