@@ -87,3 +87,20 @@ def test_keyed_choices_are_ars_draws_and_record_nothing():
     assert chosen.tolist() == [next_token(row, params, None, twin, pos) for row, pos in zip(logits, positions)]
     assert not draws.drawn                          # rows off the kept path must not record a chance
     assert chances[0] == twin.chance(40) and chances[4] == twin.chance(43)
+
+
+def test_keyed_choices_draw_only_the_rows_the_verdict_reads():
+    params = SamplingParams(1.0, 0, 1.0)
+    vocab = 4
+    logits = torch.zeros(4, vocab)
+    logits[0, 2] = 50.0                              # the root's draw is 2, all but surely
+    tree = DraftTree(0)
+    tree.add(0, Proposal(2))                          # row 1: held
+    tree.add(0, Proposal(3))                          # row 2: missed, never drawn
+    tree.add(2, Proposal(1))                          # row 3: below a miss, never drawn
+    draws, twin = KeyedDraws(7, vocab), KeyedDraws(7, vocab)
+    positions = [10 + d for d in tree.depths()]
+    chosen, chances = keyed_choices(logits, params, draws, positions, tree.tokens(), [0, *tree.parents])
+    full, _ = keyed_choices(logits, params, twin, positions)
+    assert chosen[:2].tolist() == full[:2].tolist() and chosen[2:].tolist() == [-1, -1]
+    assert tree_verdict(tree, chosen) == tree_verdict(tree, full) == [0, 1]

@@ -132,7 +132,8 @@ class ChainSequence:
         if params.greedy:
             chosen, chances = greedy_choices(logits).cpu(), None                       # [T], read once a cycle
         else:
-            chosen, chances = keyed_choices(logits, params, self.draws, [len(self.tokens) + d for d in depths])
+            chosen, chances = keyed_choices(logits, params, self.draws, [len(self.tokens) + d for d in depths],
+                                            tree.tokens(), [0, *tree.parents])
         tokens = torch.tensor(tree.tokens())                                           # [T]
         if tree.is_chain():
             kept = int(kept_drafts(tokens[1:], chosen[:-1]))

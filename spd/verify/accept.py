@@ -59,9 +59,16 @@ def greedy_choices(logits: torch.Tensor) -> torch.Tensor:
     return block * BLOCK + inside
 
 
-def keyed_choices(logits: torch.Tensor, params: SamplingParams, draws: KeyedDraws,
-                  positions: list[int]) -> tuple[torch.Tensor, list[float]]:
+def keyed_choices(logits: torch.Tensor, params: SamplingParams, draws: KeyedDraws, positions: list[int],
+                  tokens: list[int] | None = None, parents: list[int] | None = None) -> tuple[torch.Tensor, list[float]]:
     """logits [r, V] -> the keyed draw after each row [r] (row i chooses position positions[i]) and the target's p
-    of each drawn token (what KeyedDraws records for the positions that are verified)."""
-    drawn = [draws.draw(warp(row, params), position) for row, position in zip(logits, positions)]
-    return torch.tensor([token for token, _ in drawn]), [p for _, p in drawn]
+    of each drawn token (what KeyedDraws records for the positions that are verified). With a tree's `tokens` and
+    `parents` (parents first), only the rows the verdict reads are drawn — the root, and a row whose draft is its
+    parent's draw — and the others choose -1 (p NaN): on a CPU a draw costs a warp of the whole vocabulary, and most
+    rows of a sampled cycle sit below a missed draft."""
+    chosen, chances = [-1] * len(logits), [float("nan")] * len(logits)
+    for i, (row, position) in enumerate(zip(logits, positions)):
+        if tokens is not None and i and chosen[parents[i]] != tokens[i]:
+            continue
+        chosen[i], chances[i] = draws.draw(warp(row, params), position)
+    return torch.tensor(chosen), chances
