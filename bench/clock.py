@@ -73,11 +73,10 @@ COUNTED = {"branch_cycles": "branch_cycles", "branch_rows": "branch_rows", "cycl
            "priced_out": "priced_out"}
 
 
-def engine_run(engine, max_new_tokens: int):
+def engine_run(engine, max_new_tokens: int, threads: int):
     """run(key, ids) -> (result, extra) with this engine's decoder and sampling, seeded per prompt, on the threads its
     engine set (a distributed arm's controller sets its own); extra: what the drafter's branch rows and pricing did on
     this prompt, where it has any."""
-    threads = torch.get_num_threads()
     counted = [name for name in COUNTED if hasattr(engine.drafter, name)]
 
     def run(key, ids):
@@ -215,8 +214,9 @@ def decode(args, arms, hf, temperatures, records: list[dict], log: str) -> tuple
                                                          *sampling_keys(t)])
                 engine = stack.enter_context(open_engine(cfg))
                 loaded = loaded or engine.session.loaded
-                engines[t].append((label, engine, torch.get_num_threads()))
-                runs[t].append((label, engine_run(engine, args.max_new_tokens)))
+                threads = torch.get_num_threads()      # what the engine set (a distributed arm's controller: its own)
+                engines[t].append((label, engine, threads))
+                runs[t].append((label, engine_run(engine, args.max_new_tokens, threads)))
             for h in hf:
                 hf_decode = hf_run(loaded.model, loaded.tokenizer.pad_token_id or 0, t, args.max_new_tokens,
                                    args.hf_lookup_tokens if h == "lookup" else None)

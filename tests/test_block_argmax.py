@@ -4,7 +4,7 @@ torch.argmax (lowest id on ties) and torch.topk return, bit for bit, ties and no
 import pytest
 import torch
 
-from spd.verify.sampling import BLOCK, FEWEST, _blocks, greedy_token, top2_margin
+from spd.verify.sampling import BLOCK, FEWEST, blocks_of, greedy_token, top2_margin
 
 
 def _reference_margin(x: torch.Tensor) -> float:
@@ -21,7 +21,7 @@ def test_block_paths_equal_argmax_and_topk(vocab):
             x = x.round()                               # many ties, in one block and across blocks
         if trial % 5 == 0:
             x[torch.randint(vocab, (2,), generator=generator)] = x.max() + 1     # a tie for the maximum
-        assert _blocks(x) is not None
+        assert blocks_of(x) is not None
         assert greedy_token(x) == int(torch.argmax(x)), trial
         assert top2_margin(x) == _reference_margin(x), trial
         half = x.to(torch.bfloat16)
@@ -44,6 +44,6 @@ def test_small_odd_and_strided_vocabularies_take_torch_itself():
     generator = torch.Generator().manual_seed(1)
     rows = torch.randn(3, 2 * 49152, generator=generator)
     for x in (torch.randn(100, generator=generator), torch.randn(49152 + 7, generator=generator), rows[1, ::2]):
-        assert _blocks(x) is None
+        assert blocks_of(x) is None
         assert greedy_token(x) == int(torch.argmax(x))
         assert top2_margin(x) == _reference_margin(x)

@@ -128,19 +128,19 @@ class ChainSequence:
         path's nodes (root first) and the verified tokens (one per path node: the kept drafts, then the choice after
         the last)."""
         tree, params = self.tree, self.request.params
-        depths = tree.depths()
+        depths, tokens, parents = tree.depths(), tree.tokens(), [0, *tree.parents]
         if params.greedy:
             chosen, chances = greedy_choices(logits).cpu(), None                       # [T], read once a cycle
         else:
             chosen, chances = keyed_choices(logits, params, self.draws, [len(self.tokens) + d for d in depths],
-                                            tree.tokens(), [0, *tree.parents])
-        tokens = torch.tensor(tree.tokens())                                           # [T]
+                                            tokens, parents)
+        tokens = torch.tensor(tokens)                                                  # [T]
         if tree.is_chain():
             kept = int(kept_drafts(tokens[1:], chosen[:-1]))
             path = list(range(kept + 1))
         else:
             kept, _, rows = kept_path(tokens, chosen, torch.ones(len(tree), dtype=torch.bool), torch.tensor(depths),
-                                      torch.tensor([0, *tree.parents]), tree.visibility())
+                                      torch.tensor(parents), tree.visibility())
             path = rows[: int(kept) + 1].tolist()
         verified = [tree.token(node) for node in path[1:]] + [int(chosen[path[-1]])]
         if chances is not None:       # the target's p of each verified draw, for drafters that read it (DRAWS)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from spd.verify.sampling import BLOCK, FEWEST, KeyedDraws, SamplingParams, warp
+from spd.verify.sampling import BLOCK, KeyedDraws, SamplingParams, blocks_of, warp
 
 
 def kept_drafts(drafts: torch.Tensor, choices: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,10 +50,10 @@ def kept_path(tokens: torch.Tensor, chosen: torch.Tensor, real: torch.Tensor, de
 def greedy_choices(logits: torch.Tensor) -> torch.Tensor:
     """logits [r, V] -> each row's argmax [r], ties to the lowest id (spd.verify.sampling.greedy_token's, row by row).
     A CPU reads block maxima first, as greedy_token does: a whole vocabulary's argmax costs it several times more."""
-    r, vocab = logits.shape
-    if logits.device.type != "cpu" or vocab < FEWEST or vocab % BLOCK or not logits.is_contiguous():
+    r = len(logits)
+    blocks = blocks_of(logits)                                                         # [r, V / BLOCK, BLOCK]
+    if blocks is None:
         return logits.argmax(-1)
-    blocks = logits.view(r, -1, BLOCK)                                                 # [r, V / BLOCK, BLOCK]
     block = blocks.amax(-1).argmax(-1)                                                 # [r] first block with the max
     inside = blocks.gather(1, block.view(r, 1, 1).expand(r, 1, BLOCK)).view(r, BLOCK).argmax(-1)   # [r]
     return block * BLOCK + inside

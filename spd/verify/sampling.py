@@ -24,18 +24,19 @@ BLOCK = 64     # a CPU's argmax and top-k over a vocabulary run ~5x slower than 
 FEWEST = 64 * BLOCK     # under this many logits torch's own argmax and top-k cost little
 
 
-def _blocks(logits: torch.Tensor) -> torch.Tensor | None:
-    """logits [V] as [V / BLOCK, BLOCK] where that view exists and pays (a large CPU vocabulary), else None."""
-    if logits.dim() != 1 or logits.device.type != "cpu" or logits.numel() < FEWEST or logits.numel() % BLOCK \
-            or not logits.is_contiguous():
+def blocks_of(logits: torch.Tensor) -> torch.Tensor | None:
+    """logits [..., V] as [..., V / BLOCK, BLOCK] where that view exists and pays (a large CPU vocabulary), else
+    None."""
+    vocab = logits.shape[-1]
+    if logits.device.type != "cpu" or vocab < FEWEST or vocab % BLOCK or not logits.is_contiguous():
         return None
-    return logits.view(-1, BLOCK)
+    return logits.view(*logits.shape[:-1], -1, BLOCK)
 
 
 def top2_margin(logits: torch.Tensor) -> float:
     """The gap between the two largest logits [V]: how sure the target was where it chose a token."""
     x = logits.float()
-    blocks = _blocks(x)
+    blocks = blocks_of(x) if x.dim() == 1 else None
     if blocks is None:
         top = torch.topk(x, 2).values
         return float(top[0] - top[1])
@@ -47,7 +48,7 @@ def top2_margin(logits: torch.Tensor) -> float:
 
 def greedy_token(logits: torch.Tensor) -> int:
     """Argmax over [V]; ties go to the lowest id, identically for AR and SPD."""
-    blocks = _blocks(logits)
+    blocks = blocks_of(logits) if logits.dim() == 1 else None
     if blocks is None:
         return int(torch.argmax(logits))
     block = int(torch.argmax(blocks.amax(1)))     # the first block holding the maximum, then its first place
