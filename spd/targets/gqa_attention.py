@@ -49,12 +49,14 @@ def pack_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype | None = None)
 
 def packed_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """query [B, H, T, D], key/value [B, H_kv, S, D], attention_mask [B, 1, T or H/H_kv * T, S] bool or additive.
-    Returns [B, T, H, D] and no weights, as every transformers kernel does. One row, no mask (a fresh causal pass)
-    and anything else transformers' SDPA handles itself go to it."""
+    Returns [B, T, H, D] and no weights, as every transformers kernel does. No mask (a fresh causal pass) and anything
+    else transformers' SDPA handles itself go to it. One masked row is packed here too: transformers packs it the
+    same way, but not while torch.compile traces it, where it repeats the whole cache each layer instead (a device
+    step's compiled forward)."""
     b, h, t, d = query.shape
     kv_heads = key.shape[1]
     groups = h // kv_heads
-    if groups == 1 or t == 1 or attention_mask is None or kwargs.get("position_bias") is not None or \
+    if groups == 1 or attention_mask is None or kwargs.get("position_bias") is not None or \
             kwargs.get("softcap") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
