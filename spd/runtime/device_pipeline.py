@@ -66,9 +66,12 @@ class DevicePipelineStep(Graphed):
         self.vocab = target.model.config.vocab_size
         attn = module.layers[0].self_attn
         kv_heads = attn.k_proj.out_features // attn.head_dim
-        self.memory = [(torch.zeros(1, kv_heads, S, attn.head_dim, device=device, dtype=target.dtype),
-                        torch.zeros(1, kv_heads, S, attn.head_dim, device=device, dtype=target.dtype))
-                       for _ in module.layers]                                         # per layer K, V [1, H, S, hd]
+        # per layer K, V [1, H, S + n - 1, hd]: the memory's S positions, then the n - 1 lag rows' slots, which every
+        # draft rewrites in place (concatenating them would copy the whole memory each step)
+        self.memory = [(torch.zeros(1, kv_heads, S + n - 1, attn.head_dim, device=device, dtype=target.dtype),
+                        torch.zeros(1, kv_heads, S + n - 1, attn.head_dim, device=device, dtype=target.dtype))
+                       for _ in module.layers]
+        self.memory_slots = S
         on_cuda = cuda_graph and device.type == "cuda"
         # SPD's draft reads only the step's inputs, so it runs beside the stages; a plan that drafts after the
         # step (PPSD, the output states) waits for them
@@ -128,15 +131,15 @@ class DevicePipelineStep(Graphed):
         cos, sin = module.rope(at, query)
         rows = torch.cat([self.feature(self.depths[j], j) for j in range(1, n)], 1) if n > 1 else None   # [1, n-1, d]
         lag_positions = (self.t - self.lags[1:]).clamp(min=0).view(1, -1)              # [1, n-1]
-        visible = self.keys < self.t - self.a + 1                                      # [1, S] memory
+        visible = torch.cat([self.keys < self.t - self.a + 1,                          # [1, S + n - 1]: memory,
+                             (self.lags[1:] < self.a).view(1, -1)], 1)                 # then the lags in flight
         if rows is not None:
-            visible = torch.cat([visible, (self.lags[1:] < self.a).view(1, -1)], 1)     # [1, S + n - 1]
             rcos, rsin = module.rope(lag_positions, rows)
+        lag_slots = slice(self.memory_slots, None)
         hidden = query
         for layer, (keys, values) in zip(module.layers, self.memory):
             if rows is not None:
-                k, v = memory_kv(layer, rows, rcos, rsin)
-                keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+                keys[:, :, lag_slots], values[:, :, lag_slots] = memory_kv(layer, rows, rcos, rsin)
             hidden = layer_forward(layer, hidden, cos, sin, keys, values, visible.view(1, 1, -1))
         return module.target_logits(module.head(module.norm(hidden))[0, -1]).argmax().view(1)   # [1]
 

@@ -186,8 +186,10 @@ class Graphed:
 
             def built():
                 # a built step meets the same tensors of the same shapes every time, so only the guards that tell
-                # the compiled steps apart are checked (all of them cost ~35 us a step on a CPU, a sixth of SPD's)
-                with unchecked, plain_products(model, swapped):
+                # the compiled steps apart are checked (all of them cost ~35 us a step on a CPU, a sixth of SPD's);
+                # nothing is traced again (a step that would be fails loudly), so the products stay as they are
+                # (swapping their classes costs ~3 us a module, ~50 us a step for the tiny 2-layer target)
+                with unchecked:
                     return compiled()
         self.graph = None
         ready = self.replay if graph else self.body
