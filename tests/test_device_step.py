@@ -204,7 +204,8 @@ def test_the_step_compiled_by_inductor_equals_ar():
 @pytest.mark.slow
 def test_a_sampled_step_compiled_by_inductor_draws_the_eager_steps_tokens():
     """The sampled step through Inductor (keyed noise, warp from tensors, the draw) gives the eager step's tokens over
-    128 of them; vectorised CPU kernels once chose tokens outside the vocabulary here, a different step each run."""
+    128 of them, vectorised: an argmax over the keyed noise's integer hash compiled for the CPU crashed or chose
+    tokens outside the vocabulary here (first_max's reason)."""
     from spd.verify.sampling import SamplingParams
 
     target = StagedTarget(tiny_model("llama", num_layers=2), 1)
@@ -283,7 +284,8 @@ def test_ar_launches_the_next_cycle_before_it_reads_the_last(monkeypatch, params
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5), SamplingParams(1.3, top_p=0.8),
                                     SamplingParams(0.9, top_k=40, top_p=0.6), SamplingParams(1.0, top_k=1000)])
 def test_the_settings_as_tensors_warp_bit_for_bit(params):
-    """The device step's warp (settings read from tensors) gives spd.verify.sampling.warp's bits, ties included."""
+    """The device step's warp (settings read from tensors, all rows at once) gives spd.verify.sampling.warp's bits,
+    row by row, ties included."""
     from spd.runtime.device_step import DeviceSampling
     from spd.verify.sampling import warp
 
@@ -291,8 +293,9 @@ def test_the_settings_as_tensors_warp_bit_for_bit(params):
     logits[1, :50] = logits[1, 0]                          # a tie across the top-k and top-p thresholds
     sampling = DeviceSampling(torch.device("cpu"), SamplingParams(0.5, top_k=3))
     sampling.set(params)                                   # refilled, as for a new request
-    for row in logits:
-        assert torch.equal(sampling.warp(row), warp(row, params))
+    warped = sampling.warp(logits)                         # every row at once
+    for row, mine in zip(logits, warped):
+        assert torch.equal(mine, warp(row, params))
 
 
 def test_a_new_requests_settings_reuse_the_built_steps():

@@ -76,7 +76,7 @@ class DevicePipelineStep(Graphed):
         # SPD's draft reads only the step's inputs, so it runs beside the stages; a plan that drafts after the
         # step (PPSD, the output states) waits for them
         self.streams = [torch.cuda.Stream(device) for _ in range(n + 1)] if on_cuda else None
-        self.choose_runner(on_cuda, compile, greedy=self.sampling.greedy)
+        self.choose_runner(on_cuda, compile)
 
     def mutable(self) -> list[torch.Tensor]:
         return [self.t, self.a, self.tokens, self.inputs, self.store]

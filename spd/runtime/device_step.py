@@ -56,16 +56,18 @@ class DeviceSampling:
             self.top_p.fill_(params.top_p)
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [V] -> probabilities [V]: spd.verify.sampling.warp with the settings read from tensors, bit for bit
-        (top-k's threshold is the k-th value of the sorted row; an off filter keeps every logit)."""
-        x = logits.float() / self.temperature
-        vocab = x.shape[-1]
-        kth = torch.sort(x, descending=True).values.gather(0, (self.top_k - 1).clamp(0, vocab - 1).view(1))[0]
+        """logits [r, V] -> probabilities [r, V]: spd.verify.sampling.warp of each row with the settings read from
+        tensors, bit for bit (top-k's threshold is the k-th value of the sorted row; an off filter keeps every
+        logit). All rows at once: a tree's 16 rows are two sorts, not 32."""
+        x = logits.float() / self.temperature                                         # [r, V]
+        rows, vocab = x.shape
+        kth = torch.sort(x, descending=True).values.gather(
+            -1, (self.top_k - 1).clamp(0, vocab - 1).expand(rows, 1))                 # [r, 1]
         x = x.masked_fill((self.top_k > 0) & (self.top_k < vocab) & (x < kth), float("-inf"))
-        sorted_x, order = torch.sort(x, descending=True)
+        sorted_x, order = torch.sort(x, descending=True)                               # [r, V]
         probs = torch.softmax(sorted_x, dim=-1)
         drop = (torch.cumsum(probs, dim=-1) - probs >= self.top_p) & (self.top_p < 1.0)
-        return torch.softmax(x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf"))), dim=-1)
+        return torch.softmax(x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf"))), dim=-1)
 
 
 def choose(logits: torch.Tensor, params: SamplingParams | DeviceSampling, noise: torch.Tensor | None) -> torch.Tensor:
@@ -74,9 +76,19 @@ def choose(logits: torch.Tensor, params: SamplingParams | DeviceSampling, noise:
     g the rows' noise [>= r, V]."""
     if params.greedy:
         return logits.argmax(-1)
-    shape = params.warp if isinstance(params, DeviceSampling) else (lambda row: warp(row, params))
-    probs = torch.stack([shape(row) for row in logits.unbind(0)]).double()             # [r, V]
-    return torch.where(probs > 0, probs.log() + noise[: len(logits)], float("-inf")).argmax(-1)
+    probs = params.warp(logits) if isinstance(params, DeviceSampling) else \
+        torch.stack([warp(row, params) for row in logits.unbind(0)])
+    probs = probs.double()                                                             # [r, V]
+    return first_max(torch.where(probs > 0, probs.log() + noise[: len(logits)], float("-inf")))
+
+
+def first_max(x: torch.Tensor) -> torch.Tensor:
+    """x [r, V] -> the lowest index of each row's maximum [r]: argmax's answer, as a max and then a min. Inductor
+    (torch 2.13.0, CPU) miscompiles a vectorised argmax over the keyed noise's 64-bit integer hash (a crash, or
+    tokens outside the vocabulary); these two reductions compile right, vectorised."""
+    top = x.max(-1, keepdim=True).values                                               # [r, 1]
+    index = torch.arange(x.shape[-1], device=x.device)                                 # [V]
+    return torch.where(x == top, index, x.shape[-1]).min(-1).values
 
 
 class StepState:
@@ -161,7 +173,7 @@ class Graphed:
         self.graph.replay()
         return self.out_buffer()
 
-    def choose_runner(self, graph: bool, compile: str | None, pool=None, greedy: bool = True) -> None:
+    def choose_runner(self, graph: bool, compile: str | None, pool=None) -> None:
         """self.run: the step eagerly, through torch.compile(fullgraph=True) with the `compile` backend (Inductor's
         default mode: its kernels, no graphs of its own), and replayed as a CUDA graph (`graph`) of whichever of the
         two it is. pool: the memory pool the graph captures into (torch.cuda.graph_pool_handle(), one a decoder)."""
@@ -173,7 +185,7 @@ class Graphed:
             limits.recompile_limit = max(limits.recompile_limit, 1024)
             limits.accumulated_recompile_limit = max(limits.accumulated_recompile_limit, 4096)
             compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=compile,
-                                     options=compile_options(compile, self.target.device, greedy))
+                                     options=compile_options(compile, self.target.device))
             model = self.target.model
             swapped = swapped_linears(model)    # once: a walk of every module would cost each step
 
@@ -219,17 +231,15 @@ def unchecked_guards():
     return stance
 
 
-def compile_options(backend: str, device: torch.device, greedy: bool) -> dict | None:
+def compile_options(backend: str, device: torch.device) -> dict | None:
     """Inductor's options for a step on `device`. On a CPU every kernel launch is host work, and Inductor's default
     Python wrapper between the kernels costs as much again as they do on a small step: its C++ wrapper calls them
     from one compiled function (the EAGLE-3 chain's host time a token 984 -> 710 us, SPD's pipeline step 1,273 ->
-    997 us, bench/overhead.py on 2 cores; compiling takes about twice as long). A sampled step is compiled without
-    vector kernels: vectorised (torch 2.13.0, CPU), it chose tokens outside the vocabulary now and then — a different
-    step each run, one thread or two — and the next step's embedding read out of bounds (a crash); scalar kernels
-    give the eager step's tokens (tests/test_device_step.py). On CUDA the step's graph replaces the wrapper."""
+    997 us, bench/overhead.py on 2 cores; compiling takes about twice as long). Greedy and sampled steps alike get vector kernels (the sampled
+    draw's argmax is `first_max`'s, which Inductor vectorises right). On CUDA the step's graph replaces the wrapper."""
     if backend != "inductor" or device.type != "cpu":
         return None
-    return {"cpp_wrapper": True} if greedy else {"cpp_wrapper": True, "cpp.simdlen": 1}
+    return {"cpp_wrapper": True}
 
 
 class DeviceStep(Graphed):
@@ -263,7 +273,7 @@ class DeviceStep(Graphed):
         if target.hybrid and len(self.run_rows) >= slots:
             raise ValueError(f"a step of {len(self.run_rows)} rows, but the cache's linear-attention layers keep "
                              f"{slots - 1} positions; allocate it with a larger rollback")
-        self.choose_runner(cuda_graph and target.device.type == "cuda", compile, pool, state.sampling.greedy)
+        self.choose_runner(cuda_graph and target.device.type == "cuda", compile, pool)
 
     def mutable(self) -> list[torch.Tensor]:
         """Not the caches: their rows past the position are hidden, and a warm-up's writes at or before it hold
