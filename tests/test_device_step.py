@@ -312,3 +312,15 @@ def test_a_new_requests_settings_reuse_the_built_steps():
         assert device.generate(p, Request(16, params, 2)).token_ids == ar_run(target, p, 16, params, seed=2).token_ids
         assert device.steps == steps
     assert Graphed.builds == built
+
+
+def test_first_max_is_argmax_ties_to_the_lowest_index():
+    """The sampled draw's reduction (a max, then the lowest index holding it) answers as argmax does, ties and -inf
+    included."""
+    from spd.runtime.device_step import first_max
+
+    x = torch.randn(64, 300, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x[3, [7, 200]] = 50.0                                  # a tie: the lower index wins
+    x[5, :290] = float("-inf")                             # most of a row outside warp's support
+    assert first_max(x)[3] == 7
+    assert torch.equal(first_max(x), x.argmax(-1))
