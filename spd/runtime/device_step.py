@@ -235,8 +235,9 @@ def compile_options(backend: str, device: torch.device) -> dict | None:
     """Inductor's options for a step on `device`. On a CPU every kernel launch is host work, and Inductor's default
     Python wrapper between the kernels costs as much again as they do on a small step: its C++ wrapper calls them
     from one compiled function (the EAGLE-3 chain's host time a token 984 -> 710 us, SPD's pipeline step 1,273 ->
-    997 us, bench/overhead.py on 2 cores; compiling takes about twice as long). Greedy and sampled steps alike get vector kernels (the sampled
-    draw's argmax is `first_max`'s, which Inductor vectorises right). On CUDA the step's graph replaces the wrapper."""
+    997 us, bench/overhead.py on 2 cores; compiling takes about twice as long). Greedy and sampled steps alike get
+    vector kernels (the sampled draw's argmax is `first_max`'s, which Inductor vectorises right). On CUDA the step's
+    graph replaces the wrapper."""
     if backend != "inductor" or device.type != "cpu":
         return None
     return {"cpp_wrapper": True}
