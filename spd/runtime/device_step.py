@@ -30,8 +30,8 @@ ROWS = (1, 2, 4, 8, 16, 32)   # rows a step runs: a cycle's drafts are padded up
 
 def gumbel(key: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """The keyed Gumbel noise -log(-log u) [r, V] (float64) of the request's `key` [] at `positions` [r], computed
-    where they are (spd.verify.sampling.keyed_uniforms): inside a step, from its position tensor, the bits KeyedDraws.sample
-    adds to log p there, and nothing copied to the device a step."""
+    where they are (spd.verify.sampling.keyed_uniforms): inside a step, from its position tensor, the bits
+    KeyedDraws.sample adds to log p there, and nothing copied to the device a step."""
     return -torch.log(-torch.log(keyed_uniforms(key, positions, vocab)))
 
 
