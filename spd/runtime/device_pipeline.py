@@ -71,7 +71,6 @@ class DevicePipelineStep(Graphed):
         self.memory = [(torch.zeros(1, kv_heads, S + n - 1, attn.head_dim, device=device, dtype=target.dtype),
                         torch.zeros(1, kv_heads, S + n - 1, attn.head_dim, device=device, dtype=target.dtype))
                        for _ in module.layers]
-        self.memory_slots = S
         on_cuda = cuda_graph and device.type == "cuda"
         # SPD's draft reads only the step's inputs, so it runs beside the stages; a plan that drafts after the
         # step (PPSD, the output states) waits for them
@@ -135,11 +134,10 @@ class DevicePipelineStep(Graphed):
                              (self.lags[1:] < self.a).view(1, -1)], 1)                 # then the lags in flight
         if rows is not None:
             rcos, rsin = module.rope(lag_positions, rows)
-        lag_slots = slice(self.memory_slots, None)
         hidden = query
         for layer, (keys, values) in zip(module.layers, self.memory):
-            if rows is not None:
-                keys[:, :, lag_slots], values[:, :, lag_slots] = memory_kv(layer, rows, rcos, rsin)
+            if rows is not None:        # the last n - 1 slots
+                keys[:, :, 1 - n:], values[:, :, 1 - n:] = memory_kv(layer, rows, rcos, rsin)
             hidden = layer_forward(layer, hidden, cos, sin, keys, values, visible.view(1, 1, -1))
         return module.target_logits(module.head(module.norm(hidden))[0, -1]).argmax().view(1)   # [1]
 
