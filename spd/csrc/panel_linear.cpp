@@ -5,114 +5,136 @@
 // the weight once per call and multiplying every row against it while it is in registers keeps the products at the
 // weight's memory time up to ~12 rows.
 //
-// Every output element is the same sequence of operations whatever the row count: blocks of KB inputs in order,
-// each summed in order by fused multiply-adds into a fresh accumulator, the blocks added in order. So a row's bits do
-// not depend on the rows beside it (the premise of exact drafted decoding; checked at load by spd.targets.panel).
+// Three ISA levels in one build, chosen at run time (spd.targets.panel): AVX-512 (16 lanes), AVX2 + FMA (8 lanes)
+// and a portable one (8 lanes of plain multiplies and adds, any x86-64 or other CPU). Each gives a row the same bits
+// whatever the row count (panel_kernel.h says why that holds by construction); the levels differ from each other in
+// their bits, so a process multiplies every product at one level (the premise of exact drafted decoding; checked
+// at load by spd.targets.panel, on every level the CPU runs by tests/test_panel.py).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <string>
+#include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PANEL_X86 1
+#endif
+
+constexpr int NP = 2;             // panels per tile
+constexpr int64_t KB = 64;        // inputs per block
+constexpr int64_t PREFETCH = 32;  // panel lines ahead
+
+#if PANEL_X86
+namespace avx512 {
+#define PANEL_TARGET __attribute__((target("avx512f,fma")))
 constexpr int LANES = 16;
-constexpr int MT = 12;      // 2 panels x 12 rows = 24 accumulators + 2 weights + 1 broadcast of 32 registers
-#else
+constexpr int MT = 12;            // 2 panels x 12 rows = 24 accumulators + 2 weights + 1 broadcast of 32 registers
+typedef __m512 vec;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSET1(s) _mm512_set1_ps(s)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#include "panel_kernel.h"
+#undef PANEL_TARGET
+#undef VZERO
+#undef VLOAD
+#undef VSET1
+#undef VFMA
+#undef VSTORE
+}  // namespace avx512
+
+namespace avx2 {
+#define PANEL_TARGET __attribute__((target("avx2,fma")))
 constexpr int LANES = 8;
-constexpr int MT = 6;       // 2 x 6 + 2 + 1 of 16
+constexpr int MT = 6;             // 2 x 6 + 2 + 1 of 16
+typedef __m256 vec;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSET1(s) _mm256_set1_ps(s)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#include "panel_kernel.h"
+#undef PANEL_TARGET
+#undef VZERO
+#undef VLOAD
+#undef VSET1
+#undef VFMA
+#undef VSTORE
+}  // namespace avx2
 #endif
-constexpr int NP = 2;       // panels per tile
-constexpr int64_t KB = 64;  // inputs per block
-constexpr int64_t PREFETCH = 32;  // panel lines ahead (2 KiB)
 
+namespace portable {
+// no target attribute: the build's baseline (SSE2 on x86-64); a multiply and then an add, never fused
+// (-ffp-contract=off), so any CPU computes the same bits
+#define PANEL_TARGET
+constexpr int LANES = 8;
+constexpr int MT = 4;
 typedef float vec __attribute__((vector_size(LANES * 4)));
+#define VZERO() ((vec){})
+#define VLOAD(p) ({ vec v_; __builtin_memcpy(&v_, (p), sizeof(vec)); v_; })
+#define VSET1(s) ((vec){} + (s))
+#define VFMA(a, b, c) ((a) * (b) + (c))
+#define VSTORE(p, v) ({ vec v_ = (v); __builtin_memcpy((p), &v_, sizeof(vec)); })
+#include "panel_kernel.h"
+#undef PANEL_TARGET
+#undef VZERO
+#undef VLOAD
+#undef VSET1
+#undef VFMA
+#undef VSTORE
+}  // namespace portable
 
-template <int P, int R>
-static inline void tile(const float* __restrict x, int64_t K, const float* __restrict panel, float* __restrict y,
-                        int64_t N, int64_t n0) {
-  // R rows of x [R, K] against P panels [P, K, LANES] -> y[:R, n0 : n0 + P * LANES] (clipped at N)
-  float out[P][R][LANES];
-  for (int64_t k0 = 0; k0 < K; k0 += KB) {
-    const int64_t k1 = std::min(K, k0 + KB);
-    vec acc[P][R];
-    for (int i = 0; i < P; ++i)
-      for (int j = 0; j < R; ++j) acc[i][j] = (vec){};
-    for (int64_t k = k0; k < k1; ++k) {
-      vec w[P];
-      for (int i = 0; i < P; ++i) __builtin_memcpy(&w[i], panel + (i * K + k) * LANES, sizeof(vec));
-      // the hardware prefetcher alone leaves several rows' products waiting on memory (-10..20% at 4..16 rows)
-      for (int i = 0; i < P; ++i) __builtin_prefetch(panel + (i * K + k + PREFETCH) * LANES);
-      for (int j = 0; j < R; ++j) {
-        const float xs = x[j * K + k];
-        for (int i = 0; i < P; ++i) acc[i][j] += w[i] * xs;
-      }
-    }
-    for (int i = 0; i < P; ++i)
-      for (int j = 0; j < R; ++j) {
-        float block[LANES];
-        __builtin_memcpy(block, &acc[i][j], sizeof(vec));
-        for (int l = 0; l < LANES; ++l) out[i][j][l] = k0 == 0 ? block[l] : out[i][j][l] + block[l];
-      }
-  }
-  for (int i = 0; i < P; ++i) {
-    const int64_t n = n0 + i * LANES, width = std::min<int64_t>(LANES, N - n);
-    for (int j = 0; j < R && width > 0; ++j) std::copy(out[i][j], out[i][j] + width, y + j * N + n);
-  }
-}
+enum Level : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
 
-template <int P>
-static void rows(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t N, int64_t n0) {
-  int64_t m = 0;
-  for (; m + MT <= M; m += MT) tile<P, MT>(x + m * K, K, panel, y + m * N, N, n0);
-  const float* xm = x + m * K;
-  float* ym = y + m * N;
-  switch (M - m) {
-    case 1: tile<P, 1>(xm, K, panel, ym, N, n0); break;
-    case 2: tile<P, 2>(xm, K, panel, ym, N, n0); break;
-    case 3: tile<P, 3>(xm, K, panel, ym, N, n0); break;
-    case 4: tile<P, 4>(xm, K, panel, ym, N, n0); break;
-    case 5: tile<P, 5>(xm, K, panel, ym, N, n0); break;
-#if defined(__AVX512F__)
-    case 6: tile<P, 6>(xm, K, panel, ym, N, n0); break;
-    case 7: tile<P, 7>(xm, K, panel, ym, N, n0); break;
-    case 8: tile<P, 8>(xm, K, panel, ym, N, n0); break;
-    case 9: tile<P, 9>(xm, K, panel, ym, N, n0); break;
-    case 10: tile<P, 10>(xm, K, panel, ym, N, n0); break;
-    case 11: tile<P, 11>(xm, K, panel, ym, N, n0); break;
+static int lanes_of(int64_t level) { return level == AVX512 ? 16 : 8; }
+
+std::vector<std::string> levels() {
+  // the levels this CPU executes, lowest first
+  std::vector<std::string> out{"portable"};
+#if PANEL_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back("avx2");
+  if (__builtin_cpu_supports("avx512f")) out.push_back("avx512");
 #endif
-    default: break;
-  }
+  return out;
 }
 
-torch::Tensor pack(const torch::Tensor& weight) {
+torch::Tensor pack(const torch::Tensor& weight, int64_t level) {
   // weight [N, K] -> panels [ceil(N / LANES), K, LANES], zero-padded
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "pack: a 2-D float32 weight");
-  const int64_t N = weight.size(0), K = weight.size(1), P = (N + LANES - 1) / LANES;
-  auto padded = torch::zeros({P * LANES, K}, weight.options());
+  const int64_t lanes = lanes_of(level);
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + lanes - 1) / lanes;
+  auto padded = torch::zeros({P * lanes, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({P, LANES, K}).permute({0, 2, 1}).contiguous();
+  return padded.view({P, lanes, K}).permute({0, 2, 1}).contiguous();
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
-                     const c10::optional<torch::Tensor>& bias) {
+                     const c10::optional<torch::Tensor>& bias, int64_t level) {
   // x [..., K] -> [..., N]
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && panels.scalar_type() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == LANES && panels.size(1) == x.size(-1), "panels do not fit x");
+  const int64_t lanes = lanes_of(level);
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == lanes && panels.size(1) == x.size(-1), "panels do not fit x");
   auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = x2.size(0), K = x2.size(1), P = panels.size(0);
-  TORCH_CHECK(P * LANES >= N && N > (P - 1) * LANES, "panels do not hold N outputs");
+  TORCH_CHECK(P * lanes >= N && N > (P - 1) * lanes, "panels do not hold N outputs");
   auto y = torch::empty({M, N}, x2.options());
   const float* xp = x2.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (M > 0) {
-    at::parallel_for(0, (P + NP - 1) / NP, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t t = lo; t < hi; ++t) {
-        const int64_t p = t * NP;
-        if (p + NP <= P) rows<NP>(xp, M, K, pp + p * K * LANES, yp, N, p * LANES);
-        else rows<1>(xp, M, K, pp + p * K * LANES, yp, N, p * LANES);
-      }
-    });
+    switch (level) {
+#if PANEL_X86
+      case AVX512: avx512::product(xp, M, K, pp, P, yp, N); break;
+      case AVX2: avx2::product(xp, M, K, pp, P, yp, N); break;
+#endif
+      case PORTABLE: portable::product(xp, M, K, pp, P, yp, N); break;
+      default: TORCH_CHECK(false, "no such level in this build: ", level);
+    }
   }
   if (bias.has_value()) y.add_(*bias);
   auto shape = x.sizes().vec();
@@ -121,7 +143,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("levels", &levels);
   m.def("pack", &pack);
   m.def("linear", &linear);
-  m.attr("lanes") = LANES;
+  m.attr("level_ids") = pybind11::dict(pybind11::arg("portable") = 0, pybind11::arg("avx2") = 1,
+                                       pybind11::arg("avx512") = 2);
 }

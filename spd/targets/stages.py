@@ -63,9 +63,11 @@ class StagedTarget:
             self.config._attn_implementation = "sdpa"
         # float32 on a CPU: products from panels (spd.targets.panel), flat in cost to ~12 rows and row-invariant
         # (plain_products: F.linear, for a comparison in one process)
-        self.panels = not plain_products and panel.wanted(self.device, self.dtype) and panel.panels_invariant(shapes)
+        self.panel_level = panel.level_for(shapes) if not plain_products and panel.wanted(self.device, self.dtype) \
+            else None
+        self.panels = self.panel_level is not None
         if self.panels:
-            panel.use_panels(model)
+            panel.use_panels(model, self.panel_level)
 
     def attention_near(self, index: int) -> int:
         """The full-attention layer nearest to layer `index` (negative: from the end), the earlier on a tie: where a
@@ -88,6 +90,16 @@ class StagedTarget:
     @property
     def device(self) -> torch.device:
         return self._materialised().device
+
+    @property
+    def exact_rows(self) -> bool:
+        """Whether a row of a k-row forward has the bits of the same row run alone — what lets drafted decoding equal
+        AR. On a CPU that is a property of the kernels chosen above and their self-checks: float32 from panels,
+        bfloat16 through the row-invariant attention and products; a CUDA target's is its own (docs/lossless.md)."""
+        if self.device.type != "cpu":
+            return True
+        return self.panels if self.dtype == torch.float32 else self.row_invariant if self.dtype == torch.bfloat16 \
+            else False
 
     @property
     def dtype(self) -> torch.dtype:
