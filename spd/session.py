@@ -125,6 +125,17 @@ def check_hybrid(spec: DecodeSpec) -> None:
                         "or fewer")
 
 
+def check_exact_rows(method: str, staged: StagedTarget) -> None:
+    """Drafted decoding equals AR only where a row's bits do not depend on the rows beside it; where this CPU's
+    kernels failed their self-check (spd.targets.panel, spd.targets.invariant_attention) it is refused rather than
+    run inexactly."""
+    if METHODS[method].decoder != AR and not staged.exact_rows:
+        raise UserError(f"method={method}: this CPU's {str(staged.dtype).removeprefix('torch.')} products give a row "
+                        "other bits at other row counts (no kernel passed the row check), so drafted decoding could "
+                        "leave AR's tokens; use method=ar (the same tokens), or dtype=float32 with a C++ compiler "
+                        "for the panel kernel")
+
+
 def open_session(cfg) -> Session:
     """Everything a decoding command needs; `cfg` has passed its schema's checks (spd.config.load_config), or is
     any object with the decoding keys (spd.spec.DecodeKeys)."""
@@ -170,6 +181,7 @@ def open_session(cfg) -> Session:
         staged = StagedTarget(loaded.model, n, bounds)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    check_exact_rows(method, staged)
     module = open_module(spec, method, ckpt, path, staged, loaded)
     spec = replace(spec, method=method, draft_length=spec.draft_length or METHODS[method].draft_length,
                    draft_source=spec.draft_source or (METHODS[method].sources or (MODULE,))[0],

@@ -50,3 +50,13 @@ def untied_target_dir(tmp_path_factory):
     save_tiny_target(str(path), "llama", seed=0, tied=False)
     return str(path)
 
+
+
+def pytest_report_header(config):
+    """The CPU's ISA level and the kernel levels this run proves (tests/test_panel.py runs each of them), so a log says
+    which machine's exactness it shows."""
+    from spd.targets import panel
+
+    bf16 = "oneDNN's" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch's own (no oneDNN bfloat16 here)"
+    levels = ", ".join(panel.levels()) or "none (the kernel cannot be built here)"
+    return f"cpu: {torch.backends.cpu.get_cpu_capability()}; float32 panel levels proved: {levels}; bfloat16 products: {bf16}"

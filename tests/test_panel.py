@@ -21,13 +21,11 @@ pytestmark = pytest.mark.skipif(panel.extension() is None, reason="the panel ker
 LEVELS = panel.levels() if panel.extension() is not None else ()
 
 
-def test_the_cpu_runs_the_portable_level_and_what_its_flags_promise():
-    flags = panel._cpu_flags().split()
+def test_the_cpu_runs_the_portable_level_and_what_its_isa_promises():
+    capability = torch.backends.cpu.get_cpu_capability()        # torch's own reading of the CPU: AVX512, AVX2, ...
     assert LEVELS[0] == "portable"
-    if "avx2" in flags and "fma" in flags:
-        assert "avx2" in LEVELS
-    if "avx512f" in flags:
-        assert "avx512" in LEVELS
+    assert "avx2" in LEVELS or capability not in ("AVX2", "AVX512")
+    assert "avx512" in LEVELS or capability != "AVX512"
 
 
 @pytest.mark.parametrize("level", LEVELS)

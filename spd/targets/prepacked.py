@@ -26,7 +26,9 @@ from spd.targets.linears import SwappedLinear
 
 
 def available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """oneDNN with bfloat16 kernels for this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has none)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") and \
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
