@@ -154,3 +154,16 @@ def test_drafted_decoding_through_panels_is_the_targets_own_decoding(family, par
     assert staged.panels and staged.panel_level == level
     kept, verified = priced_drafts_equal_ar(target, staged, params, 90)
     assert 0 < kept < verified            # drafts kept and missed
+
+
+def test_a_session_refuses_drafted_decoding_where_no_level_passes_and_ar_still_runs(monkeypatch):
+    """The self-check's verdict reaches the user: no level passed, so a drafted method is refused in one line before it
+    could decode inexactly, and AR — exact at any row count, it runs one row — still opens."""
+    from spd.config import GenerateConfig, load_config
+    from spd.errors import UserError
+    from spd.session import open_session
+
+    monkeypatch.setattr(panel, "level_for", lambda shapes: None)
+    with pytest.raises(UserError, match="method=lookup: this CPU's float32 products give a row other bits"):
+        open_session(load_config(GenerateConfig, None, ["target=tiny-llama", "method=lookup"]))
+    assert not open_session(load_config(GenerateConfig, None, ["target=tiny-llama", "method=ar"])).staged.panels
