@@ -2,7 +2,8 @@
 overrides and built by the engine exactly as the CLI builds it, take turns on every prompt beside the suite's AR and
 transformers `generate` (plain and with its prompt lookup), greedy and sampled, in one process on this machine.
 
-Arms: `--arm "label: key=value ..."` (repeatable): any method, W, datastore, dtype, runtime (`runtime=distributed
+Arms: `--arm "label: key=value ..."` (repeatable; leading `NAME=value` words in capitals are environment variables
+for that arm's build, e.g. `SPD_PANEL_LEVEL=avx2`): any method, W, datastore, dtype, runtime (`runtime=distributed
 n=2 controller=first_stage` runs its stage processes; each arm decodes with the threads its engine set). `ar:
 method=ar` is always the first arm: every greedy arm is checked token for token against it, and every sampled arm's
 draws against its keyed draws. `--hf generate,lookup` adds transformers' rows (SDPA attention, its own products;
@@ -199,6 +200,30 @@ def batched(engines, sets, temperatures, sizes: list[int], max_new_tokens: int, 
     return rows
 
 
+def arm_environment(overrides: str) -> tuple[dict[str, str], list[str]]:
+    """An arm's leading NAME=value words in capitals are environment variables for its build, as in a shell
+    (`"avx2: SPD_PANEL_LEVEL=avx2 method=ar"`); the rest are its keys."""
+    words, env = overrides.split(), {}
+    while words and words[0].partition("=")[0].isupper() and "=" in words[0]:
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return env, words
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def decode(args, arms, hf, temperatures, records: list[dict], log: str) -> tuple[dict[str, list[str]], list[dict]]:
     """Every arm takes its turns on every prompt not yet in `log` (appended there and to `records`), then with
     --batch the batched rows; returns each set's prompt keys and the batched rows."""
@@ -210,9 +235,10 @@ def decode(args, arms, hf, temperatures, records: list[dict], log: str) -> tuple
         for t in temperatures:
             runs[t], engines[t] = [], []
             for label, overrides in arms:
-                cfg = load_config(GenerateConfig, None, [f"target={args.target}", *overrides.split(),
-                                                         *sampling_keys(t)])
-                engine = stack.enter_context(open_engine(cfg))
+                env, keys = arm_environment(overrides)
+                cfg = load_config(GenerateConfig, None, [f"target={args.target}", *keys, *sampling_keys(t)])
+                with environment(env):          # read while the engine builds its target (SPD_PANEL_LEVEL=avx2)
+                    engine = stack.enter_context(open_engine(cfg))
                 loaded = loaded or engine.session.loaded
                 threads = torch.get_num_threads()      # what the engine set (a distributed arm's controller: its own)
                 engines[t].append((label, engine, threads))

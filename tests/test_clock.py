@@ -1,6 +1,7 @@
 """bench/clock.py's summary: pooled tokens/s per arm over the prompts every arm finished, ratios against AR and the
 fastest plain row, τ for chains, and equality with AR read from the tokens' checksums."""
 
+import os
 import pytest
 
 from bench.clock import by_source, hash_tokens, logged_sets, parse_arm, summarise
@@ -101,3 +102,15 @@ def test_batched_rows_time_each_set_at_every_size_and_check_greedy_answers_again
     assert [(r["arm"], r["max_batch"]) for r in rows] == [("lookup", 1), ("lookup", 4)]   # no batch decoder: no row
     assert without.sizes == [1, 4]
     assert all(r["tokens"] == 3 and r["prompts"] == 2 and r["equal_ar"] == 1 for r in rows)
+
+
+def test_an_arms_leading_capitals_are_its_build_environment(monkeypatch):
+    from bench.clock import arm_environment, environment
+
+    env, keys = arm_environment("SPD_PANEL_LEVEL=avx2 method=suffix W=4")
+    assert env == {"SPD_PANEL_LEVEL": "avx2"} and keys == ["method=suffix", "W=4"]
+    assert arm_environment("method=ar") == ({}, ["method=ar"])
+    monkeypatch.delenv("SPD_PANEL_LEVEL", raising=False)
+    with environment(env):
+        assert os.environ["SPD_PANEL_LEVEL"] == "avx2"
+    assert "SPD_PANEL_LEVEL" not in os.environ
