@@ -2,6 +2,7 @@
 fastest plain row, τ for chains, and equality with AR read from the tokens' checksums."""
 
 import os
+
 import pytest
 
 from bench.clock import by_source, hash_tokens, logged_sets, parse_arm, summarise
