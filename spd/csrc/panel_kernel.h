@@ -1,5 +1,5 @@
 // One ISA level's float32 panel product; spd/csrc/panel_linear.cpp includes this file once per level, inside that
-// level's namespace, after defining:
+// level's namespace, after defining (this file undefines the macros again at its end):
 //   PANEL_TARGET   the function attribute that lets the compiler use the level's instructions here only
 //   LANES, MT      output features a panel holds (one vector) and rows a full tile multiplies
 //   vec, VZERO(), VLOAD(p), VSET1(s), VFMA(a, b, c) (a * b + c), VSTORE(p, v)
@@ -75,3 +75,10 @@ PANEL_TARGET static void product(const float* x, int64_t M, int64_t K, const flo
     }
   });
 }
+
+#undef PANEL_TARGET
+#undef VZERO
+#undef VLOAD
+#undef VSET1
+#undef VFMA
+#undef VSTORE

@@ -39,12 +39,6 @@ typedef __m512 vec;
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #include "panel_kernel.h"
-#undef PANEL_TARGET
-#undef VZERO
-#undef VLOAD
-#undef VSET1
-#undef VFMA
-#undef VSTORE
 }  // namespace avx512
 
 namespace avx2 {
@@ -58,12 +52,6 @@ typedef __m256 vec;
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #include "panel_kernel.h"
-#undef PANEL_TARGET
-#undef VZERO
-#undef VLOAD
-#undef VSET1
-#undef VFMA
-#undef VSTORE
 }  // namespace avx2
 #endif
 
@@ -80,12 +68,6 @@ typedef float vec __attribute__((vector_size(LANES * 4)));
 #define VFMA(a, b, c) ((a) * (b) + (c))
 #define VSTORE(p, v) ({ vec v_ = (v); __builtin_memcpy((p), &v_, sizeof(vec)); })
 #include "panel_kernel.h"
-#undef PANEL_TARGET
-#undef VZERO
-#undef VLOAD
-#undef VSET1
-#undef VFMA
-#undef VSTORE
 }  // namespace portable
 
 enum Level : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
