@@ -51,12 +51,20 @@ def untied_target_dir(tmp_path_factory):
     return str(path)
 
 
-
-def pytest_report_header(config):
-    """The CPU's ISA level and the kernel levels this run proves (tests/test_panel.py runs each of them), so a log says
-    which machine's exactness it shows."""
+def _machine_line() -> str:
     from spd.targets import panel
 
     bf16 = "oneDNN's" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch's own (no oneDNN bfloat16 here)"
     levels = ", ".join(panel.levels()) or "none (the kernel cannot be built here)"
     return f"cpu: {torch.backends.cpu.get_cpu_capability()}; float32 panel levels proved: {levels}; bfloat16 products: {bf16}"
+
+
+def pytest_report_header(config):
+    """The CPU's ISA level and the kernel levels this run proves (tests/test_panel.py runs each of them), so a log says
+    which machine's exactness it shows."""
+    return _machine_line()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The same line at the end, which `-q` (the README's command) shows where it hides the header."""
+    terminalreporter.write_line(_machine_line())
