@@ -126,14 +126,13 @@ def check_hybrid(spec: DecodeSpec) -> None:
 
 
 def check_exact_rows(method: str, staged: StagedTarget) -> None:
-    """Drafted decoding equals AR only where a row's bits do not depend on the rows beside it; where this CPU's
-    kernels failed their self-check (spd.targets.panel, spd.targets.invariant_attention) it is refused rather than
-    run inexactly."""
-    if METHODS[method].decoder != AR and not staged.exact_rows:
-        raise UserError(f"method={method}: this CPU's {str(staged.dtype).removeprefix('torch.')} products give a row "
-                        "other bits at other row counts (no kernel passed the row check), so drafted decoding could "
-                        "leave AR's tokens; use method=ar (the same tokens), or dtype=float32 with a C++ compiler "
-                        "for the panel kernel")
+    """Drafted decoding equals AR only where a row's bits do not depend on the rows beside it; a float32 CPU target
+    whose panel kernel failed its self-check at every level (spd.targets.panel) is refused rather than run inexactly
+    (bfloat16 whose products fail their check is warned by StagedTarget, as a reduced-precision choice)."""
+    if METHODS[method].decoder != AR and staged.dtype == torch.float32 and not staged.exact_rows:
+        raise UserError(f"method={method}: this CPU's float32 products give a row other bits at other row counts (no "
+                        "panel kernel level passed the row check), so drafted decoding could leave AR's tokens; use "
+                        "method=ar (the same tokens), or install a C++ compiler for the panel kernel")
 
 
 def open_session(cfg) -> Session:
