@@ -39,6 +39,7 @@ import platform
 import sys
 import time
 import zlib
+from unittest import mock
 
 import torch
 from tqdm import tqdm
@@ -210,18 +211,9 @@ def arm_environment(overrides: str) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
-@contextlib.contextmanager
 def environment(env: dict[str, str]):
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    """os.environ with `env` set while the context is open, as it was afterwards."""
+    return mock.patch.dict(os.environ, env)
 
 
 def decode(args, arms, hf, temperatures, records: list[dict], log: str) -> tuple[dict[str, list[str]], list[dict]]:

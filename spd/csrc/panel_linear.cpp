@@ -70,7 +70,7 @@ typedef float vec __attribute__((vector_size(LANES * 4)));
 #include "panel_kernel.h"
 }  // namespace portable
 
-enum Level : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
+enum Level : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };   // spd.targets.panel.LEVELS' indices
 
 static int lanes_of(int64_t level) { return level == AVX512 ? 16 : 8; }
 
@@ -128,6 +128,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("levels", &levels);
   m.def("pack", &pack);
   m.def("linear", &linear);
-  m.attr("level_ids") = pybind11::dict(pybind11::arg("portable") = 0, pybind11::arg("avx2") = 1,
-                                       pybind11::arg("avx512") = 2);
 }
