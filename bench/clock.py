@@ -44,6 +44,7 @@ from unittest import mock
 import torch
 from tqdm import tqdm
 
+from bench.llama_cpp import llama_run
 from bench.prompt_sets import REPEAT_SPAN, prompt_set, repeating
 from bench.turns import hf_run, rotated, seed_of
 from spd.config import GenerateConfig, load_config
@@ -54,7 +55,8 @@ from spd.targets.row_costs import _cpu_name
 
 AR_ARM = ("ar", "method=ar")
 HF_LABELS = {"generate": "hf_generate", "lookup": "hf_prompt_lookup"}     # --hf
-PLAIN = ("ar", "hf_generate")
+LLAMA_LABELS = {"plain": "llama_cpp", "lookup": "llama_cpp_lookup"}       # --llama
+PLAIN = ("ar", "hf_generate", "llama_cpp")
 
 
 def sampling_keys(temperature: float) -> list[str]:
@@ -216,7 +218,8 @@ def environment(env: dict[str, str]):
     return mock.patch.dict(os.environ, env)
 
 
-def decode(args, arms, hf, temperatures, records: list[dict], log: str) -> tuple[dict[str, list[str]], list[dict]]:
+def decode(args, arms, hf, llama, temperatures, records: list[dict],
+           log: str) -> tuple[dict[str, list[str]], list[dict]]:
     """Every arm takes its turns on every prompt not yet in `log` (appended there and to `records`), then with
     --batch the batched rows; returns each set's prompt keys and the batched rows."""
     done = {(r["temperature"], r["key"], r["arm"]) for r in records}
@@ -239,6 +242,11 @@ def decode(args, arms, hf, temperatures, records: list[dict], log: str) -> tuple
                 hf_decode = hf_run(loaded.model, loaded.tokenizer.pad_token_id or 0, t, args.max_new_tokens,
                                    args.hf_lookup_tokens if h == "lookup" else None)
                 runs[t].append((HF_LABELS[h], lambda key, ids, hf_decode=hf_decode: (hf_decode(key, ids), {})))
+            for kind in llama:      # at AR's thread count (the first arm's)
+                llama_decode = llama_run(args.target, kind, engines[t][0][2], t, args.max_new_tokens,
+                                         set(engines[t][0][1].session.eos_ids), seed_of)
+                runs[t].append((LLAMA_LABELS[kind],
+                                lambda key, ids, llama_decode=llama_decode: (llama_decode(key, ids), {})))
         sets = {name: prompt_set(name, args, loaded.tokenizer) for name in args.sets.split(",")}
         # the sets' prompts alternate, each at every temperature, so a run cut short covers every cell alike
         prompts = [p for group in itertools.zip_longest(*sets.values()) for p in group if p is not None]
@@ -289,6 +297,8 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--hf", default="", help="transformers rows: generate and/or lookup (comma-separated)")
     ap.add_argument("--hf-lookup-tokens", type=int, default=8)
+    ap.add_argument("--llama", default="", help="llama.cpp rows on the same GGUF: plain and/or lookup (its prompt "
+                    "lookup speculation); needs the peers extra")
     ap.add_argument("--sets", default="eval,everyday")
     ap.add_argument("--limit", type=int, default=10, help="first prompts of each eval set")
     ap.add_argument("--everyday-limit", type=int, default=30)
@@ -307,7 +317,10 @@ def main() -> int:
     hf = [h for h in args.hf.split(",") if h]
     if set(hf) - set(HF_LABELS):
         raise SystemExit(f"--hf {args.hf!r}: use generate and/or lookup")
-    labels = [label for label, _ in arms] + [HF_LABELS[h] for h in hf]
+    llama = [k for k in args.llama.split(",") if k]
+    if set(llama) - set(LLAMA_LABELS):
+        raise SystemExit(f"--llama {args.llama!r}: use plain and/or lookup")
+    labels = [label for label, _ in arms] + [HF_LABELS[h] for h in hf] + [LLAMA_LABELS[k] for k in llama]
 
     log = os.path.splitext(args.out)[0] + ".jsonl"
     records = []
@@ -315,7 +328,8 @@ def main() -> int:
         with open(log) as f:
             records = [json.loads(line) for line in f if line.strip()]
 
-    keys, batch_rows = (logged_sets(records), []) if args.report else decode(args, arms, hf, temperatures, records, log)
+    keys, batch_rows = (logged_sets(records), []) if args.report else decode(args, arms, hf, llama, temperatures,
+                                                                            records, log)
     rows = summarise(records, labels, keys, temperatures)
     per_source = summarise(records, labels, by_source(keys), temperatures)
     write_json(args.out, {"machine": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,

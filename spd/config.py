@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spd.runtime import RUNTIMES, runtime   # torch-free packages: the names and capabilities only
-from spd.targets import DTYPE_NAMES
+from spd.targets import DTYPE_NAMES, WEIGHT_NAMES
+from spd.targets.source import resolve_source
 from spd.errors import UserError
 from spd.methods import AR, DECODING_METHODS, LOOKUP_MODULE, METHOD_KEYS, METHODS, MODULE, PIPELINE, own_keys
 from spd.spec import DecodeKeys
@@ -181,12 +182,25 @@ def check_tree(cfg) -> None:
         raise UserError(f"W={cfg.W}: draft trees need a drafting method; add method= one of {trees}, or use W=1")
 
 
+def check_blocks(cfg) -> None:
+    """weights=q4 multiplies a GGUF file's own blocks, in float32 rows, on a CPU (spd.targets.blocks)."""
+    if not resolve_source(cfg.target).gguf_file:
+        raise UserError(f"weights=q4 multiplies a GGUF file's own 4- and 8-bit blocks; target={cfg.target} is not a "
+                        ".gguf file: use weights=float32 or a .gguf target")
+    if cfg.dtype != "float32" or cfg.device != "cpu":
+        raise UserError(f"weights=q4 runs float32 rows on a CPU (dtype={cfg.dtype}, device={cfg.device} asked); "
+                        "set dtype=float32 device=cpu or use weights=float32")
+
+
 def check_decoding(cfg) -> None:
     """The keys every decoding command shares (spd.spec.DecodeKeys: generate, chat, serve, eval): what can be refused
     before any model loads."""
     if cfg.method is not None:
         one_of(cfg, "method", DECODING_METHODS)
     one_of(cfg, "dtype", DTYPE_NAMES)
+    one_of(cfg, "weights", WEIGHT_NAMES)
+    if cfg.weights == "q4":
+        check_blocks(cfg)
     one_of(cfg, "runtime", tuple(RUNTIMES))
     one_of(cfg, "controller", CONTROLLERS)
     if not DEVICE.match(cfg.device):

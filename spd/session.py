@@ -167,9 +167,10 @@ def open_session(cfg) -> Session:
         caches.cache_dir = materialize(spec.target, dtype)  # the stages load their own layers from it; never the whole model here
         # the controller holds no layer, but PipeDec's draft model (the first draft_layers) runs here
         drafted = range(spec.draft_layers) if drafts_with_model else range(0)
-        loaded = load_parts(caches.cache_dir, drafted, embed=True, head=True, dtype=dtype, device=rt.device)
+        loaded = load_parts(caches.cache_dir, drafted, embed=True, head=True, dtype=dtype, device=rt.device,
+                            weights=rt.weights)
     else:
-        loaded = load_target(spec.target, dtype, rt.device)
+        loaded = load_target(spec.target, dtype, rt.device, rt.weights)
     if ckpt:
         check_target(path, ckpt, loaded)  # before n and bounds: a foreign checkpoint is the real problem
     num_layers = loaded.model.config.num_hidden_layers

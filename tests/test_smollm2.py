@@ -270,3 +270,27 @@ def test_the_answers_corpus_holds_the_targets_greedy_answers_and_resumes(smollm2
         runpy.run_path(script, run_name="__main__")
     more, _ = load_documents(str(out))
     assert [doc.tolist() for doc in more[:3]] == documents and len(more) == 4 and len(submitted) == 2
+
+
+def test_weights_q4_multiplies_the_ggufs_blocks_and_is_the_float32_target(capsys, smollm2):
+    """weights=q4: the GGUF's own Q4_1 blocks (and the Q8_0 head) multiplied without a float32 copy being read, with
+    the float32 target's bits — a 13-row forward's logits bit for bit — so the default and SPD over the blocks
+    decode float32 AR's tokens."""
+    from spd.targets import panel
+
+    q4 = load_target("smollm2", weights="q4")
+    staged, plain = StagedTarget(q4.model, 1), StagedTarget(smollm2.model, 1)
+    assert staged.weights == "q4" and plain.weights == "float32"
+    linears = [m for m in q4.model.modules() if isinstance(m, panel.PanelLinear)]
+    assert len(linears) == 211 and all(m.__dict__["_panels"][5] in (4, 8) for m in linears)
+    ids = torch.tensor([chat_prompt_ids(smollm2.tokenizer, "What is 12*7?")[:13]])
+    out, _ = staged.forward_all(ids, staged.new_cache(), 0)
+    ref, _ = plain.forward_all(ids, plain.new_cache(), 0)
+    assert torch.equal(staged.logits(out[0]), plain.logits(ref[0]))
+    common = ["generate", "prompt=Give me three tips for keeping houseplants alive.", "max_new_tokens=48",
+              "json=true", "dtype=float32"]
+    answers = {}
+    for extra in (["method=ar"], ["method=ar", "weights=q4"], ["weights=q4"], ["weights=q4", "method=spd"]):
+        assert main([*common, *extra]) == 0
+        answers[" ".join(extra)] = json.loads(capsys.readouterr().out)["token_ids"]
+    assert len(set(map(tuple, answers.values()))) == 1, answers

@@ -1,8 +1,10 @@
-// One ISA level's float32 panel product; spd/csrc/panel_linear.cpp includes this file once per level, inside that
-// level's namespace, after defining (this file undefines the macros again at its end):
+// One ISA level's panel products; spd/csrc/panel_linear.cpp includes this file once per level, inside that level's
+// namespace, after defining (this file undefines the macros again at its end):
 //   PANEL_TARGET   the function attribute that lets the compiler use the level's instructions here only
 //   LANES, MT      output features a panel holds (one vector) and rows a full tile multiplies
-//   vec, VZERO(), VLOAD(p), VSET1(s), VFMA(a, b, c) (a * b + c), VSTORE(p, v)
+//   vec, VZERO(), VLOAD(p), VSET1(s), VFMA(a, b, c) (a * b + c), VMUL, VADD, VSTORE(p, v)
+//   VNIB(p, s)     LANES 32-bit words at p, each shifted right by s and masked to its low 4 bits, as floats
+//   VI8(p)         LANES signed bytes at p as floats
 //
 // Why the order is fixed by this code and not by the compiler: the translation unit is built with
 // -ffp-contract=off and without -march=native, so a multiply-add is fused exactly where VFMA says (an intrinsic on
@@ -12,25 +14,83 @@
 //
 // Every output element is then the same sequence of operations whatever the row count: blocks of KB inputs in
 // order, each summed in order by VFMA into a fresh accumulator, the blocks added in order (scalar adds).
+//
+// The weights come in three formats (the Weights structs below), read the same way: a group of inputs at a time,
+// one vector of LANES weights per input. A quantized weight is expanded to float32 as GGUF's reference dequantizer
+// does it — q * d, then + m, each rounded — so a 4-bit panel gives the bits the float32 panel of the dequantized
+// weight gives, while a one-row product reads ~5 bits a weight instead of 32.
 
-template <int P, int R>
-PANEL_TARGET static inline void tile(const float* __restrict x, int64_t K, const float* __restrict panel,
+struct F32 {
+  // panels [P, K, LANES] float32
+  static constexpr int64_t GROUP = KB;
+  struct group { const float* w; };
+  static int64_t stride(int64_t K) { return K * LANES * 4; }                      // bytes a panel
+  PANEL_TARGET static inline group at(const uint8_t* panel, int64_t k) {
+    return {reinterpret_cast<const float*>(panel) + k * LANES};
+  }
+  PANEL_TARGET static inline vec weight(const group& g, int64_t t) { return VLOAD(g.w + t * LANES); }
+  PANEL_TARGET static inline const void* ahead(const group& g, int64_t t) { return g.w + (t + PREFETCH) * LANES; }
+};
+
+struct Q4 {
+  // panels [P, K / 32, 24 * LANES] bytes: per block of 32 inputs, d [LANES] float32, m [LANES] float32, then 4 rows
+  // of LANES 32-bit words; word u of a feature holds inputs 8u .. 8u + 7 of the block, input 8u + j in bits 4j ..
+  // 4j + 3 (one load serves 8 inputs, each a shift, a mask and a conversion; GGUF's Q4_1: w = q * d + m)
+  static constexpr int64_t GROUP = 32;
+  struct group { vec d, m; const uint32_t* q; };
+  static int64_t stride(int64_t K) { return K / 32 * 24 * LANES; }
+  PANEL_TARGET static inline group at(const uint8_t* panel, int64_t k) {
+    const uint8_t* block = panel + k / 32 * 24 * LANES;
+    const float* scales = reinterpret_cast<const float*>(block);
+    return {VLOAD(scales), VLOAD(scales + LANES), reinterpret_cast<const uint32_t*>(block + 8 * LANES)};
+  }
+  PANEL_TARGET static inline vec weight(const group& g, int64_t t) {
+    return VADD(VMUL(VNIB(g.q + (t >> 3) * LANES, (t & 7) * 4), g.d), g.m);
+  }
+  PANEL_TARGET static inline const void* ahead(const group& g, int64_t t) { return g.q + (t / 8 + 16) * LANES; }
+};
+
+struct Q8 {
+  // panels [P, K / 32, 36 * LANES] bytes: per block of 32 inputs, d [LANES] float32, then 32 rows of LANES signed
+  // bytes (GGUF's Q8_0: w = q * d)
+  static constexpr int64_t GROUP = 32;
+  struct group { vec d; const int8_t* q; };
+  static int64_t stride(int64_t K) { return K / 32 * 36 * LANES; }
+  PANEL_TARGET static inline group at(const uint8_t* panel, int64_t k) {
+    const uint8_t* block = panel + k / 32 * 36 * LANES;
+    return {VLOAD(reinterpret_cast<const float*>(block)), reinterpret_cast<const int8_t*>(block + 4 * LANES)};
+  }
+  PANEL_TARGET static inline vec weight(const group& g, int64_t t) { return VMUL(VI8(g.q + t * LANES), g.d); }
+  PANEL_TARGET static inline const void* ahead(const group& g, int64_t t) { return g.q + (t + 128) * LANES; }
+};
+
+template <class W, int P, int R>
+PANEL_TARGET static inline void tile(const float* __restrict x, int64_t K, const uint8_t* __restrict panel,
                                      float* __restrict y, int64_t N, int64_t n0) {
-  // R rows of x [R, K] against P panels [P, K, LANES] -> y[:R, n0 : n0 + P * LANES] (clipped at N)
+  // R rows of x [R, K] against P panels -> y[:R, n0 : n0 + P * LANES] (clipped at N)
+  const int64_t stride = W::stride(K);
   float out[P][R][LANES];
   for (int64_t k0 = 0; k0 < K; k0 += KB) {
     const int64_t k1 = std::min(K, k0 + KB);
     vec acc[P][R];
     for (int i = 0; i < P; ++i)
       for (int j = 0; j < R; ++j) acc[i][j] = VZERO();
-    for (int64_t k = k0; k < k1; ++k) {
-      vec w[P];
-      for (int i = 0; i < P; ++i) w[i] = VLOAD(panel + (i * K + k) * LANES);
-      // the hardware prefetcher alone leaves several rows' products waiting on memory (-10..20% at 4..16 rows)
-      for (int i = 0; i < P; ++i) __builtin_prefetch(panel + (i * K + k + PREFETCH) * LANES);
-      for (int j = 0; j < R; ++j) {
-        const vec xs = VSET1(x[j * K + k]);
-        for (int i = 0; i < P; ++i) acc[i][j] = VFMA(w[i], xs, acc[i][j]);
+    for (int64_t g0 = k0; g0 < k1; g0 += W::GROUP) {
+      typename W::group g[P];
+      for (int i = 0; i < P; ++i) g[i] = W::at(panel + i * stride, g0);
+      // a quantized group is always whole (K is a multiple of 32): a fixed count the compiler unrolls, so each
+      // input's shift is a constant
+      const int64_t width = W::GROUP == 32 ? 32 : std::min(k1 - g0, W::GROUP);
+#pragma GCC unroll 32
+      for (int64_t t = 0; t < width; ++t) {
+        vec w[P];
+        for (int i = 0; i < P; ++i) w[i] = W::weight(g[i], t);
+        // the hardware prefetcher alone leaves several rows' products waiting on memory (-10..20% at 4..16 rows)
+        for (int i = 0; i < P; ++i) __builtin_prefetch(W::ahead(g[i], t));
+        for (int j = 0; j < R; ++j) {
+          const vec xs = VSET1(x[j * K + g0 + t]);
+          for (int i = 0; i < P; ++i) acc[i][j] = VFMA(w[i], xs, acc[i][j]);
+        }
       }
     }
     for (int i = 0; i < P; ++i)
@@ -46,34 +106,45 @@ PANEL_TARGET static inline void tile(const float* __restrict x, int64_t K, const
   }
 }
 
-template <int P, int R>
-PANEL_TARGET static inline void remainder(int64_t r, const float* x, int64_t K, const float* panel, float* y,
+template <class W, int P, int R>
+PANEL_TARGET static inline void remainder(int64_t r, const float* x, int64_t K, const uint8_t* panel, float* y,
                                           int64_t N, int64_t n0) {
   // the r < MT rows left after the full tiles, as one tile of exactly r rows
   if constexpr (R < MT) {
-    if (r == R) tile<P, R>(x, K, panel, y, N, n0);
-    else remainder<P, R + 1>(r, x, K, panel, y, N, n0);
+    if (r == R) tile<W, P, R>(x, K, panel, y, N, n0);
+    else remainder<W, P, R + 1>(r, x, K, panel, y, N, n0);
   }
 }
 
-template <int P>
-PANEL_TARGET static void rows(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t N,
+template <class W, int P>
+PANEL_TARGET static void rows(const float* x, int64_t M, int64_t K, const uint8_t* panel, float* y, int64_t N,
                               int64_t n0) {
   int64_t m = 0;
-  for (; m + MT <= M; m += MT) tile<P, MT>(x + m * K, K, panel, y + m * N, N, n0);
-  if (m < M) remainder<P, 1>(M - m, x + m * K, K, panel, y + m * N, N, n0);
+  for (; m + MT <= M; m += MT) tile<W, P, MT>(x + m * K, K, panel, y + m * N, N, n0);
+  if (m < M) remainder<W, P, 1>(M - m, x + m * K, K, panel, y + m * N, N, n0);
 }
 
-PANEL_TARGET static void product(const float* x, int64_t M, int64_t K, const float* panels, int64_t P, float* y,
+template <class W>
+PANEL_TARGET static void product(const float* x, int64_t M, int64_t K, const uint8_t* panels, int64_t P, float* y,
                                  int64_t N) {
-  // x [M, K] times panels [P, K, LANES] -> y [M, N]; threads take tiles of NP panels
+  // x [M, K] times P panels -> y [M, N]; threads take tiles of NP panels
+  const int64_t stride = W::stride(K);
   at::parallel_for(0, (P + NP - 1) / NP, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t p = t * NP;
-      if (p + NP <= P) rows<NP>(x, M, K, panels + p * K * LANES, y, N, p * LANES);
-      else rows<1>(x, M, K, panels + p * K * LANES, y, N, p * LANES);
+      if (p + NP <= P) rows<W, NP>(x, M, K, panels + p * stride, y, N, p * LANES);
+      else rows<W, 1>(x, M, K, panels + p * stride, y, N, p * LANES);
     }
   });
+}
+
+PANEL_TARGET static void multiply(int64_t format, const float* x, int64_t M, int64_t K, const uint8_t* panels,
+                                  int64_t P, float* y, int64_t N) {
+  switch (format) {
+    case 0: product<F32>(x, M, K, panels, P, y, N); break;
+    case 1: product<Q4>(x, M, K, panels, P, y, N); break;
+    default: product<Q8>(x, M, K, panels, P, y, N); break;
+  }
 }
 
 #undef PANEL_TARGET
@@ -81,4 +152,8 @@ PANEL_TARGET static void product(const float* x, int64_t M, int64_t K, const flo
 #undef VLOAD
 #undef VSET1
 #undef VFMA
+#undef VMUL
+#undef VADD
+#undef VNIB
+#undef VI8
 #undef VSTORE

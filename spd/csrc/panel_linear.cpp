@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,11 @@ typedef __m512 vec;
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VSET1(s) _mm512_set1_ps(s)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VNIB(p, s) _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32( \
+    _mm512_loadu_si512(reinterpret_cast<const void*>(p)), s), _mm512_set1_epi32(15)))
+#define VI8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #include "panel_kernel.h"
 }  // namespace avx512
@@ -50,6 +56,11 @@ typedef __m256 vec;
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VSET1(s) _mm256_set1_ps(s)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VNIB(p, s) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32( \
+    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), s), _mm256_set1_epi32(15)))
+#define VI8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #include "panel_kernel.h"
 }  // namespace avx2
@@ -62,10 +73,18 @@ namespace portable {
 constexpr int LANES = 8;
 constexpr int MT = 4;
 typedef float vec __attribute__((vector_size(LANES * 4)));
+typedef int32_t ivec __attribute__((vector_size(LANES * 4)));
+typedef uint32_t uvec __attribute__((vector_size(LANES * 4)));
+typedef int8_t i8vec __attribute__((vector_size(LANES)));
 #define VZERO() ((vec){})
 #define VLOAD(p) ({ vec v_; __builtin_memcpy(&v_, (p), sizeof(vec)); v_; })
 #define VSET1(s) ((vec){} + (s))
 #define VFMA(a, b, c) ((a) * (b) + (c))
+#define VMUL(a, b) ((a) * (b))
+#define VADD(a, b) ((a) + (b))
+#define VNIB(p, s) ({ uvec w_; __builtin_memcpy(&w_, (p), sizeof(uvec)); \
+    __builtin_convertvector((ivec)((w_ >> (s)) & 15u), vec); })
+#define VI8(p) ({ i8vec b_; __builtin_memcpy(&b_, (p), LANES); __builtin_convertvector(b_, vec); })
 #define VSTORE(p, v) ({ vec v_ = (v); __builtin_memcpy((p), &v_, sizeof(vec)); })
 #include "panel_kernel.h"
 }  // namespace portable
@@ -95,26 +114,24 @@ torch::Tensor pack(const torch::Tensor& weight, int64_t level) {
   return padded.view({P, lanes, K}).permute({0, 2, 1}).contiguous();
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
-                     const c10::optional<torch::Tensor>& bias, int64_t level) {
-  // x [..., K] -> [..., N]
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && panels.scalar_type() == torch::kFloat32, "float32 only");
-  const int64_t lanes = lanes_of(level);
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == lanes && panels.size(1) == x.size(-1), "panels do not fit x");
+static torch::Tensor multiply_at(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                                 const c10::optional<torch::Tensor>& bias, int64_t level, int64_t format) {
+  // x [..., K] -> [..., N]; panels in `format` (0: float32, 1: 4-bit blocks, 2: 8-bit blocks; panel_kernel.h)
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "float32 rows only");
   auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
-  const int64_t M = x2.size(0), K = x2.size(1), P = panels.size(0);
+  const int64_t lanes = lanes_of(level), M = x2.size(0), K = x2.size(1), P = panels.size(0);
   TORCH_CHECK(P * lanes >= N && N > (P - 1) * lanes, "panels do not hold N outputs");
   auto y = torch::empty({M, N}, x2.options());
   const float* xp = x2.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
+  const uint8_t* pp = static_cast<const uint8_t*>(panels.data_ptr());
   float* yp = y.data_ptr<float>();
   if (M > 0) {
     switch (level) {
 #if PANEL_X86
-      case AVX512: avx512::product(xp, M, K, pp, P, yp, N); break;
-      case AVX2: avx2::product(xp, M, K, pp, P, yp, N); break;
+      case AVX512: avx512::multiply(format, xp, M, K, pp, P, yp, N); break;
+      case AVX2: avx2::multiply(format, xp, M, K, pp, P, yp, N); break;
 #endif
-      case PORTABLE: portable::product(xp, M, K, pp, P, yp, N); break;
+      case PORTABLE: portable::multiply(format, xp, M, K, pp, P, yp, N); break;
       default: TORCH_CHECK(false, "no such level in this build: ", level);
     }
   }
@@ -124,8 +141,29 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_
   return y.view(shape);
 }
 
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                     const c10::optional<torch::Tensor>& bias, int64_t level) {
+  // x [..., K] times float32 panels [P, K, LANES] -> [..., N]
+  TORCH_CHECK(panels.scalar_type() == torch::kFloat32 && panels.is_contiguous(), "float32 panels");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == lanes_of(level) && panels.size(1) == x.size(-1),
+              "panels do not fit x");
+  return multiply_at(x, panels, N, bias, level, 0);
+}
+
+torch::Tensor linear_blocks(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                            const c10::optional<torch::Tensor>& bias, int64_t level, int64_t bits) {
+  // x [..., K] times quantized panels [P, K / 32, bytes a block] (bits 4 or 8) -> [..., N]
+  TORCH_CHECK(bits == 4 || bits == 8, "4- or 8-bit blocks");
+  TORCH_CHECK(panels.scalar_type() == torch::kUInt8 && panels.is_contiguous() && panels.dim() == 3, "byte panels");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K % 32 == 0 && panels.size(1) == K / 32 &&
+              panels.size(2) == (bits == 4 ? 24 : 36) * lanes_of(level), "panels do not fit x");
+  return multiply_at(x, panels, N, bias, level, bits == 4 ? 1 : 2);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("levels", &levels);
   m.def("pack", &pack);
   m.def("linear", &linear);
+  m.def("linear_blocks", &linear_blocks);
 }

@@ -10,10 +10,14 @@ from spd.targets.source import DEFAULT_TARGET, resolve_source
 from spd.targets.weight_cache import load_parts, materialize
 
 
-def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedTarget:
-    """`spec` is "smollm2", a directory with config.json, a .gguf file path, or tiny-<family>."""
-    if spec.startswith("tiny-"):  # built in memory in an instant: nothing to cache
+def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                weights: str = "float32") -> LoadedTarget:
+    """`spec` is "smollm2", a directory with config.json, a .gguf file path, or tiny-<family>. weights="q4": a GGUF
+    target's products from the file's own 4- and 8-bit blocks (spd.targets.blocks)."""
+    if spec.startswith("tiny-"):  # built in memory in an instant: nothing to cache (and no blocks: weights=q4 is
+        # refused for it before anything loads)
         loaded = read_source(resolve_source(spec), dtype)
         loaded.model.to(device)
         return loaded
-    return load_parts(materialize(spec, dtype), None, embed=True, head=True, dtype=dtype, device=device)
+    return load_parts(materialize(spec, dtype), None, embed=True, head=True, dtype=dtype, device=device,
+                      weights=weights)

@@ -47,6 +47,7 @@ SOURCES = (SOURCE, CSRC / "panel_kernel.h")
 PLAIN_ENV = "SPD_PLAIN_PRODUCTS"     # set to 1: float32 targets keep F.linear (for comparisons)
 LEVEL_ENV = "SPD_PANEL_LEVEL"        # portable | avx2 | avx512: multiply at this level (for comparisons and tests)
 LEVELS = ("portable", "avx2", "avx512")     # lowest first; the build's ids are their indices
+LANES = {"portable": 8, "avx2": 8, "avx512": 16}   # output features a panel holds at each level
 # shapes whose products reach every tile and remainder of every level (up to 17 rows), tails of a panel and of a
 # block of inputs included: checked beside the target's own
 CHECK_SHAPES = ((37, 100), (64, 8), (130, 33), (576, 40))
@@ -140,20 +141,34 @@ def product(x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tenso
     return extension().linear(x, panels, n_out, bias, LEVELS.index(level))
 
 
+def product_blocks(x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None, level: str,
+                   bits: int) -> torch.Tensor:
+    """x [..., K] times a GGUF weight's blocks packed for `level` (spd.targets.blocks.pack; bits 4 or 8)."""
+    return extension().linear_blocks(x, panels, n_out, bias, LEVELS.index(level), bits)
+
+
 def _usable(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.requires_grad
 
 
-def panels_of(module: torch.nn.Linear) -> tuple[torch.Tensor, int] | None:
-    """The module's panels and level id, packed again if its weight changed since; None where they cannot be used."""
+def panels_of(module: torch.nn.Linear) -> tuple[torch.Tensor, int, int] | None:
+    """The module's panels, level id and bits (0: float32 panels; 4 or 8: a GGUF weight's own blocks,
+    spd.targets.blocks), packed again if its weight changed since; None where they cannot be used."""
     weight, level = module.weight, module.__dict__.get("_panel_level")
     if level is None or not _usable(weight):
         return None
     held = module.__dict__.get("_panels")
     if held is None or held[0] is not weight or held[1] != weight._version or held[3] != level:
-        held = weight, weight._version, pack(weight, level), level, LEVELS.index(level)
+        quantized = module.__dict__.get("_blocks")
+        if quantized is not None and quantized[1] == weight._version:    # blocks of the weight as it was loaded
+            from spd.targets.blocks import pack as pack_blocks
+
+            panels, bits = pack_blocks(quantized[0], LANES[level])
+        else:
+            panels, bits = pack(weight, level), 0
+        held = weight, weight._version, panels, level, LEVELS.index(level), bits
         module.__dict__["_panels"] = held      # beside the parameters: no state dict entry
-    return held[2], held[4]
+    return held[2], held[4], held[5]
 
 
 class PanelLinear(SwappedLinear):
@@ -165,9 +180,11 @@ class PanelLinear(SwappedLinear):
         if held is None or held[0] is not weight or held[1] != weight._version:
             packed = panels_of(self)
         else:
-            packed = held[2], held[4]
+            packed = held[2], held[4], held[5]
         if packed is None or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
             return F.linear(x, weight, self.bias)
+        if packed[2]:
+            return _EXT.linear_blocks(x, packed[0], weight.shape[0], self.bias, packed[1], packed[2])
         return _EXT.linear(x, packed[0], weight.shape[0], self.bias, packed[1])
 
 
@@ -192,14 +209,30 @@ def _verdict_file() -> Path:
     return Path(cache_root()) / "panel_checks" / f"{machine}.json"
 
 
+def _ones_blocks(d_out: int, d_in: int, bits: int) -> dict[str, torch.Tensor]:
+    # a weight of ones as GGUF blocks (q = 1, d = 1, m = 0), in spd.targets.blocks' layout
+    groups = d_in // 32
+    ones = {"d": torch.ones(d_out, groups)}
+    if bits == 8:
+        return ones | {"q8": torch.ones(d_out, groups, 32, dtype=torch.int8)}
+    word = sum(1 << (4 * j) for j in range(8))
+    return ones | {"m": torch.zeros(d_out, groups), "q": torch.full((d_out, groups, 4), word, dtype=torch.int32)}
+
+
 def _check(level: str, shapes: tuple[tuple[int, int], ...], rows: int) -> bool:
+    from spd.targets.blocks import pack as pack_blocks
     from spd.targets.invariant_attention import same_bits_at_every_row_count
 
-    def product_for(d_in: int, d_out: int):
+    def product_for(d_in: int, d_out: int, bits: int):
+        if bits:
+            panels, _ = pack_blocks(_ones_blocks(d_out, d_in, bits), LANES[level])
+            return lambda x, w: product_blocks(x.float(), panels, d_out, None, level, bits)
         panels = pack(torch.ones(d_out, d_in), level)
         return lambda x, w: product(x.float(), panels, d_out, None, level)
 
-    return all(same_bits_at_every_row_count(i, o, product_for(i, o), rows) for i, o in shapes)
+    # float32 panels at every shape; a GGUF's 4- and 8-bit blocks where the inputs come in whole blocks of 32
+    return all(same_bits_at_every_row_count(i, o, product_for(i, o, bits), rows)
+               for i, o in shapes for bits in ((0, 4, 8) if i % 32 == 0 else (0,)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -210,7 +243,7 @@ def panels_invariant(shapes: tuple[tuple[int, int], ...], level: str, rows: int 
     if level not in levels():
         return False
     shapes = tuple(sorted(set(shapes) | set(CHECK_SHAPES)))
-    key = f"{level} {rows} {shapes}"
+    key = f"{level} {rows} {shapes} blocks"
     path = _verdict_file()
     try:
         verdicts = json.loads(path.read_text())

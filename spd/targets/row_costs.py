@@ -50,6 +50,8 @@ def machine_key(staged: StagedTarget) -> str:
         payload.append("prepacked")
     if getattr(staged, "panels", False):        # another curve (spd.targets.panel), each version of the kernel its own
         payload.append(f"panels {panel.source_key()} {staged.panel_level}")   # each ISA level its own curve
+    if getattr(staged, "weights", "float32") != "float32":   # another curve: a GGUF's blocks (spd.targets.blocks)
+        payload.append(f"weights {staged.weights}")
     if getattr(staged, "packed_gqa", False):    # another curve (spd.targets.gqa_attention): no K/V copies past 1 row
         payload.append("packed gqa")
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]

@@ -68,6 +68,9 @@ class StagedTarget:
         self.panels = self.panel_level is not None
         if self.panels:
             panel.use_panels(model, self.panel_level)
+        # what the products read: a GGUF's own blocks where the loader attached them (spd.targets.blocks; the panel
+        # kernel multiplies them, so without panels they go unread)
+        self.weights = "q4" if self.panels and any("_blocks" in m.__dict__ for m in model.modules()) else "float32"
 
     def attention_near(self, index: int) -> int:
         """The full-attention layer nearest to layer `index` (negative: from the end), the earlier on a tie: where a

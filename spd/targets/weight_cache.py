@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.initialization import no_init_weights
 
 from spd.errors import UserError
+from spd.targets import blocks
 from spd.targets.loaded import LoadedTarget, note_language_model, read_source
 from spd.targets.source import Source, resolve_source
 
@@ -162,10 +163,28 @@ def _discard(path: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def ensure_blocks(path: str) -> None:
+    """The cache at `path` with its GGUF source's 4- and 8-bit blocks beside the float32 weights (spd.targets.blocks),
+    read from the source the first time `weights=q4` asks for them."""
+    if os.path.isfile(os.path.join(path, blocks.BLOCKS_FILE)):
+        return
+    with open(os.path.join(path, META_FILE)) as f:
+        meta = json.load(f)
+    source = resolve_source(meta["spec"])
+    if not source.gguf_file or meta["dtype"] != str(torch.float32):
+        raise UserError(f"weights=q4 multiplies a GGUF file's own blocks; target {source.name!r} in {meta['dtype']} "
+                        "has none: use weights=float32, or a .gguf target in float32")
+    whole = load_parts(path, None, embed=True, head=True, dtype=torch.float32)
+    blocks.write_blocks(os.path.join(source.directory, source.gguf_file), whole.model, path)
+
+
 def load_parts(path: str, layers: range | None, embed: bool, head: bool, dtype: torch.dtype,
-               device: str | torch.device = "cpu") -> LoadedTarget:
+               device: str | torch.device = "cpu", weights: str = "float32") -> LoadedTarget:
     """The target's module tree with only these parameters materialised (the rest stay on the meta device, so
-    running them fails loudly): decoder `layers` (None: all), the embedding, and the final norm + LM head."""
+    running them fails loudly): decoder `layers` (None: all), the embedding, and the final norm + LM head.
+    weights="q4": the Linears of a GGUF target multiply from the file's own blocks (spd.targets.blocks)."""
+    if weights == "q4":
+        ensure_blocks(path)
     with open(os.path.join(path, META_FILE)) as f:
         meta = json.load(f)
     config = AutoConfig.from_pretrained(path)
@@ -197,6 +216,8 @@ def load_parts(path: str, layers: range | None, embed: bool, head: bool, dtype: 
             if buffer is not None and buffer.device.type != "meta":
                 module._buffers[name] = buffer.to(device)
     model.eval().requires_grad_(False)
+    if weights == "q4":
+        blocks.attach(model, path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError):

@@ -76,7 +76,7 @@ class DistributedStages(StageExecutor):
         dist.broadcast_object_list([setup], src=0)
         if self.hosted:  # while the stage processes load theirs
             parts = load_parts(setup.cache_dir, stage_layers(setup.bounds, 0), embed=False, head=False,
-                               dtype=self.dtype, device=self.device)
+                               dtype=self.dtype, device=self.device, weights=setup.weights)
             self.stage0 = StagedTarget(parts.model, self.n, setup.bounds)
         for s in self.remote:
             comm.recv(1, torch.float32, rank_of(s, self.hosted), TAG_READY, load_timeout_s,

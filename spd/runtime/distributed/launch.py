@@ -235,7 +235,7 @@ def open_pipeline(staged: StagedTarget, options: RuntimeOptions, capture: list[i
     threads = threads_for(staged.n, d.threads_per_stage, hosted)
     torch.set_num_threads(threads)
     setup = Setup(cache_dir=cache_dir, n=staged.n, bounds=staged.bounds, capture=sorted(set(capture) - {0}),
-                  dtype=options.dtype, device=options.device, threads=threads, step_timeout_s=d.timeout_s,
+                  dtype=options.dtype, weights=options.weights, device=options.device, threads=threads, step_timeout_s=d.timeout_s,
                   hosted=hosted, width=width, slots=slots,
                   nccl=_gpu_hand_offs(options.device, launched, world_size(staged.n, hosted)))
     executor: StageExecutor | None = None

@@ -46,6 +46,7 @@ class Setup:
     bounds: list[int]
     capture: list[int]              # layers whose H^l the drafter reads (0 excluded: the controller embeds)
     dtype: str = "float32"
+    weights: str = "float32"        # q4: the stage multiplies the GGUF's own blocks (spd.targets.blocks)
     device: str = "cpu"
     threads: int = 1
     step_timeout_s: float = 20.0

@@ -44,7 +44,7 @@ class StageServer:
         if device.type == "cuda":
             torch.cuda.set_device(device)   # NCCL and anything allocated on "cuda" then use this process's GPU
         parts = load_parts(setup.cache_dir, stage_layers(setup.bounds, self.stage), embed=False, head=self.last,
-                           dtype=DTYPES[setup.dtype], device=device)
+                           dtype=DTYPES[setup.dtype], device=device, weights=setup.weights)
         self.target = StagedTarget(parts.model, self.n, setup.bounds)
         self.dtype = self.target.dtype  # once: the property searches the parameters for a materialised one
         self.wire = on_wire(device, self.dtype, setup.nccl)

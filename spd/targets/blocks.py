@@ -1,0 +1,160 @@
+"""A GGUF target's products read from the file's own 4- and 8-bit blocks (`weights=q4`), not from float32 copies.
+
+Why: a one-row forward of the float32 SmolLM2 streams its 513 MiB of weights from memory for every token; the
+GGUF's blocks hold the same weights in ~5 bits each (Q4_1: 32 weights share an fp16 scale d and minimum m, w =
+q * d + m; the tied head is Q8_0: w = q * d). The panel kernel (spd/csrc/panel_kernel.h) expands a block to float32
+as GGUF's reference dequantizer does — q * d, then + m, each rounded — and multiplies it in the order of the float32
+panels, so a product from blocks has the bits of the float32 product of the dequantized weight: `weights=q4` is the
+float32 target, faster, and everything proved of that target holds for it. `write_blocks` checks that claim per
+tensor (the blocks dequantized must equal the loaded weight bit for bit) and refuses a file where it fails.
+
+The blocks are read once per weight cache (spd.targets.weight_cache) into `blocks.safetensors` beside the float32
+weights, by their HF parameter names and with the rows in the HF order (GGUF stores a Llama's q and k rows
+permuted), so a pipeline stage's process loads only its own layers' blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from spd.errors import UserError
+
+BLOCKS_FILE = "blocks.safetensors"
+GROUP = 32                        # weights a block (Q4_1 and Q8_0)
+
+
+def _hf_names(reader, path: str, model) -> tuple[dict[str, str], object]:
+    """{GGUF tensor name: HF parameter name} and the tensor processor transformers loads this architecture with."""
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, load_gguf_checkpoint, read_field)
+
+    architecture = read_field(reader, "general.architecture")[0]
+    config = load_gguf_checkpoint(path, return_tensors=False)["config"]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
+    return get_gguf_hf_weights_map(model, processor), processor
+
+
+def read_blocks(path: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The Q4_1 and Q8_0 tensors of the GGUF file at `path`, by `model`'s parameter names: for a 4-bit weight
+    [N, K], `<name>.d` and `<name>.m` [N, K / 32] float32 and `<name>.q` [N, K / 32, 4] int32 (word u holds the
+    block's weights 8u .. 8u + 7, weight 8u + j in bits 4j .. 4j + 3); for an 8-bit one `<name>.d` and `<name>.q8`
+    [N, K / 32, 32] int8."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    names, processor = _hf_names(reader, path, model)
+    kinds = {gguf.GGMLQuantizationType.Q4_1: 20, gguf.GGMLQuantizationType.Q8_0: 34}
+    out = {}
+    for tensor in reader.tensors:
+        size = kinds.get(tensor.tensor_type)
+        if size is None:
+            continue
+        raw = torch.from_numpy(np.array(tensor.data, copy=True))         # [N, K / 32 * size] bytes
+        rows = raw.shape[0]
+        # the row order transformers loads the tensor in (a Llama's q and k rows are stored permuted)
+        result = processor.process(weights=np.arange(rows, dtype=np.float64)[:, None], name=tensor.name,
+                                   tensor_key_mapping=names, parsed_parameters={"config": {}, "tensors": {}})
+        if result.name not in names:
+            continue
+        order = torch.from_numpy(np.asarray(result.weights).reshape(-1).astype(np.int64))
+        if sorted(order.tolist()) != list(range(rows)):
+            continue     # a tensor transformers reshapes in some other way: it keeps its float32 copy
+        blocks = raw[order].view(rows, -1, size)                            # [N, K / 32, size]
+        name = names[result.name]
+        out[f"{name}.d"] = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+        if size == 20:
+            out[f"{name}.m"] = blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+            nibbles = torch.cat([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], -1).to(torch.int64)   # [N, B, 32]
+            words = (nibbles.view(rows, -1, 4, 8) << (4 * torch.arange(8))).sum(-1)                 # [N, B, 4]
+            out[f"{name}.q"] = words.to(torch.int32)     # bit patterns below 2^32, kept as they are
+        else:
+            out[f"{name}.q8"] = blocks[..., 2:].contiguous().view(torch.int8)
+    return out
+
+
+def write_blocks(path: str, model: torch.nn.Module, directory: str) -> None:
+    """blocks.safetensors in a weight cache `directory` from the GGUF file at `path`, each weight's blocks checked to
+    dequantize to `model`'s weight (the float32 target read from the same file) bit for bit; written whole or not
+    at all."""
+    blocks = read_blocks(path, model)
+    weights = dict(model.named_parameters(remove_duplicate=False))
+    for name in {key.rsplit(".", 1)[0] for key in blocks}:
+        own = {key.rsplit(".", 1)[1]: value for key, value in blocks.items() if key.rsplit(".", 1)[0] == name}
+        if not torch.equal(dequantize(own), weights[name]):
+            raise UserError(f"weights=q4: the blocks of {name} in {os.path.basename(path)} do not dequantize to the "
+                            "weight transformers loads from it; use weights=float32")
+    if not blocks:
+        raise UserError(f"weights=q4: {os.path.basename(path)} holds no Q4_1 or Q8_0 tensor (the types the 4-bit "
+                        "products read); use weights=float32")
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-blocks-", dir=directory)
+    os.close(fd)
+    try:
+        save_file(blocks, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(directory, BLOCKS_FILE))
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def dequantize(blocks: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One weight's blocks as float32 [N, K], in GGUF's reference arithmetic (q * d, then + m)."""
+    d = blocks["d"].unsqueeze(-1)                                             # [N, B, 1]
+    if "q8" in blocks:
+        return (blocks["q8"].float() * d).flatten(1)
+    words = blocks["q"].to(torch.int64) & 0xFFFFFFFF                          # [N, B, 4]
+    q = ((words.unsqueeze(-1) >> (4 * torch.arange(8))) & 15).flatten(2)     # [N, B, 32]
+    return (q.float() * d + blocks["m"].unsqueeze(-1)).flatten(1)
+
+
+def _rows_to_panels(t: torch.Tensor, lanes: int) -> torch.Tensor:
+    # [N, B, ...] -> [P, B, ..., lanes], rows past N zero (a zero block: d = m = 0, every weight 0)
+    rows = t.shape[0]
+    padded = t.new_zeros((-(-rows // lanes) * lanes,) + t.shape[1:])
+    padded[:rows] = t
+    panels = padded.view((-1, lanes) + t.shape[1:])
+    return panels.permute(0, *range(2, panels.dim()), 1).contiguous()
+
+
+def pack(blocks: dict[str, torch.Tensor], lanes: int) -> tuple[torch.Tensor, int]:
+    """One weight's blocks as the kernel's panels [P, K / 32, bytes a block] uint8, and their bits (4 or 8)."""
+    parts = [blocks["d"]] + ([blocks["m"], blocks["q"]] if "q" in blocks else [blocks["q8"]])
+    panels = [_rows_to_panels(p, lanes) for p in parts]
+    P, B = panels[0].shape[:2]
+    packed = torch.cat([p.view(torch.uint8).reshape(P, B, -1) for p in panels], -1).contiguous()
+    return packed, 4 if "q" in blocks else 8
+
+
+def load_blocks(directory: str, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """{parameter name: its blocks} for the parameters among `names` that the cache holds blocks of."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(os.path.join(directory, BLOCKS_FILE), framework="pt", device="cpu") as f:
+        for key in f.keys():
+            name, part = key.rsplit(".", 1)
+            if name in names:
+                out.setdefault(name, {})[part] = f.get_tensor(key)
+    return out
+
+
+def attach(model: torch.nn.Module, directory: str) -> int:
+    """Give every nn.Linear of `model` whose weight the cache holds blocks of (a tied head: its embedding's) those
+    blocks, for spd.targets.panel to multiply from (write_blocks proved them equal to the weights). Returns how many
+    Linears multiply from blocks."""
+    owners = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.device.type != "meta":
+            owners.setdefault(param.data_ptr(), []).append(name)
+    found = load_blocks(directory, [n for names in owners.values() for n in names])
+    count = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.device.type != "meta":
+            held = next((found[n] for n in owners.get(module.weight.data_ptr(), []) if n in found), None)
+            if held is not None:
+                module.__dict__["_blocks"] = held, module.weight._version
+                count += 1
+    return count

@@ -1,0 +1,120 @@
+"""A GGUF target's products from its own 4- and 8-bit blocks (spd.targets.blocks, `weights=q4`): at every ISA level
+this CPU runs, a product from blocks has the bits of the float32 panel product of the dequantized weight at every row
+count (so the quantized target is the float32 target, and its rows do not depend on the rows beside them); the
+self-check refuses a blocks kernel that breaks the rule; drafted decoding over blocks is the target's own decoding;
+weights=q4 where there are no blocks to read is refused in one line before anything loads."""
+
+import pytest
+import torch
+
+from helpers import GREEDY, priced_drafts_equal_ar
+from spd.decoding import SamplingParams
+from spd.targets import blocks, panel
+from spd.targets.stages import StagedTarget
+from spd.targets.tiny import tiny_model
+
+pytestmark = pytest.mark.skipif(panel.extension() is None, reason="the panel kernel cannot be built here")
+LEVELS = panel.levels() if panel.extension() is not None else ()
+
+
+def q4_blocks(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A float weight [N, K] as Q4_1 blocks the way a GGUF stores them: per 32 weights an fp16 scale and minimum and
+    4-bit steps (in spd.targets.blocks' word layout)."""
+    n, k = weight.shape
+    w = weight.reshape(n, k // 32, 32)
+    low, high = w.amin(-1), w.amax(-1)
+    d = ((high - low) / 15).clamp_min(1e-4).half().float()
+    m = low.half().float()
+    q = ((w - m[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.int64)      # [N, B, 32]
+    words = (q.view(n, k // 32, 4, 8) << (4 * torch.arange(8))).sum(-1).to(torch.int32)
+    return {"d": d, "m": m, "q": words}
+
+
+def q8_blocks(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    n, k = weight.shape
+    w = weight.reshape(n, k // 32, 32)
+    d = (w.abs().amax(-1) / 127).clamp_min(1e-4).half().float()
+    return {"d": d, "q8": (w / d[..., None]).round().clamp(-127, 127).to(torch.int8)}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("d_in,d_out", [(576, 1536), (1536, 576), (64, 37), (96, 130), (32, 8)])
+def test_a_product_from_blocks_is_the_float32_panel_product_of_the_dequantized_weight(d_in, d_out, bits, level):
+    g = torch.Generator().manual_seed(d_in + d_out + bits)
+    weight = torch.randn(d_out, d_in, generator=g)
+    held = (q4_blocks if bits == 4 else q8_blocks)(weight)
+    dense = blocks.dequantize(held)                                   # [d_out, d_in] float32
+    assert (dense - weight).abs().max() < 0.5                          # a quantization of the weight, not noise
+    packed, packed_bits = blocks.pack(held, panel.LANES[level])
+    assert packed_bits == bits
+    floats = panel.pack(dense, level)
+    x, b = torch.randn(30, d_in, generator=g), torch.randn(d_out, generator=g)
+    alone = torch.cat([panel.product_blocks(x[i: i + 1], packed, d_out, b, level, bits) for i in range(len(x))])
+    for rows in range(1, len(x) + 1):          # every tile shape, and the remainders after them
+        got = panel.product_blocks(x[:rows], packed, d_out, b, level, bits)
+        assert torch.equal(got, alone[:rows]), rows
+        assert torch.equal(got, panel.product(x[:rows], floats, d_out, b, level)), rows
+
+
+def test_the_self_check_covers_the_blocks_and_refuses_a_blocks_kernel_that_breaks_the_rule(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPD_CACHE_DIR", str(tmp_path))
+    panel.panels_invariant.cache_clear()
+    shapes = ((576, 1536), (64, 37))
+    real = panel.product_blocks
+
+    def by_row_count(x, panels, n_out, bias, level, bits):      # another order from 4 rows up: the bits change
+        if x.reshape(-1, x.shape[-1]).shape[0] < 4:
+            return real(x, panels, n_out, bias, level, bits)
+        return real(x * (1 + 2.0 ** -20), panels, n_out, bias, level, bits)
+    try:
+        assert all(panel.panels_invariant(shapes, level) for level in LEVELS)
+        panel.panels_invariant.cache_clear()
+        monkeypatch.setenv("SPD_CACHE_DIR", str(tmp_path / "fresh"))
+        monkeypatch.setattr(panel, "product_blocks", by_row_count)
+        assert not any(panel.panels_invariant(shapes, level) for level in LEVELS)
+        assert panel.level_for(shapes) is None
+    finally:
+        panel.panels_invariant.cache_clear()
+
+
+def with_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """Every Linear's weight replaced by its Q4_1 blocks' dequantized values (the head, tied or not, by Q8_0's), and
+    the blocks attached as spd.targets.blocks.attach attaches a GGUF's."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            held = (q8_blocks if name == "lm_head" else q4_blocks)(module.weight.detach())
+            with torch.no_grad():
+                module.weight.copy_(blocks.dequantize(held))
+            module.__dict__["_blocks"] = held, module.weight._version
+    return model
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(1.0, top_k=8)], ids=["greedy", "keyed T=1"])
+def test_drafted_decoding_over_blocks_is_the_targets_own_decoding(family, params, level, monkeypatch):
+    monkeypatch.setenv(panel.LEVEL_ENV, level)
+    target = with_blocks(tiny_model(family, seed=1, tied=not params.greedy))
+    staged = StagedTarget(target, 1)
+    assert staged.weights == "q4" and staged.panel_level == level
+    assert all(m.__dict__["_panels"][5] in (4, 8) for m in target.modules() if isinstance(m, panel.PanelLinear))
+    kept, verified = priced_drafts_equal_ar(target, staged, params, 90)
+    assert 0 < kept < verified
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["target=tiny-llama", "weights=q4"], "target=tiny-llama is not a .gguf file"),
+    (["weights=q4", "dtype=bfloat16"], "weights=q4 runs float32 rows on a CPU"),
+    (["weights=q8"], "weights"),
+])
+def test_weights_q4_without_blocks_to_read_is_refused_in_one_line(overrides, message, tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "spd.cli", "generate", "hi", *overrides], capture_output=True,
+                          text=True, cwd=tmp_path, env={**__import__("os").environ, "SPD_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr
+    assert not list(tmp_path.rglob("*.safetensors"))              # nothing loaded, nothing written
