@@ -247,12 +247,18 @@ def build(args) -> int:
     part_bytes = CALL_LIMIT - repo - MARGIN
     fixed = dir_bytes(stage)
     budget = args.parts * part_bytes - fixed - MIB
-    if budget < 4 * MIB:
-        raise SystemExit(f"gpu_pack: {args.parts} parts of {part_bytes / MIB:.1f} MiB leave no room for data")
-    os.makedirs(os.path.join(stage, "data"))
-    data = sharegpt_extract(os.path.join(stage, "data"), args.max_length, min(budget, args.data_mib * MIB))
-    with open(os.path.join(stage, "data", "extract.json"), "w") as f:
-        json.dump(data, f, indent=1)
+    if args.no_data:            # a run that trains nothing (--train ''): three calls carry it with the modules
+        if budget < 0:
+            raise SystemExit(f"gpu_pack: {args.parts} parts of {part_bytes / MIB:.1f} MiB do not hold the payload "
+                             f"({fixed / MIB:.1f} MiB); give --parts {args.parts + 1}")
+    elif budget < 4 * MIB:
+        raise SystemExit(f"gpu_pack: {args.parts} parts of {part_bytes / MIB:.1f} MiB leave no room for data; "
+                         f"give --parts {args.parts + 1}, or --no-data for a run that trains nothing")
+    else:
+        os.makedirs(os.path.join(stage, "data"))
+        data = sharegpt_extract(os.path.join(stage, "data"), args.max_length, min(budget, args.data_mib * MIB))
+        with open(os.path.join(stage, "data", "extract.json"), "w") as f:
+            json.dump(data, f, indent=1)
     manifest = split_payload(stage, PACK_DIR, part_bytes)
     shutil.rmtree(stage)
     for part in manifest["parts"]:
@@ -273,14 +279,15 @@ def tracked(path: str) -> bool:
 
 
 def split_payload(stage: str, out_dir: str, part_bytes: int) -> dict:
-    """Tar `stage` (uncompressed, files in sorted order) and cut it into parts of at most part_bytes; each part
-    directory gets the manifest (every file's sha256, every part's sha256)."""
+    """Tar `stage` (uncompressed, wheels/ first, files in sorted order) and cut it into parts of at most part_bytes;
+    each part directory gets the manifest (every file's sha256, every part's sha256)."""
     files = {}
     os.makedirs(out_dir, exist_ok=True)
     tar_path = os.path.join(out_dir, "payload.tar")
     with tarfile.open(tar_path, "w") as tar:
         for root, dirs, names in os.walk(stage):
-            dirs.sort()
+            # the wheels first: the first call unpacks them from part 1 alone and checks every import (early_wheels)
+            dirs.sort(key=lambda d: (root != stage or d != "wheels", d))
             for name in sorted(names):
                 path = os.path.join(root, name)
                 rel = os.path.relpath(path, stage)
@@ -355,6 +362,61 @@ def stash_and_assemble(pack_dir: str, stash: str, log=print) -> str | None:
     open(done, "w").close()
     log(f"payload assembled in {payload}: {len(manifest['files'])} files verified")
     return payload
+
+
+def early_wheels(stash: str, log=print) -> str | None:
+    """The payload's wheels from the parts stashed so far, while others are missing: the tar begins with them
+    (split_payload), so part 1 alone usually holds them whole. Each is checked against the manifest; the directory,
+    or None where a wheel is not whole yet (or the payload has none)."""
+    manifest_path = os.path.join(stash, "manifest.json")
+    if not os.path.isfile(manifest_path):
+        return None
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    wanted = {rel: meta for rel, meta in manifest["files"].items() if rel.startswith("wheels/")}
+    dest = os.path.join(stash, "early")
+    if not wanted:
+        return None
+    if all(os.path.isfile(os.path.join(dest, rel)) for rel in wanted):
+        return os.path.join(dest, "wheels")
+    leading = []                                    # the parts present from the first on
+    for part in manifest["parts"]:
+        path = os.path.join(stash, part["file"])
+        if not (os.path.isfile(path) and os.path.getsize(path) == part["size"]):
+            break
+        leading.append(path)
+    if not leading:
+        return None
+    tar_path = os.path.join(stash, "early.tar")
+    with open(tar_path, "wb") as out:
+        for path in leading:
+            with open(path, "rb") as f:
+                shutil.copyfileobj(f, out, 16 * MIB)
+    size = os.path.getsize(tar_path)
+    got = 0
+    try:
+        with tarfile.open(tar_path) as tar:
+            for member in iter(lambda: next_member(tar), None):
+                if member.name not in wanted or member.offset_data + member.size > size:
+                    continue
+                tar.extract(member, dest, filter="data")
+                if sha256_file(os.path.join(dest, member.name)) != wanted[member.name]["sha256"]:
+                    raise RuntimeError(f"payload file {member.name} does not match the manifest")
+                got += 1
+    finally:
+        os.remove(tar_path)
+    if got < len(wanted):
+        return None
+    log(f"the payload's {got} wheels unpacked from {len(leading)} of {len(manifest['parts'])} parts")
+    return os.path.join(dest, "wheels")
+
+
+def next_member(tar: tarfile.TarFile):
+    """The next member, or None at the end of what is there (a tar cut short ends in the middle of a member)."""
+    try:
+        return tar.next()
+    except tarfile.ReadError:
+        return None
 
 
 # --- index in and out for the GPU calls --------------------------------------------------------------------
@@ -460,6 +522,8 @@ def main(argv=None) -> int:
     b.add_argument("--parts", type=int, default=3, help="device calls the payload may take (default 3)")
     b.add_argument("--max-length", type=int, default=1024, help="tokens per training conversation")
     b.add_argument("--data-mib", type=float, default=30.0, help="most compressed MiB of training data")
+    b.add_argument("--no-data", action="store_true",
+                   help="no training data: a payload for runs that train nothing (--train ''), in fewer parts")
     b.add_argument("--continue-from", default=None, metavar="DIR",
                    help="an n = 5 module a GPU run trained (outputs/gpu/<stamp>/gpu_n5) that the next run's training "
                         "continues (default: the shipped module)")

@@ -157,8 +157,7 @@ def suite_specs(session, max_new: int, device, eagle3=None) -> tuple[list[RowSpe
                                                                        lookup=(min_n, max_n)))}
     specs = []
     for name, decoder in decoders.items():
-        kind = "compiled" if name in COMPILED else "graphs" if name.endswith("_graphs") or "_device_" in name \
-            else "eager"
+        kind = "compiled" if name in COMPILED else "graphs" if name.endswith("_graphs") else "eager"
         specs.append(RowSpec(name, kind, decoding(decoder, request), builds=buckets(decoder),
                              reference=None if name == "suite_ar_fixed_eager" else "suite_ar_fixed_eager",
                              compiled=name in COMPILED,

@@ -41,7 +41,7 @@ import sys
 import time
 import traceback
 
-from bench.gpu_pack import MIB, PACK_DIR, stash_and_assemble
+from bench.gpu_pack import MIB, PACK_DIR, early_wheels, stash_and_assemble
 from bench.gpu_training import DRY_TRAIN_S, Training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -190,11 +190,19 @@ class GpuRun(Training):
                 payload = self.dry_payload()
             else:
                 payload = stash_and_assemble(os.path.join(REPO, PACK_DIR), self.args.stash, self.log)
+                site = os.path.join(self.args.stash, "site")
                 if payload is None:
+                    # the first call already checks the imports: the wheels come first in the payload (part 1)
+                    wheels = None if self.args.no_install else early_wheels(self.args.stash, self.log)
+                    if wheels:
+                        install_wheels(wheels, site)
+                        self.env["PYTHONPATH"] = os.pathsep.join([site, REPO])
+                        setup["imports"] = self.check_imports()
+                        if setup["imports"] != "ok":
+                            raise ImportCheckFailed(setup["imports"])
                     setup.update(status="waiting for parts", seconds=time.time() - start)
                     self.save()
                     return False
-                site = os.path.join(self.args.stash, "site")
                 if self.args.no_install:
                     os.makedirs(site, exist_ok=True)
                 else:
@@ -218,10 +226,14 @@ class GpuRun(Training):
                 if os.path.isfile(os.path.join(shipped["smollm2-eagle3"], "config.json")):
                     self.eagle3 = shipped["smollm2-eagle3"]
                 data = os.path.join(self.work, "sharegpt_gpu.jsonl")
-                with lzma.open(os.path.join(payload, "data", "sharegpt_gpu.jsonl.xz")) as f, open(data, "wb") as g:
-                    shutil.copyfileobj(f, g, 16 * MIB)
-                with open(os.path.join(payload, "data", "extract.json")) as f:
-                    setup["data"] = json.load(f)
+                packed = os.path.join(payload, "data", "sharegpt_gpu.jsonl.xz")
+                if os.path.isfile(packed):          # absent from a payload built --no-data
+                    with lzma.open(packed) as f, open(data, "wb") as g:
+                        shutil.copyfileobj(f, g, 16 * MIB)
+                    with open(os.path.join(payload, "data", "extract.json")) as f:
+                        setup["data"] = json.load(f)
+                else:
+                    data = None
                 self.env["PYTHONPATH"] = os.pathsep.join([site, REPO])
                 self.env["SPD_CACHE_DIR"] = os.path.join(self.args.stash, "cache")
             self.env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
@@ -350,6 +362,9 @@ class GpuRun(Training):
             box = min(box, DRY_TRAIN_S) if self.dry else box
             if box < MIN_TRAIN_S[self.i]:
                 self.session["steps"][f"train_{name}"] = {"status": "skipped", "why": f"{box:.0f} s left"}
+                continue
+            if not self.plan["data"]:
+                self.session["steps"][f"train_{name}"] = {"status": "skipped", "why": "the payload has no data"}
                 continue
             if name != "n5" and not self.room_for_another_module():
                 self.session["steps"][f"train_{name}"] = {"status": "skipped", "why": "no room left in what returns"}

@@ -552,3 +552,28 @@ def test_the_import_check_names_the_module_that_fails_in_one_line(tmp_path, monk
     monkeypatch.setattr(gpu_session, "IMPORTS", ("json", "spd_no_such_module"))
     line = run.check_imports()
     assert line == "import spd_no_such_module: ModuleNotFoundError: No module named 'spd_no_such_module'"
+
+
+def test_the_first_call_unpacks_the_wheels_from_part_1_alone(tmp_path):
+    """The payload's tar begins with its wheels, so the call that carries part 1 installs them and checks every
+    import before the other parts arrive."""
+    import shutil
+
+    from bench.gpu_pack import early_wheels, split_payload, stash_and_assemble
+
+    src = tmp_path / "src"
+    for rel, size in (("data/a.bin", 30_000), ("target/t.gguf", 20_000), ("wheels/x-1-py3-none-any.whl", 5_000),
+                      ("wheels/y-2-py3-none-any.whl", 4_000)):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(os.urandom(size))
+    manifest = split_payload(str(src), str(tmp_path / "pack"), 16_000)
+    assert len(manifest["parts"]) >= 4
+    stash = tmp_path / "stash"
+    call = tmp_path / "call1"
+    shutil.copytree(tmp_path / "pack" / "part1", call / "part1")
+    assert stash_and_assemble(str(call), str(stash), log=lambda m: None) is None
+    wheels = early_wheels(str(stash), log=lambda m: None)
+    assert sorted(os.listdir(wheels)) == ["x-1-py3-none-any.whl", "y-2-py3-none-any.whl"]
+    assert (stash / "early" / "wheels" / "y-2-py3-none-any.whl").read_bytes() == \
+        (src / "wheels" / "y-2-py3-none-any.whl").read_bytes()
+    assert not (stash / "early.tar").exists()
