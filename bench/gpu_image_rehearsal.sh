@@ -79,4 +79,39 @@ print(f"  speed call: {len(measured)} rows measured; resumed call: {len(kept)} k
       f"verdicts {sorted({second[k].get('verdict') for k in new})}")
 assert kept == measured and new and all(second[k].get("verdict") == "equal" for k in new), (kept, measured, new)
 EOF
+# 4. the real payload (gpu_pack build --no-data: SmolLM2's GGUF, both shipped modules, the wheels) carried part by
+# part as the device calls carry it, through the GPU run's own setup (not the dry run's): call 1 unpacks the wheels
+# from part 1 alone and checks every import, call 2 stashes, call 3 assembles, verifies, installs, converts the
+# target and runs the baseline rows on the real target on this CPU (bfloat16, 3 prompts x 64 tokens)
+if [ "${REHEARSE_PAYLOAD:-1}" = 1 ]; then
+    say "the payload: gpu_pack build --no-data"
+    .venv/bin/python -m bench.gpu_pack build --no-data 2>&1 | grep -v "^WARNING: Location"
+    rm -rf "$ROOT/stash" "$ROOT/calls"
+    for k in 1 2 3; do
+        mkdir -p "$ROOT/calls/$k/pack"
+        cp -r ".gpu/part$k" "$ROOT/calls/$k/pack/"
+        extra=()
+        [ "$k" = 3 ] && extra=(--skip correctness,eval --train '' --box speed=240
+                               --rows suite_ar_fixed_eager,suite_ar_device_graphs,eagle3_device_graphs)
+        say "device call $k (carries part$k)"
+        "$ROOT/venv/bin/python" -m bench.gpu_session --device cpu --minutes 9.5 --pack "$ROOT/calls/$k/pack" \
+            --stash "$ROOT/stash" --out "$ROOT/calls/$k/out" --work "$ROOT/calls/$k/work" "${extra[@]}" \
+            > "$ROOT/calls/$k.log" 2>&1 || { tail -30 "$ROOT/calls/$k.log"; say "device call $k FAILED"; exit 1; }
+        grep -E "imports:|parts missing|payload assembled|step .*: (ok|failed|incomplete)" "$ROOT/calls/$k.log" \
+            | sed 's/^/  /'
+    done
+    "$ROOT/venv/bin/python" - "$ROOT/calls/3/out/session.json" <<'EOF'
+import json, sys
+s = json.load(open(sys.argv[1]))
+env = s["steps"]["env"]["env"]
+print(f"  call 3 on torch {env['torch']}, transformers {env['transformers']}, deepspeed {env['deepspeed']}")
+rows = s["steps"]["speed"]["runs"]["bfloat16"]["rows"]
+for name in ("suite_ar_fixed_eager", "suite_ar_device_graphs", "eagle3_device_graphs"):
+    row = rows[name]
+    print(f"  {name}: " + (f"{row['tokens_per_s']:.1f} tokens/s on this CPU, {row.get('verdict', 'reference')}"
+                           if "tokens_per_s" in row else str(row.get("error") or row.get("skipped"))))
+assert all(rows[n].get("tokens_per_s") for n in ("suite_ar_fixed_eager", "suite_ar_device_graphs"))
+assert s["steps"]["speed"]["runs"]["bfloat16"]["eagle3_checkpoint"].endswith("smollm2-eagle3")
+EOF
+fi
 say "passed in $(( $(date +%s) - start )) s"

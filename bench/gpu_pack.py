@@ -38,7 +38,9 @@ MIB = 2**20
 CALL_LIMIT = 64 * MIB           # the runner's limit on what one call carries
 MARGIN = 2 * MIB                # for files added to the tree between `build` and the device calls
 PACK_DIR = ".gpu"               # ignored (.gitignore); each part is carried as .gpu/partK
-AWAY = ("spd/assets/modules", "docs")   # tracked, needed on no GPU call, too large to travel
+# tracked, needed on no GPU call (the modules travel in the payload; no GPU row asks for a datastore), too large to
+# travel beside a part
+AWAY = ("spd/assets/modules", "spd/assets/datastore", "docs")
 EXCLUDE_BEGIN, EXCLUDE_END = "# bench/gpu_pack.py travel: begin\n", "# bench/gpu_pack.py travel: end\n"
 # what the GPU image (bench/gpu_image.txt: torch 2.11, transformers 5.17, no omegaconf/deepspeed/datasets) lacks or
 # may have outside our libraries' pins (datasets: fsspec <= 2026.9; transformers: regex >= 2025.10), pinned to this

@@ -189,7 +189,8 @@ class GpuRun(Training):
                     self.env["PYTHONPATH"] = os.pathsep.join([site, REPO])
                 payload = self.dry_payload()
             else:
-                payload = stash_and_assemble(os.path.join(REPO, PACK_DIR), self.args.stash, self.log)
+                pack = getattr(self.args, "pack", None) or os.path.join(REPO, PACK_DIR)
+                payload = stash_and_assemble(pack, self.args.stash, self.log)
                 site = os.path.join(self.args.stash, "site")
                 if payload is None:
                     # the first call already checks the imports: the wheels come first in the payload (part 1)
@@ -456,6 +457,9 @@ def main(argv=None) -> int:
                     help="modules to train in order: n5, n2, eagle3 (default n5; '' trains none)")
     ap.add_argument("--stash", default="/tmp/spd_gpu_stash", help="where carried parts wait for the others")
     ap.add_argument("--work", default=None, help="scratch directory (default: beside --out)")
+    ap.add_argument("--pack", default=None, metavar="DIR",
+                    help=f"where the carried parts are (default: {PACK_DIR}/ in the repository; the rehearsal "
+                         "carries them one by one)")
     ap.add_argument("--skip", default="", help="steps left out, e.g. correctness,speed (a second call that only trains)")
     ap.add_argument("--resume", default=None, metavar="SESSION_JSON",
                     help="an earlier call's session.json: its speed rows are kept, only the others run")
