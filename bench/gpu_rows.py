@@ -232,7 +232,7 @@ def hybrid_specs(max_new: int, device, dtype: torch.dtype, n: int = 4, shape: di
 
 def speed_specs(session, max_new: int, device, dtype: torch.dtype, eagle3=None, hybrid: bool = True,
                 hybrid_shape: dict | None = None) -> tuple[list[RowSpec], dict[str, Lazy]]:
-    """Every row of the speed table for one session (one dtype), unbuilt."""
+    """Every row of the speed table for one loaded target (one dtype), unbuilt."""
     specs, executors = suite_specs(session, max_new, device, eagle3)
     specs += hf_specs(session.loaded.model, max_new, device, session.eos_ids)
     if hybrid:

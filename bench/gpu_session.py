@@ -7,14 +7,16 @@
 Steps, in order, each in its own process under its own time box (minutes on the GPU; a step that overruns is
 killed and what it finished stays), so a slow one cannot starve the rest:
 
-    setup        0.6  stash the carried part; once all parts are there: verify, unpack, install the wheels,
-                      convert the target into the weight cache, versions of everything
+    setup        0.6  stash the carried part (part 1 already holds the wheels: install them and check every
+                      step's imports, one line if one fails); once all parts are there: verify, unpack, install,
+                      check the imports, convert the target into the weight cache (env), versions of everything.
+                      A target that does not load skips every later step
     correctness  2.3  greedy = the suite's AR, float32 and bfloat16: SPD (local eager, CUDA graphs, streams with
                       and without graphs; W = 1 and W = 4), PPSD, the lookup chain, EAGLE-3's chain and tree; a
                       seeded T = 1 decode of each. A failure is recorded with its traceback and never stops the run
-    speed        1.7  bench/gpu.py's rows in bfloat16: transformers generate (dynamic; static + torch.compile), the
-                      suite's AR eager / graphs, SPD local eager / graphs / streams, each stage alone and all on
-                      their streams, the bandwidth roofline
+    speed        1.7  bench/gpu_rows.py's rows in bfloat16, the baselines first (transformers' static cache +
+                      torch.compile, the suite's AR through the device step), the speculative rows by expected
+                      value, the compiled rows last; each stage alone and all on their streams, the roofline
     train        3.5+ the rest: distillation of each --train module (n5, n2, eagle3: configs/train/gpu_<name>.yaml)
                       on the carried ShareGPT extract; a short probe measures tokens/s, the run's steps and lr schedule are
                       planned from it, checkpoints every minute leave as float16 files of <= 16 MiB; Ctrl-C (SIGINT)
@@ -23,9 +25,11 @@ killed and what it finished stays), so a slow one cannot starve the rest:
                       module and the GPU-trained one(s), on the same traces (EAGLE-3: tau)
     (a second module is trained only with time left, e.g. --train n5,n2: at 9 minutes there is none)
 
-Writes at most 8 files to --out (the runner returns 8): session.json (every step's result, timings,
-tracebacks), log.txt (the steps' output), and each trained module's float16 weights cut into <= 16 MiB parts
-(`python -m bench.gpu_pack unpack` puts them back together). Stdlib only: it runs before the wheels are installed,
+Every box is cut to end, with its kill allowance, by --minutes, and a GPU run's --minutes must leave the command
+inside the runner's 600 s (docs/gpu.md, "The budget"). Writes at most 8 files to --out (the runner returns 8):
+session.json (every step's result, timings, tracebacks), rows.jsonl (every row, appended as it ends: what a killed
+command still returns; --resume reads it), log.txt (the steps' output), and each trained module's float16 weights
+cut into <= 16 MiB parts (`python -m bench.gpu_pack unpack` puts them back together). Stdlib only: it runs before the wheels are installed,
 as `python3 -m bench.gpu_session` from the repository root (bench/gpu_session.sh).
 """
 
@@ -461,8 +465,9 @@ def main(argv=None) -> int:
                     help=f"where the carried parts are (default: {PACK_DIR}/ in the repository; the rehearsal "
                          "carries them one by one)")
     ap.add_argument("--skip", default="", help="steps left out, e.g. correctness,speed (a second call that only trains)")
-    ap.add_argument("--resume", default=None, metavar="SESSION_JSON",
-                    help="an earlier call's session.json: its speed rows are kept, only the others run")
+    ap.add_argument("--resume", default=None, metavar="FILE",
+                    help="an earlier call's rows.jsonl or session.json (python -m bench.gpu_pack resume FILE puts it "
+                         "where the next call carries it): its speed rows are kept, only the others run")
     ap.add_argument("--rows", default="",
                     help="correctness and speed rows to run, e.g. lookup_chain,hf_dynamic (default: all; a run can "
                          "measure only what earlier runs left unmeasured)")
@@ -487,6 +492,8 @@ def main(argv=None) -> int:
     if not args.dry_run and args.minutes * 60 + START_S > COMMAND_LIMIT_S:
         ap.error(f"--minutes {args.minutes:g}: with {START_S} s of start-up the command would pass the runner's "
                  f"{COMMAND_LIMIT_S} s; at most {(COMMAND_LIMIT_S - START_S) / 60:.2f}")
+    if args.resume and not os.path.isfile(args.resume):
+        ap.error(f"--resume {args.resume}: no such file (carry .gpu/resume with every call of the run)")
     if args.wheels and not (args.dry_run and os.path.isdir(args.wheels)):
         ap.error(f"--wheels {args.wheels}: give a directory of wheels, with --dry-run")
     return GpuRun(args).run()

@@ -540,6 +540,9 @@ def test_a_gpu_run_that_would_pass_the_command_limit_is_refused_in_one_line(caps
     assert exit.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--minutes 10" in err and "600 s" in err
+    with pytest.raises(SystemExit) as exit:
+        main(["--out", "/tmp/never", "--resume", "/nonexistent/rows.jsonl"])
+    assert exit.value.code == 2 and "--resume /nonexistent/rows.jsonl: no such file" in capsys.readouterr().err
 
 
 def test_the_import_check_names_the_module_that_fails_in_one_line(tmp_path, monkeypatch):
