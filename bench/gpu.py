@@ -141,11 +141,11 @@ def run_rows(specs: list[RowSpec], prompts, max_new: int, device, rows: dict, sa
              deadline: float | None = None, only: frozenset[str] | None = None, compile: bool = True,
              margin_of=None, outputs: dict | None = None, ended=None) -> dict:
     """Every row under one guard, in order: skipped (with the reason) when not asked, when compile is off for a
-    compiled row, when `rows` already holds its result (a resumed run), or when the time left before `deadline`
-    cannot hold its estimate; otherwise each prompt decoded untimed (the verdict against its reference, and every
-    capture and compile the timed pass will need), then timed. An exception is the row's result. `saved()` runs
-    after every row, so a killed step keeps every row it finished; `ended(name, row)` too (bench.gpu_steps: the row
-    appended to $OUT at once). A resumed row's greedy outputs (`outputs`, saved with every measured row) are the
+    compiled row, when `rows` already holds its result and outputs (a resumed run), or when the time left before
+    `deadline` cannot hold its estimate; otherwise each prompt decoded untimed (the verdict against its reference,
+    and every capture and compile the timed pass will need), then timed. An exception is the row's result. `saved()`
+    runs after every row, so a killed step keeps every row it finished; `ended(name, row)` too (bench.gpu_steps: the
+    row appended to $OUT at once). A resumed row's greedy outputs (`outputs`, saved with every measured row) are the
     reference of the rows measured after it."""
     outputs = {} if outputs is None else outputs
     for spec in specs:
@@ -153,8 +153,10 @@ def run_rows(specs: list[RowSpec], prompts, max_new: int, device, rows: dict, sa
             rows[spec.name] = {"skipped": "not asked"}
         elif not compile and spec.compiled:
             rows[spec.name] = {"skipped": "compile off"}
-        elif spec.name in rows and ("tokens_per_s" in rows[spec.name] or "error" in rows[spec.name]):
-            rows[spec.name]["resumed"] = True        # measured by an earlier call: kept as it was
+        elif spec.name in rows and ("outputs" in rows[spec.name] or "error" in rows[spec.name]):
+            # measured by an earlier call: kept as it was, its outputs the reference of the rows after it (a row
+            # saved without them, before they were kept, is measured again: its verdicts would be lost)
+            rows[spec.name]["resumed"] = True
             if "outputs" in rows[spec.name]:
                 outputs.setdefault(spec.name, rows[spec.name]["outputs"])
             continue
