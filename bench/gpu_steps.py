@@ -36,20 +36,49 @@ GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0, top_k=50)
 MIB = 2**20
 SHARD_BYTES = 16 * MIB - 4096   # the runner returns files of at most 16 MiB
+ROWS_FILE = "rows.jsonl"        # in $OUT: every row of every step, appended as it ends
 
 
 class Result:
-    """A step's JSON, rewritten after every change."""
+    """A step's JSON, rewritten after every change, and each row appended to `rows` (the run's $OUT/rows.jsonl) the
+    moment it ends: the step's JSON reaches $OUT only when the step ends, and a command killed by its limit or the
+    machine's lease returns only what $OUT holds."""
 
-    def __init__(self, path: str, step: str):
-        self.path, self.data = path, {"step": step, "rows": []}
+    def __init__(self, path: str, step: str, rows: str | None = None):
+        self.path, self.rows, self.data = path, rows, {"step": step, "rows": []}
 
     def add(self, row: dict) -> None:
         self.data["rows"].append(row)
         self.save()
+        self.ended(row["name"], row)
+
+    def ended(self, name: str, row: dict, **where) -> None:
+        if self.rows:
+            append_row(self.rows, {"step": self.data["step"], **where, "name": name, "row": row})
 
     def save(self) -> None:
         write_json(self.path, self.data)
+
+
+def append_row(path: str, record: dict) -> None:
+    """One JSON line, written whole and flushed to disk: a kill leaves every earlier line intact."""
+    line = json.dumps(record, default=str) + "\n"
+    with open(path, "a") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_rows(path: str) -> list[dict]:
+    """rows.jsonl's records; a line cut by a kill is left out."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
 
 
 def guarded(result: Result, name: str, deadline: float, fn) -> None:
@@ -129,11 +158,12 @@ def correctness_rows(plan: dict) -> list[tuple[str, list[str], str | None, int]]
     eager rows cost ~30 ms a target forward there (Python-bound), so the last ones may not fit the box, and eager
     greedy SPD = AR at W = 1 is the one row an earlier GPU run already checked (docs/results.md, "On a GPU")."""
     spd = ["method=spd", f"checkpoint={plan['spd_checkpoint']}"]
+    eagle3 = f"checkpoint={plan.get('eagle3_checkpoint') or 'random'}"     # the shipped head where it travelled
     order = [("streams_graphs", 1), ("local_graphs", 1), ("streams_eager", 1), ("streams_graphs", 4),
              ("local_graphs", 4), ("streams_eager", 4), ("local_eager", 4)]
     rows = [(f"spd_{kind}_w{w}", spd + [f"W={w}"], kind, w) for kind, w in order]
-    rows += [("eagle3_tree_w4", ["method=eagle3", "checkpoint=random", "W=4"], None, 4),
-             ("eagle3_chain", ["method=eagle3", "checkpoint=random"], None, 1),
+    rows += [("eagle3_tree_w4", ["method=eagle3", eagle3, "W=4"], None, 4),
+             ("eagle3_chain", ["method=eagle3", eagle3], None, 1),
              ("lookup_chain", ["method=lookup"], None, 1),
              ("ppsd_local_eager_w1", ["method=ppsd", "checkpoint=random"], "local_eager", 1),
              ("spd_local_eager_w1", spd + ["W=1"], "local_eager", 1)]
@@ -201,14 +231,18 @@ def step_correctness(plan: dict, deadline: float, result: Result) -> None:
 # --- speed ---------------------------------------------------------------------------------------------------
 
 def step_speed(plan: dict, deadline: float, result: Result) -> None:
-    """bench/gpu.py's rows, each saved the moment it ends; rows an earlier call measured (plan["resume"]: its
-    session.json) are kept and not run again."""
-    from bench import gpu
+    """bench/gpu.py's rows in bench/gpu_rows.py's order, each saved (and appended to $OUT) the moment it ends; rows an
+    earlier call measured (plan["resume"]: its session.json or rows.jsonl) are kept, not run again, and their greedy
+    outputs are the verdicts' references. What comes before the first row (the session, the prompts, the copy
+    bandwidth) raising is the step's error (main)."""
+    from bench import gpu, gpu_rows
+    from spd.models.checkpoint import load_checkpoint
 
     _share_loaded_targets()
     cfg = plan["speed"]
     device = torch.device(plan["device"])
     earlier = resumed_runs(plan.get("resume"))
+    result.data["resumed_from"] = plan.get("resume")
     result.data["copy_bandwidth_bytes_per_s"] = gpu.copy_bandwidth(device, mib=cfg.get("copy_mib", 512))
     for dtype in cfg["dtypes"]:
         session = session_for(plan, dtype, ["method=spd", f"checkpoint={plan['spd_checkpoint']}"])
@@ -217,6 +251,7 @@ def step_speed(plan: dict, deadline: float, result: Result) -> None:
         roofline = result.data["copy_bandwidth_bytes_per_s"] / weight_bytes
         run = {"weight_bytes": weight_bytes, "roofline_tokens_per_s": roofline, "n": session.staged.n,
                "checkpoint": session.spec.module.checkpoint, "prompts": len(prompts), "max_new_tokens": cfg["max_new_tokens"],
+               "eagle3_checkpoint": plan.get("eagle3_checkpoint") or "untrained",
                "rows": dict(earlier.get(dtype, {}).get("rows", {}))}
         result.data.setdefault("runs", {})[dtype] = run
         rows = run["rows"]
@@ -226,29 +261,52 @@ def step_speed(plan: dict, deadline: float, result: Result) -> None:
                 if "tokens_per_s" in row:
                     row["fraction_of_roofline"] = row["tokens_per_s"] / roofline
             result.save()
-            done = [k for k, v in rows.items() if "tokens_per_s" in v or "error" in v]
-            print(f"[speed] {dtype}: {len(done)} rows saved", flush=True)
-        only, outputs = asked(plan), {}
-        _, executors = gpu.suite_rows(session, prompts, cfg["max_new_tokens"], device, deadline=deadline,
-                                      only=only, compile=cfg["compile"], rows=rows, saved=saved, outputs=outputs)
+
+        def ended(name, row, dtype=dtype):
+            if row.get("skipped") == "not asked":
+                return                          # no result: a later call that asks for it runs it
+            result.ended(name, row, dtype=dtype)
+            status = "resumed" if row.get("resumed") else "error" if "error" in row else \
+                f"skipped ({row['skipped']})" if "skipped" in row else f"{row['tokens_per_s']:.1f} tokens/s"
+            print(f"[speed] {dtype} {name}: {status}", flush=True)
         whole = StagedTarget(session.loaded.model, 1)
-        gpu.hf_rows(session.loaded.model, prompts, cfg["max_new_tokens"], device, cfg["compile"], session.eos_ids,
-                    deadline=deadline, only=only, rows=rows, saved=saved,
-                    margin_of=lambda ids: gpu.top2(whole, ids)[0], outputs=outputs)
-        gpu.hybrid_rows(prompts, cfg["max_new_tokens"], device, getattr(torch, dtype), deadline=deadline, only=only,
-                        rows=rows, saved=saved, shape=cfg.get("hybrid_shape"))
-        if time.time() < deadline and "spd_streams_graphs" in executors and "stage_overlap" not in run:
-            run["stage_overlap"] = gpu.stage_overlap(executors["spd_streams_graphs"], session.staged, prompts[0],
-                                                     device, gpu.capture_of(session))
+        eagle3 = plan.get("eagle3_checkpoint")
+        specs, executors = gpu_rows.speed_specs(
+            session, cfg["max_new_tokens"], device, getattr(torch, dtype),
+            eagle3=(lambda: load_checkpoint(eagle3, whole, session.loaded)) if eagle3 else None,
+            hybrid_shape=cfg.get("hybrid_shape"))
+        gpu_rows.run_speed(specs, prompts, cfg["max_new_tokens"], device, rows, saved, deadline, asked(plan),
+                           cfg["compile"], lambda ids: gpu.top2(whole, ids)[0], {}, ended)
+        if "stage_overlap" not in run:
+            guarded_extra(run, "stage_overlap", deadline, lambda: gpu.stage_overlap(
+                executors["spd_streams_graphs"](), session.staged, prompts[0], device, gpu.capture_of(session)))
             result.save()
         print(f"[speed] {dtype}: roofline {roofline:.0f} tok/s; " + ", ".join(
             f"{k} {v['tokens_per_s']:.1f}" for k, v in rows.items() if "tokens_per_s" in v), flush=True)
 
 
+def guarded_extra(run: dict, key: str, deadline: float, fn) -> None:
+    """A measurement beside the rows: skipped past the deadline, its error recorded in its place."""
+    if time.time() > deadline:
+        run[key] = {"skipped": "time box"}
+        return
+    try:
+        run[key] = fn()
+    except Exception as e:
+        run[key] = {"error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-4000:]}
+
+
 def resumed_runs(path: str | None) -> dict:
-    """The speed step's runs in an earlier call's session.json (its rows are kept), or none."""
+    """The speed rows an earlier call left ({dtype: {"rows": {name: row}}}): from its session.json
+    (steps.speed.runs), or from its rows.jsonl (the rows that reached $OUT before a kill), or none."""
     if not path:
         return {}
+    if path.endswith(".jsonl"):
+        runs = {}
+        for record in read_rows(path):
+            if record.get("step") == "speed":
+                runs.setdefault(record.get("dtype"), {"rows": {}})["rows"][record["name"]] = record["row"]
+        return runs
     with open(path) as f:
         session = json.load(f)
     return (session.get("steps", {}).get("speed") or {}).get("runs", {})
@@ -351,12 +409,18 @@ def main(argv=None) -> int:
     if args.step == "tiny":
         step_tiny(plan)
         return 0
-    result = Result(args.result, args.step)
+    result = Result(args.result, args.step, os.path.join(plan["out"], ROWS_FILE) if plan.get("out") else None)
     if args.step == "export":
         step_export(plan, args.checkpoint, args.name, result)
         return 0
-    {"env": step_env, "correctness": step_correctness, "speed": step_speed, "eval": step_eval}[args.step](
-        plan, args.deadline, result)
+    try:
+        {"env": step_env, "correctness": step_correctness, "speed": step_speed, "eval": step_eval}[args.step](
+            plan, args.deadline, result)
+    except Exception as e:      # outside every row's guard (the session, the prompts): the step's own error
+        result.data.update(error=f"{type(e).__name__}: {str(e)[:500]}", traceback=traceback.format_exc()[-4000:])
+        result.save()
+        print(f"[{args.step}] failed before its rows: {result.data['error']}", flush=True)
+        return 1
     result.data["finished"] = True
     result.save()
     return 0
