@@ -21,6 +21,7 @@ import traceback
 import torch
 
 from bench.gpu import top2 as gpu_top2
+from bench.gpu_training import read_metrics
 from spd.config import GenerateConfig, load_config
 from spd.decoding import Request
 from spd.engine import build_decoder
@@ -71,14 +72,7 @@ def append_row(path: str, record: dict) -> None:
 
 def read_rows(path: str) -> list[dict]:
     """rows.jsonl's records; a line cut by a kill is left out."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
+    return read_metrics(path)
 
 
 def guarded(result: Result, name: str, deadline: float, fn) -> None:
