@@ -24,7 +24,8 @@ from spd.decoding import Decoder, Request, context_length, is_final, prefill
 from spd.drafters.lookup import NgramIndex
 from spd.metrics import DecodeStats
 from spd.models.module import SpeculationModule
-from spd.runtime.device_step import BUCKET, DeviceSampling, Graphed, choose, gumbel
+from spd.runtime.device_step import BUCKET, Graphed
+from spd.verify.device_sampling import DeviceSampling, choose, gumbel
 from spd.verify.accept import kept_drafts
 from spd.verify.sampling import SamplingParams
 from spd.targets.stages import StagedTarget
