@@ -38,7 +38,7 @@ KIND_READS = {"decoder", "chain", "pipelined"}                        # a Method
 CAPABILITIES = {"device_step", "chains", "processes", "reference"}    # a Runtime's, read as an attribute
 CAPABILITY_CALLS = {"eager_reference", "runtime"}
 TABLE, DECODERS_OWN = "spd/decoders.py", "spd/runtime/"
-REGISTRIES = ("spd/methods.py", "spd/runtime/__init__.py", "spd/runtimes.py", "spd/decoders.py")
+REGISTRIES = ("spd/methods.py", "spd/runtimes.py", "spd/decoders.py")       # the names layer's
 CODE_STRING = re.compile(r"^spd(\.[a-z_0-9]+)+:[A-Za-z_][A-Za-z_0-9]*$")
 
 

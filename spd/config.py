@@ -15,7 +15,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from spd.runtime import RUNTIMES, runtime   # torch-free packages: the names and capabilities only
+from spd.runtimes import RUNTIMES, runtime   # torch-free packages: the names and capabilities only
 from spd.targets import DTYPE_NAMES
 from spd.errors import UserError
 from spd.methods import AR, DECODING_METHODS, LOOKUP_MODULE, METHOD_KEYS, METHODS, MODULE, PIPELINE, own_keys

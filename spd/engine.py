@@ -12,7 +12,7 @@ from spd.runtime.ar import ARDecoder
 from spd.decoding import Decoder, GenerationResult, Request
 from spd.drafters.base import check_contract
 from spd.methods import AR, CHAIN, LOOKUP_MODULE, METHODS, PIPELINE, SEGMENTS
-from spd.runtime import eager_reference, runtime
+from spd.runtimes import eager_reference, runtime
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.device_chain import DeviceChainDecoder

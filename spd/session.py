@@ -23,7 +23,7 @@ from spd.corpora.prompts import conversation_ids
 from spd.verify.sampling import SamplingParams
 from spd.models.shipped import DEFAULT_N, checkpoint_for
 from spd.spec import DecodeSpec, Sampling
-from spd.runtime import runtime as runtime_named
+from spd.runtimes import runtime as runtime_named
 from spd.targets.loaded import DTYPES
 from spd.targets.loading import LoadedTarget, load_target
 from spd.corpora.retrieval import open_datastore

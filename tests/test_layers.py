@@ -2,7 +2,7 @@
 session, the configs, the engine, eval, the server or the CLI (lower layers never import higher ones), at module level
 or inside a function; drafters never import the runtime, models neither, and the bottom parts none of those. The
 names leaf's "module:attr" strings are checked as the edges they are. At the bottom, the names every part reads (the methods' registry, the
-errors, the runtimes' registry in spd/runtime/__init__.py) import no torch and nothing else from spd, so config
+errors, the runtimes' registry in spd/runtimes.py, the decoder table in spd/decoders.py) import no torch and nothing else from spd, so config
 checks read them before anything heavy loads."""
 
 import ast
@@ -14,8 +14,7 @@ import pytest
 
 SPD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spd")
 HIGHER = ("spd.session", "spd.config", "spd.engine", "spd.eval", "spd.serve", "spd.cli", "spd.train", "spd.fastest")
-NAMES = ("spd.methods", "spd.errors")      # the leaf: what a method and an error are
-REGISTRY = "spd.runtime"                  # RUNTIMES: what a runtime is; from spd, the leaf alone
+NAMES = ("spd.methods", "spd.errors", "spd.runtimes")   # the leaf: what a method, an error and a runtime are
 HEAVY = ("torch", "transformers", "numpy")
 
 
@@ -86,7 +85,7 @@ def wiring() -> list[tuple[str, str, str]]:
     """(source file, field, "module:attr") for every behaviour the leaf names by string: the methods' drafters, fast
     evaluators and objectives, the module classes, the runtimes' openers."""
     found = []
-    for module in NAMES + (REGISTRY,):
+    for module in NAMES:
         path = source(module)
         tree = ast.parse(open(path, encoding="utf-8").read())
         for node in ast.walk(tree):
@@ -118,7 +117,7 @@ def test_the_leafs_wiring_names_real_code_in_the_right_layer():
         assert attr in names, (where, target)
 
 
-@pytest.mark.parametrize("module", NAMES + (REGISTRY,))
+@pytest.mark.parametrize("module", NAMES)
 def test_the_names_import_no_torch_and_nothing_above_them(module):
     """The leaf's modules import each other at most (a method's own keys raise the leaf's UserError)."""
     allowed = NAMES
@@ -130,11 +129,11 @@ def test_the_names_import_no_torch_and_nothing_above_them(module):
 def test_importing_the_names_loads_nothing_else():
     """What the imports above allow, checked by importing them: a fresh interpreter holds no torch and no other spd
     module afterwards (a package's __init__ counts too)."""
-    code = (f"import sys, {', '.join(NAMES + (REGISTRY,))}; "
+    code = (f"import sys, {', '.join(NAMES)}; "
             f"print(*sorted(m for m in sys.modules if m.split('.')[0] in {('spd',) + HEAVY!r}))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=os.path.dirname(SPD)).stdout.split()
-    assert sorted(loaded) == sorted({"spd", *NAMES, REGISTRY}), loaded
+    assert sorted(loaded) == sorted({"spd", *NAMES}), loaded
 
 
 def test_the_check_sees_a_nested_import(tmp_path):

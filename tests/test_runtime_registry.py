@@ -1,4 +1,4 @@
-"""Runtimes are chosen through one registry (spd.runtime.RUNTIMES): the config, the session, the engine, eval and the
+"""Runtimes are chosen through one registry (spd.runtimes.RUNTIMES): the config, the session, the engine, eval and the
 server ask a runtime's capabilities, never its name, so a runtime is added as one entry and its executor."""
 
 import ast
@@ -11,12 +11,12 @@ import pytest
 
 from spd.spec import DecodeSpec
 
-import spd.runtime as runtimes
+import spd.runtimes as runtimes
 from omegaconf import OmegaConf
 
 from spd.config import GenerateConfig, check_decoding, resolve_dtype
 from spd.errors import UserError
-from spd.runtime import RUNTIMES, Runtime, eager_reference, runtime
+from spd.runtimes import RUNTIMES, Runtime, eager_reference, runtime
 from spd.runtime.local import LocalStages
 from spd.runtime.stages import open_stages
 from spd.targets.stages import StagedTarget
@@ -45,12 +45,12 @@ def test_no_code_outside_the_registry_branches_on_a_runtime_name():
     for directory, _, names in os.walk(SPD):
         for name in names:
             path = os.path.join(directory, name)
-            if name.endswith(".py") and path != os.path.join(SPD, "runtime", "__init__.py"):
+            if name.endswith(".py") and path != os.path.join(SPD, "runtimes.py"):
                 with open(path, encoding="utf-8") as f:
                     lines = name_comparisons(ast.parse(f.read()))
                 if lines:
                     found[os.path.relpath(path, SPD)] = lines
-    assert not found, f"runtime names compared outside spd/runtime/__init__.py: {found}"
+    assert not found, f"runtime names compared outside spd/runtimes.py: {found}"
 
 
 def test_the_scan_catches_a_comparison():
@@ -106,7 +106,7 @@ def test_a_runtime_is_one_registry_entry(monkeypatch):
         yield LocalStages(staged)
 
     monkeypatch.setattr(runtimes, "open_mine", open_mine, raising=False)
-    mine = Runtime("mine", "the stages in a test's own executor", opener="spd.runtime:open_mine", chains=True)
+    mine = Runtime("mine", "the stages in a test's own executor", opener="spd.runtimes:open_mine", chains=True)
     monkeypatch.setitem(RUNTIMES, "mine", mine)
     cfg = config(runtime="mine", method="lookup")
     check_decoding(cfg)            # known, and it takes chains
