@@ -14,7 +14,8 @@ import pytest
 
 SPD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spd")
 HIGHER = ("spd.session", "spd.config", "spd.engine", "spd.eval", "spd.serve", "spd.cli", "spd.train", "spd.fastest")
-NAMES = ("spd.methods", "spd.errors", "spd.runtimes")   # the leaf: what a method, an error and a runtime are
+NAMES = ("spd.methods", "spd.errors", "spd.runtimes", "spd.decoders")   # the leaf: what a method, an error, a
+# runtime is, and which decoder runs where
 HEAVY = ("torch", "transformers", "numpy")
 
 

@@ -132,8 +132,11 @@ def test_the_in_process_runtimes_open_their_executors():
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (dict(runtime="device", method="flowspec"), "method=flowspec has no device step: use one of those, or "
-                                                "runtime=local"),
+    (dict(runtime="device", method="flowspec"), "method=flowspec sends its draft tree through the pipeline's stages "
+                                                "in segments; use runtime=local or runtime=distributed or "
+                                                "runtime=streams, not runtime=device"),
+    (dict(runtime="device", method="pipedec"), "method=pipedec has no device step: use one of those, or "
+                                               "runtime=local"),
     (dict(runtime="device", method="spd", W=4), "runtime=device verifies method=spd's chains; W=4 asks for trees"),
     (dict(runtime="device", method="eagle3", draft_source="suffix+module"),
      "runtime=device drafts method=eagle3 from draft_source=module; drop draft_source=suffix+module"),
