@@ -13,7 +13,7 @@ from spd.runtime.ar import ARDecoder
 from spd.decoding import Decoder, GenerationResult, Request
 from spd.drafters.base import check_contract
 from spd.decoders import STAGES, Where, row_for
-from spd.methods import AR, LOOKUP_MODULE, METHODS, PIPELINE, SEGMENTS, Method
+from spd.methods import AR, METHODS, PIPELINE, SEGMENTS, Method
 from spd.runtimes import runtime
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
@@ -52,8 +52,6 @@ class Parts:
     max_batch: int = 1
     compile: str | None = None          # the device step's torch.compile backend (None: eager)
     cuda_graphs: bool = False
-    module: object = None               # SPD's module, drafting inside its device pipeline step
-    lookup: tuple[int, int] | None = None   # ... behind the context lookup's (min_n, max_n)
 
     @property
     def budget(self) -> int | None:
@@ -73,8 +71,8 @@ BUILDERS: dict[str, Callable[..., Decoder]] = {cls.__name__: build for cls, buil
     (PipelineARDecoder, lambda over, p: PipelineARDecoder(over, p.eos_ids)),
     (DeviceChainDecoder, device_chain),
     (ChainDecoder, lambda over, p: ChainDecoder(over, p.drafter, p.eos_ids, p.draft_length, p.width, p.budget)),
-    (DevicePipelineDecoder, lambda over, p: DevicePipelineDecoder(over, p.module, p.eos_ids, p.compile,
-                                                                  p.cuda_graphs, p.lookup)),
+    (DevicePipelineDecoder, lambda over, p: DevicePipelineDecoder(over, p.device_drafter(), p.eos_ids, p.compile,
+                                                                  p.cuda_graphs)),
     (PipelineDecoder, lambda over, p: PipelineDecoder(over, p.drafter, p.eos_ids, p.width, p.children, p.spine)),
     (SegmentPipelineDecoder, lambda over, p: SegmentPipelineDecoder(over, p.drafter, p.eos_ids, p.segment,
                                                                     p.draft_length, p.width, p.tree_nodes)),
@@ -141,9 +139,7 @@ def session_parts(method: str, session: Session, stages, drafter=None, **more) -
                  device_drafter=lambda: check_contract(session.build(m.device_drafter)) if m.device_drafter else None,
                  width=tree.width, draft_length=spec.draft_length, tree_nodes=tree.nodes, children=tree.children,
                  spine=m.spine, segment=tree.segment, compile="inductor" if spec.runtime.compile else None,
-                 cuda_graphs=spec.runtime.cuda_graphs, module=session.module,
-                 lookup=(spec.lookup.min_ngram, spec.lookup.max_ngram) if spec.draft_source == LOOKUP_MODULE else None,
-                 **more)
+                 cuda_graphs=spec.runtime.cuda_graphs, **more)
 
 
 def where(session: Session) -> Where:

@@ -176,7 +176,7 @@ def test_runtime_device_decodes_through_the_device_step(tiny_target_dir, keys, k
     device, decoder = answer(*keys, "runtime=device")
     if kind == "pipeline":
         assert isinstance(decoder, DevicePipelineDecoder)
-        assert decoder.lookup == ((2, 8) if "draft_source=lookup+module" in keys else None)
+        assert decoder.drafter.lookup == ((2, 8) if "draft_source=lookup+module" in keys else None)
     else:
         assert isinstance(decoder, DeviceChainDecoder)
         assert (decoder.drafter is not None, decoder.device_drafter is not None) == (kind == "host", kind == "device")
