@@ -155,3 +155,30 @@ def test_no_decoding_key_is_read_flat_below_the_config_layer():
     assert {"W", "temperature", "runtime", "max_new_tokens"} <= keys
     snippet = ast.parse("def f(cfg, engine):\n    return cfg.W, engine.cfg.temperature, cfg.output_dir, spec.tree\n")
     assert sorted(flat_reads(snippet, keys)) == ["W", "temperature"]
+
+
+def test_drafters_live_in_the_drafters_and_device_sampling_in_the_rules():
+    """The device steps draft through spd/drafters/ (no class under spd/runtime/ is a drafter; the pipeline step's
+    drafter is spd.drafters.spd_device) and sample through spd/verify/ (the host's warp beside the device's)."""
+    drafters = []
+    for directory, _, names in os.walk(os.path.join(SPD, "runtime")):
+        for name in (n for n in names if n.endswith(".py")):
+            tree = ast.parse(open(os.path.join(directory, name), encoding="utf-8").read())
+            drafters += [f"{name}:{c.name}" for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and
+                         any(getattr(b, "id", getattr(b, "attr", "")).endswith("Drafter") for b in c.bases)]
+    assert not drafters, drafters
+    pipeline = {m for _, m in imports(source("spd.runtime.device_pipeline"))}
+    assert {"spd.drafters.base", "spd.drafters.spd_device", "spd.verify.device_sampling"} <= pipeline
+    assert "spd.verify.device_sampling" in {m for _, m in imports(source("spd.runtime.device_step"))}
+    assert {m for _, m in imports(source("spd.verify.device_sampling")) if m.startswith("spd")} == \
+        {"spd.verify.sampling"}
+
+
+def test_one_place_chooses_a_decoder_and_code_is_named_only_in_the_registries():
+    """bench/code_counts.py: the engine's decoder_for alone picks a decoder (the table's rows); every "module:attr"
+    string lies in a names-layer registry, whose wiring the test above checks."""
+    from bench.code_counts import counts
+
+    found = counts()
+    assert found["decoder_choosers"]["functions"] == ["spd/engine.py:decoder_for"]
+    assert found["code_strings_outside_registries"]["count"] == 0 and found["code_strings"]["count"] >= 15
