@@ -11,6 +11,12 @@ alone (ast; no import of the suite, no torch).
 - flat decoding reads below the config layer: `cfg.<key>` (or `<x>.cfg.<key>`) for a key of `spd.spec.DecodeKeys` (its fields and the
   methods' own keys), outside spd/config.py, spd/spec.py, spd/fastest.py, spd/cli/ and the trainer (its own
   structured config);
+- places that choose a decoder: functions outside the decoders' own package (spd/runtime/) and the decoder table
+  (spd/decoders.py) that construct a decoder class under a branch on a method's decoding kind or a runtime's
+  capability, look a row up in the table (`row_for`), or refuse a runtime for a method (a `UserError` whose message
+  names both `runtime=` and `method=`);
+- strings naming code: "module:attribute" strings naming a module of spd (behaviour imported on first use), by file,
+  and how many lie outside the names layer's registries (which tests/test_layers.py checks as import edges);
 - files at the top of spd/.
 """
 
@@ -20,12 +26,20 @@ import argparse
 import ast
 import json
 import os
+import re
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPD = os.path.join(REPO, "spd")
 SETTLE_CALLS = {"settle", "settle_children", "verify_greedy", "verify_sampled", "verify_point_mass", "settle_tree",
                 "accept_path"}
 CONFIG_LAYER = ("spd/config.py", "spd/spec.py", "spd/fastest.py", "spd/cli/", "spd/train/")   # the trainer: its own config
+KINDS = {"PIPELINE", "SEGMENTS", "CHAIN", "AR"}                       # spd.methods' decoding kinds
+KIND_READS = {"decoder", "chain", "pipelined"}                        # a Method's kind, read as an attribute
+CAPABILITIES = {"device_step", "chains", "processes", "reference"}    # a Runtime's, read as an attribute
+CAPABILITY_CALLS = {"eager_reference", "runtime"}
+TABLE, DECODERS_OWN = "spd/decoders.py", "spd/runtime/"
+REGISTRIES = ("spd/methods.py", "spd/runtimes.py", "spd/decoders.py")       # the names layer's
+CODE_STRING = re.compile(r"^spd(\.[a-z_0-9]+)+:[A-Za-z_][A-Za-z_0-9]*$")
 
 
 def python_files(root: str):
@@ -58,6 +72,66 @@ def flat_reads(tree: ast.AST, keys: set[str]) -> list[str]:
     return [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in keys and
             (isinstance(n.value, ast.Name) and n.value.id == "cfg" or
              isinstance(n.value, ast.Attribute) and n.value.attr == "cfg")]
+
+
+def call_name(node: ast.Call) -> str:
+    return node.func.id if isinstance(node.func, ast.Name) else node.func.attr if isinstance(node.func, ast.Attribute) \
+        else ""
+
+
+def reads_kind_or_capability(test: ast.AST) -> bool:
+    """A branch's test reads a method's decoding kind or a runtime's capability."""
+    return any(isinstance(n, ast.Name) and n.id in KINDS or
+               isinstance(n, ast.Attribute) and n.attr in KIND_READS | CAPABILITIES or
+               isinstance(n, ast.Call) and call_name(n) in CAPABILITY_CALLS for n in ast.walk(test))
+
+
+def named(joined: ast.JoinedStr) -> set[str]:
+    """The keys an f-string names with a value, as `runtime={...}`: each text piece's last word before a value."""
+    keys = set()
+    for text, value in zip(joined.values, joined.values[1:]):
+        if isinstance(text, ast.Constant) and isinstance(value, ast.FormattedValue) and text.value.endswith("="):
+            keys.add(text.value.split()[-1] if text.value.split() else "")
+    return keys
+
+
+def refuses_a_runtime_for_a_method(fn: ast.AST) -> bool:
+    """A `raise UserError(f"...")` whose text names a particular runtime (`runtime={...}`) and method."""
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and call_name(node.exc) == "UserError":
+            keys = set().union(*(named(j) for arg in node.exc.args for j in ast.walk(arg)
+                                 if isinstance(j, ast.JoinedStr)))
+            if any(k.endswith("runtime=") for k in keys) and any(k.endswith("method=") for k in keys):
+                return True
+    return False
+
+
+def chooses_a_decoder(fn: ast.AST, decoder_classes: set[str]) -> bool:
+    """Constructs a decoder class under a branch on a kind or capability, looks a row up in the decoder table, or
+    refuses a runtime for a method."""
+    calls = {call_name(n) for n in ast.walk(fn) if isinstance(n, ast.Call)}
+    branches = [n.test for n in ast.walk(fn) if isinstance(n, (ast.If, ast.IfExp))]
+    return bool(calls & decoder_classes and any(reads_kind_or_capability(t) for t in branches)) or \
+        "row_for" in calls or refuses_a_runtime_for_a_method(fn)
+
+
+def functions(tree: ast.AST, prefix: str = ""):
+    """(qualified name, node) of every function, methods as Class.method."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + node.name, node
+        elif isinstance(node, ast.ClassDef):
+            yield from functions(node, prefix + node.name + ".")
+
+
+def code_strings(files) -> dict[str, int]:
+    found = {}
+    for rel, tree in files:
+        hits = sum(isinstance(n, ast.Constant) and isinstance(n.value, str) and bool(CODE_STRING.match(n.value))
+                   for n in ast.walk(tree))
+        if hits:
+            found[rel] = hits
+    return found
 
 
 def counts() -> dict:
@@ -102,12 +176,20 @@ def counts() -> dict:
         hits = flat_reads(tree, keys)
         if hits:
             flat[rel] = len(hits)
+    decoder_classes = {d.split(":")[1] for d in decoders}
+    choosers = sorted(f"{rel}:{name}" for rel, tree in files if not rel.startswith(DECODERS_OWN) and rel != TABLE
+                      for name, fn in functions(tree) if chooses_a_decoder(fn, decoder_classes))
+    strings = code_strings(files)
+    outside = {rel: n for rel, n in strings.items() if rel not in REGISTRIES}
     top = sorted(name for name in os.listdir(SPD) if name.endswith(".py"))
     return {"decoders": {"count": len(decoders), "classes": decoders},
             "settling_loops": {"count": len(settling), "functions": sorted(settling)},
             "drafter_bases": {"count": len(bases), "classes": bases},
             "baseless_drafters": {"count": len(baseless), "classes": baseless},
             "flat_decoding_reads_below_config": {"count": sum(flat.values()), "files": len(flat), "by_file": flat},
+            "decoder_choosers": {"count": len(choosers), "functions": choosers},
+            "code_strings": {"count": sum(strings.values()), "by_file": strings},
+            "code_strings_outside_registries": {"count": sum(outside.values()), "by_file": outside},
             "top_level_files": {"count": len(top), "files": top}}
 
 

@@ -15,11 +15,12 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from spd.runtime import RUNTIMES, runtime   # torch-free packages: the names and capabilities only
+from spd.decoders import refusal       # torch-free: the names and capabilities only
+from spd.runtimes import RUNTIMES, runtime
 from spd.targets import DTYPE_NAMES, WEIGHT_NAMES
 from spd.targets.source import resolve_source
 from spd.errors import UserError
-from spd.methods import AR, DECODING_METHODS, LOOKUP_MODULE, METHOD_KEYS, METHODS, MODULE, PIPELINE, own_keys
+from spd.methods import AR, DECODING_METHODS, METHOD_KEYS, METHODS, PIPELINE, own_keys
 from spd.spec import DecodeKeys
 
 
@@ -243,29 +244,10 @@ def check_decoding(cfg) -> None:
     if cfg.cuda_graphs and not rt.graphs:
         graphed = " or ".join(f"runtime={r.name}" for r in RUNTIMES.values() if r.graphs)
         raise UserError(f"cuda_graphs=true is for {graphed}; runtime={rt.name} runs {rt.help}, eagerly")
-    chain = cfg.method is not None and METHODS[cfg.method].chain
-    if cfg.cuda_graphs and chain and not rt.device_step:
-        raise UserError(f"cuda_graphs=true covers the pipeline's stage steps and AR; method={cfg.method}'s chain "
-                        "verifies m + 1 tokens at once and runs eagerly here: drop cuda_graphs, or use runtime=device")
-    if chain and not rt.chains:
-        chained = " or ".join(f"runtime={r.name}" for r in RUNTIMES.values() if r.chains)
-        raise UserError(f"method={cfg.method} drafts and verifies in one process (no pipeline); use {chained}, "
-                        f"not runtime={cfg.runtime}")
-    stepped_method = METHODS[cfg.method or "spd"]        # None: the checkpoint's pipelined method, else SPD
-    if rt.device_step and not stepped_method.device_step:
-        stepped = " or ".join(f"method={m.name}" for m in METHODS.values() if m.device_step)
-        raise UserError(f"runtime={rt.name} runs {stepped}; method={stepped_method.name} has no device step: use "
-                        "one of those, or runtime=local")
-    if rt.device_step and cfg.W > 1 and not stepped_method.device_trees:
-        raise UserError(f"runtime={rt.name} verifies method={stepped_method.name}'s chains; W={cfg.W} asks for "
-                        "trees: use W=1, or runtime=local")
-    stepped_sources = (MODULE, LOOKUP_MODULE) if stepped_method.pipelined else (MODULE,)
-    if rt.device_step and stepped_method.trained and cfg.draft_source not in (None, *stepped_sources):
-        raise UserError(f"runtime={rt.name} drafts method={stepped_method.name} from draft_source="
-                        f"{' or '.join(stepped_sources)}; drop draft_source={cfg.draft_source}, or use runtime=local")
-    if rt.device_step and cfg.draft_source == LOOKUP_MODULE and cfg.source_pricing:
-        raise UserError(f"runtime={rt.name} puts the lookup in front of the module wherever it matches; drop "
-                        "source_pricing, or use runtime=local")
+    # a method the runtime runs no decoder for, or keys its decoder does not take (spd.decoders' rows)
+    refused = refusal(METHODS[cfg.method or "spd"], rt, cfg.cuda_graphs, cfg.W, cfg.draft_source, cfg.source_pricing)
+    if refused:
+        raise UserError(refused)
     if cfg.compile and not rt.device_step:
         stepped = " or ".join(f"runtime={r.name}" for r in RUNTIMES.values() if r.device_step)
         raise UserError(f"compile=true compiles the device step of {stepped}; add it, or drop compile")

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 from spd.runtime.ar import ARDecoder
 from spd.decoding import Decoder, GenerationResult, Request
 from spd.drafters.base import check_contract
-from spd.methods import AR, CHAIN, LOOKUP_MODULE, METHODS, PIPELINE, SEGMENTS
-from spd.runtime import eager_reference, runtime
+from spd.decoders import STAGES, Where, row_for
+from spd.methods import AR, METHODS, PIPELINE, SEGMENTS, Method
+from spd.runtimes import runtime
 from spd.runtime.batch import BatchDecoder
 from spd.runtime.chain import ChainDecoder
 from spd.runtime.device_chain import DeviceChainDecoder
@@ -27,63 +29,128 @@ from spd.verify.sampling import SamplingParams
 from spd.session import Session, open_session
 
 
+@dataclass
+class Parts:
+    """What any decoder of the table (spd.decoders.DECODERS) is built from; each builder reads what its class takes.
+    stages: the run's executor (None: `staged` itself, stage after stage). drafter: one request's; new_drafter: a
+    fresh one for each request of a batch; device_drafter: the method's drafter inside the device step, made when a
+    device decoder is built (None where it drafts on the host)."""
+    staged: StagedTarget
+    eos_ids: frozenset[int]
+    stages: StageExecutor | None = None
+    drafter: object = None
+    new_drafter: Callable | None = None
+    device_drafter: Callable[[], object] = lambda: None
+    width: int = 1
+    draft_length: int | None = None
+    tree_nodes: int | None = None
+    children: int | None = None
+    spine: bool = True
+    segment: int = 4
+    capture: frozenset = frozenset()
+    observe: Callable | None = None
+    max_batch: int = 1
+    compile: str | None = None          # the device step's torch.compile backend (None: eager)
+    cuda_graphs: bool = False
+
+    @property
+    def budget(self) -> int | None:
+        """A chain's drafted nodes a cycle: a tree's node budget (W > 1), else its depth decides."""
+        return self.tree_nodes if self.width > 1 else None
+
+
+def device_chain(over, p: Parts) -> DeviceChainDecoder:
+    inside = p.device_drafter()
+    return DeviceChainDecoder(over, p.eos_ids, None if inside is not None else p.drafter, p.draft_length or 1,
+                              p.compile, p.cuda_graphs, width=p.width, budget=p.budget, device_drafter=inside)
+
+
+# how each decoder the table names is built, over the staged target or the run's executor (`over`)
+BUILDERS: dict[str, Callable[..., Decoder]] = {cls.__name__: build for cls, build in (
+    (ARDecoder, lambda over, p: ARDecoder(over, p.eos_ids, p.capture, p.observe)),
+    (PipelineARDecoder, lambda over, p: PipelineARDecoder(over, p.eos_ids)),
+    (DeviceChainDecoder, device_chain),
+    (ChainDecoder, lambda over, p: ChainDecoder(over, p.drafter, p.eos_ids, p.draft_length, p.width, p.budget)),
+    (DevicePipelineDecoder, lambda over, p: DevicePipelineDecoder(over, p.device_drafter(), p.eos_ids, p.compile,
+                                                                  p.cuda_graphs)),
+    (PipelineDecoder, lambda over, p: PipelineDecoder(over, p.drafter, p.eos_ids, p.width, p.children, p.spine)),
+    (SegmentPipelineDecoder, lambda over, p: SegmentPipelineDecoder(over, p.drafter, p.eos_ids, p.segment,
+                                                                    p.draft_length, p.width, p.tree_nodes)),
+    (BatchDecoder, lambda over, p: BatchDecoder(over, p.eos_ids, max_batch=p.max_batch, capture=p.capture)
+        if p.new_drafter is None else       # plain AR: no draft rows, whatever the session's tree
+        BatchDecoder(over, p.eos_ids, p.new_drafter, p.draft_length, p.width, p.budget, p.max_batch, p.capture)),
+    (SeedDecoder, lambda over, p: SeedDecoder(over, p.new_drafter, p.eos_ids, p.width, p.max_batch, p.children,
+                                              p.spine)),
+)}
+
+
+def decoder_for(kind: str, where: Where, parts: Parts, batch: bool = False, method: Method | None = None):
+    """The one place a decoder is chosen: the first row of spd.decoders.DECODERS for `kind` on `where` (one request,
+    or many sharing each forward), built from `parts`. None for a batch where no row shares a forward (one request at
+    a time there); a single request with no row is a bug of the caller (the config refused it, spd.decoders.refusal)."""
+    row = row_for(kind, where, batch, method)
+    if row is None:
+        if batch:
+            return None
+        raise ValueError(f"no decoder for kind={kind} on {where} (spd.decoders.DECODERS)")
+    over = parts.stages if row.over == STAGES and parts.stages is not None else parts.staged
+    return BUILDERS[row.decoder](over, parts)
+
+
+# the library's calls, without a runtime: stages=None is the eager reference, an executor any stages'
+LIBRARY = {True: Where(reference=True, chains=True), False: Where(chains=True)}
+
+
 def build_decoder(kind: str, staged: StagedTarget, eos_ids: frozenset[int], drafter=None, *,
                   stages: StageExecutor | None = None, width: int = 1, draft_length: int | None = None,
                   tree_nodes: int | None = None, children: int | None = None, spine: bool = True, segment: int = 4,
                   capture=frozenset(), observe=None) -> Decoder:
-    """Every decoder of the suite is built here. kind: a method's decoding kind (spd.methods: PIPELINE, CHAIN, AR).
-    stages: the executor a pipeline runs on (None: `staged` in this process, stage after stage); for AR, stages
-    given means AR relayed through them (fixed-shape steps, stage processes), None means the plain eager loop, whose
-    `capture` / `observe` record a greedy trace (spd.eval.fast). A chain verifies on `staged` whole: draft_length
-    drafts a cycle, or a tree of tree_nodes nodes of up to `width` children each. A pipeline keeps `width` nodes a
-    level from `children` candidates per tip (None: width) by the `spine` rule (spd.runtime.pipeline.grow); FlowSpec's
+    """A decoder of the table for a library caller (the trainer's evals, the cost calibration, the trace recorder,
+    the benchmarks). kind: a method's decoding kind (spd.methods: PIPELINE, SEGMENTS, CHAIN, AR). stages: the
+    executor a pipeline runs on (None: `staged` in this process, stage after stage); for AR, stages given means AR
+    relayed through them (fixed-shape steps, stage processes), None the plain eager loop, whose `capture` /
+    `observe` record a greedy trace (spd.eval.fast). A chain verifies on `staged` whole: draft_length drafts a
+    cycle, or a tree of tree_nodes nodes of up to `width` children each. A pipeline keeps `width` nodes a level from
+    `children` candidates per tip (None: width) by the `spine` rule (spd.runtime.pipeline.grow); FlowSpec's
     (SEGMENTS) sends its trees of depth draft_length, `width` children a node and tree_nodes nodes through the
     stages `segment` nodes a step."""
-    if kind == AR:
-        return ARDecoder(staged, eos_ids, capture, observe) if stages is None else PipelineARDecoder(stages, eos_ids)
-    if kind == CHAIN:
-        return ChainDecoder(staged, drafter, eos_ids, draft_length, width, tree_nodes if width > 1 else None)
-    if kind == SEGMENTS:
-        return SegmentPipelineDecoder(stages if stages is not None else staged, drafter, eos_ids, segment,
-                                      draft_length, width, tree_nodes)
-    return PipelineDecoder(stages if stages is not None else staged, drafter, eos_ids, width, children, spine)
+    return decoder_for(kind, LIBRARY[stages is None], Parts(staged, eos_ids, stages, drafter, width=width,
+                                                            draft_length=draft_length, tree_nodes=tree_nodes,
+                                                            children=children, spine=spine, segment=segment,
+                                                            capture=capture, observe=observe))
 
 
 def build_batch_decoder(kind: str, staged: StagedTarget, eos_ids: frozenset[int], new_drafter=None, *,
                         max_batch: int, width: int = 1, draft_length: int | None = None,
                         tree_nodes: int | None = None, children: int | None = None, spine: bool = True,
-                        capture=frozenset()) -> BatchDecoder | SeedDecoder:
+                        capture=frozenset()) -> BatchDecoder | SeedDecoder | None:
     """Many requests per target forward, in this process: AR and the chains on the whole target
     (spd.runtime.batch), a pipelined method's sequences sharing its stages (spd.runtime.seed). new_drafter() makes
     each request's own drafter; capture: layers every request keeps for its observe (AR's trace recorder)."""
-    if kind == PIPELINE:
-        return SeedDecoder(staged, new_drafter, eos_ids, width, max_batch, children, spine)
-    if kind == AR:
-        return BatchDecoder(staged, eos_ids, max_batch=max_batch, capture=capture)
-    return BatchDecoder(staged, eos_ids, new_drafter, draft_length, width, tree_nodes if width > 1 else None,
-                        max_batch, capture)
+    return decoder_for(kind, LIBRARY[True], Parts(staged, eos_ids, new_drafter=new_drafter, width=width,
+                                                  draft_length=draft_length, tree_nodes=tree_nodes, children=children,
+                                                  spine=spine, capture=capture, max_batch=max_batch), batch=True)
 
 
-def pick_decoder(method: str, cfg, session: Session, stages, drafter) -> Decoder:
+def session_parts(method: str, session: Session, stages, drafter=None, **more) -> Parts:
+    """The session's parts for `method`'s decoder: its target, executor, tree and runtime options."""
+    spec, tree, m = session.spec, session.spec.tree, METHODS[method]
+    return Parts(session.staged, session.eos_ids, stages, drafter,
+                 device_drafter=lambda: check_contract(session.build(m.device_drafter)) if m.device_drafter else None,
+                 width=tree.width, draft_length=spec.draft_length, tree_nodes=tree.nodes, children=tree.children,
+                 spine=m.spine, segment=tree.segment, compile="inductor" if spec.runtime.compile else None,
+                 cuda_graphs=spec.runtime.cuda_graphs, **more)
+
+
+def where(session: Session) -> Where:
+    options = session.spec.runtime
+    return Where.of(runtime(options.name), options.cuda_graphs)
+
+
+def pick_decoder(method: str, session: Session, stages, drafter) -> Decoder:
     """The decoder for `method` over this session's stages (AR where the method drafts nothing)."""
-    s, spec = session, session.spec
-    tree, kind = spec.tree, METHODS[method].decoder
-    if runtime(spec.runtime.name).device_step and kind == PIPELINE:
-        lookup = (spec.lookup.min_ngram, spec.lookup.max_ngram) if spec.draft_source == LOOKUP_MODULE else None
-        return DevicePipelineDecoder(s.staged, s.module, s.eos_ids, "inductor" if spec.runtime.compile else None,
-                                     spec.runtime.cuda_graphs, lookup)
-    if runtime(spec.runtime.name).device_step:     # the config check let only methods with a device step through
-        inside = METHODS[method].device_drafter
-        inside = check_contract(s.build(inside)) if inside else None
-        return DeviceChainDecoder(s.staged, s.eos_ids, drafter if kind == CHAIN and inside is None else None,
-                                  spec.draft_length or 1, "inductor" if spec.runtime.compile else None,
-                                  spec.runtime.cuda_graphs, width=tree.width,
-                                  budget=tree.nodes if tree.width > 1 else None, device_drafter=inside)
-    if kind == AR and eager_reference(spec.runtime):
-        stages = None            # the plain loop; elsewhere AR relays through the same fixed-shape or remote steps
-    return build_decoder(kind, s.staged, s.eos_ids, drafter, stages=stages, width=tree.width,
-                         draft_length=spec.draft_length, tree_nodes=tree.nodes, children=tree.children,
-                         spine=METHODS[method].spine, segment=tree.segment)
+    return decoder_for(METHODS[method].decoder, where(session), session_parts(method, session, stages, drafter),
+                       method=METHODS[method])
 
 
 class Engine:
@@ -94,7 +161,7 @@ class Engine:
     def __init__(self, cfg, session: Session, stages, drafter, default: bool = False):
         self.cfg, self.session, self.stages, self.drafter = cfg, session, stages, drafter
         self.default = default
-        self.decoder = pick_decoder(session.spec.method, cfg, session, stages, drafter)
+        self.decoder = pick_decoder(session.spec.method, session, stages, drafter)
         self._baseline: Decoder | None = None
 
     @property
@@ -102,7 +169,7 @@ class Engine:
         """Plain AR over the same stages: the reference eval checks every greedy sample against."""
         if self._baseline is None:
             self._baseline = self.decoder if METHODS[self.session.spec.method].decoder == AR else \
-                pick_decoder("ar", self.cfg, self.session, self.stages, None)
+                pick_decoder("ar", self.session, self.stages, None)
         return self._baseline
 
     def batch_decoder(self, max_batch: int, method: str | None = None) -> BatchDecoder | SeedDecoder | None:
@@ -110,20 +177,11 @@ class Engine:
         per-request baseline): in this process, or a pipelined method's sequences in the stage processes
         (runtime=distributed); None where the stages run as fixed-shape steps (streams, cuda_graphs) or AR would
         relay through stage processes (one request at a time there)."""
-        s, tree = self.session, self.session.spec.tree
-        method = method or s.spec.method
-        kind = METHODS[method].decoder
-        new_drafter = None if kind == AR else s.drafter
-        if kind == SEGMENTS:
-            return None             # FlowSpec's segments decode one request at a time
-        if runtime(s.spec.runtime.name).processes and kind == PIPELINE:
-            return SeedDecoder(self.stages, new_drafter, s.eos_ids, tree.width, max_batch, tree.children,
-                               METHODS[method].spine)
-        if not eager_reference(s.spec.runtime):
-            return None
-        return build_batch_decoder(kind, s.staged, s.eos_ids, new_drafter, max_batch=max_batch, width=tree.width,
-                                   draft_length=s.spec.draft_length, tree_nodes=tree.nodes, children=tree.children,
-                                   spine=METHODS[method].spine)
+        s = self.session
+        m = METHODS[method or s.spec.method]
+        parts = session_parts(m.name, s, self.stages, new_drafter=None if m.drafter is None else s.drafter,
+                              max_batch=max_batch)
+        return decoder_for(m.decoder, where(s), parts, batch=True, method=m)
 
     def request(self, max_new_tokens: int | None = None, params: SamplingParams | None = None,
                 seed: int | None = None) -> Request:

@@ -95,7 +95,7 @@ MODULE, LOOKUP_MODULE, SUFFIX, LOOKUP, SUFFIX_MODULE = "module", "lookup+module"
 
 _PIPELINED = dict(module="speculation", sources=(MODULE, LOOKUP_MODULE), fast_evaluator="spd.eval.fast_trace:fast_pipeline_eval",
                   drafter="spd.drafters.hybrid:pipelined_drafter", objective="spd.train.methods:PipelinedObjective",
-                  device_step=True)
+                  device_step=True, device_drafter="spd.drafters.spd_device:device_drafter")
 
 @dataclass
 class SelfDraftKeys:

@@ -23,7 +23,7 @@ from spd.corpora.prompts import conversation_ids
 from spd.verify.sampling import SamplingParams
 from spd.models.shipped import DEFAULT_N, checkpoint_for
 from spd.spec import DecodeSpec, Sampling
-from spd.runtime import runtime as runtime_named
+from spd.runtimes import runtime as runtime_named
 from spd.targets.loaded import DTYPES
 from spd.targets.loading import LoadedTarget, load_target
 from spd.corpora.retrieval import open_datastore
@@ -151,7 +151,8 @@ def open_session(cfg) -> Session:
                         f"{'a draft model' if METHODS[wanted].draft_model else 'the context'}); drop checkpoint=")
     drafts_with_model = wanted is not None and METHODS[wanted].draft_model
     path = None if moduleless else checkpoint_for(spec.module.checkpoint, spec.target, spec.stages.n,
-                                                  spec.stages.bounds, None if wanted == "ar" else wanted)
+                                                  spec.stages.bounds,
+                                                  wanted if wanted is not None and METHODS[wanted].trained else None)
     ckpt = read_checkpoint_config(path) if path else None
     method = resolve_method(wanted, ckpt, path)
     n = spec.stages.n if spec.stages.n is not None else (ckpt["n"] if ckpt else DEFAULT_N)

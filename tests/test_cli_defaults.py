@@ -65,7 +65,7 @@ def test_help_lists_every_method_from_the_registry(capsys, command):
     text = " ".join(capsys.readouterr().out.split())
     assert " | ".join(DECODING_METHODS) in text
     assert "flowspec" in text
-    from spd.runtime import RUNTIMES
+    from spd.runtimes import RUNTIMES
 
     runtime_line = text.split(" runtime ", 1)[1].split(" cuda_graphs ", 1)[0]
     assert all(name in runtime_line for name in RUNTIMES), runtime_line

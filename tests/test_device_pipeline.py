@@ -1,13 +1,15 @@
-"""SPD's pipeline through the device step (spd.runtime.device_pipeline): every stage's row, the module's draft and
-the verdict in one function of device tensors. The same verdicts as the eager pipeline (spd.runtime.pipeline) with
-the same module, so the same output: greedy = AR, keyed sampling = AR's keyed draws, the target's distribution by
-chi-square (with its power check); compiled whole with `fullgraph=True`; no host read inside a step."""
+"""SPD's pipeline through the device step (spd.runtime.device_pipeline): every stage's row, the device drafter's
+draft (spd.drafters.spd_device) and the verdict in one function of device tensors. The same verdicts as the eager
+pipeline (spd.runtime.pipeline) with the same module, so the same output: greedy = AR, keyed sampling = AR's keyed
+draws, the target's distribution by chi-square (with its power check); compiled whole with `fullgraph=True`; no
+host read inside a step."""
 
 import pytest
 import torch
 
 from helpers import GREEDY, ar_run, prompt, spd_run
 from spd.decoding import Request
+from spd.drafters.spd_device import SpdDeviceDrafter
 from spd.runtime.device_pipeline import DevicePipelineDecoder, DevicePipelineStep
 from spd.targets.loading import load_target
 from spd.targets.tiny import tiny_model
@@ -73,7 +75,7 @@ def pipeline_counts(model, samples: int, seed: int, monkeypatch) -> dict:
     """Sampled answers of SPD's device pipeline (n = 2) whose module always drafts token 5, PROMPT's likeliest
     continuation here, so drafts are often kept (and often the argmax without being the draw)."""
     eager, staged, module = spd_run(model, 2, PROMPT, 1)
-    monkeypatch.setattr(DevicePipelineStep, "draft", lambda self: torch.tensor([5]))
+    monkeypatch.setattr(SpdDeviceDrafter, "module_draft", lambda self, view: torch.tensor([5]))
     return answer_counts(DevicePipelineDecoder(staged, module, frozenset()), samples, seed)
 
 

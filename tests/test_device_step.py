@@ -286,7 +286,7 @@ def test_ar_launches_the_next_cycle_before_it_reads_the_last(monkeypatch, params
 def test_the_settings_as_tensors_warp_bit_for_bit(params):
     """The device step's warp (settings read from tensors, all rows at once) gives spd.verify.sampling.warp's bits,
     row by row, ties included."""
-    from spd.runtime.device_step import DeviceSampling
+    from spd.verify.device_sampling import DeviceSampling
     from spd.verify.sampling import warp
 
     logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)) * 4
@@ -317,7 +317,7 @@ def test_a_new_requests_settings_reuse_the_built_steps():
 def test_first_max_is_argmax_ties_to_the_lowest_index():
     """The sampled draw's reduction (a max, then the lowest index holding it) answers as argmax does, ties and -inf
     included."""
-    from spd.runtime.device_step import first_max
+    from spd.verify.device_sampling import first_max
 
     x = torch.randn(64, 300, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     x[3, [7, 200]] = 50.0                                  # a tie: the lower index wins

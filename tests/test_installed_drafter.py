@@ -75,7 +75,7 @@ from spd.config import GenerateConfig, load_config
 from spd.decoding import Request
 from spd.engine import open_engine
 from spd.methods import METHODS
-from spd.runtime import RUNTIMES
+from spd.runtimes import RUNTIMES
 from spd.verify.sampling import SamplingParams
 
 target, prompts = sys.argv[1], [[5, 9, 3, 5, 9, 3, 7, 5, 9], [4, 4, 8, 1, 4, 4, 8]]

@@ -2,7 +2,7 @@
 session, the configs, the engine, eval, the server or the CLI (lower layers never import higher ones), at module level
 or inside a function; drafters never import the runtime, models neither, and the bottom parts none of those. The
 names leaf's "module:attr" strings are checked as the edges they are. At the bottom, the names every part reads (the methods' registry, the
-errors, the runtimes' registry in spd/runtime/__init__.py) import no torch and nothing else from spd, so config
+errors, the runtimes' registry in spd/runtimes.py, the decoder table in spd/decoders.py) import no torch and nothing else from spd, so config
 checks read them before anything heavy loads."""
 
 import ast
@@ -14,8 +14,8 @@ import pytest
 
 SPD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spd")
 HIGHER = ("spd.session", "spd.config", "spd.engine", "spd.eval", "spd.serve", "spd.cli", "spd.train", "spd.fastest")
-NAMES = ("spd.methods", "spd.errors")      # the leaf: what a method and an error are
-REGISTRY = "spd.runtime"                  # RUNTIMES: what a runtime is; from spd, the leaf alone
+NAMES = ("spd.methods", "spd.errors", "spd.runtimes", "spd.decoders")   # the leaf: what a method, an error, a
+# runtime is, and which decoder runs where
 HEAVY = ("torch", "transformers", "numpy")
 
 
@@ -86,7 +86,7 @@ def wiring() -> list[tuple[str, str, str]]:
     """(source file, field, "module:attr") for every behaviour the leaf names by string: the methods' drafters, fast
     evaluators and objectives, the module classes, the runtimes' openers."""
     found = []
-    for module in NAMES + (REGISTRY,):
+    for module in NAMES:
         path = source(module)
         tree = ast.parse(open(path, encoding="utf-8").read())
         for node in ast.walk(tree):
@@ -118,7 +118,7 @@ def test_the_leafs_wiring_names_real_code_in_the_right_layer():
         assert attr in names, (where, target)
 
 
-@pytest.mark.parametrize("module", NAMES + (REGISTRY,))
+@pytest.mark.parametrize("module", NAMES)
 def test_the_names_import_no_torch_and_nothing_above_them(module):
     """The leaf's modules import each other at most (a method's own keys raise the leaf's UserError)."""
     allowed = NAMES
@@ -130,11 +130,11 @@ def test_the_names_import_no_torch_and_nothing_above_them(module):
 def test_importing_the_names_loads_nothing_else():
     """What the imports above allow, checked by importing them: a fresh interpreter holds no torch and no other spd
     module afterwards (a package's __init__ counts too)."""
-    code = (f"import sys, {', '.join(NAMES + (REGISTRY,))}; "
+    code = (f"import sys, {', '.join(NAMES)}; "
             f"print(*sorted(m for m in sys.modules if m.split('.')[0] in {('spd',) + HEAVY!r}))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=os.path.dirname(SPD)).stdout.split()
-    assert sorted(loaded) == sorted({"spd", *NAMES, REGISTRY}), loaded
+    assert sorted(loaded) == sorted({"spd", *NAMES}), loaded
 
 
 def test_the_check_sees_a_nested_import(tmp_path):
@@ -155,3 +155,30 @@ def test_no_decoding_key_is_read_flat_below_the_config_layer():
     assert {"W", "temperature", "runtime", "max_new_tokens"} <= keys
     snippet = ast.parse("def f(cfg, engine):\n    return cfg.W, engine.cfg.temperature, cfg.output_dir, spec.tree\n")
     assert sorted(flat_reads(snippet, keys)) == ["W", "temperature"]
+
+
+def test_drafters_live_in_the_drafters_and_device_sampling_in_the_rules():
+    """The device steps draft through spd/drafters/ (no class under spd/runtime/ is a drafter; the pipeline step's
+    drafter is spd.drafters.spd_device) and sample through spd/verify/ (the host's warp beside the device's)."""
+    drafters = []
+    for directory, _, names in os.walk(os.path.join(SPD, "runtime")):
+        for name in (n for n in names if n.endswith(".py")):
+            tree = ast.parse(open(os.path.join(directory, name), encoding="utf-8").read())
+            drafters += [f"{name}:{c.name}" for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and
+                         any(getattr(b, "id", getattr(b, "attr", "")).endswith("Drafter") for b in c.bases)]
+    assert not drafters, drafters
+    pipeline = {m for _, m in imports(source("spd.runtime.device_pipeline"))}
+    assert {"spd.drafters.base", "spd.drafters.spd_device", "spd.verify.device_sampling"} <= pipeline
+    assert "spd.verify.device_sampling" in {m for _, m in imports(source("spd.runtime.device_step"))}
+    assert {m for _, m in imports(source("spd.verify.device_sampling")) if m.startswith("spd")} == \
+        {"spd.verify.sampling"}
+
+
+def test_one_place_chooses_a_decoder_and_code_is_named_only_in_the_registries():
+    """bench/code_counts.py: the engine's decoder_for alone picks a decoder (the table's rows); every "module:attr"
+    string lies in a names-layer registry, whose wiring the test above checks."""
+    from bench.code_counts import counts
+
+    found = counts()
+    assert found["decoder_choosers"]["functions"] == ["spd/engine.py:decoder_for"]
+    assert found["code_strings_outside_registries"]["count"] == 0 and found["code_strings"]["count"] >= 15

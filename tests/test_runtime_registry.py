@@ -1,4 +1,4 @@
-"""Runtimes are chosen through one registry (spd.runtime.RUNTIMES): the config, the session, the engine, eval and the
+"""Runtimes are chosen through one registry (spd.runtimes.RUNTIMES): the config, the session, the engine, eval and the
 server ask a runtime's capabilities, never its name, so a runtime is added as one entry and its executor."""
 
 import ast
@@ -11,12 +11,12 @@ import pytest
 
 from spd.spec import DecodeSpec
 
-import spd.runtime as runtimes
+import spd.runtimes as runtimes
 from omegaconf import OmegaConf
 
 from spd.config import GenerateConfig, check_decoding, resolve_dtype
 from spd.errors import UserError
-from spd.runtime import RUNTIMES, Runtime, eager_reference, runtime
+from spd.runtimes import RUNTIMES, Runtime, eager_reference, runtime
 from spd.runtime.local import LocalStages
 from spd.runtime.stages import open_stages
 from spd.targets.stages import StagedTarget
@@ -45,12 +45,12 @@ def test_no_code_outside_the_registry_branches_on_a_runtime_name():
     for directory, _, names in os.walk(SPD):
         for name in names:
             path = os.path.join(directory, name)
-            if name.endswith(".py") and path != os.path.join(SPD, "runtime", "__init__.py"):
+            if name.endswith(".py") and path != os.path.join(SPD, "runtimes.py"):
                 with open(path, encoding="utf-8") as f:
                     lines = name_comparisons(ast.parse(f.read()))
                 if lines:
                     found[os.path.relpath(path, SPD)] = lines
-    assert not found, f"runtime names compared outside spd/runtime/__init__.py: {found}"
+    assert not found, f"runtime names compared outside spd/runtimes.py: {found}"
 
 
 def test_the_scan_catches_a_comparison():
@@ -106,7 +106,7 @@ def test_a_runtime_is_one_registry_entry(monkeypatch):
         yield LocalStages(staged)
 
     monkeypatch.setattr(runtimes, "open_mine", open_mine, raising=False)
-    mine = Runtime("mine", "the stages in a test's own executor", opener="spd.runtime:open_mine", chains=True)
+    mine = Runtime("mine", "the stages in a test's own executor", opener="spd.runtimes:open_mine", chains=True)
     monkeypatch.setitem(RUNTIMES, "mine", mine)
     cfg = config(runtime="mine", method="lookup")
     check_decoding(cfg)            # known, and it takes chains
@@ -132,8 +132,11 @@ def test_the_in_process_runtimes_open_their_executors():
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (dict(runtime="device", method="flowspec"), "method=flowspec has no device step: use one of those, or "
-                                                "runtime=local"),
+    (dict(runtime="device", method="flowspec"), "method=flowspec sends its draft tree through the pipeline's stages "
+                                                "in segments; use runtime=local or runtime=distributed or "
+                                                "runtime=streams, not runtime=device"),
+    (dict(runtime="device", method="pipedec"), "method=pipedec has no device step: use one of those, or "
+                                               "runtime=local"),
     (dict(runtime="device", method="spd", W=4), "runtime=device verifies method=spd's chains; W=4 asks for trees"),
     (dict(runtime="device", method="eagle3", draft_source="suffix+module"),
      "runtime=device drafts method=eagle3 from draft_source=module; drop draft_source=suffix+module"),
@@ -173,7 +176,7 @@ def test_runtime_device_decodes_through_the_device_step(tiny_target_dir, keys, k
     device, decoder = answer(*keys, "runtime=device")
     if kind == "pipeline":
         assert isinstance(decoder, DevicePipelineDecoder)
-        assert decoder.lookup == ((2, 8) if "draft_source=lookup+module" in keys else None)
+        assert decoder.drafter.lookup == ((2, 8) if "draft_source=lookup+module" in keys else None)
     else:
         assert isinstance(decoder, DeviceChainDecoder)
         assert (decoder.drafter is not None, decoder.device_drafter is not None) == (kind == "host", kind == "device")

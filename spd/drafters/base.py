@@ -17,6 +17,10 @@ depends on where the drafter drafts:
 | DEVICE       | inside the device step, tensors in, tensors out: ask  | the cycle's states along the accepted path      |
 | (with CHAIN) | is the newest verified token [1]; the drafts go into  | {layer: [1, r, d]} and `DeviceVerified` tensors |
 |              | the buffers `bind` gave (start: tokens [P + 1])       |                                                 |
+| DEVICE (with | inside the device pipeline step: ask is the step's    | the in-flight states [n, layers, d] when the    |
+| PIPELINED)   | `DeviceStepView` (in-flight states, t, a); returns    | oldest leaves the last stage, and the position  |
+|              | the draft [1] (start: tokens P + 1, the first in      | [1] its row goes to (the scratch slot where     |
+|              | flight last)                                          | none exits)                                     |
 
 `choose(logits [V]) -> Proposal` is the run's rule for a drafter that has logits (argmax, or a sample with its q; in a
 pipelined tree, the W likeliest children); a drafter without logits proposes Proposal(token, source=...), which
@@ -47,7 +51,9 @@ MARGIN = "margin"          # CHAIN: prices with the target's top-2 margin, so th
 DRAWS = "draws"            # sees a sampled request's keyed draws (spd.verify.sampling.KeyedDraws) after `start`
 SIDE_ROWS = "side_rows"    # CHAIN: rows of its own ride in the verification forward (Self-Draft's branches)
 DEVICE_SIDE = "device_side"  # SIDE_ROWS: ... as fixed rows of the device step too
-DEVICE = "device"          # drafts inside the device step (spd.runtime.device_step)
+DEVICE = "device"          # drafts inside the device step (spd.runtime.device_step, device_pipeline)
+HOST_FRONT = "host_front"  # DEVICE PIPELINED: a host-side draft in front of the device's, handed to each step before
+                           # it runs (the context lookup, from the tokens each step reads back)
 
 HOOKS: dict[str, tuple[str, ...]] = {
     ROLLBACK: ("rollback",),
@@ -56,8 +62,11 @@ HOOKS: dict[str, tuple[str, ...]] = {
     DRAWS: ("sampling_draws",),
     SIDE_ROWS: ("side_rows", "side_logits", "extra_rows"),
     DEVICE_SIDE: ("device_side", "side_tokens", "side_predictions"),
-    DEVICE: ("bind", "mutable", "candidates"),
+    DEVICE: ("bind", "mutable"),
+    HOST_FRONT: ("front", "read_back"),
 }
+# a DEVICE CHAIN TREES drafter also sizes its fixed tree (spd.runtime.device_chain)
+COMBINED_HOOKS: dict[frozenset[str], tuple[str, ...]] = {frozenset({DEVICE, CHAIN, TREES}): ("candidates",)}
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,16 @@ class DeviceVerified(NamedTuple):
     position: torch.Tensor
 
 
+class DeviceStepView(NamedTuple):
+    """What a PIPELINED DEVICE drafter is asked each step, as the step's own tensors: every in-flight token's
+    captured states by lag (states [n, layers, d], the layers in layers_needed's order; lag 0 the newest), the
+    newest position t [] and the occupancy a []."""
+
+    states: torch.Tensor
+    t: torch.Tensor
+    a: torch.Tensor
+
+
 class Drafter(ABC):
     capabilities: frozenset[str] = frozenset()
 
@@ -138,7 +157,9 @@ def check_contract(drafter: Drafter) -> Drafter:
     if len(kinds) != 1:
         raise TypeError(f"{type(drafter).__name__} must declare exactly one of {PIPELINED!r}, {CHAIN!r} in its "
                         f"capabilities (it declares {sorted(caps)})")
-    missing = [hook for cap in caps for hook in HOOKS.get(cap, ()) if not hasattr(drafter, hook)]
+    promised = [hook for cap in caps for hook in HOOKS.get(cap, ())]
+    promised += [hook for together, hooks in COMBINED_HOOKS.items() if together <= caps for hook in hooks]
+    missing = [hook for hook in promised if not hasattr(drafter, hook)]
     if missing:
         raise TypeError(f"{type(drafter).__name__} declares {sorted(caps)} but lacks {', '.join(missing)}")
     return drafter

@@ -29,7 +29,7 @@ from spd.eval.summary import METHOD_NAMES, summarise
 from spd.eval.traces import TraceCache
 from spd.methods import DRAFTING_METHODS, LOOKUP_MODULE, METHODS, SEGMENTS, behaviour
 from spd.corpora.prompts import DATASETS, chat_prompt_ids, load_questions
-from spd.runtime import eager_reference, runtime
+from spd.runtimes import eager_reference, runtime
 from spd.session import Session, asks, open_session
 from spd.spec import DecodeSpec
 

@@ -31,6 +31,9 @@ def fused_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 class Eagle3Module(DraftHead, nn.Module):
+    # the trainer's model.<key>s a checkpoint of this class fixes, which a run continuing it (init_from=) must match
+    shape_keys = ("draft_vocab",)
+
     def __init__(self, target_config, layer_cls, rotary_cls, norm_cls, draft_to_target: torch.Tensor | None = None,
                  fused: tuple[int, ...] | None = None):
         super().__init__()

@@ -24,6 +24,9 @@ FEATURE_NORMS = ("none", "standard")
 
 
 class SpeculationModule(DraftHead, nn.Module):
+    # the trainer's model.<key>s a checkpoint of this class fixes, which a run continuing it (init_from=) must match
+    shape_keys = ("module_layers", "draft_vocab", "feature_norm", "fc_bias")
+
     def __init__(self, target_config, bounds: list[int], num_layers: int, layer_cls, rotary_cls, norm_cls,
                  draft_to_target: torch.Tensor | None = None, feature_norm: str = "none", fc_bias: bool = False,
                  method: str = "spd"):

@@ -11,7 +11,8 @@ import torch
 from spd.decoding import Decoder, Request, context_length, is_final, prefill
 from spd.drafters.base import DEVICE_SIDE, DRAWS, MARGIN, TREES, Cycle, Drafter
 from spd.metrics import ChainStats
-from spd.runtime.device_step import BUCKET, ROWS, DeviceStep, StepState, choose, gumbel
+from spd.runtime.device_step import BUCKET, ROWS, DeviceStep, StepState
+from spd.verify.device_sampling import choose, gumbel
 from spd.verify.sampling import SamplingParams
 from spd.targets.linear_states import ROLLBACK
 from spd.targets.stages import StagedTarget

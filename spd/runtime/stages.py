@@ -8,7 +8,7 @@ import os
 from contextlib import contextmanager
 
 from spd.errors import UserError
-from spd.runtime import runtime as runtime_named
+from spd.runtimes import runtime as runtime_named
 from spd.runtime.executor import StageExecutor
 from spd.runtime.local import LocalStages
 from spd.spec import RuntimeOptions
@@ -100,7 +100,7 @@ def sequences_together(cfg) -> int:   # the command's keys (getattr: not every c
 @contextmanager
 def open_stages(staged: StagedTarget, options: RuntimeOptions, capture: list[int], cache_dir: str | None = None,
                 width: int = 1, slots: int = 1):
-    """Yield a StageExecutor for `staged`: the spec's runtime (spd.runtime.RUNTIMES) opens it, in this process or
+    """Yield a StageExecutor for `staged`: the spec's runtime (spd.runtimes.RUNTIMES) opens it, in this process or
     as stage processes loading `cache_dir`'s target. width: the most nodes a stage runs in a step (W; FlowSpec: its
     segments' rows); slots: the sequences it holds at once (a batch)."""
     with runtime_named(options.name).opens()(staged, options, capture, cache_dir, width, slots) as executor:

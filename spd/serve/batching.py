@@ -11,7 +11,7 @@ import queue
 import time
 
 from spd.errors import PipelineFailure
-from spd.runtime import runtime
+from spd.runtimes import runtime
 from spd.serve.text import StopText
 from spd.serve.worker import DecodeWorker, Job
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from spd.decoding import Request
 from spd.errors import PipelineFailure
-from spd.runtime import runtime
+from spd.runtimes import runtime
 from spd.serve.metrics import ServerMetrics
 from spd.serve.text import StopText
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from spd.models.checkpoint import load_checkpoint, read_checkpoint_config
 from spd.errors import UserError
+from spd.methods import METHODS, module_class
 from spd.models.shipped import SHIPPED_DIR
 
 
@@ -52,8 +53,9 @@ def load_continued(cfg, staged, loaded):
             "model.draft_vocab": (saved.get("draft_vocab_size") or 0, m.draft_vocab),
             "model.feature_norm": (saved.get("feature_norm", "none"), m.feature_norm),
             "model.fc_bias": (saved.get("fc_bias", False), m.fc_bias)}
-    if method == "eagle3":
-        want = {"method": want["method"], "model.draft_vocab": want["model.draft_vocab"]}
+    # only the keys the method's module class has (EAGLE-3's: its draft vocabulary)
+    fixed = module_class(METHODS[method].module).shape_keys if method in METHODS and METHODS[method].trained else ()
+    want = {key: value for key, value in want.items() if key == "method" or key.split(".", 1)[1] in fixed}
     differ = [f"{key}={json.dumps(ours)} (the module has {json.dumps(theirs)})" for key, (theirs, ours) in want.items() if theirs != ours]
     if differ:
         raise UserError(f"init_from={cfg.init_from!r} cannot continue as this config asks: {'; '.join(differ)}; "
