@@ -24,8 +24,8 @@ def distributed_runtime(**overrides):
 
     distributed = dict(threads_per_stage=1, controller="auto", master_addr="127.0.0.1", master_port=0, timeout_s=20.0)
     distributed.update({k: v for k, v in overrides.items() if k in distributed})
-    return RuntimeOptions(name="distributed", device="cpu", dtype="float32", weights="float32", cuda_graphs=False, compile=False,
-                          distributed=DistributedOptions(**distributed))
+    return RuntimeOptions(name="distributed", device="cpu", dtype="float32", weights="float32", cuda_graphs=False,
+                          compile=False, distributed=DistributedOptions(**distributed))
 
 
 def ended_on_rejection(result) -> bool:
