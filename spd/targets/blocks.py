@@ -84,8 +84,7 @@ def write_blocks(path: str, model: torch.nn.Module, directory: str) -> None:
     at all."""
     blocks = read_blocks(path, model)
     weights = dict(model.named_parameters(remove_duplicate=False))
-    for name in {key.rsplit(".", 1)[0] for key in blocks}:
-        own = {key.rsplit(".", 1)[1]: value for key, value in blocks.items() if key.rsplit(".", 1)[0] == name}
+    for name, own in by_weight(blocks.items()).items():
         if not torch.equal(dequantize(own), weights[name]):
             raise UserError(f"weights=q4: the blocks of {name} in {os.path.basename(path)} do not dequantize to the "
                             "weight transformers loads from it; use weights=float32")
@@ -130,15 +129,20 @@ def pack(blocks: dict[str, torch.Tensor], lanes: int) -> tuple[torch.Tensor, int
     return packed, 4 if "q" in blocks else 8
 
 
+def by_weight(flat) -> dict[str, dict[str, torch.Tensor]]:
+    """{"<name>.<part>": tensor} pairs (read_blocks' keys) as {parameter name: {part: tensor}}."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in flat:
+        name, part = key.rsplit(".", 1)
+        out.setdefault(name, {})[part] = tensor
+    return out
+
+
 def load_blocks(directory: str, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     """{parameter name: its blocks} for the parameters among `names` that the cache holds blocks of."""
-    out: dict[str, dict[str, torch.Tensor]] = {}
+    wanted = set(names)
     with safe_open(os.path.join(directory, BLOCKS_FILE), framework="pt", device="cpu") as f:
-        for key in f.keys():
-            name, part = key.rsplit(".", 1)
-            if name in names:
-                out.setdefault(name, {})[part] = f.get_tensor(key)
-    return out
+        return by_weight((key, f.get_tensor(key)) for key in f.keys() if key.rsplit(".", 1)[0] in wanted)
 
 
 def attach(model: torch.nn.Module, directory: str) -> int:
