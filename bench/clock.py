@@ -3,7 +3,8 @@ overrides and built by the engine exactly as the CLI builds it, take turns on ev
 transformers `generate` (plain and with its prompt lookup), greedy and sampled, in one process on this machine.
 
 Arms: `--arm "label: key=value ..."` (repeatable; leading `NAME=value` words in capitals are environment variables
-for that arm's build, e.g. `SPD_PANEL_LEVEL=avx2`): any method, W, datastore, dtype, runtime (`runtime=distributed
+for that arm's build, e.g. `SPD_PANEL_LEVEL=avx2`; `BENCH_NATIVE_KERNEL=REV:ARCH` decodes through an older kernel
+build, bench/native_build.py): any method, W, datastore, dtype, runtime (`runtime=distributed
 n=2 controller=first_stage` runs its stage processes; each arm decodes with the threads its engine set). `ar:
 method=ar` is always the first arm: every greedy arm is checked token for token against it, and every sampled arm's
 draws against its keyed draws. `--hf generate,lookup` adds transformers' rows (SDPA attention, its own products;
@@ -45,6 +46,7 @@ import torch
 from tqdm import tqdm
 
 from bench.llama_cpp import llama_run
+from bench.native_build import ENV as NATIVE_ENV, through_native
 from bench.prompt_sets import REPEAT_SPAN, prompt_set, repeating
 from bench.turns import hf_run, rotated, seed_of
 from spd.config import GenerateConfig, load_config
@@ -231,13 +233,15 @@ def decode(args, arms, hf, llama, temperatures, records: list[dict],
             runs[t], engines[t] = [], []
             for label, overrides in arms:
                 env, keys = arm_environment(overrides)
+                native = env.pop(NATIVE_ENV, None)      # not the engine's: the bench swaps the kernel per call
                 cfg = load_config(GenerateConfig, None, [f"target={args.target}", *keys, *sampling_keys(t)])
                 with environment(env):          # read while the engine builds its target (SPD_PANEL_LEVEL=avx2)
                     engine = stack.enter_context(open_engine(cfg))
                 loaded = loaded or engine.session.loaded
                 threads = torch.get_num_threads()      # what the engine set (a distributed arm's controller: its own)
                 engines[t].append((label, engine, threads))
-                runs[t].append((label, engine_run(engine, args.max_new_tokens, threads)))
+                run = engine_run(engine, args.max_new_tokens, threads)
+                runs[t].append((label, through_native(run, native) if native else run))
             for h in hf:
                 hf_decode = hf_run(loaded.model, loaded.tokenizer.pad_token_id or 0, t, args.max_new_tokens,
                                    args.hf_lookup_tokens if h == "lookup" else None)
