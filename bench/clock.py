@@ -17,7 +17,8 @@ next prompt, in an order rotated one place per prompt, so every arm meets the sa
 
 Each (temperature, prompt, arm) is appended to X.jsonl as it finishes and a run started again skips what is there (a
 long run survives an interruption); X.json holds the summary: per set and temperature, tokens/s pooled over the
-prompts, each arm against AR and against the fastest plain row, the geometric mean of its per-prompt ratios against
+prompts (the call to the last token) and the decode rate (tokens after the first over the first token to the last,
+every arm alike), each arm against AR and against the fastest plain row, the geometric mean of its per-prompt ratios against
 AR and its worst prompt, τ (tokens after the first per target forward) and rows a cycle for chains, α (tokens a step)
 for pipelines, each draft source's verified and accepted drafts, the share of cycles a priced drafter left plain,
 for `suffix_branches=true` the share of cycles that ran branch rows and the rows a cycle, the count of prompts equal
@@ -95,7 +96,8 @@ def engine_run(engine, max_new_tokens: int, threads: int):
 
 def record(result: GenerationResult, extra: dict) -> dict:
     stats = result.stats
-    row = {"tokens": len(result.token_ids), "seconds": result.seconds, "crc": hash_tokens(result.token_ids), **extra}
+    row = {"tokens": len(result.token_ids), "seconds": result.seconds, "first_seconds": result.first_seconds,
+           "crc": hash_tokens(result.token_ids), **extra}
     if stats is not None and hasattr(stats, "cycles"):
         # τ: tokens after the prefill's per target forward; rows a cycle: 1 + drafted / cycles
         row.update(N=stats.N - 1, cycles=stats.cycles, drafted=stats.drafted)
@@ -130,6 +132,9 @@ def summarise(records: list[dict], arms: list[str], sets: dict[str, list[str]], 
             row = {"set": set_name, "temperature": t, "arm": arm, "prompts": len(done), "tokens": tokens,
                    "seconds": seconds, "tokens_per_s": tokens / seconds,
                    "equal_ar": sum(by[(t, k, arm)]["crc"] == by[(t, k, "ar")]["crc"] for k in done)}
+            if all(r.get("first_seconds") is not None for r in rs):
+                # the decode rate: tokens after the first over the first token to the last, every arm alike
+                row["decode_tokens_per_s"] = (tokens - len(rs)) / (seconds - pooled(rs, "first_seconds"))
             if all("cycles" in r for r in rs):
                 cycles = max(1, pooled(rs, "cycles"))
                 row["tau"] = pooled(rs, "N") / cycles
@@ -168,12 +173,13 @@ def summarise(records: list[dict], arms: list[str], sets: dict[str, list[str]], 
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| set, T | arm | tokens/s | × AR (per-prompt geomean) | × fastest plain | τ (α) | rows a cycle | "
-             "worst prompt × AR | = AR |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| set, T | arm | tokens/s | decode tokens/s | × AR (per-prompt geomean) | × fastest plain | τ (α) | "
+             "rows a cycle | worst prompt × AR | = AR |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         tau = f"{r['tau']:.2f}" if "tau" in r else f"({r['alpha']:.2f})" if "alpha" in r else ""
         per_cycle = f"{r['rows_per_cycle']:.2f}" if "rows_per_cycle" in r else ""
-        lines.append(f"| {r['set']}, {r['temperature']:g} | {r['arm']} | {r['tokens_per_s']:.1f} | "
+        decode = f"{r['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in r else ""
+        lines.append(f"| {r['set']}, {r['temperature']:g} | {r['arm']} | {r['tokens_per_s']:.1f} | {decode} | "
                      f"{r['vs_ar']:.2f}× ({r['vs_ar_geomean']:.2f}×) | {r['vs_fastest_plain']:.2f}× | {tau} | "
                      f"{per_cycle} | {r['worst_prompt_vs_ar']:.2f}× | {r['equal_ar']}/{r['prompts']} |")
     return "\n".join(lines)

@@ -25,8 +25,8 @@ def gguf_path(target: str) -> str:
 def llama_run(target: str, kind: str, threads: int, temperature: float, max_new_tokens: int, eos: set[int],
               seed_of, lookup_tokens: int = 10):
     """run(key, ids) -> GenerationResult: llama.cpp's greedy (or T = 1, top-k 50, seeded per prompt) decoding of
-    up to max_new_tokens after `ids`, stopping at an end-of-sequence id; seconds from the call to the last token,
-    as the suite's arms count them."""
+    up to max_new_tokens after `ids`, stopping at an end-of-sequence id; seconds from the call to the first and to
+    the last token, as the suite's arms count them."""
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -41,11 +41,12 @@ def llama_run(target: str, kind: str, threads: int, temperature: float, max_new_
         sample = dict(temp=temperature, top_k=50, top_p=1.0, min_p=0.0) if temperature else dict(temp=0.0, top_k=1)
         if temperature:
             model.set_seed(seed_of(key))
-        out = []
+        out, first = [], None
         start = time.perf_counter()
         for token in model.generate(ids, reset=True, repeat_penalty=1.0, **sample):
+            first = time.perf_counter() - start if first is None else first
             out.append(int(token))
             if token in eos or len(out) >= max_new_tokens:
                 break
-        return GenerationResult(out, time.perf_counter() - start)
+        return GenerationResult(out, time.perf_counter() - start, first_seconds=first)
     return run

@@ -16,6 +16,9 @@ the target's own greedy decode (AR, with each position's top-2 margin) runs here
     python -m bench.tree_equality --label default_bf16 --live-reference --out docs/results/tree_equality_bf16.json \
         method=suffix W=4 datastore=answers+sharegpt dtype=bfloat16
 
+With --temperature 1 (and --live-reference) every prompt is decoded with keyed draws at T = 1 (top-k 50, one seed a
+prompt) by AR and by the configuration: lossless sampling draws AR's very tokens, so every difference counts.
+
 Resumable: finished (label, prompt) rows are kept in <out>l and skipped. Writes one entry per label into --out (default docs/results/tree_equality.json).
 """
 
@@ -27,6 +30,7 @@ import json
 import os
 import sys
 import time
+import zlib
 
 import torch
 from tqdm import tqdm
@@ -44,16 +48,24 @@ def trace_file(trace_dir: str, dataset: str, qid) -> str:
     return path
 
 
-def live_trace(engine, ids: list[int], max_new_tokens: int) -> dict:
-    """The target's own greedy decode of `ids` in the engine's dtype, with the top-2 logit margin of every position."""
+def live_trace(engine, ids: list[int], request: Request) -> dict:
+    """The target's own decode of `ids` in the engine's dtype (greedy, or the request's keyed draws), with the top-2
+    logit margin of every position."""
     from spd.runtime.ar import ARDecoder
     from spd.verify.sampling import top2_margin
 
     margins = []
     ar = ARDecoder(engine.session.staged, engine.session.eos_ids, observe=lambda logits, _: margins.append(
         top2_margin(logits)))
-    out = ar.generate(list(ids), Request(max_new_tokens, SamplingParams(), 0))
+    out = ar.generate(list(ids), request)
     return {"prompt_ids": list(ids), "tokens": out.token_ids, "margins": margins}
+
+
+def request_for(args, ds: str, qid) -> Request:
+    """Greedy, or at --temperature (top-k 50) with one seed per prompt: the keyed draws AR and the decoder share."""
+    if not args.temperature:
+        return Request(args.max_new_tokens, SamplingParams(), 0)
+    return Request(args.max_new_tokens, SamplingParams(args.temperature, top_k=50), zlib.crc32(f"{ds}/{qid}".encode()))
 
 
 def row_for(label, ds, qid, tokens, stats, trace, max_new_tokens, seconds) -> dict:
@@ -91,6 +103,8 @@ def main() -> int:
                                                       "outputs/cache/traces with the most recordings)")
     ap.add_argument("--live-reference", action="store_true", help="decode the reference (AR) here, in the "
                     "configuration's dtype, instead of reading the float32 traces")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: keyed draws at this temperature (top-k "
+                    "50, one seed per prompt) against AR's own, decoded here (needs --live-reference)")
     ap.add_argument("--out", default="docs/results/tree_equality.json")
     ap.add_argument("overrides", nargs="*", help="spd-infer generate keys: method=eagle3 W=4 ...")
     args = ap.parse_args()
@@ -98,8 +112,11 @@ def main() -> int:
     if not (args.live_reference or args.trace_dir or recorded):
         raise SystemExit("no greedy traces under outputs/cache/traces: record them with spd-infer eval --trace-dir, "
                          "give --trace-dir, or decode the reference here with --live-reference")
+    if args.temperature and not args.live_reference:
+        raise SystemExit("--temperature compares against AR's keyed draws decoded here: add --live-reference")
     trace_dir = None if args.live_reference else args.trace_dir or max(recorded, key=lambda d: len(os.listdir(d)))
-    cfg = load_config(GenerateConfig, None, [*args.overrides, f"max_new_tokens={args.max_new_tokens}"])
+    sampled = [f"temperature={args.temperature:g}", "top_k=50"] if args.temperature else []
+    cfg = load_config(GenerateConfig, None, [*args.overrides, *sampled, f"max_new_tokens={args.max_new_tokens}"])
     rows_path = args.out + "l"
     done = finished_rows(rows_path, "label")
     with open_engine(cfg) as engine, open(rows_path, "a") as sink:
@@ -107,11 +124,14 @@ def main() -> int:
         for ds, qid, ids in tqdm(prompts, desc=args.label, mininterval=30):
             if (args.label, ds, str(qid)) in done:
                 continue
-            trace = live_trace(engine, ids, args.max_new_tokens) if args.live_reference else \
+            request = request_for(args, ds, qid)
+            trace = live_trace(engine, ids, request) if args.live_reference else \
                 torch.load(trace_file(trace_dir, ds, qid))
             assert trace["prompt_ids"] == list(ids), f"{ds}-{qid}: the trace was recorded for another prompt"
+            if args.temperature:    # a sampled difference is never a float tie
+                trace["margins"] = []
             start = time.perf_counter()
-            out = engine.decoder.generate(list(ids), Request(args.max_new_tokens, SamplingParams(), 0))
+            out = engine.decoder.generate(list(ids), request)
             row = row_for(args.label, ds, qid, out.token_ids, out.stats, trace, args.max_new_tokens,
                           time.perf_counter() - start)
             sink.write(json.dumps(row) + "\n")
@@ -123,6 +143,7 @@ def main() -> int:
             result = json.load(f)
     result[args.label] = summarise(list(done.values()), args.label, args.overrides)
     result[args.label]["trace_dir"] = "live AR" if args.live_reference else os.path.basename(trace_dir)
+    result[args.label]["temperature"] = args.temperature
     with open(args.out + ".tmp", "w") as fh:
         json.dump(result, fh, indent=2)
     os.replace(args.out + ".tmp", args.out)

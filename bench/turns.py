@@ -9,6 +9,7 @@ import zlib
 
 import torch
 from tqdm import tqdm
+from transformers.generation.streamers import BaseStreamer
 
 from spd.decoding import GenerationResult
 from spd.verify.sampling import SamplingParams
@@ -18,6 +19,21 @@ from spd.targets.linears import plain_products
 def params_for(temperature: float) -> SamplingParams:
     """How every row samples at `temperature` (T = 0: greedy; T > 0: top-k 50, top-p 1)."""
     return SamplingParams() if temperature == 0 else SamplingParams(temperature=temperature, top_k=50, top_p=1.0)
+
+
+class FirstToken(BaseStreamer):
+    """A streamer that only notes when `generate` hands over its first new token (its first put is the prompt)."""
+
+    def __init__(self):
+        self.start, self.puts, self.seconds = time.perf_counter(), 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.seconds = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
 
 
 def hf_run(model, pad_id: int, temperature: float, max_new_tokens: int, lookup: int | None = None):
@@ -32,10 +48,12 @@ def hf_run(model, pad_id: int, temperature: float, max_new_tokens: int, lookup: 
             sample["prompt_lookup_num_tokens"] = lookup
         kernel, model.config._attn_implementation = model.config._attn_implementation, "sdpa"
         try:
-            start = time.perf_counter()
+            first = FirstToken()
             with plain_products(model):
-                out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sample)
-            return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - start)
+                out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                                     streamer=first, **sample)
+            return GenerationResult(out[0, len(ids):].tolist(), time.perf_counter() - first.start,
+                                    first_seconds=first.seconds)
         finally:
             model.config._attn_implementation = kernel
     return run

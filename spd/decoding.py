@@ -41,12 +41,24 @@ class Request:
 @dataclass
 class GenerationResult:
     token_ids: list[int]               # the N generated tokens
-    seconds: float                     # prefill + decode wall time
+    seconds: float                     # prefill + decode wall time: the call to the last token
     stats: DecodeStats | ChainStats | None = None   # None for plain autoregressive decoding
+    first_seconds: float | None = None  # the call to the first token (the prefill's share)
 
     @property
     def tokens_per_s(self) -> float:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def decode_seconds(self) -> float | None:
+        """The first token to the last: the time the tokens after the first took."""
+        return None if self.first_seconds is None else self.seconds - self.first_seconds
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first over the first token to the last (the rate a prompt's length does not set)."""
+        d = self.decode_seconds
+        return None if d is None or len(self.token_ids) < 2 else (len(self.token_ids) - 1) / d if d > 0 else None
 
 
 class Decoder(ABC):
@@ -63,12 +75,14 @@ class Decoder(ABC):
     def generate(self, prompt_ids: list[int], request: Request, on_token=None) -> GenerationResult:
         """The whole stream at once; on_token(token_id) sees each token as it comes."""
         start = time.perf_counter()
-        tokens = []
+        tokens, first = [], None
         for token in self.stream(prompt_ids, request):
+            if first is None:
+                first = time.perf_counter() - start
             tokens.append(token)
             if on_token:
                 on_token(token)
-        return GenerationResult(tokens, time.perf_counter() - start, self.stats)
+        return GenerationResult(tokens, time.perf_counter() - start, self.stats, first)
 
 
 def prefill(target: StagedTarget, prompt_ids: list[int], capture=frozenset(), max_length: int | None = None,

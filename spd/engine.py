@@ -214,7 +214,8 @@ class Engine:
                 "processes": getattr(self.stages, "world", 1), "n": s.staged.n, "stage_bounds": s.staged.bounds,
                 "balance": s.caches.balance, "datastore": spec.suffix.datastore if s.caches.retrieval else None,
                 "checkpoint": spec.module.checkpoint, "dtype": spec.runtime.dtype, **stats, "seconds": result.seconds,
-                "tokens_per_s": result.tokens_per_s,
+                "tokens_per_s": result.tokens_per_s, "decode_seconds": result.decode_seconds,
+                "decode_tokens_per_s": result.decode_tokens_per_s, "weights": s.staged.weights,
                 "default": self.default}
 
 

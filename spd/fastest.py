@@ -19,8 +19,11 @@ from spd.targets.source import DEFAULT_TARGET
 # every cell, and 1.84-2.22x of transformers' prompt lookup; the datastore was measured on the default target only
 # (fastest_default). On CUDA the bfloat16 table measured on one H200 (docs/gpu.md, "The figures"), where AR through
 # CUDA graphs was the fastest of the suite's rows and SPD ran below it.
-FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"},
-                   "sampled": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt"}},
+# A GGUF target on a CPU decodes from the file's own 4- and 8-bit blocks (weights=q4, the float32 target's bits):
+# the default there ran 1.10x / 1.08x / 1.18x / 1.25x of itself over the float32 weights (eval T = 0, everyday
+# T = 0, eval T = 1, everyday T = 1; docs/weights-q4.md) in about half the memory.
+FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt", "weights": "q4"},
+                   "sampled": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt", "weights": "q4"}},
            "cuda": {"greedy": {"method": "ar", "cuda_graphs": True}, "sampled": {"method": "ar", "cuda_graphs": True}}}
 
 # keys that ask for SPD's pipeline or a module: a user who sets one of them gets what they asked for
@@ -43,6 +46,9 @@ def fastest_default(cfg, defaults, given: set[str]) -> dict:
     chosen = dict(FASTEST.get(device_type(cfg.device), {}).get(regime, {}))
     if cfg.target != DEFAULT_TARGET:
         chosen.pop("datastore", None)
+    gguf = cfg.target == DEFAULT_TARGET or str(cfg.target).endswith(".gguf")
+    if not (gguf and cfg.dtype in (None, "float32")):
+        chosen.pop("weights", None)     # the blocks are a GGUF file's, multiplied in float32 rows
     return {key: value for key, value in chosen.items() if key not in given and cfg[key] == defaults[key]}
 
 

@@ -177,6 +177,7 @@ def test_the_default_is_the_fastest_measured_here_and_any_choosing_key_overrides
     greedy = FASTEST["cpu"]["greedy"]
     assert code == 0 and default["method"] == greedy["method"] and default["W"] == greedy.get("W", 1)
     assert default["datastore"] is None       # the datastore joins the default on the default target only
+    assert default["weights"] == "float32"    # and the 4-bit blocks on a GGUF target only
     assert default["default"] is True and default["token_ids"] == ar["token_ids"]       # lossless like every method
     code, _, err = run(capsys, *common)
     tree = f" W={greedy['W']} tree_nodes=16" if greedy.get("W", 1) > 1 else ""
@@ -220,6 +221,11 @@ def test_the_default_keeps_the_keys_a_user_set_and_the_datastore_is_the_default_
     other = OmegaConf.merge(cfg, {"target": "path/to/another/model"})
     assert "datastore" not in fastest_default(other, defaults, {"target"})   # measured on the default target only
     assert fastest_default(OmegaConf.merge(cfg, {"n": 3}), defaults, {"n"}) == {}              # a choosing key
+    assert FASTEST["cpu"]["greedy"]["weights"] == "q4"            # the default target is a GGUF: its own blocks
+    assert "weights" not in fastest_default(other, defaults, {"target"})     # not a GGUF file: its weights as stored
+    assert "weights" not in fastest_default(OmegaConf.merge(cfg, {"dtype": "bfloat16"}), defaults, {"dtype"})
+    assert "weights" not in fastest_default(cfg, defaults, {"weights"})       # weights=float32 asked: kept
+    assert fastest_default(OmegaConf.merge(cfg, {"dtype": "float32"}), defaults, {"dtype"})["weights"] == "q4"
 
 
 def test_a_checkpoint_decodes_as_the_method_it_was_trained_as(capsys, tiny_target_dir, tmp_path):

@@ -273,9 +273,9 @@ def test_the_answers_corpus_holds_the_targets_greedy_answers_and_resumes(smollm2
 
 
 def test_weights_q4_multiplies_the_ggufs_blocks_and_is_the_float32_target(capsys, smollm2):
-    """weights=q4: the GGUF's own Q4_1 blocks (and the Q8_0 head) multiplied without a float32 copy being read, with
-    the float32 target's bits — a 13-row forward's logits bit for bit — so the default and SPD over the blocks
-    decode float32 AR's tokens."""
+    """weights=q4: the GGUF's own Q4_1 blocks (and the Q8_0 head) multiplied without a float32 copy being held, with
+    the float32 target's bits — a 13-row forward's logits bit for bit — so the default and SPD over the blocks, and
+    AR relayed through two stage processes that each load their own blocks, decode float32 AR's tokens."""
     from spd.targets import panel
 
     q4 = load_target("smollm2", weights="q4")
@@ -283,6 +283,8 @@ def test_weights_q4_multiplies_the_ggufs_blocks_and_is_the_float32_target(capsys
     assert staged.weights == "q4" and plain.weights == "float32"
     linears = [m for m in q4.model.modules() if isinstance(m, panel.PanelLinear)]
     assert len(linears) == 211 and all(m.__dict__["_panels"][5] in (4, 8) for m in linears)
+    # no float32 copy is held: every Linear's weight but the tied head's (the embedding, read by lookup) is unloaded
+    assert sum(m.weight.device.type == "meta" for m in linears) == 210
     ids = torch.tensor([chat_prompt_ids(smollm2.tokenizer, "What is 12*7?")[:13]])
     out, _ = staged.forward_all(ids, staged.new_cache(), 0)
     ref, _ = plain.forward_all(ids, plain.new_cache(), 0)
@@ -290,7 +292,12 @@ def test_weights_q4_multiplies_the_ggufs_blocks_and_is_the_float32_target(capsys
     common = ["generate", "prompt=Give me three tips for keeping houseplants alive.", "max_new_tokens=48",
               "json=true", "dtype=float32"]
     answers = {}
-    for extra in (["method=ar"], ["method=ar", "weights=q4"], ["weights=q4"], ["weights=q4", "method=spd"]):
+    for extra in (["method=ar"], ["method=ar", "weights=q4"], ["weights=q4"], ["weights=q4", "method=spd"],
+                  ["weights=q4", "method=ar", "runtime=distributed", "n=2"]):    # stages load their own blocks
         assert main([*common, *extra]) == 0
         answers[" ".join(extra)] = json.loads(capsys.readouterr().out)["token_ids"]
     assert len(set(map(tuple, answers.values()))) == 1, answers
+    assert main([*common[:-1]]) == 0                 # no key chooses: the default, over the GGUF's blocks
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["weights"] == "q4" and json.loads(captured.out)["token_ids"] == answers["method=ar"]
+    assert main(common[:3]) == 0 and "weights=q4, the default here] N=48 " in capsys.readouterr().err

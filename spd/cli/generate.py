@@ -48,6 +48,8 @@ def with_seed(engine, out: dict) -> dict:
 def stats_line(out: dict) -> str:
     speed = f"tokens/s={out['tokens_per_s']:.1f}" + (f" seed={out['seed']}" if out.get("seed") is not None else "")
     chosen = ", the default here" if out.get("default") else ""
+    # what the products read, where it is not the float32 weights (weights=q4: the GGUF's own blocks)
+    chosen = (f" weights={out['weights']}" if out.get("weights", "float32") != "float32" else "") + chosen
     if "tau" in out:   # draft-then-verify: tokens per target forward, not pipeline steps
         tree = f" W={out['W']} tree_nodes={out['tree_nodes']}" if out.get("W", 1) > 1 else ""
         tree += f" datastore={out['datastore']}" if out.get("datastore") else ""

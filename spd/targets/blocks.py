@@ -145,20 +145,32 @@ def load_blocks(directory: str, names: list[str]) -> dict[str, dict[str, torch.T
         return by_weight((key, f.get_tensor(key)) for key in f.keys() if key.rsplit(".", 1)[0] in wanted)
 
 
-def attach(model: torch.nn.Module, directory: str) -> int:
-    """Give every nn.Linear of `model` whose weight the cache holds blocks of (a tied head: its embedding's) those
-    blocks, for spd.targets.panel to multiply from (write_blocks proved them equal to the weights). Returns how many
-    Linears multiply from blocks."""
-    owners = {}
+def blocked(model: torch.nn.Module, directory: str, wanted=lambda name: True) -> list[tuple[torch.nn.Module, str]]:
+    """Every nn.Linear of `model` whose weight the cache holds blocks of and `wanted` accepts a name of, with the
+    name they are held under (a tied head's: its embedding's, the one parameter under two names)."""
+    with safe_open(os.path.join(directory, BLOCKS_FILE), framework="pt", device="cpu") as f:
+        held = {key.rsplit(".", 1)[0] for key in f.keys()}
+    names = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        if param.device.type != "meta":
-            owners.setdefault(param.data_ptr(), []).append(name)
-    found = load_blocks(directory, [n for names in owners.values() for n in names])
-    count = 0
+        names.setdefault(id(param), []).append(name)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    out = []
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.device.type != "meta":
-            held = next((found[n] for n in owners.get(module.weight.data_ptr(), []) if n in found), None)
-            if held is not None:
-                module.__dict__["_blocks"] = held, module.weight._version
-                count += 1
-    return count
+        if isinstance(module, torch.nn.Linear):
+            known = names.get(id(module.weight), [])
+            if tied and "lm_head.weight" in known:      # a stage holding the head but not the embedding
+                known = known + ["model.embed_tokens.weight"]
+            name = next((n for n in known if n in held), None)
+            if name is not None and any(wanted(n) for n in known):
+                out.append((module, name))
+    return out
+
+
+def attach(modules: list[tuple[torch.nn.Module, str]], directory: str) -> int:
+    """Give each (nn.Linear, name) of `blocked` the blocks held under that name, for spd.targets.panel to multiply
+    from (write_blocks proved them equal to the weights; the weight itself may stay on meta, load_parts). Returns
+    how many Linears multiply from blocks."""
+    found = load_blocks(directory, [name for _, name in modules])
+    for module, name in modules:
+        module.__dict__["_blocks"] = found[name], module.weight._version
+    return len(modules)

@@ -155,7 +155,8 @@ def panels_of(module: torch.nn.Linear) -> tuple[torch.Tensor, int, int] | None:
     """The module's panels, level id and bits (0: float32 panels; 4 or 8: a GGUF weight's own blocks,
     spd.targets.blocks), packed again if its weight changed since; None where they cannot be used."""
     weight, level = module.weight, module.__dict__.get("_panel_level")
-    if level is None or not _usable(weight):
+    from_blocks = "_blocks" in module.__dict__ and weight.device.type == "meta"     # load_parts left it unloaded
+    if level is None or not (_usable(weight) or from_blocks):
         return None
     held = module.__dict__.get("_panels")
     if held is None or held[0] is not weight or held[1] != weight._version or held[3] != level:

@@ -182,7 +182,8 @@ def load_parts(path: str, layers: range | None, embed: bool, head: bool, dtype: 
                device: str | torch.device = "cpu", weights: str = "float32") -> LoadedTarget:
     """The target's module tree with only these parameters materialised (the rest stay on the meta device, so
     running them fails loudly): decoder `layers` (None: all), the embedding, and the final norm + LM head.
-    weights="q4": the Linears of a GGUF target multiply from the file's own blocks (spd.targets.blocks)."""
+    weights="q4": the Linears of a GGUF target multiply from the file's own blocks (spd.targets.blocks), their
+    float32 weights left on meta (a tied head's are its embedding's, loaded)."""
     if weights == "q4":
         ensure_blocks(path)
     with open(os.path.join(path, META_FILE)) as f:
@@ -198,11 +199,18 @@ def load_parts(path: str, layers: range | None, embed: bool, head: bool, dtype: 
         prefixes.append("model.embed_tokens.")
     if head:
         prefixes += ["model.norm.", "lm_head."]
+    # weights="q4": a Linear multiplied from blocks never reads its float32 weight, so it stays on meta (~4x less
+    # memory; anything that would read it fails loudly) — but the embedding's rows are read, tied head or not
+    def wanted(name: str) -> bool:
+        return any(name.startswith(p) for p in prefixes)
+    embedding = model.get_input_embeddings().weight
+    from_blocks = {id(module.weight) for module, _ in blocks.blocked(model, path, wanted)
+                   if module.weight is not embedding} if weights == "q4" else set()
     try:
         with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt", device="cpu") as f:
             stored = set(f.keys())
-            for name, _ in list(model.named_parameters(remove_duplicate=False)):
-                if not any(name.startswith(p) for p in prefixes):
+            for name, param in list(model.named_parameters(remove_duplicate=False)):
+                if not wanted(name) or id(param) in from_blocks:
                     continue
                 source = name if name in stored else "model.embed_tokens.weight"  # a tied head is stored once
                 # copy=True: aligned memory, so the kernels (and the results) match a load from the source
@@ -216,8 +224,8 @@ def load_parts(path: str, layers: range | None, embed: bool, head: bool, dtype: 
             if buffer is not None and buffer.device.type != "meta":
                 module._buffers[name] = buffer.to(device)
     model.eval().requires_grad_(False)
-    if weights == "q4":
-        blocks.attach(model, path)
+    if weights == "q4":           # after the tie: a tied head's blocks are its embedding's
+        blocks.attach(blocks.blocked(model, path, wanted), path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError):
