@@ -57,6 +57,26 @@ def test_a_product_from_blocks_is_the_float32_panel_product_of_the_dequantized_w
         assert torch.equal(got, panel.product(x[:rows], floats, d_out, b, level)), rows
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_scales_are_read_as_the_files_halves_subnormal_and_signed_zero_included(bits, level):
+    """d and m are packed as halves (the file's own): the kernel's conversion is exact for every half, so the product
+    is the float32 panel product of the dequantized weight even for subnormal scales and a minimum of -0."""
+    g = torch.Generator().manual_seed(bits)
+    held = (q4_blocks if bits == 4 else q8_blocks)(torch.randn(64, 96, generator=g))
+    odd = torch.tensor([2.0 ** -24, 2.0 ** -20, 3 * 2.0 ** -16, 6.1e-5, -0.0, 65504.0]).half().float()
+    held["d"] = odd[torch.arange(held["d"].numel()) % len(odd)].view_as(held["d"])
+    if bits == 4:
+        held["m"] = -odd[torch.arange(held["m"].numel()) % len(odd)].view_as(held["m"])
+    packed, _ = blocks.pack(held, panel.LANES[level])
+    floats = panel.pack(blocks.dequantize(held), level)
+    x = torch.randn(5, 96, generator=g)
+    assert torch.equal(panel.product_blocks(x, packed, 64, None, level, bits), panel.product(x, floats, 64, None, level))
+    held["d"] = held["d"] + 1e-9                # not a half: not a GGUF's blocks
+    with pytest.raises(ValueError, match="not a half"):
+        blocks.pack(held, panel.LANES[level])
+
+
 def test_the_self_check_covers_the_blocks_and_refuses_a_blocks_kernel_that_breaks_the_rule(monkeypatch, tmp_path):
     monkeypatch.setenv("SPD_CACHE_DIR", str(tmp_path))
     panel.panels_invariant.cache_clear()

@@ -5,6 +5,7 @@
 //   vec, VZERO(), VLOAD(p), VSET1(s), VFMA(a, b, c) (a * b + c), VMUL, VADD, VSTORE(p, v)
 //   VNIB(p, s)     LANES 32-bit words at p, each shifted right by s and masked to its low 4 bits, as floats
 //   VI8(p)         LANES signed bytes at p as floats
+//   VHALF(p)       LANES IEEE halves at p as floats (exact: every half is a float)
 //
 // Why the order is fixed by this code and not by the compiler: the translation unit is built with
 // -ffp-contract=off and without -march=native, so a multiply-add is fused exactly where VFMA says (an intrinsic on
@@ -33,16 +34,16 @@ struct F32 {
 };
 
 struct Q4 {
-  // panels [P, K / 32, 24 * LANES] bytes: per block of 32 inputs, d [LANES] float32, m [LANES] float32, then 4 rows
-  // of LANES 32-bit words; word u of a feature holds inputs 8u .. 8u + 7 of the block, input 8u + j in bits 4j ..
-  // 4j + 3 (one load serves 8 inputs, each a shift, a mask and a conversion; GGUF's Q4_1: w = q * d + m)
+  // panels [P, K / 32, 20 * LANES] bytes: per block of 32 inputs, d [LANES] and m [LANES] as the file's halves, then
+  // 4 rows of LANES 32-bit words; word u of a feature holds inputs 8u .. 8u + 7 of the block, input 8u + j in bits
+  // 4j .. 4j + 3 (one load serves 8 inputs, each a shift, a mask and a conversion; GGUF's Q4_1: w = q * d + m).
+  // A one-row product is bound by memory here: halves, not floats, for d and m read 5 bits a weight, not 6.
   static constexpr int64_t GROUP = 32;
   struct group { vec d, m; const uint32_t* q; };
-  static int64_t stride(int64_t K) { return K / 32 * 24 * LANES; }
+  static int64_t stride(int64_t K) { return K / 32 * 20 * LANES; }
   PANEL_TARGET static inline group at(const uint8_t* panel, int64_t k) {
-    const uint8_t* block = panel + k / 32 * 24 * LANES;
-    const float* scales = reinterpret_cast<const float*>(block);
-    return {VLOAD(scales), VLOAD(scales + LANES), reinterpret_cast<const uint32_t*>(block + 8 * LANES)};
+    const uint8_t* block = panel + k / 32 * 20 * LANES;
+    return {VHALF(block), VHALF(block + 2 * LANES), reinterpret_cast<const uint32_t*>(block + 4 * LANES)};
   }
   PANEL_TARGET static inline vec weight(const group& g, int64_t t) {
     return VADD(VMUL(VNIB(g.q + (t >> 3) * LANES, (t & 7) * 4), g.d), g.m);
@@ -51,14 +52,14 @@ struct Q4 {
 };
 
 struct Q8 {
-  // panels [P, K / 32, 36 * LANES] bytes: per block of 32 inputs, d [LANES] float32, then 32 rows of LANES signed
+  // panels [P, K / 32, 34 * LANES] bytes: per block of 32 inputs, d [LANES] halves, then 32 rows of LANES signed
   // bytes (GGUF's Q8_0: w = q * d)
   static constexpr int64_t GROUP = 32;
   struct group { vec d; const int8_t* q; };
-  static int64_t stride(int64_t K) { return K / 32 * 36 * LANES; }
+  static int64_t stride(int64_t K) { return K / 32 * 34 * LANES; }
   PANEL_TARGET static inline group at(const uint8_t* panel, int64_t k) {
-    const uint8_t* block = panel + k / 32 * 36 * LANES;
-    return {VLOAD(reinterpret_cast<const float*>(block)), reinterpret_cast<const int8_t*>(block + 4 * LANES)};
+    const uint8_t* block = panel + k / 32 * 34 * LANES;
+    return {VHALF(block), reinterpret_cast<const int8_t*>(block + 2 * LANES)};
   }
   PANEL_TARGET static inline vec weight(const group& g, int64_t t) { return VMUL(VI8(g.q + t * LANES), g.d); }
   PANEL_TARGET static inline const void* ahead(const group& g, int64_t t) { return g.q + (t + 128) * LANES; }
@@ -156,4 +157,5 @@ PANEL_TARGET static void multiply(int64_t format, const float* x, int64_t M, int
 #undef VADD
 #undef VNIB
 #undef VI8
+#undef VHALF
 #undef VSTORE

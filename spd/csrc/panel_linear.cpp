@@ -43,12 +43,13 @@ typedef __m512 vec;
 #define VNIB(p, s) _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32( \
     _mm512_loadu_si512(reinterpret_cast<const void*>(p)), s), _mm512_set1_epi32(15)))
 #define VI8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))
+#define VHALF(p) _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #include "panel_kernel.h"
 }  // namespace avx512
 
 namespace avx2 {
-#define PANEL_TARGET __attribute__((target("avx2,fma")))
+#define PANEL_TARGET __attribute__((target("avx2,fma,f16c")))
 constexpr int LANES = 8;
 constexpr int MT = 6;             // 2 x 6 + 2 + 1 of 16
 typedef __m256 vec;
@@ -61,6 +62,7 @@ typedef __m256 vec;
 #define VNIB(p, s) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32( \
     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), s), _mm256_set1_epi32(15)))
 #define VI8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))
+#define VHALF(p) _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #include "panel_kernel.h"
 }  // namespace avx2
@@ -85,7 +87,30 @@ typedef int8_t i8vec __attribute__((vector_size(LANES)));
 #define VNIB(p, s) ({ uvec w_; __builtin_memcpy(&w_, (p), sizeof(uvec)); \
     __builtin_convertvector((ivec)((w_ >> (s)) & 15u), vec); })
 #define VI8(p) ({ i8vec b_; __builtin_memcpy(&b_, (p), LANES); __builtin_convertvector(b_, vec); })
+#define VHALF(p) half_lanes(reinterpret_cast<const uint16_t*>(p))
 #define VSTORE(p, v) ({ vec v_ = (v); __builtin_memcpy((p), &v_, sizeof(vec)); })
+static inline float half_to_float(uint16_t h) {
+  // IEEE half -> float, exactly (every half is a float): subnormals, infinities and NaNs included
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) bits = sign | 0x7F800000u | (man << 13);
+  else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13);
+  else if (man == 0) bits = sign;
+  else {                                     // subnormal: normalise
+    int e = -1;
+    uint32_t m = man;
+    do { m <<= 1; ++e; } while (!(m & 0x400));
+    bits = sign | uint32_t(112 - e) << 23 | ((m & 0x3FF) << 13);
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+static inline vec half_lanes(const uint16_t* p) {
+  vec v;
+  for (int l = 0; l < LANES; ++l) v[l] = half_to_float(p[l]);
+  return v;
+}
 #include "panel_kernel.h"
 }  // namespace portable
 
@@ -98,7 +123,8 @@ std::vector<std::string> levels() {
   std::vector<std::string> out{"portable"};
 #if PANEL_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back("avx2");
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    out.push_back("avx2");
   if (__builtin_cpu_supports("avx512f")) out.push_back("avx512");
 #endif
   return out;
@@ -157,7 +183,7 @@ torch::Tensor linear_blocks(const torch::Tensor& x, const torch::Tensor& panels,
   TORCH_CHECK(panels.scalar_type() == torch::kUInt8 && panels.is_contiguous() && panels.dim() == 3, "byte panels");
   const int64_t K = x.size(-1);
   TORCH_CHECK(K % 32 == 0 && panels.size(1) == K / 32 &&
-              panels.size(2) == (bits == 4 ? 24 : 36) * lanes_of(level), "panels do not fit x");
+              panels.size(2) == (bits == 4 ? 20 : 34) * lanes_of(level), "panels do not fit x");
   return multiply_at(x, panels, N, bias, level, bits == 4 ? 1 : 2);
 }
 

@@ -120,9 +120,18 @@ def _rows_to_panels(t: torch.Tensor, lanes: int) -> torch.Tensor:
     return panels.permute(0, *range(2, panels.dim()), 1).contiguous()
 
 
+def _halves(t: torch.Tensor) -> torch.Tensor:
+    # a block's scale (or minimum) as the file's half again: exact, or the blocks are not a GGUF's
+    half = t.to(torch.float16)
+    if not torch.equal(half.float(), t):
+        raise ValueError("a block's d or m is not a half: these blocks do not come from a GGUF file")
+    return half
+
+
 def pack(blocks: dict[str, torch.Tensor], lanes: int) -> tuple[torch.Tensor, int]:
-    """One weight's blocks as the kernel's panels [P, K / 32, bytes a block] uint8, and their bits (4 or 8)."""
-    parts = [blocks["d"]] + ([blocks["m"], blocks["q"]] if "q" in blocks else [blocks["q8"]])
+    """One weight's blocks as the kernel's panels [P, K / 32, bytes a block] uint8 (d and m as halves, the file's
+    own), and their bits (4 or 8)."""
+    parts = [_halves(blocks["d"])] + ([_halves(blocks["m"]), blocks["q"]] if "q" in blocks else [blocks["q8"]])
     panels = [_rows_to_panels(p, lanes) for p in parts]
     P, B = panels[0].shape[:2]
     packed = torch.cat([p.view(torch.uint8).reshape(P, B, -1) for p in panels], -1).contiguous()
