@@ -191,6 +191,9 @@ def check_blocks(cfg) -> None:
     if cfg.dtype != "float32" or cfg.device != "cpu":
         raise UserError(f"weights=q4 runs float32 rows on a CPU (dtype={cfg.dtype}, device={cfg.device} asked); "
                         "set dtype=float32 device=cpu or use weights=float32")
+    if cfg.get("compile"):
+        raise UserError("weights=q4 multiplies in the suite's own kernel, which torch.compile cannot trace (a compiled "
+                        "step multiplies float32 weights with F.linear); use compile=false or weights=float32")
 
 
 def check_decoding(cfg) -> None:

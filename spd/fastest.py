@@ -47,7 +47,7 @@ def fastest_default(cfg, defaults, given: set[str]) -> dict:
     if cfg.target != DEFAULT_TARGET:
         chosen.pop("datastore", None)
     gguf = cfg.target == DEFAULT_TARGET or str(cfg.target).endswith(".gguf")
-    if not (gguf and cfg.dtype in (None, "float32")):
+    if not (gguf and cfg.dtype in (None, "float32") and not cfg.get("compile")):
         chosen.pop("weights", None)     # the blocks are a GGUF file's, multiplied in float32 rows
     return {key: value for key, value in chosen.items() if key not in given and cfg[key] == defaults[key]}
 

@@ -127,6 +127,7 @@ def test_drafted_decoding_over_blocks_is_the_targets_own_decoding(family, params
     (["target=tiny-llama", "weights=q4"], "target=tiny-llama is not a .gguf file"),
     (["weights=q4", "dtype=bfloat16"], "weights=q4 runs float32 rows on a CPU"),
     (["weights=q8"], "weights"),
+    (["weights=q4", "method=ar", "runtime=device", "compile=true"], "torch.compile cannot trace"),
 ])
 def test_weights_q4_without_blocks_to_read_is_refused_in_one_line(overrides, message, tmp_path):
     import subprocess

@@ -225,6 +225,7 @@ def test_the_default_keeps_the_keys_a_user_set_and_the_datastore_is_the_default_
     assert "weights" not in fastest_default(other, defaults, {"target"})     # not a GGUF file: its weights as stored
     assert "weights" not in fastest_default(OmegaConf.merge(cfg, {"dtype": "bfloat16"}), defaults, {"dtype"})
     assert "weights" not in fastest_default(cfg, defaults, {"weights"})       # weights=float32 asked: kept
+    assert "weights" not in fastest_default(OmegaConf.merge(cfg, {"compile": True}), defaults, {"compile"})
     assert fastest_default(OmegaConf.merge(cfg, {"dtype": "float32"}), defaults, {"dtype"})["weights"] == "q4"
 
 

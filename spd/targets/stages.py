@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from spd.layout import stage_bounds
-from spd.targets import gated_delta, gqa_attention, invariant_attention, panel, prepacked
+from spd.targets import gated_delta, gqa_attention, invariant_attention, lean_layers, panel, prepacked
 from spd.targets.kv_cache import LayerKVCache
 from spd.targets.linear_states import ROLLBACK
 
@@ -68,6 +68,8 @@ class StagedTarget:
         self.panels = self.panel_level is not None
         if self.panels:
             panel.use_panels(model, self.panel_level)
+        if self.device.type == "cpu":
+            lean_layers.lean(model)     # Llama layers' forward without its module calls: the same bits, less Python
         # what the products read: a GGUF's own blocks where the loader attached them (spd.targets.blocks; the panel
         # kernel multiplies them, so without panels they go unread)
         self.weights = "q4" if self.panels and any("_blocks" in m.__dict__ for m in model.modules()) else "float32"
