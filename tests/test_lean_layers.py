@@ -63,6 +63,8 @@ def test_a_written_out_llama_layer_has_transformers_bits(products, monkeypatch):
     staged, own = staged_pair(model)
     assert kind != "bfloat16" or staged.row_invariant
     assert all(type(layer) is lean_layers.LeanLlamaLayer for layer in model.model.layers)
+    # from panels, the work around the attention is the C++ glue's; otherwise the Python forward
+    assert all((lean_layers._packs(layer) is not None) == (kind in ("panels", "q4")) for layer in model.model.layers)
     assert staged.weights == ("q4" if kind == "q4" else "float32") and staged.panels == (kind in ("panels", "q4"))
     ids = torch.randint(0, model.config.vocab_size, (1, 28), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():

@@ -14,6 +14,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "panel_api.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -140,8 +142,8 @@ torch::Tensor pack(const torch::Tensor& weight, int64_t level) {
   return padded.view({P, lanes, K}).permute({0, 2, 1}).contiguous();
 }
 
-static torch::Tensor multiply_at(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
-                                 const c10::optional<torch::Tensor>& bias, int64_t level, int64_t format) {
+torch::Tensor multiply_at(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                          const c10::optional<torch::Tensor>& bias, int64_t level, int64_t format) {
   // x [..., K] -> [..., N]; panels in `format` (0: float32, 1: 4-bit blocks, 2: 8-bit blocks; panel_kernel.h)
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "float32 rows only");
   auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
@@ -192,4 +194,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack);
   m.def("linear", &linear);
   m.def("linear_blocks", &linear_blocks);
+  m.def("llama_before_attention", &llama_before_attention);       // spd/csrc/llama_layer.cpp
+  m.def("llama_after_attention", &llama_after_attention);
 }

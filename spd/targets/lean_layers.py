@@ -1,7 +1,10 @@
 """A Llama decoder layer's forward as one function on a CPU: the same tensor operations, in the same order, as
 transformers' LlamaDecoderLayer, its attention, MLP and RMSNorms (so the same bits — tests/test_lean_layers.py),
-without the ~15 module calls, keyword-renaming and kernel-hub wrappers a layer pays for in Python. A one-row step of
-SmolLM2 spends more time there than in its products once they read 4-bit blocks; this is a third of it.
+without the ~15 module calls, keyword-renaming and kernel-hub wrappers a layer pays for in Python. Where every
+product multiplies from panels (float32 or a GGUF's blocks), the work before and after the attention is one C++ call
+each (spd/csrc/llama_layer.cpp: the same ATen operators, from C++); the attention and the cache stay in Python, where
+the suite's kernels for them are. A one-row step of SmolLM2 over 4-bit blocks spent more time in Python's calls than
+in its products.
 
 Only a layer of exactly transformers' Llama classes is swapped (its attention, MLP and norms too): other families
 keep their own forward."""
@@ -11,6 +14,8 @@ from __future__ import annotations
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
+
+from spd.targets import panel
 
 
 def _norm(norm: llama.LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -27,6 +32,48 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+BEFORE, AFTER = ("q_proj", "k_proj", "v_proj"), ("o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _packs(layer: llama.LlamaDecoderLayer):
+    """The layer's seven products as the C++ glue takes them — (panels, outputs, biases, bits) before and after
+    the attention, and their level — or None where any of them does not multiply from panels (F.linear, bfloat16).
+    Kept on the layer while its weights are the same tensors at the same versions (checked without module lookups:
+    a step calls this 30 times)."""
+    held = layer.__dict__.get("_lean")
+    if held is not None and all(p["weight"] is w and w._version == v and d.get("_panels") is h
+                                for p, d, w, v, h in held[0]):
+        return held[1]
+    attn, mlp = layer.self_attn, layer.mlp
+    modules = [getattr(attn, n) for n in BEFORE] + [getattr(mlp if n != "o_proj" else attn, n) for n in AFTER]
+    packs = _pack(modules)
+    # what the packs were read from: each weight at its version, and its panels (packed again at another level)
+    layer.__dict__["_lean"] = [(m._parameters, m.__dict__, m.weight, m.weight._version, m.__dict__.get("_panels"))
+                               for m in modules], packs
+    return packs
+
+
+def _pack(modules: list[torch.nn.Module]):
+    # q, k, v, o, gate, up, down -> what _packs returns
+    packed = []
+    for m in modules:
+        held = m.__dict__.get("_panels")
+        if held is not None and held[0] is m.weight and held[1] == m.weight._version:
+            packed.append((held[2], held[4], held[5]))
+        elif isinstance(m, panel.PanelLinear) and (again := panel.panels_of(m)) is not None:
+            packed.append(again)
+        else:
+            return None
+    if len({level for _, level, _ in packed}) != 1:
+        return None
+    sides = []
+    for part in (slice(0, 3), slice(3, 7)):
+        ms, ps = modules[part], packed[part]
+        sides.append(([p for p, _, _ in ps], [m.weight.shape[0] for m in ms], [m.bias for m in ms],
+                      [b for _, _, b in ps]))
+    return sides[0], sides[1], packed[0][1]
+
+
 class LeanLlamaLayer(llama.LlamaDecoderLayer):
     """LlamaDecoderLayer with its forward written out (the class swapped in place by `lean`)."""
 
@@ -37,6 +84,22 @@ class LeanLlamaLayer(llama.LlamaDecoderLayer):
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
         attn, mlp = self.self_attn, self.mlp
         kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}   # what the attention forwards
+        packs = _packs(self) if hidden_states.dtype == torch.float32 and self.silu else None
+        if packs is not None and not (torch.is_grad_enabled() and hidden_states.requires_grad):
+            # the norm, products and rotation in one C++ call, the attention here, the rest in another
+            before, after, level = packs
+            cos, sin = position_embeddings
+            q, k, v = panel._EXT.llama_before_attention(
+                hidden_states, self.input_layernorm.weight, self.input_layernorm.variance_epsilon, *before, level,
+                cos, sin, attn.head_dim)
+            if cache is not None:
+                k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                           llama.eager_attention_forward)
+            out, _ = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+            return panel._EXT.llama_after_attention(
+                out, hidden_states, self.post_attention_layernorm.weight,
+                self.post_attention_layernorm.variance_epsilon, *after, level)
         residual = hidden_states                                            # [B, T, d]
         h = _norm(self.input_layernorm, hidden_states)
         shape = (*h.shape[:-1], -1, attn.head_dim)
@@ -73,5 +136,6 @@ def lean(model: torch.nn.Module) -> int:
     for module in model.modules():
         if _plain(module):
             module.__class__ = LeanLlamaLayer
+            module.silu = module.mlp.config.hidden_act == "silu"     # what the C++ glue's MLP applies
             count += 1
     return count

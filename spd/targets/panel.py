@@ -43,7 +43,7 @@ from spd.targets.linears import SwappedLinear
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCE = CSRC / "panel_linear.cpp"
-SOURCES = (SOURCE, CSRC / "panel_kernel.h")
+SOURCES = (SOURCE, CSRC / "llama_layer.cpp", CSRC / "panel_kernel.h", CSRC / "panel_api.h")
 PLAIN_ENV = "SPD_PLAIN_PRODUCTS"     # set to 1: float32 targets keep F.linear (for comparisons)
 LEVEL_ENV = "SPD_PANEL_LEVEL"        # portable | avx2 | avx512: multiply at this level (for comparisons and tests)
 LEVELS = ("portable", "avx2", "avx512")     # lowest first; the build's ids are their indices
@@ -112,7 +112,7 @@ def extension():
         print(f"building the float32 product kernel (once, ~40 s) in {build}", file=sys.stderr)
         # no -march=native: each level's instructions are named where it is defined, and no multiply-add is fused
         # but where the code says (spd/csrc/panel_kernel.h says why)
-        return load(name=NAME, sources=[str(SOURCE)], build_directory=str(build),
+        return load(name=NAME, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"], build_directory=str(build),
                     extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # a missing compiler, ninja or header: the plain products still decode as before
         warnings.warn(f"float32 CPU products keep F.linear: the panel kernel could not be built here "
