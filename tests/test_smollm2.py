@@ -301,3 +301,37 @@ def test_weights_q4_multiplies_the_ggufs_blocks_and_is_the_float32_target(capsys
     captured = capsys.readouterr()
     assert json.loads(captured.out)["weights"] == "q4" and json.loads(captured.out)["token_ids"] == answers["method=ar"]
     assert main(common[:3]) == 0 and "weights=q4, the default here] N=48 " in capsys.readouterr().err
+
+
+def test_serve_and_eval_at_weights_q4_decode_the_float32_targets_tokens(capsys, tmp_path):
+    """The server over the GGUF's blocks (the default method, two clients at once, so its batch decoder) answers
+    float32 AR's tokens; `spd-infer eval weights=q4` decodes AR's text on every prompt."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serve_process import KEY, ServerProcess, kill_all
+
+    questions = ["What is 12*7?", "Name three colours."]
+    references = []
+    for q in questions:
+        assert main(["generate", "method=ar", "max_new_tokens=24", "json=true", f"prompt={q}"]) == 0
+        references.append(json.loads(capsys.readouterr().out)["token_ids"])
+    srv = ServerProcess("weights=q4", "max_new_tokens=24", f"api_key={KEY}")
+    try:
+        client = srv.client()
+
+        def ask(question):
+            chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                                  max_tokens=24, temperature=0)
+            return chat.model_extra["spd"]["token_ids"]
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(ask, questions)) == references
+        assert srv.stop() == 0, "".join(srv.lines)
+    finally:
+        kill_all(srv)
+    out = tmp_path / "eval"
+    code = main(["eval", "limit=1", "n=3", "max_new_tokens=12", "calibrate=false", "wandb.mode=disabled", "weights=q4",
+                 "exact_trace=true", f"output_dir={out}", f"trace_cache_dir={tmp_path / 'traces'}"])
+    assert code == 0, capsys.readouterr().err
+    with open(out / "samples.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 3 and all(r["ar_match"] for r in rows)
