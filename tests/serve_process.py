@@ -73,6 +73,20 @@ class ServerProcess:
                 self.proc.kill()
 
 
+def greedy_answers_at_once(srv: ServerProcess, model: str, questions: list[str], max_tokens: int) -> list[list[int]]:
+    """Each question as its own chat request, all sent at once (so the server batches them): each answer's ids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = srv.client()
+
+    def ask(question):
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                              max_tokens=max_tokens, temperature=0)
+        return chat.model_extra["spd"]["token_ids"]
+    with ThreadPoolExecutor(len(questions)) as pool:
+        return list(pool.map(ask, questions))
+
+
 def generate_json(capsys, *args) -> dict:
     code = main(["generate", *args, "json=true"])
     out = capsys.readouterr().out

@@ -335,23 +335,14 @@ def test_requests_batched_together_decode_as_each_alone(capsys, hybrid_dirs, tmp
 def test_a_server_answers_as_generate_on_the_hybrid(capsys, hybrid_dirs):
     """`spd-infer serve` on a Qwen3.5 directory: two clients at once (their rows in shared forwards), each answer
     equal to AR's from `generate`."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from serve_process import KEY, ServerProcess, kill_all
+    from serve_process import KEY, ServerProcess, greedy_answers_at_once, kill_all
 
     target = hybrid_dirs[0]
     questions = ["What is 12*7?", "Name a colour."]
     references = [generate(capsys, f"target={target}", "method=ar", f"prompt={q}")[0] for q in questions]
     srv = ServerProcess(f"target={target}", "method=spd", "n=3", "max_new_tokens=20", f"api_key={KEY}")
     try:
-        client = srv.client()
-
-        def ask(question):
-            chat = client.chat.completions.create(model=target, messages=[{"role": "user", "content": question}],
-                                                  max_tokens=20, temperature=0)
-            return chat.model_extra["spd"]["token_ids"]
-        with ThreadPoolExecutor(2) as pool:
-            assert list(pool.map(ask, questions)) == references
+        assert greedy_answers_at_once(srv, target, questions, 20) == references
         assert srv.stop() == 0, "".join(srv.lines)
     finally:
         kill_all(srv)

@@ -306,9 +306,7 @@ def test_weights_q4_multiplies_the_ggufs_blocks_and_is_the_float32_target(capsys
 def test_serve_and_eval_at_weights_q4_decode_the_float32_targets_tokens(capsys, tmp_path):
     """The server over the GGUF's blocks (the default method, two clients at once, so its batch decoder) answers
     float32 AR's tokens; `spd-infer eval weights=q4` decodes AR's text on every prompt."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from serve_process import KEY, ServerProcess, kill_all
+    from serve_process import KEY, ServerProcess, greedy_answers_at_once, kill_all
 
     questions = ["What is 12*7?", "Name three colours."]
     references = []
@@ -317,14 +315,7 @@ def test_serve_and_eval_at_weights_q4_decode_the_float32_targets_tokens(capsys, 
         references.append(json.loads(capsys.readouterr().out)["token_ids"])
     srv = ServerProcess("weights=q4", "max_new_tokens=24", f"api_key={KEY}")
     try:
-        client = srv.client()
-
-        def ask(question):
-            chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
-                                                  max_tokens=24, temperature=0)
-            return chat.model_extra["spd"]["token_ids"]
-        with ThreadPoolExecutor(2) as pool:
-            assert list(pool.map(ask, questions)) == references
+        assert greedy_answers_at_once(srv, "smollm2", questions, 24) == references
         assert srv.stop() == 0, "".join(srv.lines)
     finally:
         kill_all(srv)
