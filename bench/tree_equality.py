@@ -16,7 +16,9 @@ the target's own greedy decode (AR, with each position's top-2 margin) runs here
     python -m bench.tree_equality --label default_bf16 --live-reference --out docs/results/tree_equality_bf16.json \
         method=suffix W=4 datastore=answers+sharegpt dtype=bfloat16
 
-With --temperature 1 (and --live-reference) every prompt is decoded with keyed draws at T = 1 (top-k 50, one seed a
+With --reference 'weights=float32' the reference is the same configuration with those keys on top, decoded here with
+the same request (for a decoder whose sampled draws are its own: SPD's and EAGLE-3's rejection sampling). With
+--temperature 1 (and --live-reference) every prompt is decoded with keyed draws at T = 1 (top-k 50, one seed a
 prompt) by AR and by the configuration: lossless sampling draws AR's very tokens, so every difference counts.
 
 Resumable: finished (label, prompt) rows are kept in <out>l and skipped. Writes one entry per label into --out (default docs/results/tree_equality.json).
@@ -25,6 +27,7 @@ Resumable: finished (label, prompt) rows are kept in <out>l and skipped. Writes 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -105,28 +108,40 @@ def main() -> int:
                     "configuration's dtype, instead of reading the float32 traces")
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: keyed draws at this temperature (top-k "
                     "50, one seed per prompt) against AR's own, decoded here (needs --live-reference)")
+    ap.add_argument("--reference", default=None, help="'key=value ...': the reference is this configuration's own "
+                    "decode (the overrides with these on top, e.g. 'weights=float32'), decoded here, instead of AR's: "
+                    "for decoders whose sampled draws are their own (rejection sampling), the same seed")
     ap.add_argument("--out", default="docs/results/tree_equality.json")
     ap.add_argument("overrides", nargs="*", help="spd-infer generate keys: method=eagle3 W=4 ...")
     args = ap.parse_args()
     recorded = glob.glob("outputs/cache/traces/greedy-*")
-    if not (args.live_reference or args.trace_dir or recorded):
+    if not (args.live_reference or args.reference or args.trace_dir or recorded):
         raise SystemExit("no greedy traces under outputs/cache/traces: record them with spd-infer eval --trace-dir, "
                          "give --trace-dir, or decode the reference here with --live-reference")
-    if args.temperature and not args.live_reference:
-        raise SystemExit("--temperature compares against AR's keyed draws decoded here: add --live-reference")
+    if args.temperature and not (args.live_reference or args.reference):
+        raise SystemExit("--temperature compares against draws decoded here: add --live-reference or --reference")
+    args.live_reference = args.live_reference or bool(args.reference)
     trace_dir = None if args.live_reference else args.trace_dir or max(recorded, key=lambda d: len(os.listdir(d)))
     sampled = [f"temperature={args.temperature:g}", "top_k=50"] if args.temperature else []
     cfg = load_config(GenerateConfig, None, [*args.overrides, *sampled, f"max_new_tokens={args.max_new_tokens}"])
     rows_path = args.out + "l"
     done = finished_rows(rows_path, "label")
-    with open_engine(cfg) as engine, open(rows_path, "a") as sink:
+    reference = None if args.reference is None else load_config(
+        GenerateConfig, None, [*args.overrides, *args.reference.split(), *sampled,
+                               f"max_new_tokens={args.max_new_tokens}"])
+    with open_engine(cfg) as engine, open(rows_path, "a") as sink, \
+            (open_engine(reference) if reference is not None else contextlib.nullcontext(None)) as other:
         prompts = eval_prompts(engine.session.loaded.tokenizer, args.limit)
         for ds, qid, ids in tqdm(prompts, desc=args.label, mininterval=30):
             if (args.label, ds, str(qid)) in done:
                 continue
             request = request_for(args, ds, qid)
-            trace = live_trace(engine, ids, request) if args.live_reference else \
-                torch.load(trace_file(trace_dir, ds, qid))
+            if other is not None:       # the other configuration's own decode of the same request
+                trace = {"prompt_ids": list(ids), "tokens": other.decoder.generate(list(ids), request).token_ids,
+                         "margins": []}
+            else:
+                trace = live_trace(engine, ids, request) if args.live_reference else \
+                    torch.load(trace_file(trace_dir, ds, qid))
             assert trace["prompt_ids"] == list(ids), f"{ds}-{qid}: the trace was recorded for another prompt"
             if args.temperature:    # a sampled difference is never a float tie
                 trace["margins"] = []
@@ -142,7 +157,8 @@ def main() -> int:
         with open(args.out) as f:
             result = json.load(f)
     result[args.label] = summarise(list(done.values()), args.label, args.overrides)
-    result[args.label]["trace_dir"] = "live AR" if args.live_reference else os.path.basename(trace_dir)
+    result[args.label]["trace_dir"] = f"live: {args.reference}" if args.reference else "live AR" \
+        if args.live_reference else os.path.basename(trace_dir)
     result[args.label]["temperature"] = args.temperature
     with open(args.out + ".tmp", "w") as fh:
         json.dump(result, fh, indent=2)
