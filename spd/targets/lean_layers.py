@@ -79,6 +79,14 @@ class LeanLlamaLayer(llama.LlamaDecoderLayer):
 
     suite_plain = llama.LlamaDecoderLayer       # transformers' own, for spd.targets.linears.plain_products
 
+    def _attend(self, q, k, v, attention_mask, cache, kwargs: dict) -> torch.Tensor:
+        """The rows' keys and values into the cache, and the attention the config names (the suite's kernels)."""
+        attn = self.self_attn
+        if cache is not None:
+            k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, llama.eager_attention_forward)
+        return attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)[0]
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
@@ -92,11 +100,7 @@ class LeanLlamaLayer(llama.LlamaDecoderLayer):
             q, k, v = panel._EXT.llama_before_attention(
                 hidden_states, self.input_layernorm.weight, self.input_layernorm.variance_epsilon, *before, level,
                 cos, sin, attn.head_dim)
-            if cache is not None:
-                k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
-            attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
-                                                           llama.eager_attention_forward)
-            out, _ = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+            out = self._attend(q, k, v, attention_mask, cache, kwargs)
             return panel._EXT.llama_after_attention(
                 out, hidden_states, self.post_attention_layernorm.weight,
                 self.post_attention_layernorm.variance_epsilon, *after, level)
@@ -110,11 +114,7 @@ class LeanLlamaLayer(llama.LlamaDecoderLayer):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                       # [B, 1, T, hd]
         q = (q * cos) + (_rotate_half(q) * sin)
         k = (k * cos) + (_rotate_half(k) * sin)
-        if cache is not None:
-            k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
-                                                       llama.eager_attention_forward)
-        out, _ = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+        out = self._attend(q, k, v, attention_mask, cache, kwargs)
         out = attn.o_proj.forward(out.reshape(*shape[:-2], -1).contiguous())
         hidden_states = residual + out
         residual = hidden_states
