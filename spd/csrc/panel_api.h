@@ -6,6 +6,24 @@
 
 #include <vector>
 
+struct RowAttention {
+  // q [B, H, T, D], k and v [B, Hkv, S, D] (a layer's cache), each with strides (b, head, row) and D contiguous;
+  // mask: bool `visible` or additive `bias` (-inf hides), strides (b, t, s) (0 where broadcast), or neither
+  // (row t sees keys 0 .. S - T + t); out [B, T, H, D] contiguous
+  const float *q, *k, *v;
+  int64_t qs[3], ks[3], vs[3];
+  const bool* visible;
+  const float* bias;
+  int64_t ms[3];
+  int64_t B, H, Hkv, T, S, D;
+  float scale;
+  float* out;
+};
+
+// spd/csrc/row_ops.h at `level`: attention, and gate[i] = silu(gate[i]) * up[i]
+void attend_at(const RowAttention& a, int64_t level);
+void silu_mul_at(float* gate, const float* up, int64_t n, int64_t level);
+
 // x [..., K] -> [..., N] from panels in `format` (0: float32, 1: 4-bit blocks, 2: 8-bit blocks) at `level`
 torch::Tensor multiply_at(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                           const c10::optional<torch::Tensor>& bias, int64_t level, int64_t format);
@@ -17,5 +35,25 @@ std::vector<torch::Tensor> llama_before_attention(
 
 torch::Tensor llama_after_attention(
     const torch::Tensor& attended, const torch::Tensor& residual, const torch::Tensor& norm, double eps,
+    const std::vector<torch::Tensor>& panels, const std::vector<int64_t>& n_out,
+    const std::vector<c10::optional<torch::Tensor>>& biases, const std::vector<int64_t>& bits, int64_t level);
+
+// a layer at weights=q4 in the suite's own row arithmetic (spd/csrc/llama_layer.cpp)
+std::vector<torch::Tensor> own_before_attention(
+    const torch::Tensor& hidden, const torch::Tensor& norm, double eps, const std::vector<torch::Tensor>& panels,
+    const std::vector<int64_t>& n_out, const std::vector<c10::optional<torch::Tensor>>& biases,
+    const std::vector<int64_t>& bits, int64_t level, const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim);
+
+torch::Tensor own_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const c10::optional<torch::Tensor>& mask, double scaling, int64_t level);
+
+torch::Tensor own_after_attention(
+    const torch::Tensor& attended, const torch::Tensor& residual, const torch::Tensor& norm, double eps,
+    const std::vector<torch::Tensor>& panels, const std::vector<int64_t>& n_out,
+    const std::vector<c10::optional<torch::Tensor>>& biases, const std::vector<int64_t>& bits, int64_t level);
+
+torch::Tensor own_attend_after(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const c10::optional<torch::Tensor>& mask,
+    double scaling, const torch::Tensor& residual, const torch::Tensor& norm, double eps,
     const std::vector<torch::Tensor>& panels, const std::vector<int64_t>& n_out,
     const std::vector<c10::optional<torch::Tensor>>& biases, const std::vector<int64_t>& bits, int64_t level);

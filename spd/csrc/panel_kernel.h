@@ -39,14 +39,16 @@ struct Q4 {
   // 4j .. 4j + 3 (one load serves 8 inputs, each a shift, a mask and a conversion; GGUF's Q4_1: w = q * d + m).
   // A one-row product is bound by memory here: halves, not floats, for d and m read 5 bits a weight, not 6.
   static constexpr int64_t GROUP = 32;
+  static constexpr bool SHIFTED = true;           // a block's sum carries m * (its inputs' sum)
   struct group { vec d, m; const uint32_t* q; };
   static int64_t stride(int64_t K) { return K / 32 * 20 * LANES; }
   PANEL_TARGET static inline group at(const uint8_t* panel, int64_t k) {
     const uint8_t* block = panel + k / 32 * 20 * LANES;
     return {VHALF(block), VHALF(block + 2 * LANES), reinterpret_cast<const uint32_t*>(block + 4 * LANES)};
   }
-  PANEL_TARGET static inline vec weight(const group& g, int64_t t) {
-    return VADD(VMUL(VNIB(g.q + (t >> 3) * LANES, (t & 7) * 4), g.d), g.m);
+  PANEL_TARGET static inline vec q(const group& g, int64_t t) { return VNIB(g.q + (t >> 3) * LANES, (t & 7) * 4); }
+  PANEL_TARGET static inline vec block(const group& g, vec acc, float sum) {
+    return VFMA(g.m, VSET1(sum), VMUL(g.d, acc));                 // d * sum(q x) + m * sum(x)
   }
   PANEL_TARGET static inline const void* ahead(const group& g, int64_t t) { return g.q + (t / 8 + 16) * LANES; }
 };
@@ -55,13 +57,15 @@ struct Q8 {
   // panels [P, K / 32, 34 * LANES] bytes: per block of 32 inputs, d [LANES] halves, then 32 rows of LANES signed
   // bytes (GGUF's Q8_0: w = q * d)
   static constexpr int64_t GROUP = 32;
+  static constexpr bool SHIFTED = false;
   struct group { vec d; const int8_t* q; };
   static int64_t stride(int64_t K) { return K / 32 * 34 * LANES; }
   PANEL_TARGET static inline group at(const uint8_t* panel, int64_t k) {
     const uint8_t* block = panel + k / 32 * 34 * LANES;
     return {VHALF(block), reinterpret_cast<const int8_t*>(block + 2 * LANES)};
   }
-  PANEL_TARGET static inline vec weight(const group& g, int64_t t) { return VMUL(VI8(g.q + t * LANES), g.d); }
+  PANEL_TARGET static inline vec q(const group& g, int64_t t) { return VI8(g.q + t * LANES); }
+  PANEL_TARGET static inline vec block(const group& g, vec acc, float) { return VMUL(g.d, acc); }
   PANEL_TARGET static inline const void* ahead(const group& g, int64_t t) { return g.q + (t + 128) * LANES; }
 };
 
@@ -108,45 +112,94 @@ PANEL_TARGET static inline void tile(const float* __restrict x, int64_t K, const
 }
 
 template <class W, int P, int R>
-PANEL_TARGET static inline void remainder(int64_t r, const float* x, int64_t K, const uint8_t* panel, float* y,
-                                          int64_t N, int64_t n0) {
+PANEL_TARGET static inline void qtile(const float* __restrict x, const float* __restrict sums, int64_t K,
+                                      const uint8_t* __restrict panel, float* __restrict y, int64_t N, int64_t n0) {
+  // R rows of x [R, K] (sums [R, K / 32]: each block's inputs summed in order) against P panels of GGUF blocks:
+  // per block, its integer codes times the inputs in order into a fresh accumulator, then d * that (+ m * the
+  // inputs' sum), added to the output in block order. One multiply-add a weight and row, the block's scales once.
+  const int64_t stride = W::stride(K), B = K / 32;
+  vec out[P][R];
+  for (int i = 0; i < P; ++i)
+    for (int j = 0; j < R; ++j) out[i][j] = VZERO();
+  for (int64_t b = 0; b < B; ++b) {
+    typename W::group g[P];
+    for (int i = 0; i < P; ++i) g[i] = W::at(panel + i * stride, b * 32);
+    vec acc[P][R];
+    for (int i = 0; i < P; ++i)
+      for (int j = 0; j < R; ++j) acc[i][j] = VZERO();
+#pragma GCC unroll 32
+    for (int64_t t = 0; t < 32; ++t) {
+      vec w[P];
+      for (int i = 0; i < P; ++i) w[i] = W::q(g[i], t);
+      for (int i = 0; i < P; ++i) __builtin_prefetch(W::ahead(g[i], t));
+      for (int j = 0; j < R; ++j) {
+        const vec xs = VSET1(x[j * K + b * 32 + t]);
+        for (int i = 0; i < P; ++i) acc[i][j] = VFMA(w[i], xs, acc[i][j]);
+      }
+    }
+    for (int i = 0; i < P; ++i)
+      for (int j = 0; j < R; ++j) out[i][j] = VADD(out[i][j], W::block(g[i], acc[i][j], sums[j * B + b]));
+  }
+  for (int i = 0; i < P; ++i) {
+    const int64_t n = n0 + i * LANES, width = std::min<int64_t>(LANES, N - n);
+    for (int j = 0; j < R && width > 0; ++j) {
+      float row[LANES];
+      VSTORE(row, out[i][j]);
+      std::copy(row, row + width, y + j * N + n);
+    }
+  }
+}
+
+template <class W, int P, int R>
+PANEL_TARGET static inline void any_tile(const float* x, const float* sums, int64_t K, const uint8_t* panel, float* y,
+                                         int64_t N, int64_t n0) {
+  if constexpr (std::is_same_v<W, F32>) tile<W, P, R>(x, K, panel, y, N, n0);
+  else qtile<W, P, R>(x, sums, K, panel, y, N, n0);
+}
+
+template <class W, int P, int R>
+PANEL_TARGET static inline void remainder(int64_t r, const float* x, const float* sums, int64_t K,
+                                          const uint8_t* panel, float* y, int64_t N, int64_t n0) {
   // the r < MT rows left after the full tiles, as one tile of exactly r rows
   if constexpr (R < MT) {
-    if (r == R) tile<W, P, R>(x, K, panel, y, N, n0);
-    else remainder<W, P, R + 1>(r, x, K, panel, y, N, n0);
+    if (r == R) any_tile<W, P, R>(x, sums, K, panel, y, N, n0);
+    else remainder<W, P, R + 1>(r, x, sums, K, panel, y, N, n0);
   }
 }
 
 template <class W, int P>
-PANEL_TARGET static void rows(const float* x, int64_t M, int64_t K, const uint8_t* panel, float* y, int64_t N,
-                              int64_t n0) {
+PANEL_TARGET static void rows(const float* x, const float* sums, int64_t M, int64_t K, const uint8_t* panel, float* y,
+                              int64_t N, int64_t n0) {
+  const int64_t B = K / 32;
   int64_t m = 0;
-  for (; m + MT <= M; m += MT) tile<W, P, MT>(x + m * K, K, panel, y + m * N, N, n0);
-  if (m < M) remainder<W, P, 1>(M - m, x + m * K, K, panel, y + m * N, N, n0);
+  for (; m + MT <= M; m += MT) any_tile<W, P, MT>(x + m * K, sums + m * B, K, panel, y + m * N, N, n0);
+  if (m < M) remainder<W, P, 1>(M - m, x + m * K, sums + m * B, K, panel, y + m * N, N, n0);
 }
 
 template <class W>
-PANEL_TARGET static void product(const float* x, int64_t M, int64_t K, const uint8_t* panels, int64_t P, float* y,
-                                 int64_t N) {
+PANEL_TARGET static void product(const float* x, const float* sums, int64_t M, int64_t K, const uint8_t* panels,
+                                 int64_t P, float* y, int64_t N) {
   // x [M, K] times P panels -> y [M, N]; threads take tiles of NP panels
   const int64_t stride = W::stride(K);
   at::parallel_for(0, (P + NP - 1) / NP, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t p = t * NP;
-      if (p + NP <= P) rows<W, NP>(x, M, K, panels + p * stride, y, N, p * LANES);
-      else rows<W, 1>(x, M, K, panels + p * stride, y, N, p * LANES);
+      if (p + NP <= P) rows<W, NP>(x, sums, M, K, panels + p * stride, y, N, p * LANES);
+      else rows<W, 1>(x, sums, M, K, panels + p * stride, y, N, p * LANES);
     }
   });
 }
 
-PANEL_TARGET static void multiply(int64_t format, const float* x, int64_t M, int64_t K, const uint8_t* panels,
-                                  int64_t P, float* y, int64_t N) {
+PANEL_TARGET static void multiply(int64_t format, const float* x, const float* sums, int64_t M, int64_t K,
+                                  const uint8_t* panels, int64_t P, float* y, int64_t N) {
   switch (format) {
-    case 0: product<F32>(x, M, K, panels, P, y, N); break;
-    case 1: product<Q4>(x, M, K, panels, P, y, N); break;
-    default: product<Q8>(x, M, K, panels, P, y, N); break;
+    case 0: product<F32>(x, sums, M, K, panels, P, y, N); break;
+    case 1: product<Q4>(x, sums, M, K, panels, P, y, N); break;
+    default: product<Q8>(x, sums, M, K, panels, P, y, N); break;
   }
 }
+
+#include "row_ops.h"
 
 #undef PANEL_TARGET
 #undef VZERO
@@ -159,3 +212,9 @@ PANEL_TARGET static void multiply(int64_t format, const float* x, int64_t M, int
 #undef VI8
 #undef VHALF
 #undef VSTORE
+#undef VSUB
+#undef VDIV
+#undef VMAX
+#undef VMIN
+#undef VPOW2
+#undef VHSUM

@@ -17,8 +17,10 @@
 #include "panel_api.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -47,11 +49,23 @@ typedef __m512 vec;
 #define VI8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))
 #define VHALF(p) _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VSUB(a, b) _mm512_sub_ps(a, b)
+#define VDIV(a, b) _mm512_div_ps(a, b)
+#define VMAX(a, b) _mm512_max_ps(a, b)
+#define VMIN(a, b) _mm512_min_ps(a, b)
+#define VHSUM(v) _mm512_reduce_add_ps(v)
+#define VPOW2(t) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), \
+    _mm512_set1_epi32(0x4B400000 - 127)), 23))
 #include "panel_kernel.h"
 }  // namespace avx512
 
 namespace avx2 {
 #define PANEL_TARGET __attribute__((target("avx2,fma,f16c")))
+PANEL_TARGET static inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));   // lanes i + (i + 4)
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));                                           // + (i + 2)
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));                     // + (i + 1)
+}
 constexpr int LANES = 8;
 constexpr int MT = 6;             // 2 x 6 + 2 + 1 of 16
 typedef __m256 vec;
@@ -66,6 +80,13 @@ typedef __m256 vec;
 #define VI8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))
 #define VHALF(p) _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VSUB(a, b) _mm256_sub_ps(a, b)
+#define VDIV(a, b) _mm256_div_ps(a, b)
+#define VMAX(a, b) _mm256_max_ps(a, b)
+#define VMIN(a, b) _mm256_min_ps(a, b)
+#define VHSUM(v) hsum8(v)
+#define VPOW2(t) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_castps_si256(t), \
+    _mm256_set1_epi32(0x4B400000 - 127)), 23))
 #include "panel_kernel.h"
 }  // namespace avx2
 #endif
@@ -91,6 +112,13 @@ typedef int8_t i8vec __attribute__((vector_size(LANES)));
 #define VI8(p) ({ i8vec b_; __builtin_memcpy(&b_, (p), LANES); __builtin_convertvector(b_, vec); })
 #define VHALF(p) half_lanes(reinterpret_cast<const uint16_t*>(p))
 #define VSTORE(p, v) ({ vec v_ = (v); __builtin_memcpy((p), &v_, sizeof(vec)); })
+#define VSUB(a, b) ((a) - (b))
+#define VDIV(a, b) ((a) / (b))
+#define VMAX(a, b) ({ vec a_ = (a), b_ = (b); a_ > b_ ? a_ : b_; })
+#define VMIN(a, b) ({ vec a_ = (a), b_ = (b); a_ < b_ ? a_ : b_; })
+#define VHSUM(v) hsum_tree(v)
+#define VPOW2(t) ({ vec t_ = (t); uvec u_; __builtin_memcpy(&u_, &t_, sizeof(vec)); \
+    u_ = (u_ - (0x4B400000u - 127u)) << 23; vec p_; __builtin_memcpy(&p_, &u_, sizeof(vec)); p_; })
 static inline float half_to_float(uint16_t h) {
   // IEEE half -> float, exactly (every half is a float): subnormals, infinities and NaNs included
   const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
@@ -107,6 +135,14 @@ static inline float half_to_float(uint16_t h) {
   float f;
   __builtin_memcpy(&f, &bits, 4);
   return f;
+}
+static inline float hsum_tree(vec v) {
+  // the lanes summed pairwise: i + (i + 4), then + (i + 2), then + (i + 1), as the AVX2 level's tree
+  float a[LANES];
+  __builtin_memcpy(a, &v, sizeof(vec));
+  for (int w = LANES / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] += a[i + w];
+  return a[0];
 }
 static inline vec half_lanes(const uint16_t* p) {
   vec v;
@@ -153,13 +189,25 @@ torch::Tensor multiply_at(const torch::Tensor& x, const torch::Tensor& panels, i
   const float* xp = x2.data_ptr<float>();
   const uint8_t* pp = static_cast<const uint8_t*>(panels.data_ptr());
   float* yp = y.data_ptr<float>();
+  // a quantized product's per-block input sums [M, K / 32], each in input order (Q4_1's minimum multiplies them)
+  std::vector<float> sums;
+  if (format != 0) {
+    const int64_t B = K / 32;
+    sums.resize(M * B);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < B; ++b) {
+        float s = 0.0f;
+        for (int64_t t = 0; t < 32; ++t) s += xp[m * K + b * 32 + t];
+        sums[m * B + b] = s;
+      }
+  }
   if (M > 0) {
     switch (level) {
 #if PANEL_X86
-      case AVX512: avx512::multiply(format, xp, M, K, pp, P, yp, N); break;
-      case AVX2: avx2::multiply(format, xp, M, K, pp, P, yp, N); break;
+      case AVX512: avx512::multiply(format, xp, sums.data(), M, K, pp, P, yp, N); break;
+      case AVX2: avx2::multiply(format, xp, sums.data(), M, K, pp, P, yp, N); break;
 #endif
-      case PORTABLE: portable::multiply(format, xp, M, K, pp, P, yp, N); break;
+      case PORTABLE: portable::multiply(format, xp, sums.data(), M, K, pp, P, yp, N); break;
       default: TORCH_CHECK(false, "no such level in this build: ", level);
     }
   }
@@ -167,6 +215,28 @@ torch::Tensor multiply_at(const torch::Tensor& x, const torch::Tensor& panels, i
   auto shape = x.sizes().vec();
   shape.back() = N;
   return y.view(shape);
+}
+
+void attend_at(const RowAttention& a, int64_t level) {
+  switch (level) {
+#if PANEL_X86
+    case AVX512: avx512::attend(a); break;
+    case AVX2: avx2::attend(a); break;
+#endif
+    case PORTABLE: portable::attend(a); break;
+    default: TORCH_CHECK(false, "no such level in this build: ", level);
+  }
+}
+
+void silu_mul_at(float* gate, const float* up, int64_t n, int64_t level) {
+  switch (level) {
+#if PANEL_X86
+    case AVX512: avx512::silu_mul(gate, up, n); break;
+    case AVX2: avx2::silu_mul(gate, up, n); break;
+#endif
+    case PORTABLE: portable::silu_mul(gate, up, n); break;
+    default: TORCH_CHECK(false, "no such level in this build: ", level);
+  }
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
@@ -196,4 +266,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_blocks", &linear_blocks);
   m.def("llama_before_attention", &llama_before_attention);       // spd/csrc/llama_layer.cpp
   m.def("llama_after_attention", &llama_after_attention);
+  m.def("own_before_attention", &own_before_attention);
+  m.def("own_attention", &own_attention);
+  m.def("own_after_attention", &own_after_attention);
+  m.def("own_attend_after", &own_attend_after);
 }

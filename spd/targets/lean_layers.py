@@ -15,7 +15,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
 
-from spd.targets import panel
+from spd.targets import own_rows, panel
 
 
 def _norm(norm: llama.LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -97,6 +97,18 @@ class LeanLlamaLayer(llama.LlamaDecoderLayer):
             # the norm, products and rotation in one C++ call, the attention here, the rest in another
             before, after, level = packs
             cos, sin = position_embeddings
+            if all(before[3]) and all(after[3]) and "_row_level" in attn.__dict__:
+                # a GGUF's blocks: the target's own row arithmetic (spd.targets.own_rows), two C++ calls a layer
+                q, k, v = panel._EXT.own_before_attention(
+                    hidden_states, self.input_layernorm.weight, self.input_layernorm.variance_epsilon, *before,
+                    level, cos, sin, attn.head_dim)
+                rest = (hidden_states, self.post_attention_layernorm.weight,
+                        self.post_attention_layernorm.variance_epsilon, *after, level)
+                if kwargs.get("ragged") is None and attn.config._attn_implementation == own_rows.KERNEL:
+                    if cache is not None:
+                        k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+                    return panel._EXT.own_attend_after(q, k, v, attention_mask, attn.scaling, *rest)
+                return panel._EXT.own_after_attention(self._attend(q, k, v, attention_mask, cache, kwargs), *rest)
             q, k, v = panel._EXT.llama_before_attention(
                 hidden_states, self.input_layernorm.weight, self.input_layernorm.variance_epsilon, *before, level,
                 cos, sin, attn.head_dim)

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from spd.layout import stage_bounds
-from spd.targets import gated_delta, gqa_attention, invariant_attention, lean_layers, panel, prepacked
+from spd.targets import gated_delta, gqa_attention, invariant_attention, lean_layers, own_rows, panel, prepacked
 from spd.targets.kv_cache import LayerKVCache
 from spd.targets.linear_states import ROLLBACK
 
@@ -59,7 +59,7 @@ class StagedTarget:
         self.packed_gqa = not (self.row_invariant or plain_attention) and gqa_attention.wanted(self.device, self.config)
         if self.packed_gqa:
             self.config._attn_implementation = gqa_attention.KERNEL
-        elif self.config._attn_implementation == gqa_attention.KERNEL:     # an earlier StagedTarget's choice
+        elif self.config._attn_implementation in (gqa_attention.KERNEL, own_rows.KERNEL):   # an earlier one's choice
             self.config._attn_implementation = "sdpa"
         # float32 on a CPU: products from panels (spd.targets.panel), flat in cost to ~12 rows and row-invariant
         # (plain_products: F.linear, for a comparison in one process)
@@ -73,6 +73,10 @@ class StagedTarget:
         # what the products read: a GGUF's own blocks where the loader attached them (spd.targets.blocks; the panel
         # kernel multiplies them, so without panels they go unread)
         self.weights = "q4" if self.panels and any("_blocks" in m.__dict__ for m in model.modules()) else "float32"
+        if self.weights == "q4" and not plain_attention:
+            # its own row arithmetic (spd.targets.own_rows): masks as they are built, not packed for SDPA's rows
+            own_rows.use(model, self.panel_level)
+            self.packed_gqa = False
 
     def attention_near(self, index: int) -> int:
         """The full-attention layer nearest to layer `index` (negative: from the end), the earlier on a tie: where a
