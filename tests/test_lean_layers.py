@@ -1,6 +1,7 @@
 """A Llama layer's forward written out (spd.targets.lean_layers) gives transformers' own layer's bits: prefill rows,
-rows after a cache and a draft tree's rows, with the float32 panels (every ISA level), 4-bit blocks, plain F.linear
-and bfloat16's row-invariant attention; other families keep their own forward; plain_products swaps it back."""
+rows after a cache and a draft tree's rows, with the float32 panels (every ISA level), plain F.linear and bfloat16's
+row-invariant attention; other families keep their own forward; plain_products swaps it back. (Over a GGUF's blocks
+a layer has its own arithmetic: tests/test_own_rows.py.)"""
 
 import copy
 
@@ -12,7 +13,6 @@ from spd.targets import lean_layers, panel
 from spd.targets.linears import plain_products
 from spd.targets.stages import StagedTarget
 from spd.targets.tiny import tiny_model
-from test_blocks import with_blocks
 
 LEVELS = panel.levels() if panel.extension() is not None else ()
 
@@ -43,7 +43,7 @@ def rows_logits(staged: StagedTarget, ids: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-PRODUCTS = [f"panels-{level}" for level in LEVELS] + [f"q4-{level}" for level in LEVELS] + ["F.linear", "bfloat16"]
+PRODUCTS = [f"panels-{level}" for level in LEVELS] + ["F.linear", "bfloat16"]
 
 
 @pytest.mark.parametrize("products", PRODUCTS)
@@ -56,16 +56,14 @@ def test_a_written_out_llama_layer_has_transformers_bits(products, monkeypatch):
     # bfloat16 256 wide (heads of 64): its products pass the row check there, so its row-invariant attention runs
     wide = dict(hidden_size=256, head_dim=64, num_layers=4) if kind == "bfloat16" else {}
     model = tiny_model("llama", seed=5, tied=False, **wide)
-    if kind == "q4":
-        model = with_blocks(model)
     if kind == "bfloat16":
         model = model.to(torch.bfloat16)
     staged, own = staged_pair(model)
     assert kind != "bfloat16" or staged.row_invariant
     assert all(type(layer) is lean_layers.LeanLlamaLayer for layer in model.model.layers)
     # from panels, the work around the attention is the C++ glue's; otherwise the Python forward
-    assert all((lean_layers._packs(layer) is not None) == (kind in ("panels", "q4")) for layer in model.model.layers)
-    assert staged.weights == ("q4" if kind == "q4" else "float32") and staged.panels == (kind in ("panels", "q4"))
+    assert all((lean_layers._packs(layer) is not None) == (kind == "panels") for layer in model.model.layers)
+    assert staged.weights == "float32" and staged.panels == (kind == "panels")
     ids = torch.randint(0, model.config.vocab_size, (1, 28), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         for got, want in zip(rows_logits(staged, ids), rows_logits(own, ids)):

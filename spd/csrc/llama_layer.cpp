@@ -17,6 +17,13 @@ Tensor product(const Tensor& x, const Tensor& panels, int64_t n_out, const Bias&
   return multiply_at(x, panels, n_out, bias, level, bits == 0 ? 0 : bits == 4 ? 1 : 2);
 }
 
+std::vector<int64_t> formats(const std::vector<int64_t>& bits) {
+  // weight bits (0: float32 panels) -> multiply_many_at's formats
+  std::vector<int64_t> out;
+  for (auto b : bits) out.push_back(b == 0 ? 0 : b == 4 ? 1 : 2);
+  return out;
+}
+
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   // LlamaRMSNorm.forward: float32 rows here, so its casts are the identity
   auto variance = x.pow(2).mean(-1, /*keepdim=*/true);
@@ -136,9 +143,9 @@ std::vector<Tensor> own_before_attention(const Tensor& hidden, const Tensor& nor
   auto h = rms(hidden, norm, eps);
   auto c = cos.to(torch::kFloat32).contiguous(), s = sin.to(torch::kFloat32).contiguous();
   TORCH_CHECK(c.dim() == 3 && c.size(1) == T && c.size(2) == head_dim, "cos, sin [1 or B, T, head_dim]");
-  std::vector<Tensor> out;
+  std::vector<Tensor> out, ys = multiply_many_at(h, panels, n_out, biases, formats(bits), level);
   for (int i = 0; i < 3; ++i) {
-    auto y = product(h, panels[i], n_out[i], biases[i], level, bits[i]).contiguous();    // [B, T, heads * hd]
+    auto y = ys[i].contiguous();                                                          // [B, T, heads * hd]
     const int64_t heads = n_out[i] / head_dim;
     if (i < 2) out.push_back(rotated(y, B, T, heads, head_dim, c, s));
     else out.push_back(y.view({B, T, heads, head_dim}).transpose(1, 2));
@@ -190,8 +197,9 @@ Tensor own_after_attention(const Tensor& attended, const Tensor& residual, const
   auto hidden = product(attended.reshape(shape).contiguous(), panels[0], n_out[0], biases[0], level, bits[0]).contiguous();
   add_into(hidden, residual.to(torch::kFloat32));                 // o(attended) + residual: the same sum either way
   auto h = rms(hidden, norm, eps);
-  auto gate = product(h, panels[1], n_out[1], biases[1], level, bits[1]).contiguous();
-  auto up = product(h, panels[2], n_out[2], biases[2], level, bits[2]).contiguous();
+  auto gate_up = multiply_many_at(h, {panels[1], panels[2]}, {n_out[1], n_out[2]}, {biases[1], biases[2]},
+                                  formats({bits[1], bits[2]}), level);
+  auto gate = gate_up[0].contiguous(), up = gate_up[1].contiguous();
   silu_mul_at(gate.data_ptr<float>(), up.data_ptr<float>(), gate.numel(), level);
   add_into(hidden, product(gate, panels[3], n_out[3], biases[3], level, bits[3]));
   return hidden;
@@ -204,4 +212,49 @@ Tensor own_attend_after(const Tensor& q, const Tensor& k, const Tensor& v, const
   // own_attention, then own_after_attention: one call from Python for the layer's second half
   return own_after_attention(own_attention(q, k, v, mask, scaling, level), residual, norm, eps, panels, n_out, biases,
                              bits, level);
+}
+
+OwnLayer::OwnLayer(Tensor norm1, double eps1, std::vector<Tensor> before, std::vector<int64_t> before_n,
+                   std::vector<Bias> before_bias, std::vector<int64_t> before_bits, Tensor norm2, double eps2,
+                   std::vector<Tensor> after, std::vector<int64_t> after_n, std::vector<Bias> after_bias,
+                   std::vector<int64_t> after_bits, int64_t level, int64_t head_dim, double scaling)
+    : norm1(std::move(norm1)), eps1(eps1), before(std::move(before)), before_n(std::move(before_n)),
+      before_bias(std::move(before_bias)), before_bits(std::move(before_bits)), norm2(std::move(norm2)), eps2(eps2),
+      after(std::move(after)), after_n(std::move(after_n)), after_bias(std::move(after_bias)),
+      after_bits(std::move(after_bits)), level(level), head_dim(head_dim), scaling(scaling) {}
+
+Tensor OwnLayer::forward(const Tensor& hidden, const c10::optional<Tensor>& keys, const c10::optional<Tensor>& values,
+                         int64_t start, const c10::optional<Tensor>& mask, const Tensor& cos, const Tensor& sin) const {
+  // hidden [B, T, d] -> [B, T, d]; keys / values: the layer's cache buffers [B, H_kv, capacity, hd], this
+  // call's rows written at start .. start + T and the rows 0 .. start + T attended (none: the rows' own)
+  auto qkv = own_before_attention(hidden, norm1, eps1, before, before_n, before_bias, before_bits, level, cos, sin,
+                                  head_dim);
+  Tensor k = qkv[1], v = qkv[2];
+  if (keys.has_value()) {
+    const int64_t T = k.size(2);
+    keys->narrow(2, start, T).copy_(k);
+    values->narrow(2, start, T).copy_(v);
+    k = keys->narrow(2, 0, start + T);
+    v = values->narrow(2, 0, start + T);
+  }
+  return own_attend_after(qkv[0], k, v, mask, scaling, hidden, norm2, eps2, after, after_n, after_bias, after_bits,
+                          level);
+}
+
+std::vector<Tensor> own_layers(Tensor hidden, const std::vector<const OwnLayer*>& layers,
+                               const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
+                               const std::vector<int64_t>& starts, const c10::optional<Tensor>& mask, const Tensor& cos,
+                               const Tensor& sin, const std::vector<bool>& capture) {
+  // the layers in order (each as OwnLayer::forward); returns the last one's output, then the output of every
+  // layer i with capture[i], in order. keys / values / starts: one per layer, or empty (no cache)
+  std::vector<Tensor> captured;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const bool cached = !keys.empty();
+    hidden = layers[i]->forward(hidden, cached ? c10::optional<Tensor>(keys[i]) : c10::nullopt,
+                                cached ? c10::optional<Tensor>(values[i]) : c10::nullopt, cached ? starts[i] : 0,
+                                mask, cos, sin);
+    if (capture[i]) captured.push_back(hidden);
+  }
+  captured.insert(captured.begin(), hidden);
+  return captured;
 }

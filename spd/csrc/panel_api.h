@@ -6,6 +6,20 @@
 
 #include <vector>
 
+struct PanelProduct {
+  // one product of a multiply_many call: its panels in `format`, P of them, into y [M, N]
+  int64_t format;
+  const uint8_t* panels;
+  int64_t P, N;
+  float* y;
+};
+
+// x [..., K] times each of several panels (the same rows): one parallel region for all of them
+std::vector<torch::Tensor> multiply_many_at(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
+                                            const std::vector<int64_t>& n_out,
+                                            const std::vector<c10::optional<torch::Tensor>>& biases,
+                                            const std::vector<int64_t>& formats, int64_t level);
+
 struct RowAttention {
   // q [B, H, T, D], k and v [B, Hkv, S, D] (a layer's cache), each with strides (b, head, row) and D contiguous;
   // mask: bool `visible` or additive `bias` (-inf hides), strides (b, t, s) (0 where broadcast), or neither
@@ -57,3 +71,35 @@ torch::Tensor own_attend_after(
     double scaling, const torch::Tensor& residual, const torch::Tensor& norm, double eps,
     const std::vector<torch::Tensor>& panels, const std::vector<int64_t>& n_out,
     const std::vector<c10::optional<torch::Tensor>>& biases, const std::vector<int64_t>& bits, int64_t level);
+
+// a layer at weights=q4 held once (its norms, panels and shapes), run with a cache's buffers
+struct OwnLayer {
+  OwnLayer(torch::Tensor norm1, double eps1, std::vector<torch::Tensor> before, std::vector<int64_t> before_n,
+           std::vector<c10::optional<torch::Tensor>> before_bias, std::vector<int64_t> before_bits, torch::Tensor norm2,
+           double eps2, std::vector<torch::Tensor> after, std::vector<int64_t> after_n,
+           std::vector<c10::optional<torch::Tensor>> after_bias, std::vector<int64_t> after_bits, int64_t level,
+           int64_t head_dim, double scaling);
+  torch::Tensor forward(const torch::Tensor& hidden, const c10::optional<torch::Tensor>& keys,
+                        const c10::optional<torch::Tensor>& values, int64_t start,
+                        const c10::optional<torch::Tensor>& mask, const torch::Tensor& cos,
+                        const torch::Tensor& sin) const;
+  torch::Tensor norm1;
+  double eps1;
+  std::vector<torch::Tensor> before;              // q, k, v
+  std::vector<int64_t> before_n;
+  std::vector<c10::optional<torch::Tensor>> before_bias;
+  std::vector<int64_t> before_bits;
+  torch::Tensor norm2;
+  double eps2;
+  std::vector<torch::Tensor> after;               // o, gate, up, down
+  std::vector<int64_t> after_n;
+  std::vector<c10::optional<torch::Tensor>> after_bias;
+  std::vector<int64_t> after_bits;
+  int64_t level, head_dim;
+  double scaling;
+};
+
+std::vector<torch::Tensor> own_layers(torch::Tensor hidden, const std::vector<const OwnLayer*>& layers,
+                                      const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                                      const std::vector<int64_t>& starts, const c10::optional<torch::Tensor>& mask,
+                                      const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<bool>& capture);

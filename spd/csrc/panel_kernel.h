@@ -177,26 +177,36 @@ PANEL_TARGET static void rows(const float* x, const float* sums, int64_t M, int6
 }
 
 template <class W>
-PANEL_TARGET static void product(const float* x, const float* sums, int64_t M, int64_t K, const uint8_t* panels,
-                                 int64_t P, float* y, int64_t N) {
-  // x [M, K] times P panels -> y [M, N]; threads take tiles of NP panels
-  const int64_t stride = W::stride(K);
-  at::parallel_for(0, (P + NP - 1) / NP, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t p = t * NP;
-      if (p + NP <= P) rows<W, NP>(x, sums, M, K, panels + p * stride, y, N, p * LANES);
-      else rows<W, 1>(x, sums, M, K, panels + p * stride, y, N, p * LANES);
-    }
-  });
+PANEL_TARGET static void panel_tile(const float* x, const float* sums, int64_t M, int64_t K, const uint8_t* panels,
+                                    int64_t P, float* y, int64_t N, int64_t t) {
+  // tile t of a product: its NP panels (fewer at the end) against every row
+  const int64_t p = t * NP, stride = W::stride(K);
+  if (p + NP <= P) rows<W, NP>(x, sums, M, K, panels + p * stride, y, N, p * LANES);
+  else rows<W, 1>(x, sums, M, K, panels + p * stride, y, N, p * LANES);
 }
 
-PANEL_TARGET static void multiply(int64_t format, const float* x, const float* sums, int64_t M, int64_t K,
-                                  const uint8_t* panels, int64_t P, float* y, int64_t N) {
+PANEL_TARGET static void format_tile(int64_t format, const float* x, const float* sums, int64_t M, int64_t K,
+                                     const uint8_t* panels, int64_t P, float* y, int64_t N, int64_t t) {
   switch (format) {
-    case 0: product<F32>(x, sums, M, K, panels, P, y, N); break;
-    case 1: product<Q4>(x, sums, M, K, panels, P, y, N); break;
-    default: product<Q8>(x, sums, M, K, panels, P, y, N); break;
+    case 0: panel_tile<F32>(x, sums, M, K, panels, P, y, N, t); break;
+    case 1: panel_tile<Q4>(x, sums, M, K, panels, P, y, N, t); break;
+    default: panel_tile<Q8>(x, sums, M, K, panels, P, y, N, t); break;
   }
+}
+
+PANEL_TARGET static void multiply_many(const PanelProduct* products, int64_t count, const float* x, const float* sums,
+                                       int64_t M, int64_t K) {
+  // several products of the same rows in one parallel region: the tiles of all of them, the threads sharing them
+  std::vector<int64_t> first(count + 1, 0);
+  for (int64_t j = 0; j < count; ++j) first[j + 1] = first[j] + (products[j].P + NP - 1) / NP;
+  at::parallel_for(0, first[count], 1, [&](int64_t lo, int64_t hi) {
+    int64_t j = 0;
+    for (int64_t t = lo; t < hi; ++t) {
+      while (t >= first[j + 1]) ++j;
+      const PanelProduct& p = products[j];
+      format_tile(p.format, x, sums, M, K, p.panels, p.P, p.y, p.N, t - first[j]);
+    }
+  });
 }
 
 #include "row_ops.h"

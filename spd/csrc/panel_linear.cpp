@@ -44,8 +44,9 @@ typedef __m512 vec;
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VMUL(a, b) _mm512_mul_ps(a, b)
 #define VADD(a, b) _mm512_add_ps(a, b)
-#define VNIB(p, s) _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32( \
-    _mm512_loadu_si512(reinterpret_cast<const void*>(p)), s), _mm512_set1_epi32(15)))
+// a nibble's value by a permute of the floats 0 .. 15 (it reads an index's low 4 bits: no mask, no conversion)
+#define VNIB(p, s) _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_loadu_si512(reinterpret_cast<const void*>(p)), s), \
+    _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0))
 #define VI8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))
 #define VHALF(p) _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
@@ -178,20 +179,31 @@ torch::Tensor pack(const torch::Tensor& weight, int64_t level) {
   return padded.view({P, lanes, K}).permute({0, 2, 1}).contiguous();
 }
 
-torch::Tensor multiply_at(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
-                          const c10::optional<torch::Tensor>& bias, int64_t level, int64_t format) {
-  // x [..., K] -> [..., N]; panels in `format` (0: float32, 1: 4-bit blocks, 2: 8-bit blocks; panel_kernel.h)
+std::vector<torch::Tensor> multiply_many_at(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
+                                            const std::vector<int64_t>& n_out,
+                                            const std::vector<c10::optional<torch::Tensor>>& biases,
+                                            const std::vector<int64_t>& formats, int64_t level) {
+  // x [..., K] -> one [..., N_j] per product j; panels in formats[j] (0: float32, 1: 4-bit blocks, 2: 8-bit blocks;
+  // panel_kernel.h)
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "float32 rows only");
+  const size_t count = panels.size();
+  TORCH_CHECK(n_out.size() == count && biases.size() == count && formats.size() == count, "one N, bias, format each");
   auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
-  const int64_t lanes = lanes_of(level), M = x2.size(0), K = x2.size(1), P = panels.size(0);
-  TORCH_CHECK(P * lanes >= N && N > (P - 1) * lanes, "panels do not hold N outputs");
-  auto y = torch::empty({M, N}, x2.options());
+  const int64_t lanes = lanes_of(level), M = x2.size(0), K = x2.size(1);
   const float* xp = x2.data_ptr<float>();
-  const uint8_t* pp = static_cast<const uint8_t*>(panels.data_ptr());
-  float* yp = y.data_ptr<float>();
+  std::vector<torch::Tensor> ys;
+  std::vector<PanelProduct> products;
+  bool blocks = false;
+  for (size_t j = 0; j < count; ++j) {
+    const int64_t P = panels[j].size(0), N = n_out[j];
+    TORCH_CHECK(P * lanes >= N && N > (P - 1) * lanes, "panels do not hold N outputs");
+    ys.push_back(torch::empty({M, N}, x2.options()));
+    products.push_back({formats[j], static_cast<const uint8_t*>(panels[j].data_ptr()), P, N, ys.back().data_ptr<float>()});
+    blocks = blocks || formats[j] != 0;
+  }
   // a quantized product's per-block input sums [M, K / 32], each in input order (Q4_1's minimum multiplies them)
   std::vector<float> sums;
-  if (format != 0) {
+  if (blocks) {
     const int64_t B = K / 32;
     sums.resize(M * B);
     for (int64_t m = 0; m < M; ++m)
@@ -204,17 +216,26 @@ torch::Tensor multiply_at(const torch::Tensor& x, const torch::Tensor& panels, i
   if (M > 0) {
     switch (level) {
 #if PANEL_X86
-      case AVX512: avx512::multiply(format, xp, sums.data(), M, K, pp, P, yp, N); break;
-      case AVX2: avx2::multiply(format, xp, sums.data(), M, K, pp, P, yp, N); break;
+      case AVX512: avx512::multiply_many(products.data(), count, xp, sums.data(), M, K); break;
+      case AVX2: avx2::multiply_many(products.data(), count, xp, sums.data(), M, K); break;
 #endif
-      case PORTABLE: portable::multiply(format, xp, sums.data(), M, K, pp, P, yp, N); break;
+      case PORTABLE: portable::multiply_many(products.data(), count, xp, sums.data(), M, K); break;
       default: TORCH_CHECK(false, "no such level in this build: ", level);
     }
   }
-  if (bias.has_value()) y.add_(*bias);
   auto shape = x.sizes().vec();
-  shape.back() = N;
-  return y.view(shape);
+  for (size_t j = 0; j < count; ++j) {
+    if (biases[j].has_value()) ys[j].add_(*biases[j]);
+    shape.back() = n_out[j];
+    ys[j] = ys[j].view(shape);
+  }
+  return ys;
+}
+
+torch::Tensor multiply_at(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                          const c10::optional<torch::Tensor>& bias, int64_t level, int64_t format) {
+  // x [..., K] -> [..., N]: one product
+  return multiply_many_at(x, {panels}, {N}, {bias}, {format}, level)[0];
 }
 
 void attend_at(const RowAttention& a, int64_t level) {
@@ -270,4 +291,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("own_attention", &own_attention);
   m.def("own_after_attention", &own_after_attention);
   m.def("own_attend_after", &own_attend_after);
+  pybind11::class_<OwnLayer>(m, "OwnLayer")
+      .def(pybind11::init<torch::Tensor, double, std::vector<torch::Tensor>, std::vector<int64_t>,
+                          std::vector<c10::optional<torch::Tensor>>, std::vector<int64_t>, torch::Tensor, double,
+                          std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>,
+                          std::vector<int64_t>, int64_t, int64_t, double>())
+      .def("forward", &OwnLayer::forward);
+  m.def("own_layers", &own_layers);
 }

@@ -59,25 +59,39 @@ class LayerKVCache:
         new_v[:, :, :length] = old_v[:, :, :length]
         self._keys[layer], self._values[layer] = new_k, new_v
 
+    def _buffers(self, layer_idx: int, shape: tuple[int, int, int, int], like: torch.Tensor,
+                 value_dim: int | None = None) -> None:
+        if self._keys[layer_idx] is None:
+            b, h, t, d = shape
+            # zeroed: a fixed-shape step's mask hides unwritten rows, but NaN garbage would survive a mask
+            self._keys[layer_idx] = like.new_zeros(b, h, max(self._capacity, t), d)
+            self._values[layer_idx] = like.new_zeros(b, h, max(self._capacity, t), value_dim or d)
+
+    def reserve(self, layer_idx: int, shape: tuple[int, int, int, int], like: torch.Tensor,
+                value_dim: int | None = None):
+        """Room for `shape[2]` rows appended to the layer (written by the caller): its whole buffers [B, H_kv,
+        capacity, head_dim] and where the rows go. What `update` does but the copy, for a caller that writes the
+        rows itself (spd.targets.lean_layers' C++ layers)."""
+        self._buffers(layer_idx, shape, like, value_dim)
+        start = self.lengths[layer_idx]
+        end = start + shape[2]
+        if end > self._keys[layer_idx].shape[2]:
+            self._grow(layer_idx, end)
+        self.lengths[layer_idx] = end
+        return self._keys[layer_idx], self._values[layer_idx], start
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Append key/value [B, H_kv, T, head_dim] and return all cached K/V of the layer (views, no copy)."""
-        if self._keys[layer_idx] is None:
-            b, h, _, d = key.shape
-            # zeroed: a fixed-shape step's mask hides unwritten rows, but NaN garbage would survive a mask
-            self._keys[layer_idx] = key.new_zeros(b, h, max(self._capacity, key.shape[2]), d)
-            self._values[layer_idx] = value.new_zeros(b, h, max(self._capacity, key.shape[2]), value.shape[3])
         if self.write_at is not None:
+            self._buffers(layer_idx, tuple(key.shape), key, value.shape[3])
             self._keys[layer_idx].index_copy_(2, self.write_at, key)
             self._values[layer_idx].index_copy_(2, self.write_at, value)
             return self._keys[layer_idx], self._values[layer_idx]
-        start = self.lengths[layer_idx]
+        keys, values, start = self.reserve(layer_idx, tuple(key.shape), key, value.shape[3])
         end = start + key.shape[2]
-        if end > self._keys[layer_idx].shape[2]:
-            self._grow(layer_idx, end)
-        self._keys[layer_idx][:, :, start:end] = key
-        self._values[layer_idx][:, :, start:end] = value
-        self.lengths[layer_idx] = end
-        return self._keys[layer_idx][:, :, :end], self._values[layer_idx][:, :, :end]
+        keys[:, :, start:end] = key
+        values[:, :, start:end] = value
+        return keys[:, :, :end], values[:, :, :end]
 
     def view(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All cached K/V of a layer, [B, H_kv, length, head_dim] each (views)."""

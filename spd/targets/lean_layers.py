@@ -11,11 +11,14 @@ keep their own forward."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
 
 from spd.targets import own_rows, panel
+from spd.targets.kv_cache import LayerKVCache
 
 
 def _norm(norm: llama.LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +44,7 @@ def _packs(layer: llama.LlamaDecoderLayer):
     Kept on the layer while its weights are the same tensors at the same versions (checked without module lookups:
     a step calls this 30 times)."""
     held = layer.__dict__.get("_lean")
-    if held is not None and all(p["weight"] is w and w._version == v and d.get("_panels") is h
+    if held is not None and layer in OWN and all(p["weight"] is w and w._version == v and d.get("_panels") is h
                                 for p, d, w, v, h in held[0]):
         return held[1]
     attn, mlp = layer.self_attn, layer.mlp
@@ -50,7 +53,53 @@ def _packs(layer: llama.LlamaDecoderLayer):
     # what the packs were read from: each weight at its version, and its panels (packed again at another level)
     layer.__dict__["_lean"] = [(m._parameters, m.__dict__, m.weight, m.weight._version, m.__dict__.get("_panels"))
                                for m in modules], packs
+    OWN[layer] = _own(layer, packs)
     return packs
+
+
+# a layer's OwnLayer (a C++ object: kept beside the module, not in it, so the module still deep-copies)
+OWN: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+def _own(layer: llama.LlamaDecoderLayer, packs):
+    """The layer as the C++ OwnLayer (spd.targets.own_rows) where every product reads a GGUF's blocks, else None."""
+    attn = layer.self_attn
+    if packs is None or not (all(packs[0][3]) and all(packs[1][3])) or "_row_level" not in attn.__dict__:
+        return None
+    (before, after, level), n1, n2 = packs, layer.input_layernorm, layer.post_attention_layernorm
+    return panel._EXT.OwnLayer(n1.weight.detach(), n1.variance_epsilon, *before, n2.weight.detach(),
+                               n2.variance_epsilon, *after, level, attn.head_dim, attn.scaling)
+
+
+def own_layers(layers) -> list | None:
+    """The layers as OwnLayers (all of them), or None where any is not one."""
+    out = []
+    for layer in layers:
+        if type(layer) is not LeanLlamaLayer or not layer.silu:
+            return None
+        _packs(layer)
+        own = OWN.get(layer)
+        if own is None:
+            return None
+        out.append(own)
+    return out
+
+
+def run_own(layers: list, owns: list, hidden: torch.Tensor, cache, mask, cos, sin, capture: list[bool]):
+    """Layers (their OwnLayers `owns`) over hidden [B, T, d] in one C++ call, the rows appended to `cache` (a
+    LayerKVCache, or None); returns the last output and the outputs of the layers `capture` marks."""
+    keys, values, starts = [], [], []
+    if cache is not None:
+        b, t = hidden.shape[:2]
+        for layer in layers:
+            attn = layer.self_attn
+            shape = (b, attn.config.num_key_value_heads, t, attn.head_dim)
+            k, v, start = cache.reserve(attn.layer_idx, shape, hidden)
+            keys.append(k)
+            values.append(v)
+            starts.append(start)
+    out = panel._EXT.own_layers(hidden, owns, keys, values, starts, mask, cos, sin, capture)
+    return out[0], out[1:]
 
 
 def _pack(modules: list[torch.nn.Module]):
@@ -97,17 +146,21 @@ class LeanLlamaLayer(llama.LlamaDecoderLayer):
             # the norm, products and rotation in one C++ call, the attention here, the rest in another
             before, after, level = packs
             cos, sin = position_embeddings
-            if all(before[3]) and all(after[3]) and "_row_level" in attn.__dict__:
-                # a GGUF's blocks: the target's own row arithmetic (spd.targets.own_rows), two C++ calls a layer
+            own = OWN.get(self)
+            if own is not None and kwargs.get("ragged") is None and type(cache) is LayerKVCache and \
+                    cache.write_at is None and attn.config._attn_implementation == own_rows.KERNEL:
+                # a GGUF's blocks: the target's own row arithmetic (spd.targets.own_rows), the layer one C++ call
+                shape = (hidden_states.shape[0], attn.config.num_key_value_heads, hidden_states.shape[1],
+                         attn.head_dim)
+                keys, values, start = cache.reserve(attn.layer_idx, shape, hidden_states)
+                return own.forward(hidden_states, keys, values, start, attention_mask, cos, sin)
+            if own is not None:
+                # the same arithmetic around another cache's update or attention (a ragged batch's segments)
                 q, k, v = panel._EXT.own_before_attention(
                     hidden_states, self.input_layernorm.weight, self.input_layernorm.variance_epsilon, *before,
                     level, cos, sin, attn.head_dim)
                 rest = (hidden_states, self.post_attention_layernorm.weight,
                         self.post_attention_layernorm.variance_epsilon, *after, level)
-                if kwargs.get("ragged") is None and attn.config._attn_implementation == own_rows.KERNEL:
-                    if cache is not None:
-                        k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
-                    return panel._EXT.own_attend_after(q, k, v, attention_mask, attn.scaling, *rest)
                 return panel._EXT.own_after_attention(self._attend(q, k, v, attention_mask, cache, kwargs), *rest)
             q, k, v = panel._EXT.llama_before_attention(
                 hidden_states, self.input_layernorm.weight, self.input_layernorm.variance_epsilon, *before, level,

@@ -174,6 +174,28 @@ class StagedTarget:
             return mask
         return gqa_attention.pack_mask(mask, self.groups, self.dtype)
 
+    def _layer_mask(self, layer_type: str, positions: torch.Tensor, key_len: int | None,
+                    mask_keys: torch.Tensor | None, visible) -> torch.Tensor | None:
+        """A forward's mask for layers of `layer_type` as their kernel reads it (run_layers' arguments)."""
+        if visible is not None:
+            mask = self.explicit_mask(visible[0], positions, visible[1], layer_type)
+        elif mask_keys is None:
+            mask = self._mask(positions, key_len, layer_type)
+        else:
+            mask = self.fixed_mask(positions, mask_keys, layer_type)
+        return self.attention_mask(mask, positions.numel())
+
+    def _own_layers(self, hidden: torch.Tensor, start: int, end: int, cache, ragged) -> list | None:
+        """Layers start..end-1 as OwnLayers where they run as one C++ call: a weights=q4 target's full-attention
+        Llama layers over a LayerKVCache appended to (or none), float32 rows without autograd."""
+        if self.weights != "q4" or ragged is not None or self.config._attn_implementation != own_rows.KERNEL or \
+                any(self.layer_types[i] != "full_attention" for i in range(start, end)) or \
+                hidden.dtype != torch.float32 or (torch.is_grad_enabled() and hidden.requires_grad):
+            return None
+        if cache is not None and (type(cache) is not LayerKVCache or cache.write_at is not None):
+            return None
+        return lean_layers.own_layers(self.layers[start:end])
+
     def run_layers(
         self,
         hidden: torch.Tensor,             # [1, T, d] residual stream entering layer `start`
@@ -195,6 +217,15 @@ class StagedTarget:
         # read back only on the sliced path, the one that needs it (a host sync on CUDA)
         key_len = int(positions[-1]) + 1 if mask_keys is None and visible is None and ragged is None else None
         extra = {} if ragged is None else {"ragged": ragged}
+        own = self._own_layers(hidden, start, end, cache, ragged)
+        if own is not None:
+            # a weights=q4 target's layers in one C++ call (spd.targets.lean_layers.run_own): the same bits as
+            # layer by layer, without Python between them
+            cos, sin = self._position_embeddings(hidden, positions, "full_attention")
+            mask = self._layer_mask("full_attention", positions, key_len, mask_keys, visible)
+            hidden, outs = lean_layers.run_own(self.layers[start:end], own, hidden, cache, mask, cos, sin,
+                                               [i + 1 in capture for i in range(start, end)])
+            return hidden, dict(zip([i + 1 for i in range(start, end) if i + 1 in capture], outs))
         parents = None      # a draft tree's structure, as a linear-attention layer reads it
         for index in range(start, end):
             layer_type = self.layer_types[index]
@@ -212,15 +243,8 @@ class StagedTarget:
                 continue
             if layer_type not in rope:
                 rope[layer_type] = self._position_embeddings(hidden, positions, layer_type)
-                if ragged is not None:
-                    masks[layer_type] = None          # the ragged kernel masks each sequence itself
-                elif visible is not None:
-                    masks[layer_type] = self.explicit_mask(visible[0], positions, visible[1], layer_type)
-                elif mask_keys is None:
-                    masks[layer_type] = self._mask(positions, key_len, layer_type)
-                else:
-                    masks[layer_type] = self.fixed_mask(positions, mask_keys, layer_type)
-                masks[layer_type] = self.attention_mask(masks[layer_type], positions.numel())
+                masks[layer_type] = None if ragged is not None else \
+                    self._layer_mask(layer_type, positions, key_len, mask_keys, visible)   # ragged: per sequence
             hidden = self.layers[index](
                 hidden,
                 attention_mask=masks[layer_type],
