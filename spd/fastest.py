@@ -19,9 +19,9 @@ from spd.targets.source import DEFAULT_TARGET
 # every cell, and 1.84-2.22x of transformers' prompt lookup; the datastore was measured on the default target only
 # (fastest_default). On CUDA the bfloat16 table measured on one H200 (docs/gpu.md, "The figures"), where AR through
 # CUDA graphs was the fastest of the suite's rows and SPD ran below it.
-# A GGUF target on a CPU decodes from the file's own 4- and 8-bit blocks (weights=q4, the float32 target's bits):
-# the default there ran 1.10x / 1.08x / 1.18x / 1.25x of itself over the float32 weights (eval T = 0, everyday
-# T = 0, eval T = 1, everyday T = 1; docs/weights-q4.md) in about half the memory.
+# A GGUF target on a CPU decodes from the file's own 4- and 8-bit blocks (weights=q4, a target of its own whose AR
+# every method equals): the default there ran faster than over the float32 weights in every cell of the clock
+# (docs/speed-cpu.md, "The default at 4-bit weights, beside llama.cpp") in about half the memory.
 FASTEST = {"cpu": {"greedy": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt", "weights": "q4"},
                    "sampled": {"method": "suffix", "W": 4, "datastore": "answers+sharegpt", "weights": "q4"}},
            "cuda": {"greedy": {"method": "ar", "cuda_graphs": True}, "sampled": {"method": "ar", "cuda_graphs": True}}}

@@ -76,7 +76,8 @@ class SharedKeys:
     dtype: Optional[str] = None          # float32 | bfloat16 | float16: the target's and the module's weights
                                          # (None: bfloat16 on CUDA, float32 elsewhere, the reference)
     weights: str = "float32"             # float32 | q4: a GGUF target's products from its own 4- and 8-bit blocks
-                                         # (Q4_1, Q8_0) on a CPU: the float32 target's bits, 5 bits read a weight;
+                                         # (Q4_1, Q8_0) on a CPU: a target of its own (its AR the reference), 5 bits
+                                         # read a weight;
                                          # the default where no key chooses the method, on a GGUF target
     device: str = "cpu"                  # cpu | cuda | cuda:N | mps
     runtime: str = "local"               # local (stages one after another, the reference) | distributed (a process

@@ -2,11 +2,13 @@
 
 Why: a one-row forward of the float32 SmolLM2 streams its 513 MiB of weights from memory for every token; the
 GGUF's blocks hold the same weights in ~5 bits each (Q4_1: 32 weights share an fp16 scale d and minimum m, w =
-q * d + m; the tied head is Q8_0: w = q * d). The panel kernel (spd/csrc/panel_kernel.h) expands a block to float32
-as GGUF's reference dequantizer does — q * d, then + m, each rounded — and multiplies it in the order of the float32
-panels, so a product from blocks has the bits of the float32 product of the dequantized weight: `weights=q4` is the
-float32 target, faster, and everything proved of that target holds for it. `write_blocks` checks that claim per
-tensor (the blocks dequantized must equal the loaded weight bit for bit) and refuses a file where it fails.
+q * d + m; the tied head is Q8_0: w = q * d). The panel kernel (spd/csrc/panel_kernel.h) multiplies a block's codes
+by the inputs in order and then applies its scale and minimum once (d * sum(q x) + m * sum(x)): one multiply-add a
+weight, the same value as the dequantized weight's product up to float32 rounding, and a row's bits the same at
+every row count. So `weights=q4` is a target of its own, with its own row arithmetic around the products too
+(spd.targets.own_rows) — every method at weights=q4 decodes its AR's tokens. `write_blocks` checks per tensor that
+the blocks dequantized equal the weight transformers loads from the file, bit for bit, and refuses a file where they
+do not (the blocks are that file's weights, not another quantization of them).
 
 The blocks are read once per weight cache (spd.targets.weight_cache) into `blocks.safetensors` beside the float32
 weights, by their HF parameter names and with the rows in the HF order (GGUF stores a Llama's q and k rows
