@@ -58,24 +58,48 @@ PANEL_TARGET static inline float dot(const float* a, const float* b, int64_t d) 
   return s;
 }
 
-template <int C>
 PANEL_TARGET static inline void weigh(const float* values, int64_t stride, const int64_t* keys, int64_t n,
-                                      const float* p, float* out, int64_t full = 0) {
-  // out[: C * LANES] (C = 0: `full`) = sum over i of p[i] * values[keys[i] * stride + :], in key order
-  if constexpr (C > 0) {
-    vec o[C];
-    for (int c = 0; c < C; ++c) o[c] = VZERO();
-    for (int64_t i = 0; i < n; ++i) {
-      const float* v = values + keys[i] * stride;
-      const vec w = VSET1(p[i]);
-      for (int c = 0; c < C; ++c) o[c] = VFMA(w, VLOAD(v + c * LANES), o[c]);
+                                      const float* p, float* out, int64_t full) {
+  // out[: full] = sum over i of p[i] * values[keys[i] * stride + :], in key order (accumulators in memory: any width)
+  std::fill(out, out + full, 0.0f);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < full; d += LANES)
+      VSTORE(out + d, VFMA(VSET1(p[i]), VLOAD(values + keys[i] * stride + d), VLOAD(out + d)));
+}
+
+template <int C, int G>
+PANEL_TARGET static inline void weigh_heads(const float* values, int64_t stride, const int64_t* keys, int64_t n,
+                                            const float* p, int64_t p_stride, float* out, int64_t out_stride) {
+  // weigh<C> for G heads at once (head g's weights p + g * p_stride, output out + g * out_stride): each value row
+  // read once for all of them, G * C chains of multiply-adds in flight; every element still sums in key order
+  vec o[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) o[g][c] = VZERO();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = values + keys[i] * stride;
+    for (int g = 0; g < G; ++g) {
+      const vec w = VSET1(p[g * p_stride + i]);
+      for (int c = 0; c < C; ++c) o[g][c] = VFMA(w, VLOAD(v + c * LANES), o[g][c]);
     }
-    for (int c = 0; c < C; ++c) VSTORE(out + c * LANES, o[c]);
-  } else {
-    std::fill(out, out + full, 0.0f);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t d = 0; d < full; d += LANES)
-        VSTORE(out + d, VFMA(VSET1(p[i]), VLOAD(values + keys[i] * stride + d), VLOAD(out + d)));
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) VSTORE(out + g * out_stride + c * LANES, o[g][c]);
+}
+
+template <int C>
+PANEL_TARGET static inline void weigh_all(const float* values, int64_t stride, const int64_t* keys, int64_t n,
+                                          const float* p, int64_t p_stride, float* out, int64_t out_stride,
+                                          int64_t heads) {
+  // every head of a group, as many at a time as 16 accumulators hold
+  constexpr int most = 16 / C < 1 ? 1 : 16 / C > 4 ? 4 : 16 / C;
+  for (int64_t g = 0; g < heads;) {
+    const int64_t r = std::min<int64_t>(heads - g, most);
+    const float* pg = p + g * p_stride;
+    float* og = out + g * out_stride;
+    if (r >= 4 && most >= 4) weigh_heads<C, (most >= 4 ? 4 : 1)>(values, stride, keys, n, pg, p_stride, og, out_stride), g += 4;
+    else if (r == 3 && most >= 3) weigh_heads<C, (most >= 3 ? 3 : 1)>(values, stride, keys, n, pg, p_stride, og, out_stride), g += 3;
+    else if (r >= 2 && most >= 2) weigh_heads<C, (most >= 2 ? 2 : 1)>(values, stride, keys, n, pg, p_stride, og, out_stride), g += 2;
+    else weigh_heads<C, 1>(values, stride, keys, n, pg, p_stride, og, out_stride), g += 1;
   }
 }
 
@@ -123,16 +147,18 @@ PANEL_TARGET static void attend_units(const RowAttention& a, int64_t lo, int64_t
       totals[g] = VHSUM(sum);
     }
     // the values weighted in key order, then divided by the weights' sum
+    switch (full / LANES) {        // the rows' accumulators in registers where they fit
+      case 1: weigh_all<1>(vv, a.vs[2], keys.data(), n, scores.data(), padded, acc.data(), a.D, groups); break;
+      case 2: weigh_all<2>(vv, a.vs[2], keys.data(), n, scores.data(), padded, acc.data(), a.D, groups); break;
+      case 4: weigh_all<4>(vv, a.vs[2], keys.data(), n, scores.data(), padded, acc.data(), a.D, groups); break;
+      case 8: weigh_all<8>(vv, a.vs[2], keys.data(), n, scores.data(), padded, acc.data(), a.D, groups); break;
+      default:
+        for (int64_t g = 0; g < groups; ++g)
+          weigh(vv, a.vs[2], keys.data(), n, scores.data() + g * padded, acc.data() + g * a.D, full);
+    }
     for (int64_t g = 0; g < groups; ++g) {
       float* o = acc.data() + g * a.D;
       const float* p = scores.data() + g * padded;
-      switch (full / LANES) {      // the row's accumulators in registers where they fit
-        case 1: weigh<1>(vv, a.vs[2], keys.data(), n, p, o); break;
-        case 2: weigh<2>(vv, a.vs[2], keys.data(), n, p, o); break;
-        case 4: weigh<4>(vv, a.vs[2], keys.data(), n, p, o); break;
-        case 8: weigh<8>(vv, a.vs[2], keys.data(), n, p, o); break;
-        default: weigh<0>(vv, a.vs[2], keys.data(), n, p, o, full);
-      }
       for (int64_t d = full; d < a.D; ++d) {
         o[d] = 0.0f;
         for (int64_t i = 0; i < n; ++i) o[d] += p[i] * vv[keys[i] * a.vs[2] + d];

@@ -115,7 +115,10 @@ class KeyedDraws:
     def draw(self, probs: torch.Tensor, position: int) -> tuple[int, float]:
         """The draw at `position` from probs [V] and its p, not recorded (a row off the verified path draws too)."""
         support = probs.nonzero().squeeze(1)                              # [S]
-        u = self.uniforms(position)[support.cpu()].to(probs.device)
+        held = self.cache.get(position)
+        u = (held[support.cpu()] if held is not None else              # the support's uniforms alone: ~50 of 49k
+             keyed_uniforms(torch.tensor(self.key), torch.tensor([position]), self.vocab, support.cpu())[0])
+        u = u.to(probs.device)
         p = probs[support].double()                                       # [S]
         best = int(torch.argmax(torch.log(p) - torch.log(-torch.log(u))))   # log p + Gumbel noise
         return int(support[best]), float(p[best])
@@ -147,13 +150,16 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift(x, 31)
 
 
-def keyed_uniforms(key: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+def keyed_uniforms(key: torch.Tensor, positions: torch.Tensor, vocab: int,
+                   tokens: torch.Tensor | None = None) -> torch.Tensor:
     """The uniforms u_t [len(positions), vocab] (float64 in [0, 1)) of a request's `key` [] (int64) at `positions`
     [r] (int64), a counter-based hash of (key, t, token) alone: SplitMix64 seeded by mix(key ^ mix(t)), its i-th
     output's top 53 bits for token i. Tensor ops only, so a device step computes in place the bits the host draws
-    (no copy a step), and a draw never depends on which positions were drawn before it."""
+    (no copy a step), and a draw never depends on which positions were drawn before it. With `tokens` [k] (int64),
+    only theirs, [r, k]: the same values (a sampled draw reads its top-k support's, not the vocabulary's)."""
     seed = _mix((key ^ _mix(positions + GAMMA)) + GAMMA)                              # [r]
-    index = torch.arange(1, vocab + 1, device=positions.device, dtype=torch.int64)   # [V]
+    index = (torch.arange(vocab, device=positions.device, dtype=torch.int64) if tokens is None
+             else tokens.to(positions.device, torch.int64)) + 1                      # [V] or [k]
     state = seed.view(-1, 1) + index.view(1, -1) * GAMMA                             # [r, V]
     return _shift(_mix(state), 11).double() * 2.0 ** -53
 
