@@ -348,3 +348,13 @@ def test_the_replay_settles_what_the_sampled_runtime_settles(family_model, width
             (want.N, want.cycles, want.accepted_per_cycle, want.verdicts), seed
         drafted += want.drafted
     assert drafted > 0
+
+
+def test_a_draws_support_hashes_the_same_uniforms_as_the_whole_vocabulary():
+    """KeyedDraws.draw hashes only its support's uniforms: the values the whole vocabulary's vector holds there."""
+    from spd.verify.sampling import keyed_uniforms
+
+    key, positions = torch.tensor(123456789), torch.tensor([0, 7, 4095])
+    tokens = torch.tensor([0, 1, 17, 49151, 30000])
+    whole = keyed_uniforms(key, positions, 49152)
+    assert torch.equal(keyed_uniforms(key, positions, 49152, tokens), whole[:, tokens])
