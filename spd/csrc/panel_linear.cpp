@@ -290,7 +290,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("own_before_attention", &own_before_attention);
   m.def("own_attention", &own_attention);
   m.def("own_after_attention", &own_after_attention);
-  m.def("own_attend_after", &own_attend_after);
   pybind11::class_<OwnLayer>(m, "OwnLayer")
       .def(pybind11::init<torch::Tensor, double, std::vector<torch::Tensor>, std::vector<int64_t>,
                           std::vector<c10::optional<torch::Tensor>>, std::vector<int64_t>, torch::Tensor, double,

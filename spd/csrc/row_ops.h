@@ -106,7 +106,7 @@ PANEL_TARGET static inline void weigh_all(const float* values, int64_t stride, c
 PANEL_TARGET static void attend_units(const RowAttention& a, int64_t lo, int64_t hi) {
   // units lo .. hi - 1; a unit: a (b, kv head, row), its query heads together (query head h reads kv head h / groups)
   const int64_t groups = a.H / a.Hkv, full = a.D / LANES * LANES;
-  std::vector<float> scores, acc(groups * a.D);
+  std::vector<float> scores, acc(groups * a.D), totals(groups);
   std::vector<int64_t> keys;
   for (int64_t u = lo; u < hi; ++u) {
     const int64_t b = u / (a.Hkv * a.T), kh = u / a.T % a.Hkv, t = u % a.T;
@@ -129,7 +129,6 @@ PANEL_TARGET static void attend_units(const RowAttention& a, int64_t lo, int64_t
         if (a.bias) sc += bias;
       }
     }
-    std::vector<float> totals(groups, 0.0f);
     for (int64_t g = 0; g < groups; ++g) {
       float* sc = scores.data() + g * padded;
       // the maximum (exact in any order), e^(score - max) with the padding's weights 0, their sum a vector of
