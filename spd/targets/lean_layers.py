@@ -71,8 +71,28 @@ def _own(layer: llama.LlamaDecoderLayer, packs):
                                n2.variance_epsilon, *after, level, attn.head_dim, attn.scaling)
 
 
-def own_layers(layers) -> list | None:
-    """The layers as OwnLayers (all of them), or None where any is not one."""
+def own_layers(layers: list) -> list | None:
+    """The layers as OwnLayers (all of them), or None where any is not one. A step asks this for the same layers
+    every forward: the answer is kept with what it was read from (each layer's packs, checked as `_packs` checks
+    them, in one pass over the stage's weights instead of 30 calls)."""
+    held = STACKS.get(layers[0]) if layers else None
+    if held is not None and held[0] == tuple(layers) and \
+            all(layer.__dict__.get("_lean") is lean for layer, lean in held[2]) and \
+            all(p["weight"] is w and w._version == v and d.get("_panels") is h for p, d, w, v, h in held[3]):
+        return held[1]
+    out = _own_stack(layers)
+    if out is not None:
+        leans = [(layer, layer.__dict__["_lean"]) for layer in layers]
+        STACKS[layers[0]] = tuple(layers), out, leans, [check for _, lean in leans for check in lean[0]]
+    return out
+
+
+# a stage's OwnLayers, keyed by its first layer: (its layers, their OwnLayers, each layer's packs record, the weights
+# those were read from)
+STACKS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _own_stack(layers: list) -> list | None:
     out = []
     for layer in layers:
         if type(layer) is not LeanLlamaLayer or not layer.silu:
@@ -90,11 +110,10 @@ def run_own(layers: list, owns: list, hidden: torch.Tensor, cache, mask, cos, si
     LayerKVCache, or None); returns the last output and the outputs of the layers `capture` marks."""
     keys, values, starts = [], [], []
     if cache is not None:
-        b, t = hidden.shape[:2]
+        attn = layers[0].self_attn              # a Llama's layers share their key and value shapes
+        shape = (*hidden.shape[:1], attn.config.num_key_value_heads, hidden.shape[1], attn.head_dim)
         for layer in layers:
-            attn = layer.self_attn
-            shape = (b, attn.config.num_key_value_heads, t, attn.head_dim)
-            k, v, start = cache.reserve(attn.layer_idx, shape, hidden)
+            k, v, start = cache.reserve(layer.self_attn.layer_idx, shape, hidden)
             keys.append(k)
             values.append(v)
             starts.append(start)

@@ -185,8 +185,8 @@ class StagedTarget:
             mask = self.fixed_mask(positions, mask_keys, layer_type)
         return self.attention_mask(mask, positions.numel())
 
-    def _own_layers(self, hidden: torch.Tensor, start: int, end: int, cache, ragged) -> list | None:
-        """Layers start..end-1 as OwnLayers where they run as one C++ call: a weights=q4 target's full-attention
+    def _own_layers(self, hidden: torch.Tensor, start: int, end: int, cache, ragged) -> tuple[list, list] | None:
+        """Layers start..end-1 and their OwnLayers where they run as one C++ call: a weights=q4 target's full-attention
         Llama layers over a LayerKVCache appended to (or none), float32 rows without autograd."""
         if self.weights != "q4" or ragged is not None or self.config._attn_implementation != own_rows.KERNEL or \
                 any(self.layer_types[i] != "full_attention" for i in range(start, end)) or \
@@ -194,7 +194,9 @@ class StagedTarget:
             return None
         if cache is not None and (type(cache) is not LayerKVCache or cache.write_at is not None):
             return None
-        return lean_layers.own_layers(self.layers[start:end])
+        layers = list(self.layers)[start:end]       # a list: slicing the ModuleList builds a module a call
+        owns = lean_layers.own_layers(layers)
+        return None if owns is None else (layers, owns)
 
     def run_layers(
         self,
@@ -223,7 +225,7 @@ class StagedTarget:
             # layer by layer, without Python between them
             cos, sin = self._position_embeddings(hidden, positions, "full_attention")
             mask = self._layer_mask("full_attention", positions, key_len, mask_keys, visible)
-            hidden, outs = lean_layers.run_own(self.layers[start:end], own, hidden, cache, mask, cos, sin,
+            hidden, outs = lean_layers.run_own(*own, hidden, cache, mask, cos, sin,
                                                [i + 1 in capture for i in range(start, end)])
             return hidden, dict(zip([i + 1 for i in range(start, end) if i + 1 in capture], outs))
         parents = None      # a draft tree's structure, as a linear-attention layer reads it
