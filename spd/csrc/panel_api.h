@@ -14,6 +14,17 @@ struct PanelProduct {
   float* y;
 };
 
+struct QRows {
+  // a product's rows quantized for a GGUF's blocks: q [M, K] 16-bit codes, per block of 32 inputs of a row
+  // q = round(x / dx) (|q| <= 32767, ties to even), dx [M, K / 32] = the block's largest |x| / 32767 and
+  // sx [M, K / 32] = dx * (the block's codes' sum)
+  const int16_t* q;
+  const float *dx, *sx;
+  QRows from(int64_t m, int64_t K) const {      // the rows from row m on
+    return q ? QRows{q + m * K, dx + m * (K / 32), sx + m * (K / 32)} : *this;
+  }
+};
+
 // x [..., K] times each of several panels (the same rows): one parallel region for all of them
 std::vector<torch::Tensor> multiply_many_at(const torch::Tensor& x, const std::vector<torch::Tensor>& panels,
                                             const std::vector<int64_t>& n_out,

@@ -1,11 +1,13 @@
 // One ISA level's panel products; spd/csrc/panel_linear.cpp includes this file once per level, inside that level's
 // namespace, after defining (this file undefines the macros again at its end):
 //   PANEL_TARGET   the function attribute that lets the compiler use the level's instructions here only
-//   LANES, MT      output features a panel holds (one vector) and rows a full tile multiplies
+//   LANES, MT, QMT output features a panel holds (one vector), rows a full float32 tile and a full block tile multiply
 //   vec, VZERO(), VLOAD(p), VSET1(s), VFMA(a, b, c) (a * b + c), VMUL, VADD, VSTORE(p, v)
-//   VNIB(p, s)     LANES 32-bit words at p, each shifted right by s and masked to its low 4 bits, as floats
-//   VI8(p)         LANES signed bytes at p as floats
 //   VHALF(p)       LANES IEEE halves at p as floats (exact: every half is a float)
+//   PANEL_INT_SIMD 1 where the level has 16-bit dot products, with ivec and ILOAD(p) (LANES 32-bit words),
+//                  ISET1(i), IAND, ISRLI(a, n) (each word shifted right), ISLL16 / ISRA16 (each 16-bit half shifted
+//                  left / right arithmetically), IDOT(s, a, b) (s + a's and b's 16-bit halves multiplied in pairs and
+//                  summed to 32 bits), ICVT (to float)
 //
 // Why the order is fixed by this code and not by the compiler: the translation unit is built with
 // -ffp-contract=off and without -march=native, so a multiply-add is fused exactly where VFMA says (an intrinsic on
@@ -13,13 +15,13 @@
 // "avoid FMA chains") otherwise fuses some multiply-adds and not others depending on the loop around them — which
 // differs with the tile's row count, and so gave a row other bits at other row counts on an AVX2-only EPYC.
 //
-// Every output element is then the same sequence of operations whatever the row count: blocks of KB inputs in
-// order, each summed in order by VFMA into a fresh accumulator, the blocks added in order (scalar adds).
-//
-// The weights come in three formats (the Weights structs below), read the same way: a group of inputs at a time,
-// one vector of LANES weights per input. A quantized weight is expanded to float32 as GGUF's reference dequantizer
-// does it — q * d, then + m, each rounded — so a 4-bit panel gives the bits the float32 panel of the dequantized
-// weight gives, while a one-row product reads ~5 bits a weight instead of 32.
+// Every output element is then the same sequence of operations whatever the row count. Float32 panels: blocks of KB
+// inputs in order, each summed in order by VFMA into a fresh accumulator, the blocks added in order (scalar adds).
+// A GGUF's blocks (Q4_1, Q8_0) multiply rows quantized to 16-bit codes and a scale per block of 32 inputs (QRows, a
+// row alone): per block the codes' dot product, an exact integer whatever its order, then its scales in a
+// written-out order, the blocks added in order. A one-row product reads ~5 bits a weight and multiplies pairs of
+// 16-bit integers where float32 does one float multiply-add a weight; 16 bits keep an input to 1 / 65534 of its
+// block's largest (llama.cpp's 8 bits: 1 / 254), so the logits stay the float32 target's up to ~1e-3.
 
 struct F32 {
   // panels [P, K, LANES] float32
@@ -35,39 +37,111 @@ struct F32 {
 
 struct Q4 {
   // panels [P, K / 32, 20 * LANES] bytes: per block of 32 inputs, d [LANES] and m [LANES] as the file's halves, then
-  // 4 rows of LANES 32-bit words; word u of a feature holds inputs 8u .. 8u + 7 of the block, input 8u + j in bits
-  // 4j .. 4j + 3 (one load serves 8 inputs, each a shift, a mask and a conversion; GGUF's Q4_1: w = q * d + m).
-  // A one-row product is bound by memory here: halves, not floats, for d and m read 5 bits a weight, not 6.
-  static constexpr int64_t GROUP = 32;
-  static constexpr bool SHIFTED = true;           // a block's sum carries m * (its inputs' sum)
+  // 4 rows of LANES 32-bit words; nibble s of a feature's word u holds input 8u + 2s and nibble s of its upper half
+  // input 8u + 2s + 1 (spd.targets.blocks.pack), so a shift and a mask give a pair of inputs' codes as the two 16-bit
+  // halves a 16-bit dot product multiplies (GGUF's Q4_1: w = q * d + m)
   struct group { vec d, m; const uint32_t* q; };
   static int64_t stride(int64_t K) { return K / 32 * 20 * LANES; }
-  PANEL_TARGET static inline group at(const uint8_t* panel, int64_t k) {
-    const uint8_t* block = panel + k / 32 * 20 * LANES;
+  PANEL_TARGET static inline group at(const uint8_t* panel, int64_t b) {
+    const uint8_t* block = panel + b * 20 * LANES;
     return {VHALF(block), VHALF(block + 2 * LANES), reinterpret_cast<const uint32_t*>(block + 4 * LANES)};
   }
-  PANEL_TARGET static inline vec q(const group& g, int64_t t) { return VNIB(g.q + (t >> 3) * LANES, (t & 7) * 4); }
-  PANEL_TARGET static inline vec block(const group& g, vec acc, float sum) {
-    return VFMA(g.m, VSET1(sum), VMUL(g.d, acc));                 // d * sum(q x) + m * sum(x)
+  PANEL_TARGET static inline vec block(const group& g, vec codes, float dx, float sx) {
+    return VFMA(g.m, VSET1(sx), VMUL(VMUL(g.d, VSET1(dx)), codes));   // d dx sum(q qx) + m dx sum(qx)
   }
-  PANEL_TARGET static inline const void* ahead(const group& g, int64_t t) { return g.q + (t / 8 + 16) * LANES; }
 };
 
 struct Q8 {
-  // panels [P, K / 32, 34 * LANES] bytes: per block of 32 inputs, d [LANES] halves, then 32 rows of LANES signed
-  // bytes (GGUF's Q8_0: w = q * d)
-  static constexpr int64_t GROUP = 32;
-  static constexpr bool SHIFTED = false;
-  struct group { vec d; const int8_t* q; };
+  // panels [P, K / 32, 34 * LANES] bytes: per block of 32 inputs, d [LANES] halves, then 8 rows of LANES 32-bit
+  // words; a feature's word c holds its signed bytes 4c, 4c + 2, 4c + 1, 4c + 3, so that sign-extending each 16-bit
+  // half's low byte gives the pair (4c, 4c + 1) and its high byte (4c + 2, 4c + 3) (GGUF's Q8_0: w = q * d)
+  struct group { vec d; const uint32_t* q; };
   static int64_t stride(int64_t K) { return K / 32 * 34 * LANES; }
-  PANEL_TARGET static inline group at(const uint8_t* panel, int64_t k) {
-    const uint8_t* block = panel + k / 32 * 34 * LANES;
-    return {VHALF(block), reinterpret_cast<const int8_t*>(block + 2 * LANES)};
+  PANEL_TARGET static inline group at(const uint8_t* panel, int64_t b) {
+    const uint8_t* block = panel + b * 34 * LANES;
+    return {VHALF(block), reinterpret_cast<const uint32_t*>(block + 2 * LANES)};
   }
-  PANEL_TARGET static inline vec q(const group& g, int64_t t) { return VI8(g.q + t * LANES); }
-  PANEL_TARGET static inline vec block(const group& g, vec acc, float) { return VMUL(g.d, acc); }
-  PANEL_TARGET static inline const void* ahead(const group& g, int64_t t) { return g.q + (t + 128) * LANES; }
+  PANEL_TARGET static inline vec block(const group& g, vec codes, float dx, float) {
+    return VMUL(VMUL(g.d, VSET1(dx)), codes);                              // d dx sum(q qx)
+  }
 };
+
+static inline int32_t pair_at(const int16_t* p) {
+  // two inputs' codes as the 32-bit word a 16-bit dot product broadcasts
+  int32_t w;
+  __builtin_memcpy(&w, p, 4);
+  return w;
+}
+
+#if PANEL_INT_SIMD
+// a block's integer dot products, P panels by R rows (row j's codes x + j * K): sums of codes times codes, exact
+// integers whatever their order (at most 32 * 128 * 32767 < 2^31)
+template <int P, int R>
+PANEL_TARGET static inline void dots(const Q4::group* g, const int16_t* x, int64_t K, vec (*f)[R]) {
+  const ivec low = ISET1(0x000F000F);
+  ivec s[P][R];
+  for (int i = 0; i < P; ++i)
+    for (int j = 0; j < R; ++j) s[i][j] = ISET1(0);
+  for (int u = 0; u < 4; ++u) {
+    ivec w[P];
+    for (int i = 0; i < P; ++i) w[i] = ILOAD(g[i].q + u * LANES);
+    for (int n = 0; n < 4; ++n) {
+      ivec c[P];
+      for (int i = 0; i < P; ++i) c[i] = IAND(n ? ISRLI(w[i], 4 * n) : w[i], low);     // inputs 8u + 2n, + 1
+      for (int j = 0; j < R; ++j) {
+        const ivec a = ISET1(pair_at(x + j * K + 8 * u + 2 * n));
+        for (int i = 0; i < P; ++i) s[i][j] = IDOT(s[i][j], c[i], a);
+      }
+    }
+  }
+  for (int i = 0; i < P; ++i)
+    for (int j = 0; j < R; ++j) f[i][j] = ICVT(s[i][j]);
+}
+
+template <int P, int R>
+PANEL_TARGET static inline void dots(const Q8::group* g, const int16_t* x, int64_t K, vec (*f)[R]) {
+  ivec s[P][R];
+  for (int i = 0; i < P; ++i)
+    for (int j = 0; j < R; ++j) s[i][j] = ISET1(0);
+  for (int c = 0; c < 8; ++c) {
+    ivec lo[P], hi[P];
+    for (int i = 0; i < P; ++i) {
+      const ivec w = ILOAD(g[i].q + c * LANES);
+      lo[i] = ISRA16(ISLL16(w, 8), 8);                                   // inputs 4c, 4c + 1
+      hi[i] = ISRA16(w, 8);                                              // inputs 4c + 2, 4c + 3
+    }
+    for (int j = 0; j < R; ++j) {
+      const ivec a = ISET1(pair_at(x + j * K + 4 * c)), b = ISET1(pair_at(x + j * K + 4 * c + 2));
+      for (int i = 0; i < P; ++i) s[i][j] = IDOT(IDOT(s[i][j], lo[i], a), hi[i], b);
+    }
+  }
+  for (int i = 0; i < P; ++i)
+    for (int j = 0; j < R; ++j) f[i][j] = ICVT(s[i][j]);
+}
+#else
+template <class G, int P, int R>
+static inline void dots(const G* g, const int16_t* x, int64_t K, vec (*f)[R]) {
+  // the same integer sums, a lane at a time
+  constexpr bool four = std::is_same_v<G, Q4::group>;
+  for (int i = 0; i < P; ++i)
+    for (int j = 0; j < R; ++j)
+      for (int l = 0; l < LANES; ++l) {
+        const int16_t* xr = x + j * K;
+        int32_t s = 0;
+        for (int u = 0; u < (four ? 4 : 8); ++u) {
+          const uint32_t w = g[i].q[u * LANES + l];
+          if (four) {
+            for (int n = 0; n < 4; ++n)
+              s += int32_t((w >> (4 * n)) & 15) * xr[8 * u + 2 * n] + int32_t((w >> (16 + 4 * n)) & 15) * xr[8 * u + 2 * n + 1];
+          } else {
+            s += int32_t(int8_t(w)) * xr[4 * u] + int32_t(int8_t(w >> 16)) * xr[4 * u + 1] +
+                 int32_t(int8_t(w >> 8)) * xr[4 * u + 2] + int32_t(int8_t(w >> 24)) * xr[4 * u + 3];
+          }
+        }
+        f[i][j][l] = static_cast<float>(s);
+      }
+}
+#endif
 
 template <class W, int P, int R>
 PANEL_TARGET static inline void tile(const float* __restrict x, int64_t K, const uint8_t* __restrict panel,
@@ -112,33 +186,29 @@ PANEL_TARGET static inline void tile(const float* __restrict x, int64_t K, const
 }
 
 template <class W, int P, int R>
-PANEL_TARGET static inline void qtile(const float* __restrict x, const float* __restrict sums, int64_t K,
-                                      const uint8_t* __restrict panel, float* __restrict y, int64_t N, int64_t n0) {
-  // R rows of x [R, K] (sums [R, K / 32]: each block's inputs summed in order) against P panels of GGUF blocks:
-  // per block, its integer codes times the inputs in order into a fresh accumulator, then d * that (+ m * the
-  // inputs' sum), added to the output in block order. One multiply-add a weight and row, the block's scales once.
+PANEL_TARGET static inline void qtile(const QRows& xr, int64_t K, const uint8_t* __restrict panel, float* __restrict y,
+                                      int64_t N, int64_t n0) {
+  // R rows of quantized inputs (QRows) against P panels of GGUF blocks: per block, the integer dot products of its
+  // codes and the rows' codes, then d dx times that (+ m times the block's sx), added to the output in block order
   const int64_t stride = W::stride(K), B = K / 32;
   vec out[P][R];
   for (int i = 0; i < P; ++i)
     for (int j = 0; j < R; ++j) out[i][j] = VZERO();
   for (int64_t b = 0; b < B; ++b) {
     typename W::group g[P];
-    for (int i = 0; i < P; ++i) g[i] = W::at(panel + i * stride, b * 32);
-    vec acc[P][R];
-    for (int i = 0; i < P; ++i)
-      for (int j = 0; j < R; ++j) acc[i][j] = VZERO();
-#pragma GCC unroll 32
-    for (int64_t t = 0; t < 32; ++t) {
-      vec w[P];
-      for (int i = 0; i < P; ++i) w[i] = W::q(g[i], t);
-      for (int i = 0; i < P; ++i) __builtin_prefetch(W::ahead(g[i], t));
-      for (int j = 0; j < R; ++j) {
-        const vec xs = VSET1(x[j * K + b * 32 + t]);
-        for (int i = 0; i < P; ++i) acc[i][j] = VFMA(w[i], xs, acc[i][j]);
-      }
+    for (int i = 0; i < P; ++i) {
+      g[i] = W::at(panel + i * stride, b);
+      __builtin_prefetch(reinterpret_cast<const uint8_t*>(g[i].q) + 4 * stride / B);    // 4 blocks ahead
     }
+    vec f[P][R];
+#if PANEL_INT_SIMD
+    dots<P, R>(g, xr.q + b * 32, K, f);
+#else
+    dots<typename W::group, P, R>(g, xr.q + b * 32, K, f);
+#endif
     for (int i = 0; i < P; ++i)
-      for (int j = 0; j < R; ++j) out[i][j] = VADD(out[i][j], W::block(g[i], acc[i][j], sums[j * B + b]));
+      for (int j = 0; j < R; ++j)
+        out[i][j] = VADD(out[i][j], W::block(g[i], f[i][j], xr.dx[j * B + b], xr.sx[j * B + b]));
   }
   for (int i = 0; i < P; ++i) {
     const int64_t n = n0 + i * LANES, width = std::min<int64_t>(LANES, N - n);
@@ -151,50 +221,53 @@ PANEL_TARGET static inline void qtile(const float* __restrict x, const float* __
 }
 
 template <class W, int P, int R>
-PANEL_TARGET static inline void any_tile(const float* x, const float* sums, int64_t K, const uint8_t* panel, float* y,
+PANEL_TARGET static inline void any_tile(const float* x, const QRows& q, int64_t K, const uint8_t* panel, float* y,
                                          int64_t N, int64_t n0) {
   if constexpr (std::is_same_v<W, F32>) tile<W, P, R>(x, K, panel, y, N, n0);
-  else qtile<W, P, R>(x, sums, K, panel, y, N, n0);
+  else qtile<W, P, R>(q, K, panel, y, N, n0);
 }
 
 template <class W, int P, int R>
-PANEL_TARGET static inline void remainder(int64_t r, const float* x, const float* sums, int64_t K,
+PANEL_TARGET static inline void remainder(int64_t r, const float* x, const QRows& q, int64_t K,
                                           const uint8_t* panel, float* y, int64_t N, int64_t n0) {
-  // the r < MT rows left after the full tiles, as one tile of exactly r rows
-  if constexpr (R < MT) {
-    if (r == R) any_tile<W, P, R>(x, sums, K, panel, y, N, n0);
-    else remainder<W, P, R + 1>(r, x, sums, K, panel, y, N, n0);
+  // the r rows left after the full tiles, as one tile of exactly r rows
+  constexpr int most = std::is_same_v<W, F32> ? MT : QMT;
+  if constexpr (R < most) {
+    if (r == R) any_tile<W, P, R>(x, q, K, panel, y, N, n0);
+    else remainder<W, P, R + 1>(r, x, q, K, panel, y, N, n0);
   }
 }
 
 template <class W, int P>
-PANEL_TARGET static void rows(const float* x, const float* sums, int64_t M, int64_t K, const uint8_t* panel, float* y,
+PANEL_TARGET static void rows(const float* x, const QRows& q, int64_t M, int64_t K, const uint8_t* panel, float* y,
                               int64_t N, int64_t n0) {
-  const int64_t B = K / 32;
+  // full tiles of MT rows (QMT for blocks), then the rest
+  constexpr int most = std::is_same_v<W, F32> ? MT : QMT;
   int64_t m = 0;
-  for (; m + MT <= M; m += MT) any_tile<W, P, MT>(x + m * K, sums + m * B, K, panel, y + m * N, N, n0);
-  if (m < M) remainder<W, P, 1>(M - m, x + m * K, sums + m * B, K, panel, y + m * N, N, n0);
+  for (; m + most <= M; m += most)
+    any_tile<W, P, most>(x + m * K, q.from(m, K), K, panel, y + m * N, N, n0);
+  if (m < M) remainder<W, P, 1>(M - m, x + m * K, q.from(m, K), K, panel, y + m * N, N, n0);
 }
 
 template <class W>
-PANEL_TARGET static void panel_tile(const float* x, const float* sums, int64_t M, int64_t K, const uint8_t* panels,
+PANEL_TARGET static void panel_tile(const float* x, const QRows& q, int64_t M, int64_t K, const uint8_t* panels,
                                     int64_t P, float* y, int64_t N, int64_t t) {
   // tile t of a product: its NP panels (fewer at the end) against every row
   const int64_t p = t * NP, stride = W::stride(K);
-  if (p + NP <= P) rows<W, NP>(x, sums, M, K, panels + p * stride, y, N, p * LANES);
-  else rows<W, 1>(x, sums, M, K, panels + p * stride, y, N, p * LANES);
+  if (p + NP <= P) rows<W, NP>(x, q, M, K, panels + p * stride, y, N, p * LANES);
+  else rows<W, 1>(x, q, M, K, panels + p * stride, y, N, p * LANES);
 }
 
-PANEL_TARGET static void format_tile(int64_t format, const float* x, const float* sums, int64_t M, int64_t K,
+PANEL_TARGET static void format_tile(int64_t format, const float* x, const QRows& q, int64_t M, int64_t K,
                                      const uint8_t* panels, int64_t P, float* y, int64_t N, int64_t t) {
   switch (format) {
-    case 0: panel_tile<F32>(x, sums, M, K, panels, P, y, N, t); break;
-    case 1: panel_tile<Q4>(x, sums, M, K, panels, P, y, N, t); break;
-    default: panel_tile<Q8>(x, sums, M, K, panels, P, y, N, t); break;
+    case 0: panel_tile<F32>(x, q, M, K, panels, P, y, N, t); break;
+    case 1: panel_tile<Q4>(x, q, M, K, panels, P, y, N, t); break;
+    default: panel_tile<Q8>(x, q, M, K, panels, P, y, N, t); break;
   }
 }
 
-PANEL_TARGET static void multiply_many(const PanelProduct* products, int64_t count, const float* x, const float* sums,
+PANEL_TARGET static void multiply_many(const PanelProduct* products, int64_t count, const float* x, const QRows& q,
                                        int64_t M, int64_t K) {
   // several products of the same rows in one parallel region: the tiles of all of them, the threads sharing them
   std::vector<int64_t> first(count + 1, 0);
@@ -204,7 +277,7 @@ PANEL_TARGET static void multiply_many(const PanelProduct* products, int64_t cou
     for (int64_t t = lo; t < hi; ++t) {
       while (t >= first[j + 1]) ++j;
       const PanelProduct& p = products[j];
-      format_tile(p.format, x, sums, M, K, p.panels, p.P, p.y, p.N, t - first[j]);
+      format_tile(p.format, x, q, M, K, p.panels, p.P, p.y, p.N, t - first[j]);
     }
   });
 }
@@ -218,8 +291,6 @@ PANEL_TARGET static void multiply_many(const PanelProduct* products, int64_t cou
 #undef VFMA
 #undef VMUL
 #undef VADD
-#undef VNIB
-#undef VI8
 #undef VHALF
 #undef VSTORE
 #undef VSUB
@@ -228,3 +299,12 @@ PANEL_TARGET static void multiply_many(const PanelProduct* products, int64_t cou
 #undef VMIN
 #undef VPOW2
 #undef VHSUM
+#undef PANEL_INT_SIMD
+#undef ILOAD
+#undef ISET1
+#undef IAND
+#undef ISRLI
+#undef ISLL16
+#undef ISRA16
+#undef IDOT
+#undef ICVT

@@ -34,31 +34,17 @@ constexpr int64_t PREFETCH = 32;  // panel lines ahead
 
 #if PANEL_X86
 namespace avx512 {
-#define PANEL_TARGET __attribute__((target("avx512f,fma")))
-constexpr int LANES = 16;
-constexpr int MT = 12;            // 2 panels x 12 rows = 24 accumulators + 2 weights + 1 broadcast of 32 registers
-typedef __m512 vec;
-#define VZERO() _mm512_setzero_ps()
-#define VLOAD(p) _mm512_loadu_ps(p)
-#define VSET1(s) _mm512_set1_ps(s)
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VMUL(a, b) _mm512_mul_ps(a, b)
-#define VADD(a, b) _mm512_add_ps(a, b)
-// a nibble's value by a permute of the floats 0 .. 15 (it reads an index's low 4 bits: no mask, no conversion)
-#define VNIB(p, s) _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_loadu_si512(reinterpret_cast<const void*>(p)), s), \
-    _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0))
-#define VI8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))
-#define VHALF(p) _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
-#define VSTORE(p, v) _mm512_storeu_ps(p, v)
-#define VSUB(a, b) _mm512_sub_ps(a, b)
-#define VDIV(a, b) _mm512_div_ps(a, b)
-#define VMAX(a, b) _mm512_max_ps(a, b)
-#define VMIN(a, b) _mm512_min_ps(a, b)
-#define VHSUM(v) _mm512_reduce_add_ps(v)
-#define VPOW2(t) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), \
-    _mm512_set1_epi32(0x4B400000 - 127)), 23))
-#include "panel_kernel.h"
+#define PANEL_TARGET __attribute__((target("avx512f,avx512bw,fma")))
+#define IDOT(s, a, b) _mm512_add_epi32(s, _mm512_madd_epi16(a, b))
+#include "level_avx512.h"
 }  // namespace avx512
+
+namespace avx512vnni {
+// the AVX-512 level where the CPU has VNNI: its blocks' dot products one instruction each, the same integers
+#define PANEL_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+#define IDOT(s, a, b) _mm512_dpwssd_epi32(s, a, b)
+#include "level_avx512.h"
+}  // namespace avx512vnni
 
 namespace avx2 {
 #define PANEL_TARGET __attribute__((target("avx2,fma,f16c")))
@@ -69,6 +55,7 @@ PANEL_TARGET static inline float hsum8(__m256 v) {
 }
 constexpr int LANES = 8;
 constexpr int MT = 6;             // 2 x 6 + 2 + 1 of 16
+constexpr int QMT = 3;            // 2 x 3 outputs, 2 x 3 sums, 4 codes, 1 broadcast
 typedef __m256 vec;
 #define VZERO() _mm256_setzero_ps()
 #define VLOAD(p) _mm256_loadu_ps(p)
@@ -76,9 +63,6 @@ typedef __m256 vec;
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VMUL(a, b) _mm256_mul_ps(a, b)
 #define VADD(a, b) _mm256_add_ps(a, b)
-#define VNIB(p, s) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32( \
-    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), s), _mm256_set1_epi32(15)))
-#define VI8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))
 #define VHALF(p) _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #define VSUB(a, b) _mm256_sub_ps(a, b)
@@ -86,6 +70,30 @@ typedef __m256 vec;
 #define VMAX(a, b) _mm256_max_ps(a, b)
 #define VMIN(a, b) _mm256_min_ps(a, b)
 #define VHSUM(v) hsum8(v)
+PANEL_TARGET static inline void hsums(const __m256* a, float* out) {
+  // out[i] = hsum8(a[i]) for 8 vectors, bit for bit: its tree (i + (i + 4), + (i + 2), + (i + 1)) on four vectors'
+  // halves at once, the sums then put back in order
+  __m256 w[4], z[2];
+  for (int j = 0; j < 4; ++j)            // w[j]: lanes 0..3 vector 2j's i + (i + 4), lanes 4..7 vector 2j + 1's
+    w[j] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * j], a[2 * j + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * j], a[2 * j + 1], 0x31));
+  for (int k = 0; k < 2; ++k)            // z[k]: half h lanes 0, 1 vector 4k + h's + (i + 2), lanes 2, 3 4k + 2 + h's
+    z[k] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 f = _mm256_add_ps(_mm256_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));   // lane 4h + e: vector 2e + h
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#define PANEL_INT_SIMD 1
+typedef __m256i ivec;
+#define ILOAD(p) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+#define ISET1(i) _mm256_set1_epi32(i)
+#define IAND(a, b) _mm256_and_si256(a, b)
+#define ISRLI(a, n) _mm256_srli_epi32(a, n)
+#define ISLL16(a, n) _mm256_slli_epi16(a, n)
+#define ISRA16(a, n) _mm256_srai_epi16(a, n)
+#define IDOT(s, a, b) _mm256_add_epi32(s, _mm256_madd_epi16(a, b))
+#define ICVT(a) _mm256_cvtepi32_ps(a)
 #define VPOW2(t) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_castps_si256(t), \
     _mm256_set1_epi32(0x4B400000 - 127)), 23))
 #include "panel_kernel.h"
@@ -98,19 +106,17 @@ namespace portable {
 #define PANEL_TARGET
 constexpr int LANES = 8;
 constexpr int MT = 4;
+constexpr int QMT = 4;
+#define PANEL_INT_SIMD 0
 typedef float vec __attribute__((vector_size(LANES * 4)));
 typedef int32_t ivec __attribute__((vector_size(LANES * 4)));
 typedef uint32_t uvec __attribute__((vector_size(LANES * 4)));
-typedef int8_t i8vec __attribute__((vector_size(LANES)));
 #define VZERO() ((vec){})
 #define VLOAD(p) ({ vec v_; __builtin_memcpy(&v_, (p), sizeof(vec)); v_; })
 #define VSET1(s) ((vec){} + (s))
 #define VFMA(a, b, c) ((a) * (b) + (c))
 #define VMUL(a, b) ((a) * (b))
 #define VADD(a, b) ((a) + (b))
-#define VNIB(p, s) ({ uvec w_; __builtin_memcpy(&w_, (p), sizeof(uvec)); \
-    __builtin_convertvector((ivec)((w_ >> (s)) & 15u), vec); })
-#define VI8(p) ({ i8vec b_; __builtin_memcpy(&b_, (p), LANES); __builtin_convertvector(b_, vec); })
 #define VHALF(p) half_lanes(reinterpret_cast<const uint16_t*>(p))
 #define VSTORE(p, v) ({ vec v_ = (v); __builtin_memcpy((p), &v_, sizeof(vec)); })
 #define VSUB(a, b) ((a) - (b))
@@ -145,6 +151,9 @@ static inline float hsum_tree(vec v) {
     for (int i = 0; i < w; ++i) a[i] += a[i + w];
   return a[0];
 }
+static inline void hsums(const vec* a, float* out) {
+  for (int i = 0; i < LANES; ++i) out[i] = hsum_tree(a[i]);
+}
 static inline vec half_lanes(const uint16_t* p) {
   vec v;
   for (int l = 0; l < LANES; ++l) v[l] = half_to_float(p[l]);
@@ -155,6 +164,51 @@ static inline vec half_lanes(const uint16_t* p) {
 
 enum Level : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };   // spd.targets.panel.LEVELS' indices
 
+static bool& vnni_wanted() {
+  // whether the AVX-512 level takes VNNI's dot products where the CPU has them (a test turns it off to compare)
+  static bool on = true;
+  return on;
+}
+
+static bool vnni_on() {
+#if PANEL_X86
+  static const bool has = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vnni"));
+  return has && vnni_wanted();
+#else
+  return false;
+#endif
+}
+
+bool use_vnni(bool on) {
+  // the AVX-512 level's 16-bit dot products by VNNI (where the CPU has it) or not; returns whether it was on
+  const bool was = vnni_wanted();
+  vnni_wanted() = on;
+  return was;
+}
+
+static void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* dx, float* sx) {
+  // each row's blocks of 32 inputs as 16-bit codes (QRows): the same plain loop on every level, a row alone
+  const int64_t B = K / 32;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + m * K + b * 32;
+      int16_t* qb = q + m * K + b * 32;
+      float amax = 0.0f;
+      for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(xb[t]));
+      const float d = amax / 32767.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      int32_t sum = 0;
+      for (int t = 0; t < 32; ++t) {
+        float v = xb[t] * id;
+        v = v != v ? 0.0f : v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v;
+        v = (v + 12582912.0f) - 12582912.0f;          // to the nearest integer, ties to even (1.5 * 2^23)
+        qb[t] = static_cast<int16_t>(v);
+        sum += qb[t];
+      }
+      dx[m * B + b] = d;
+      sx[m * B + b] = d * static_cast<float>(sum);
+    }
+}
+
 static int lanes_of(int64_t level) { return level == AVX512 ? 16 : 8; }
 
 std::vector<std::string> levels() {
@@ -164,7 +218,7 @@ std::vector<std::string> levels() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     out.push_back("avx2");
-  if (__builtin_cpu_supports("avx512f")) out.push_back("avx512");
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) out.push_back("avx512");
 #endif
   return out;
 }
@@ -201,25 +255,27 @@ std::vector<torch::Tensor> multiply_many_at(const torch::Tensor& x, const std::v
     products.push_back({formats[j], static_cast<const uint8_t*>(panels[j].data_ptr()), P, N, ys.back().data_ptr<float>()});
     blocks = blocks || formats[j] != 0;
   }
-  // a quantized product's per-block input sums [M, K / 32], each in input order (Q4_1's minimum multiplies them)
-  std::vector<float> sums;
+  // a quantized product's rows as codes and scales, once for all of its products (spd/csrc/panel_api.h: QRows)
+  std::vector<int16_t> codes;
+  std::vector<float> scales;
+  QRows q{nullptr, nullptr, nullptr};
   if (blocks) {
-    const int64_t B = K / 32;
-    sums.resize(M * B);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t b = 0; b < B; ++b) {
-        float s = 0.0f;
-        for (int64_t t = 0; t < 32; ++t) s += xp[m * K + b * 32 + t];
-        sums[m * B + b] = s;
-      }
+    TORCH_CHECK(K % 32 == 0, "blocks of 32 inputs");
+    codes.resize(M * K);
+    scales.resize(2 * M * (K / 32));
+    quantize_rows(xp, M, K, codes.data(), scales.data(), scales.data() + M * (K / 32));
+    q = {codes.data(), scales.data(), scales.data() + M * (K / 32)};
   }
   if (M > 0) {
     switch (level) {
 #if PANEL_X86
-      case AVX512: avx512::multiply_many(products.data(), count, xp, sums.data(), M, K); break;
-      case AVX2: avx2::multiply_many(products.data(), count, xp, sums.data(), M, K); break;
+      case AVX512:
+        if (vnni_on()) avx512vnni::multiply_many(products.data(), count, xp, q, M, K);
+        else avx512::multiply_many(products.data(), count, xp, q, M, K);
+        break;
+      case AVX2: avx2::multiply_many(products.data(), count, xp, q, M, K); break;
 #endif
-      case PORTABLE: portable::multiply_many(products.data(), count, xp, sums.data(), M, K); break;
+      case PORTABLE: portable::multiply_many(products.data(), count, xp, q, M, K); break;
       default: TORCH_CHECK(false, "no such level in this build: ", level);
     }
   }
@@ -282,6 +338,7 @@ torch::Tensor linear_blocks(const torch::Tensor& x, const torch::Tensor& panels,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("levels", &levels);
+  m.def("use_vnni", &use_vnni);
   m.def("pack", &pack);
   m.def("linear", &linear);
   m.def("linear_blocks", &linear_blocks);

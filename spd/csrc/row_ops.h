@@ -11,6 +11,7 @@
 // tree's other branches, another sequence's padding). A draft tree's ancestors sit in node order, parents first,
 // so a tree row meets exactly the keys, in the order, of the one-row step at its position.
 
+constexpr int64_t ATTEND_ALONE = 768;    // units x keys under which one thread attends
 constexpr float MAGIC = 12582912.0f;       // 1.5 * 2^23: x + MAGIC - MAGIC rounds x to the nearest integer
 
 PANEL_TARGET static inline vec vexp(vec x) {
@@ -46,16 +47,6 @@ PANEL_TARGET static void silu_mul(float* gate, const float* up, int64_t n) {
     VSTORE(g, silu_times(VLOAD(g), VLOAD(u)));
     std::copy(g, g + (n - i), gate + i);
   }
-}
-
-PANEL_TARGET static inline float dot(const float* a, const float* b, int64_t d) {
-  // the products summed a vector of lanes at a time, the lanes by VHSUM's fixed tree, then a tail in order
-  int64_t i = 0;
-  vec acc = VZERO();
-  for (; i + LANES <= d; i += LANES) acc = VFMA(VLOAD(a + i), VLOAD(b + i), acc);
-  float s = VHSUM(acc);
-  for (; i < d; ++i) s += a[i] * b[i];
-  return s;
 }
 
 PANEL_TARGET static inline void weigh(const float* values, int64_t stride, const int64_t* keys, int64_t n,
@@ -120,13 +111,29 @@ PANEL_TARGET static void attend_units(const RowAttention& a, int64_t lo, int64_t
     const float* kv = a.k + b * a.ks[0] + kh * a.ks[1];
     const float* vv = a.v + b * a.vs[0] + kh * a.vs[1];
     const float* qrow = a.q + b * a.qs[0] + kh * groups * a.qs[1] + t * a.qs[2];
-    for (int64_t i = 0; i < n; ++i) {
-      const float* key = kv + keys[i] * a.ks[2];
-      const float bias = a.bias ? a.bias[b * a.ms[0] + t * a.ms[1] + keys[i] * a.ms[2]] : 0.0f;
+    // each score: the products a vector of lanes at a time, the lanes summed by VHSUM's tree (for LANES keys at
+    // once, hsums), then a tail in order, times the scale, plus the bias
+    for (int64_t i0 = 0; i0 < n; i0 += LANES) {
+      const int64_t count = std::min<int64_t>(LANES, n - i0);
+      const float* key[LANES];
+      for (int r = 0; r < LANES; ++r) key[r] = kv + keys[i0 + std::min<int64_t>(r, count - 1)] * a.ks[2];
       for (int64_t g = 0; g < groups; ++g) {
-        float& sc = scores[g * padded + i];
-        sc = dot(qrow + g * a.qs[1], key, a.D) * a.scale;
-        if (a.bias) sc += bias;
+        const float* qg = qrow + g * a.qs[1];
+        vec acc[LANES];
+        for (int r = 0; r < LANES; ++r) acc[r] = VZERO();
+        for (int64_t d = 0; d < full; d += LANES) {
+          const vec qv = VLOAD(qg + d);
+          for (int r = 0; r < LANES; ++r) acc[r] = VFMA(qv, VLOAD(key[r] + d), acc[r]);
+        }
+        float sums[LANES];
+        hsums(acc, sums);
+        for (int64_t r = 0; r < count; ++r) {
+          float sc = sums[r];
+          for (int64_t d = full; d < a.D; ++d) sc += qg[d] * key[r][d];
+          sc = sc * a.scale;
+          if (a.bias) sc += a.bias[b * a.ms[0] + t * a.ms[1] + keys[i0 + r] * a.ms[2]];
+          scores[g * padded + i0 + r] = sc;
+        }
       }
     }
     for (int64_t g = 0; g < groups; ++g) {
@@ -171,5 +178,8 @@ PANEL_TARGET static void attend_units(const RowAttention& a, int64_t lo, int64_t
 }
 
 PANEL_TARGET static void attend(const RowAttention& a) {
-  at::parallel_for(0, a.B * a.Hkv * a.T, 1, [&](int64_t lo, int64_t hi) { attend_units(a, lo, hi); });
+  // a unit's cost grows with its keys: a few short ones cost less than waking another thread
+  const int64_t units = a.B * a.Hkv * a.T;
+  if (units * a.S < ATTEND_ALONE) attend_units(a, 0, units);
+  else at::parallel_for(0, units, 1, [&](int64_t lo, int64_t hi) { attend_units(a, lo, hi); });
 }

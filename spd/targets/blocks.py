@@ -132,8 +132,18 @@ def _halves(t: torch.Tensor) -> torch.Tensor:
 
 def pack(blocks: dict[str, torch.Tensor], lanes: int) -> tuple[torch.Tensor, int]:
     """One weight's blocks as the kernel's panels [P, K / 32, bytes a block] uint8 (d and m as halves, the file's
-    own), and their bits (4 or 8)."""
-    parts = [_halves(blocks["d"])] + ([_halves(blocks["m"]), blocks["q"]] if "q" in blocks else [blocks["q8"]])
+    own), and their bits (4 or 8). A feature's codes go in 32-bit words whose 16-bit halves a dot product of
+    16-bit pairs reads (spd/csrc/panel_kernel.h): Q4_1's weights 8u + 2s and 8u + 2s + 1 in nibble s of word u's
+    lower and upper half; Q8_0's bytes 4c, 4c + 2, 4c + 1, 4c + 3 in word c."""
+    if "q" in blocks:
+        codes = (blocks["q"].to(torch.int64) & 0xFFFFFFFF).unsqueeze(-1) >> (4 * torch.arange(8)) & 15   # [N, B, 4, 8]
+        shifts = 4 * torch.arange(4)
+        words = ((codes[..., 0::2] << shifts).sum(-1) | (codes[..., 1::2] << (shifts + 16)).sum(-1))     # [N, B, 4]
+        parts = [_halves(blocks["d"]), _halves(blocks["m"]), (words - (words >> 31 << 32)).to(torch.int32)]
+    else:
+        shape = blocks["q8"].shape[:-1]
+        q8 = blocks["q8"].reshape(*shape, 8, 2, 2).transpose(-1, -2).reshape(*shape, 8, 4)   # 4c, 4c + 2, 4c + 1, ..
+        parts = [_halves(blocks["d"]), q8.contiguous().view(torch.int32).squeeze(-1)]        # [N, B, 8]
     panels = [_rows_to_panels(p, lanes) for p in parts]
     P, B = panels[0].shape[:2]
     packed = torch.cat([p.view(torch.uint8).reshape(P, B, -1) for p in panels], -1).contiguous()

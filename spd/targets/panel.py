@@ -43,7 +43,8 @@ from spd.targets.linears import SwappedLinear
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCE = CSRC / "panel_linear.cpp"
-SOURCES = (SOURCE, CSRC / "llama_layer.cpp", CSRC / "panel_kernel.h", CSRC / "row_ops.h", CSRC / "panel_api.h")
+SOURCES = (SOURCE, CSRC / "llama_layer.cpp", CSRC / "panel_kernel.h", CSRC / "row_ops.h", CSRC / "panel_api.h",
+           CSRC / "level_avx512.h")
 PLAIN_ENV = "SPD_PLAIN_PRODUCTS"     # set to 1: float32 targets keep F.linear (for comparisons)
 LEVEL_ENV = "SPD_PANEL_LEVEL"        # portable | avx2 | avx512: multiply at this level (for comparisons and tests)
 LEVELS = ("portable", "avx2", "avx512")     # lowest first; the build's ids are their indices
