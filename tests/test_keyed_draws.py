@@ -358,3 +358,24 @@ def test_a_draws_support_hashes_the_same_uniforms_as_the_whole_vocabulary():
     tokens = torch.tensor([0, 1, 17, 49151, 30000])
     whole = keyed_uniforms(key, positions, 49152)
     assert torch.equal(keyed_uniforms(key, positions, 49152, tokens), whole[:, tokens])
+
+
+def test_warp_and_a_draws_support_read_a_large_vocabulary_by_blocks_with_torchs_own_values():
+    """On a CPU vocabulary of SmolLM2's size, warp's top-k threshold and a draw's support come from the blocks that
+    can hold them (spd.verify.sampling.kth_largest, support_of): the values torch.topk and nonzero give, ties, tiny
+    and huge k included, and so warp's probabilities bit for bit."""
+    from spd.verify.sampling import kth_largest, support_of
+    g = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        x = torch.randn(49152, generator=g) * (1 + trial % 5)
+        if trial % 3 == 0:
+            x = (x * 2).round() / 2                      # many equal logits
+        for k in (1, 2, 50, 768, 769, 5000):
+            assert torch.equal(kth_largest(x, k), torch.topk(x, k).values[-1]), k
+        for params in (SamplingParams(1.0, top_k=50), SamplingParams(0.7, top_k=50), SamplingParams(1.0, top_k=1)):
+            scaled = x / params.temperature
+            kth = torch.topk(scaled, params.top_k).values[-1]
+            plain = torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), -1)
+            probs = warp(x, params)
+            assert torch.equal(probs, plain)
+            assert torch.equal(support_of(probs), probs.nonzero().squeeze(1))

@@ -17,11 +17,17 @@ struct PanelProduct {
 struct QRows {
   // a product's rows quantized for a GGUF's blocks: q [M, K] 16-bit codes, per block of 32 inputs of a row
   // q = round(x / dx) (|q| <= 32767, ties to even), dx [M, K / 32] = the block's largest |x| / 32767 and
-  // sx [M, K / 32] = dx * (the block's codes' sum)
+  // sx [M, K / 32] = dx * (the block's codes' sum). Where the products take byte dot products (AVX-512 VNNI), each
+  // code also as its low byte (unsigned) and high byte (signed), q = 256 * high + low, in 32-bit words ordered as the
+  // weights' bytes sit: per block of a row BYTE_WORDS words for 4-bit weights (b4) and for 8-bit ones (b8)
+  static constexpr int64_t BYTE_WORDS = 18;
   const int16_t* q;
   const float *dx, *sx;
+  const int32_t *b4, *b8;
   QRows from(int64_t m, int64_t K) const {      // the rows from row m on
-    return q ? QRows{q + m * K, dx + m * (K / 32), sx + m * (K / 32)} : *this;
+    const int64_t B = K / 32;
+    return {q ? q + m * K : q, dx ? dx + m * B : dx, sx ? sx + m * B : sx, b4 ? b4 + m * B * BYTE_WORDS : b4,
+            b8 ? b8 + m * B * BYTE_WORDS : b8};
   }
 };
 

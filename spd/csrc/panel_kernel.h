@@ -73,11 +73,75 @@ static inline int32_t pair_at(const int16_t* p) {
   return w;
 }
 
-#if PANEL_INT_SIMD
+#if PANEL_BYTE_DOTS
+// the same integer sums by byte dot products (AVX-512 VNNI): a code is 256 * its high byte + its low byte, each
+// multiplied by the weights' bytes (QRows' b4, b8), the two sums added at the block's end
+template <int P, int R>
+PANEL_TARGET static inline void dots(const Q4::group* g, const QRows& xr, int64_t b, int64_t K, vec (*f)[R]) {
+  // the codes 0..15 as signed bytes beside the low bytes, as unsigned beside the high ones
+  const ivec low = ISET1(0x0F0F0F0F);
+  const int64_t row = K / 32 * QRows::BYTE_WORDS;
+  const int32_t* x = xr.b4 + b * QRows::BYTE_WORDS;
+  ivec sl[P][R], sh[P][R];
+  for (int i = 0; i < P; ++i)
+    for (int j = 0; j < R; ++j) sl[i][j] = sh[i][j] = ISET1(0);
+  for (int u = 0; u < 4; ++u) {
+    ivec lo[P], hi[P];
+    for (int i = 0; i < P; ++i) {
+      const ivec w = ILOAD(g[i].q + u * LANES);
+      lo[i] = IAND(w, low);                                              // inputs 8u, 8u + 4, 8u + 1, 8u + 5
+      hi[i] = IAND(ISRLI(w, 4), low);                                    // 8u + 2, 8u + 6, 8u + 3, 8u + 7
+    }
+    for (int j = 0; j < R; ++j) {
+      const int32_t* xw = x + j * row + 4 * u;
+      const ivec la = ISET1(xw[0]), ha = ISET1(xw[1]), lb = ISET1(xw[2]), hb = ISET1(xw[3]);
+      for (int i = 0; i < P; ++i) {
+        sl[i][j] = IBDOT(IBDOT(sl[i][j], la, lo[i]), lb, hi[i]);
+        sh[i][j] = IBDOT(IBDOT(sh[i][j], lo[i], ha), hi[i], hb);
+      }
+    }
+  }
+  for (int i = 0; i < P; ++i)
+    for (int j = 0; j < R; ++j) f[i][j] = ICVT(_mm512_add_epi32(_mm512_slli_epi32(sh[i][j], 8), sl[i][j]));
+}
+
+template <int P, int R>
+PANEL_TARGET static inline void dots(const Q8::group* g, const QRows& xr, int64_t b, int64_t K, vec (*f)[R]) {
+  // signed weights beside the unsigned low bytes; beside the signed high bytes as w + 128 (unsigned), less
+  // 128 * (the high bytes' sum), word 16 of the block's words
+  const int64_t row = K / 32 * QRows::BYTE_WORDS;
+  const int32_t* x = xr.b8 + b * QRows::BYTE_WORDS;
+  const ivec flip = ISET1(int32_t(0x80808080u));
+  ivec sl[P][R], sh[P][R];
+  for (int i = 0; i < P; ++i)
+    for (int j = 0; j < R; ++j) sl[i][j] = sh[i][j] = ISET1(0);
+  for (int c = 0; c < 8; ++c) {
+    ivec w[P], u[P];
+    for (int i = 0; i < P; ++i) {
+      w[i] = ILOAD(g[i].q + c * LANES);
+      u[i] = _mm512_xor_si512(w[i], flip);
+    }
+    for (int j = 0; j < R; ++j) {
+      const int32_t* xw = x + j * row + 2 * c;
+      const ivec l = ISET1(xw[0]), h = ISET1(xw[1]);
+      for (int i = 0; i < P; ++i) {
+        sl[i][j] = IBDOT(sl[i][j], l, w[i]);
+        sh[i][j] = IBDOT(sh[i][j], u[i], h);
+      }
+    }
+  }
+  for (int i = 0; i < P; ++i)
+    for (int j = 0; j < R; ++j) {
+      const ivec high = _mm512_sub_epi32(sh[i][j], ISET1(x[j * row + 16]));
+      f[i][j] = ICVT(_mm512_add_epi32(_mm512_slli_epi32(high, 8), sl[i][j]));
+    }
+}
+#elif PANEL_INT_SIMD
 // a block's integer dot products, P panels by R rows (row j's codes x + j * K): sums of codes times codes, exact
 // integers whatever their order (at most 32 * 128 * 32767 < 2^31)
 template <int P, int R>
-PANEL_TARGET static inline void dots(const Q4::group* g, const int16_t* x, int64_t K, vec (*f)[R]) {
+PANEL_TARGET static inline void dots(const Q4::group* g, const QRows& xr, int64_t b, int64_t K, vec (*f)[R]) {
+  const int16_t* x = xr.q + b * 32;
   const ivec low = ISET1(0x000F000F);
   ivec s[P][R];
   for (int i = 0; i < P; ++i)
@@ -99,7 +163,8 @@ PANEL_TARGET static inline void dots(const Q4::group* g, const int16_t* x, int64
 }
 
 template <int P, int R>
-PANEL_TARGET static inline void dots(const Q8::group* g, const int16_t* x, int64_t K, vec (*f)[R]) {
+PANEL_TARGET static inline void dots(const Q8::group* g, const QRows& xr, int64_t b, int64_t K, vec (*f)[R]) {
+  const int16_t* x = xr.q + b * 32;
   ivec s[P][R];
   for (int i = 0; i < P; ++i)
     for (int j = 0; j < R; ++j) s[i][j] = ISET1(0);
@@ -120,8 +185,9 @@ PANEL_TARGET static inline void dots(const Q8::group* g, const int16_t* x, int64
 }
 #else
 template <class G, int P, int R>
-static inline void dots(const G* g, const int16_t* x, int64_t K, vec (*f)[R]) {
+static inline void dots(const G* g, const QRows& xr, int64_t b, int64_t K, vec (*f)[R]) {
   // the same integer sums, a lane at a time
+  const int16_t* x = xr.q + b * 32;
   constexpr bool four = std::is_same_v<G, Q4::group>;
   for (int i = 0; i < P; ++i)
     for (int j = 0; j < R; ++j)
@@ -202,9 +268,9 @@ PANEL_TARGET static inline void qtile(const QRows& xr, int64_t K, const uint8_t*
     }
     vec f[P][R];
 #if PANEL_INT_SIMD
-    dots<P, R>(g, xr.q + b * 32, K, f);
+    dots<P, R>(g, xr, b, K, f);
 #else
-    dots<typename W::group, P, R>(g, xr.q + b * 32, K, f);
+    dots<typename W::group, P, R>(g, xr, b, K, f);
 #endif
     for (int i = 0; i < P; ++i)
       for (int j = 0; j < R; ++j)
@@ -300,6 +366,8 @@ PANEL_TARGET static void multiply_many(const PanelProduct* products, int64_t cou
 #undef VPOW2
 #undef VHSUM
 #undef PANEL_INT_SIMD
+#undef PANEL_BYTE_DOTS
+#undef IBDOT
 #undef ILOAD
 #undef ISET1
 #undef IAND

@@ -36,6 +36,7 @@ constexpr int64_t PREFETCH = 32;  // panel lines ahead
 namespace avx512 {
 #define PANEL_TARGET __attribute__((target("avx512f,avx512bw,fma")))
 #define IDOT(s, a, b) _mm512_add_epi32(s, _mm512_madd_epi16(a, b))
+#define PANEL_BYTE_DOTS 0
 #include "level_avx512.h"
 }  // namespace avx512
 
@@ -43,6 +44,8 @@ namespace avx512vnni {
 // the AVX-512 level where the CPU has VNNI: its blocks' dot products one instruction each, the same integers
 #define PANEL_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
 #define IDOT(s, a, b) _mm512_dpwssd_epi32(s, a, b)
+#define PANEL_BYTE_DOTS 1
+#define IBDOT(s, u, v) _mm512_dpbusd_epi32(s, u, v)
 #include "level_avx512.h"
 }  // namespace avx512vnni
 
@@ -85,6 +88,7 @@ PANEL_TARGET static inline void hsums(const __m256* a, float* out) {
   _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 #define PANEL_INT_SIMD 1
+#define PANEL_BYTE_DOTS 0
 typedef __m256i ivec;
 #define ILOAD(p) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
 #define ISET1(i) _mm256_set1_epi32(i)
@@ -108,6 +112,7 @@ constexpr int LANES = 8;
 constexpr int MT = 4;
 constexpr int QMT = 4;
 #define PANEL_INT_SIMD 0
+#define PANEL_BYTE_DOTS 0
 typedef float vec __attribute__((vector_size(LANES * 4)));
 typedef int32_t ivec __attribute__((vector_size(LANES * 4)));
 typedef uint32_t uvec __attribute__((vector_size(LANES * 4)));
@@ -186,6 +191,42 @@ bool use_vnni(bool on) {
   return was;
 }
 
+static void byte_words(const int16_t* q, int64_t M, int64_t K, int32_t* b4, int32_t* b8) {
+  // QRows' b4 and b8: each code's low and high byte in the order of the weights' bytes (spd/csrc/panel_kernel.h:
+  // a 4-bit word's masked nibbles are inputs 8u, 8u + 4, 8u + 1, 8u + 5 and, shifted, 8u + 2, 8u + 6, 8u + 3,
+  // 8u + 7; an 8-bit word's bytes 4c, 4c + 2, 4c + 1, 4c + 3)
+  static const int A[4] = {0, 4, 1, 5}, Bo[4] = {2, 6, 3, 7}, C[4] = {0, 2, 1, 3};
+  const int64_t B = K / 32;
+  auto word = [](const int16_t* c, const int* order, bool high) {
+    uint32_t w = 0;
+    for (int k = 0; k < 4; ++k) {
+      const int v = c[order[k]];
+      w |= uint32_t(uint8_t(high ? v >> 8 : v & 0xFF)) << (8 * k);
+    }
+    return int32_t(w);
+  };
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < B; ++b) {
+      const int16_t* c = q + m * K + b * 32;
+      int32_t* w4 = b4 + (m * B + b) * QRows::BYTE_WORDS;
+      int32_t* w8 = b8 + (m * B + b) * QRows::BYTE_WORDS;
+      int32_t high = 0;
+      for (int t = 0; t < 32; ++t) high += c[t] >> 8;
+      for (int u = 0; u < 4; ++u) {
+        w4[4 * u] = word(c + 8 * u, A, false);
+        w4[4 * u + 1] = word(c + 8 * u, A, true);
+        w4[4 * u + 2] = word(c + 8 * u, Bo, false);
+        w4[4 * u + 3] = word(c + 8 * u, Bo, true);
+      }
+      for (int k = 0; k < 8; ++k) {
+        w8[2 * k] = word(c + 4 * k, C, false);
+        w8[2 * k + 1] = word(c + 4 * k, C, true);
+      }
+      w4[16] = w4[17] = w8[17] = 0;
+      w8[16] = 128 * high;
+    }
+}
+
 static void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* dx, float* sx) {
   // each row's blocks of 32 inputs as 16-bit codes (QRows): the same plain loop on every level, a row alone
   const int64_t B = K / 32;
@@ -258,13 +299,20 @@ std::vector<torch::Tensor> multiply_many_at(const torch::Tensor& x, const std::v
   // a quantized product's rows as codes and scales, once for all of its products (spd/csrc/panel_api.h: QRows)
   std::vector<int16_t> codes;
   std::vector<float> scales;
-  QRows q{nullptr, nullptr, nullptr};
+  std::vector<int32_t> bytes;
+  QRows q{nullptr, nullptr, nullptr, nullptr, nullptr};
   if (blocks) {
     TORCH_CHECK(K % 32 == 0, "blocks of 32 inputs");
     codes.resize(M * K);
     scales.resize(2 * M * (K / 32));
     quantize_rows(xp, M, K, codes.data(), scales.data(), scales.data() + M * (K / 32));
-    q = {codes.data(), scales.data(), scales.data() + M * (K / 32)};
+    q = {codes.data(), scales.data(), scales.data() + M * (K / 32), nullptr, nullptr};
+    if (level == AVX512 && vnni_on()) {
+      bytes.resize(2 * M * (K / 32) * QRows::BYTE_WORDS);
+      byte_words(codes.data(), M, K, bytes.data(), bytes.data() + M * (K / 32) * QRows::BYTE_WORDS);
+      q.b4 = bytes.data();
+      q.b8 = bytes.data() + M * (K / 32) * QRows::BYTE_WORDS;
+    }
   }
   if (M > 0) {
     switch (level) {

@@ -22,7 +22,7 @@ class ARDecoder(Decoder):
         generator = request.generator(target.device)
         length = context_length(len(prompt_ids), request.max_new_tokens, 0)
         cache, hidden, captured = prefill(target, prompt_ids, self.capture, length)
-        produced, draws = 0, None
+        produced, draws, device = 0, None, target.device      # the device read once: it walks the parameters
         while True:
             logits = target.logits(hidden[0, -1])
             if self.observe:
@@ -34,6 +34,6 @@ class ARDecoder(Decoder):
             yield token
             if is_final(token, produced, request.max_new_tokens, self.eos_ids):
                 return
-            ids = torch.full((1, 1), token, dtype=torch.long, device=target.device)
+            ids = torch.full((1, 1), token, dtype=torch.long, device=device)
             hidden, captured = target.forward_all(ids, cache, len(prompt_ids) + produced - 1, self.capture)
 

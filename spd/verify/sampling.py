@@ -55,12 +55,23 @@ def greedy_token(logits: torch.Tensor) -> int:
     return block * BLOCK + int(torch.argmax(blocks[block]))
 
 
+def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest value of x [V] (torch.topk's): on a large CPU vocabulary, among the k blocks with the largest
+    maxima — a value at or above it outside them would put k block maxima above it too."""
+    blocks = blocks_of(x)
+    if blocks is None or k > blocks.shape[0]:
+        return torch.topk(x, k).values[-1]
+    best = torch.topk(blocks.amax(1), k).indices                      # [k]
+    return torch.topk(blocks[best].flatten(), k).values[-1]
+
+
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [V] -> probabilities [V] after temperature, top-k, then top-p (nucleus)."""
-    x = logits.float() / params.temperature
+    x = logits.float()
+    if params.temperature != 1:          # x / 1 is x, bit for bit
+        x = x / params.temperature
     if params.top_k and params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
+        x = torch.where(x < kth_largest(x, params.top_k), float("-inf"), x)
     if params.top_p < 1.0:
         sorted_x, order = torch.sort(x, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
@@ -114,7 +125,7 @@ class KeyedDraws:
 
     def draw(self, probs: torch.Tensor, position: int) -> tuple[int, float]:
         """The draw at `position` from probs [V] and its p, not recorded (a row off the verified path draws too)."""
-        support = probs.nonzero().squeeze(1)                              # [S]
+        support = support_of(probs)                                       # [S]
         held = self.cache.get(position)
         u = (held[support.cpu()] if held is not None else              # the support's uniforms alone: ~50 of 49k
              keyed_uniforms(torch.tensor(self.key), torch.tensor([position]), self.vocab, support.cpu())[0])
@@ -127,6 +138,17 @@ class KeyedDraws:
         """The target's (warped) p of the token drawn at `position`, NaN where nothing was drawn: how sure the target
         was of what it sampled there, which a drafter proposing that token again after the same context may read."""
         return self.drawn.get(position, float("nan"))
+
+
+def support_of(probs: torch.Tensor) -> torch.Tensor:
+    """The ids with p > 0 of probs [V] (non-negative, no NaN), ascending: probs.nonzero()'s, on a large CPU
+    vocabulary read from the blocks that hold any (top-k's support sits in at most k of them)."""
+    blocks = blocks_of(probs)
+    if blocks is None:
+        return probs.nonzero().squeeze(1)
+    live = (blocks.amax(1) > 0).nonzero().squeeze(1)                 # [b] ascending
+    inside = blocks[live].nonzero()                                    # [S, 2] ascending by (block, place)
+    return live[inside[:, 0]] * BLOCK + inside[:, 1]
 
 
 def _signed(x: int) -> int:
