@@ -360,11 +360,11 @@ def test_a_draws_support_hashes_the_same_uniforms_as_the_whole_vocabulary():
     assert torch.equal(keyed_uniforms(key, positions, 49152, tokens), whole[:, tokens])
 
 
-def test_warp_and_a_draws_support_read_a_large_vocabulary_by_blocks_with_torchs_own_values():
-    """On a CPU vocabulary of SmolLM2's size, warp's top-k threshold and a draw's support come from the blocks that
-    can hold them (spd.verify.sampling.kth_largest, support_of): the values torch.topk and nonzero give, ties, tiny
-    and huge k included, and so warp's probabilities bit for bit."""
-    from spd.verify.sampling import kth_largest, support_of
+def test_warp_reads_a_large_vocabulary_by_blocks_and_the_host_hashes_a_support_as_the_tensors_do():
+    """On a CPU vocabulary of SmolLM2's size warp's top-k threshold comes from the blocks that can hold it
+    (spd.verify.sampling.kth_largest: torch.topk's value, ties, tiny and huge k included, so warp's probabilities bit
+    for bit), and a draw's uniforms from NumPy's 64-bit arithmetic (host_uniforms: keyed_uniforms' values)."""
+    from spd.verify.sampling import host_uniforms, keyed_uniforms, kth_largest
     g = torch.Generator().manual_seed(11)
     for trial in range(40):
         x = torch.randn(49152, generator=g) * (1 + trial % 5)
@@ -376,6 +376,9 @@ def test_warp_and_a_draws_support_read_a_large_vocabulary_by_blocks_with_torchs_
             scaled = x / params.temperature
             kth = torch.topk(scaled, params.top_k).values[-1]
             plain = torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), -1)
-            probs = warp(x, params)
-            assert torch.equal(probs, plain)
-            assert torch.equal(support_of(probs), probs.nonzero().squeeze(1))
+            assert torch.equal(warp(x, params), plain)
+    for key in (0, 1, 2 ** 62 - 1, 123456789012345):
+        for position in (0, 7, 4095, 10 ** 6):
+            tokens = torch.randint(0, 49152, (60,), generator=g)
+            want = keyed_uniforms(torch.tensor(key), torch.tensor([position]), 49152, tokens)[0]
+            assert torch.equal(host_uniforms(key, position, tokens), want)

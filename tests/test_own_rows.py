@@ -1,7 +1,7 @@
 """A target at `weights=q4` in its own row arithmetic (spd.targets.own_rows, spd/csrc/llama_layer.cpp, row_ops.h): at
 every ISA level this CPU runs, a row's logits have the same bits in a prefill, a chain after a cache and a draft
 tree as in the one-row step at its position; the layers in one C++ call are the layers one by one; the result is
-transformers' layer over the dequantized weights up to float32 rounding; the attention kernel hides masked keys
+transformers' layer over the dequantized weights up to the inputs' 16-bit codes; the attention kernel hides masked keys
 exactly (a row with other keys beside it is the row over its own keys alone) and reads boolean, additive and no
 masks alike."""
 
@@ -87,7 +87,7 @@ def test_the_layers_in_one_call_are_the_layers_one_by_one_and_transformers_up_to
         together = chain()
         monkeypatch.setattr(StagedTarget, "_own_layers", lambda *args: None)     # each layer its own call
         assert torch.equal(chain(), together)
-        # the same weights in float32 (the blocks dequantized): transformers' operators, other rounding
+        # the same weights in float32 (the blocks dequantized): transformers' operators, the inputs not coded
         twin = copy.deepcopy(model)
         for module in twin.modules():
             for held in ("_blocks", "_panels", "_lean", "_row_level"):

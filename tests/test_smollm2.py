@@ -274,9 +274,9 @@ def test_the_answers_corpus_holds_the_targets_greedy_answers_and_resumes(smollm2
 
 def test_weights_q4_multiplies_the_ggufs_blocks_as_its_own_target(capsys, smollm2):
     """weights=q4: the GGUF's own Q4_1 blocks (and the Q8_0 head) multiplied without a float32 copy being held, in the
-    target's own row arithmetic — a 13-row forward's logits the float32 target's up to rounding — and the default and
-    SPD over the blocks, and AR relayed through two stage processes that each load their own blocks, decode AR's
-    tokens at weights=q4."""
+    target's own row arithmetic — a 13-row forward's logits the float32 target's up to its inputs' 16-bit codes — and
+    the default and SPD over the blocks, and AR relayed through two stage processes that each load their own blocks,
+    decode AR's tokens at weights=q4."""
     from spd.targets import panel
 
     q4 = load_target("smollm2", weights="q4")

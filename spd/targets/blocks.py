@@ -2,10 +2,10 @@
 
 Why: a one-row forward of the float32 SmolLM2 streams its 513 MiB of weights from memory for every token; the
 GGUF's blocks hold the same weights in ~5 bits each (Q4_1: 32 weights share an fp16 scale d and minimum m, w =
-q * d + m; the tied head is Q8_0: w = q * d). The panel kernel (spd/csrc/panel_kernel.h) multiplies a block's codes
-by the inputs in order and then applies its scale and minimum once (d * sum(q x) + m * sum(x)): one multiply-add a
-weight, the same value as the dequantized weight's product up to float32 rounding, and a row's bits the same at
-every row count. So `weights=q4` is a target of its own, with its own row arithmetic around the products too
+q * d + m; the tied head is Q8_0: w = q * d). The panel kernel (spd/csrc/panel_kernel.h) takes each row's inputs
+as 16-bit codes and a scale a block of 32, multiplies the weights' codes by them as integers (exact, so in any
+order) and applies the scales and minimum once a block (d dx sum(q qx) + m dx sum(qx)): the dequantized weight's
+product up to the inputs' codes (within ~2e-5 of the largest), and a row's bits the same at every row count. So `weights=q4` is a target of its own, with its own row arithmetic around the products too
 (spd.targets.own_rows) — every method at weights=q4 decodes its AR's tokens. `write_blocks` checks per tensor that
 the blocks dequantized equal the weight transformers loads from the file, bit for bit, and refuses a file where they
 do not (the blocks are that file's weights, not another quantization of them).
