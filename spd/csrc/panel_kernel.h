@@ -223,9 +223,7 @@ PANEL_TARGET static inline void tile(const float* __restrict x, int64_t K, const
     for (int64_t g0 = k0; g0 < k1; g0 += W::GROUP) {
       typename W::group g[P];
       for (int i = 0; i < P; ++i) g[i] = W::at(panel + i * stride, g0);
-      // a quantized group is always whole (K is a multiple of 32): a fixed count the compiler unrolls, so each
-      // input's shift is a constant
-      const int64_t width = W::GROUP == 32 ? 32 : std::min(k1 - g0, W::GROUP);
+      const int64_t width = std::min(k1 - g0, W::GROUP);
 #pragma GCC unroll 32
       for (int64_t t = 0; t < width; ++t) {
         vec w[P];
